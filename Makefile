@@ -1,0 +1,30 @@
+# tpu-kernels developer entry points. Everything creates .venv/ and installs the pinned stack on first use.
+#   make test    the whole verification ladder (rungs 1-4) on this machine, no TPU needed
+#   make bench   benchmark tables (measured on a TPU when present, modeled, roofline); add BENCH_ARGS=--full
+#   make build   the Hub package: build/torch-tpu/ and build/torch-cpu/
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: venv test bench build clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/requirements.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) scripts/requirements.py test bench | $(PY) -m pip install -q -r /dev/stdin
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+build: venv
+	$(PY) scripts/build_hub.py
+
+test: build
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: venv
+	$(PY) -m benchmarks $(BENCH_ARGS)
+
+clean:
+	rm -rf build .pytest_cache bench-results

@@ -1,0 +1,62 @@
+"""Running the TPU kernels on a host without a TPU: Pallas' TPU interpret mode.
+
+The api functions trace plain (compiled) `pallas_call`s, so exporting or compiling them for a TPU always yields
+Mosaic kernels. On a CPU they run through `pltpu.force_tpu_interpret_mode`, which simulates HBM, VMEM, SMEM, DMAs
+and semaphores on the CPU: the same kernel code, not a re-implementation.
+"""
+import contextlib
+import functools
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+from jax._src import config as _jax_config
+
+# What the CPU paths (torch CPU ops, eager JAX calls on CPU arrays) use: out-of-bounds reads raise and uninitialized
+# VMEM reads as NaN, so a kernel bug shows up as an error or NaN rather than a plausible number.
+CPU_INTERPRET_PARAMS = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
+
+# What the test ladder uses: the above plus the happens-before race detector over DMAs and semaphores.
+STRICT_INTERPRET_PARAMS = pltpu.InterpretParams(
+    detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan", dma_execution_mode="on_wait"
+)
+
+
+def interpret_mode_forced() -> bool:
+    """True when a caller has already chosen TPU interpret mode (e.g. the tests' strict parameters)."""
+    return _jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
+@contextlib.contextmanager
+def interpret_on_cpu(params: pltpu.InterpretParams = CPU_INTERPRET_PARAMS):
+    """Run Pallas TPU kernels traced inside this block in interpret mode, unless a mode was already forced."""
+    if interpret_mode_forced():
+        yield
+        return
+    with pltpu.force_tpu_interpret_mode(params):
+        yield
+
+
+def _on_cpu(x) -> bool:
+    return (
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and all(d.platform == "cpu" for d in x.devices())
+    )
+
+
+def interpret_eager_cpu_calls(fn):
+    """Decorator for the public JAX API: an eager call on concrete CPU arrays runs in interpret mode.
+
+    Under `jax.jit`/`jax.export` the arguments are tracers and nothing changes, so tracing for a TPU still produces
+    Mosaic kernels; jitting for the CPU needs an explicit `interpret_on_cpu()` block around the call.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        if any(_on_cpu(leaf) for leaf in leaves):
+            with interpret_on_cpu():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper

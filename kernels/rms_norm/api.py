@@ -1,0 +1,151 @@
+"""Public JAX API of RMSNorm: input validation, block choice, and custom_vjp wiring of the Pallas kernels."""
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ..common import chip
+from ..common.interpret import interpret_eager_cpu_calls
+from ..common.validation import FLOAT_DTYPES, check_array, check_finite, check_finite_nonnegative
+from . import kernel, tuning
+
+
+def _check_inputs(x, weight, eps, weight_offset, residual=None):
+    dtype = check_array("x", x, min_ndim=1)
+    hidden = x.shape[-1]
+    if hidden == 0:
+        raise ValueError(f"x: expected a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")
+    if residual is not None:
+        check_array("residual", residual, dtypes=(dtype,))
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if weight is not None:
+        check_array("weight", weight, ndim=1, dtypes=FLOAT_DTYPES)
+        if weight.shape[0] != hidden:
+            raise ValueError(f"weight: expected shape ({hidden},) to match x's hidden size, got {tuple(weight.shape)}")
+    return check_finite_nonnegative("eps", eps), check_finite("weight_offset", weight_offset)
+
+
+def _blocks(rows, hidden, dtype):
+    # One block size for forward, fused forward and backward: sized for the widest of them (4 row streams).
+    return tuning.choose_blocks(rows, hidden, dtype, streams=4, info=chip.current_tpu_info())
+
+
+def _weight_grad(partials, weight2d):
+    return None if weight2d is None else partials.sum(axis=(0, 1)).reshape(weight2d.shape).astype(weight2d.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rms_norm_2d(x2d, weight2d, eps, weight_offset):
+    blocks = _blocks(*x2d.shape, x2d.dtype)
+    return kernel.rms_norm_forward(x2d, weight2d, None, eps=eps, weight_offset=weight_offset, blocks=blocks)
+
+
+def _rms_norm_2d_fwd(x2d, weight2d, eps, weight_offset):
+    return _rms_norm_2d(x2d, weight2d, eps, weight_offset), (x2d, weight2d)
+
+
+def _rms_norm_2d_bwd(eps, weight_offset, saved, g):
+    x2d, weight2d = saved
+    blocks = _blocks(*x2d.shape, x2d.dtype)
+    dx, partials = kernel.rms_norm_backward(
+        x2d, g, None, weight2d, eps=eps, weight_offset=weight_offset, blocks=blocks
+    )
+    return dx, _weight_grad(partials, weight2d)
+
+
+_rms_norm_2d.defvjp(_rms_norm_2d_fwd, _rms_norm_2d_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused_add_rms_norm_2d(x2d, residual2d, weight2d, eps, weight_offset):
+    blocks = _blocks(*x2d.shape, x2d.dtype)
+    return kernel.rms_norm_forward(x2d, weight2d, residual2d, eps=eps, weight_offset=weight_offset, blocks=blocks)
+
+
+def _fused_fwd(x2d, residual2d, weight2d, eps, weight_offset):
+    out, total = _fused_add_rms_norm_2d(x2d, residual2d, weight2d, eps, weight_offset)
+    return (out, total), (total, weight2d)
+
+
+def _fused_bwd(eps, weight_offset, saved, cotangents):
+    total, weight2d = saved
+    g_out, g_sum = cotangents
+    blocks = _blocks(*total.shape, total.dtype)
+    ds, partials = kernel.rms_norm_backward(
+        total, g_out, g_sum, weight2d, eps=eps, weight_offset=weight_offset, blocks=blocks
+    )
+    return ds, ds, _weight_grad(partials, weight2d)
+
+
+_fused_add_rms_norm_2d.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _as_rows(a, hidden):
+    return a.reshape(-1, hidden)
+
+
+@interpret_eager_cpu_calls
+def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *, weight_offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * (weight_offset + weight), math in f32.
+
+    x: [..., hidden] in f32, bf16 or f16; weight: [hidden] or None (no scale); returns x's shape and dtype.
+    `weight_offset=1.0` gives Gemma's (1 + weight) convention. Differentiable in x and weight.
+    """
+    eps, weight_offset = _check_inputs(x, weight, eps, weight_offset)
+    hidden = x.shape[-1]
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    w2d = None if weight is None else weight.reshape(1, hidden)
+    return _rms_norm_2d(_as_rows(x, hidden), w2d, eps, weight_offset).reshape(x.shape)
+
+
+@interpret_eager_cpu_calls
+def fused_add_rms_norm(
+    x: jax.Array, residual: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *, weight_offset: float = 0.0
+) -> tuple[jax.Array, jax.Array]:
+    """(rms_norm(x + residual), x + residual) in one pass over HBM; the sum is rounded to x.dtype before the norm.
+
+    residual must have x's shape and dtype. Differentiable in x, residual and weight.
+    """
+    eps, weight_offset = _check_inputs(x, weight, eps, weight_offset, residual=residual)
+    hidden = x.shape[-1]
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype), jnp.zeros(x.shape, x.dtype)
+    w2d = None if weight is None else weight.reshape(1, hidden)
+    out, total = _fused_add_rms_norm_2d(_as_rows(x, hidden), _as_rows(residual, hidden), w2d, eps, weight_offset)
+    return out.reshape(x.shape), total.reshape(x.shape)
+
+
+@interpret_eager_cpu_calls
+def rms_norm_backward(
+    grad: jax.Array,
+    x: jax.Array,
+    weight: jax.Array | None = None,
+    eps: float = 1e-6,
+    *,
+    weight_offset: float = 0.0,
+    grad_sum: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Gradients (d x, d weight) of rms_norm(x, weight, eps) for output cotangent `grad`.
+
+    For fused_add_rms_norm pass x = the saved sum and grad_sum = the cotangent of the sum output; d x is then the
+    gradient for both x and residual. d weight is None when weight is None.
+    """
+    eps, weight_offset = _check_inputs(x, weight, eps, weight_offset)
+    check_array("grad", grad, dtypes=None)
+    if tuple(grad.shape) != tuple(x.shape):
+        raise ValueError(f"grad: expected the shape of x {tuple(x.shape)}, got {tuple(grad.shape)}")
+    if grad_sum is not None and tuple(grad_sum.shape) != tuple(x.shape):
+        raise ValueError(f"grad_sum: expected the shape of x {tuple(x.shape)}, got {tuple(grad_sum.shape)}")
+    hidden = x.shape[-1]
+    if x.size == 0:
+        dw = None if weight is None else jnp.zeros(weight.shape, weight.dtype)
+        return jnp.zeros(x.shape, x.dtype), dw
+    w2d = None if weight is None else weight.reshape(1, hidden)
+    blocks = _blocks(x.size // hidden, hidden, x.dtype)
+    gsum2d = None if grad_sum is None else _as_rows(grad_sum, hidden)
+    dx, partials = kernel.rms_norm_backward(
+        _as_rows(x, hidden), _as_rows(grad, hidden), gsum2d, w2d, eps=eps, weight_offset=weight_offset, blocks=blocks
+    )
+    return dx.reshape(x.shape), _weight_grad(partials, w2d)
