@@ -1,1 +1,14 @@
+"""tpu-kernels: Pallas kernels for Google TPUs, as torch custom ops (TorchTPU) and as JAX functions.
 
+    kernel = kernels.get_kernel("kernels-community/tpu-kernels", version=1)
+    y = kernel.rms_norm(x, weight, eps)            # torch, on a `tpu` (or `cpu`, interpret mode) tensor
+    y = kernel.jax.rms_norm(x_jax, weight_jax)     # JAX
+    kernel.layers.RMSNorm                          # for kernels.kernelize
+
+Importing this package compiles nothing and makes no network access.
+"""
+from . import jax, layers
+from ._ops import add_op_namespace_prefix, ops
+from .rms_norm import fused_add_rms_norm, rms_norm
+
+__all__ = ["add_op_namespace_prefix", "fused_add_rms_norm", "jax", "layers", "ops", "rms_norm"]
