@@ -1,0 +1,258 @@
+"""Parse the TPU compiler's bundle dumps of one Mosaic kernel.
+
+Format (libtpu 0.0.50.1, `--xla_jf_dump_to`), one bundle per line, e.g.
+
+    "  0x5 LB: > { %s1 = sadd.s32 ... ;; %2 = vst ... } /* comment */"
+
+address (hex, or "0"), an optional control marker (LB: loop body start, LH, LE,
+PB, PF: predicated-region fall-through, CT), one '>' per enclosing loop, then the
+instructions separated by ';;'. Comments may span several lines (DMA descriptors,
+bounds checks); continuation lines do not start with an address.
+
+Two schedules are dumped per kernel:
+  *-packed-bundles-post-ra.txt  the schedule before the "delay converter" pass. It
+      still holds the empty bundles the scheduler inserted to wait for a unit (for
+      example a vmatmul issued every 8 bundles on one v6e MXU). This is the cycle
+      count the compiler itself uses (its hlo-static-bundle-profile denominators
+      equal this bundle count), so the model counts cycles here. Branches read
+      "sbr.rel (%p) target bundleno = 247 (0xf7), region = 40".
+  *-final_bundles.txt  after the delay converter: the waiting empty bundles are
+      gone (the hardware stalls instead), so it is shorter than the real run time
+      of MXU-bound code. Reported for reference ("final_bundles").
+
+Every branch has 4 delay slots (bundles after the sbr that execute either way);
+the model infers the count from the loop back-edge and falls back to 4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+_ADDR_RE = re.compile(r"^\s*(0x[0-9a-fA-F]+|0)\s+(?:(LB|LH|LE|PB|PF|CT):\s*|:\s*)(>*)\s*\{(.*)$")
+_BRANCH_RE = re.compile(
+    r"sbr\.rel\s*(\((!?)%(\w+)\))?\s*target bundleno = (\d+)")
+_EXIT_RE = re.compile(
+    r"scmp\.(ge|gt|lt|le|eq|ne)\.s32\.totalorder\s+%\w+,\s*(-?\d+)\s*/\*\s*loop exit test")
+_MXU_RE = re.compile(r"\bvmatmul\.[\w.]*")
+_DMA_RE = re.compile(r"=\s*dma\.(hbm_to_vmem|vmem_to_hbm|vmem_to_vmem|hbm_to_hbm)\b")
+_WINDOW_RE = re.compile(r"window_bounds: \(([\d, ]+)\)")
+_ELEM_RE = re.compile(r"element_size_in_bytes: (\d+)")
+
+DEFAULT_DELAY_SLOTS = 4
+
+
+@dataclasses.dataclass
+class Bundle:
+  addr: int
+  marker: str            # "", "LB", "PF", ...
+  depth: int             # number of enclosing loops ('>' count)
+  text: str              # instructions (+ comments), continuation lines joined
+
+  @property
+  def empty(self) -> bool:
+    return self.text.strip().startswith("}")
+
+  def branch(self):
+    """(target, predicated) for an sbr.rel in this bundle, else None."""
+    m = _BRANCH_RE.search(self.text)
+    if not m:
+      return None
+    return int(m.group(4)), m.group(1) is not None
+
+  def exit_trip(self):
+    m = _EXIT_RE.search(self.text)
+    if not m:
+      return None
+    op, n = m.group(1), int(m.group(2))
+    return n + 1 if op == "gt" else n
+
+  def mxu_ops(self) -> list[str]:
+    return _MXU_RE.findall(self.text)
+
+  def dmas(self) -> list[tuple[str, int | None]]:
+    """(direction, bytes or None) for each DMA started in this bundle."""
+    out = []
+    for part in self.text.split(";;"):
+      m = _DMA_RE.search(part)
+      if not m:
+        continue
+      w, e = _WINDOW_RE.search(part), _ELEM_RE.search(part)
+      nbytes = None
+      if w and e:
+        nbytes = int(e.group(1))
+        for d in w.group(1).split(","):
+          nbytes *= int(d)
+      out.append((m.group(1), nbytes))
+    return out
+
+
+def parse_bundles(text: str) -> list[Bundle]:
+  bundles: list[Bundle] = []
+  for line in text.splitlines():
+    m = _ADDR_RE.match(line)
+    if m:
+      bundles.append(Bundle(int(m.group(1), 16), m.group(2) or "", len(m.group(3)), m.group(4)))
+    elif bundles:
+      bundles[-1].text += "\n" + line
+  # Addresses must be dense 0..n-1 for the cycle arithmetic below.
+  for i, b in enumerate(bundles):
+    if b.addr != i:
+      raise ValueError(f"bundle addresses are not dense at index {i} (addr {b.addr:#x})")
+  return bundles
+
+
+@dataclasses.dataclass
+class Region:
+  """A forward conditional branch inside the grid loop: the bundles it skips."""
+
+  branch_addr: int
+  target: int
+  skipped: int           # bundles not executed when the branch is taken
+  encloses_all: bool     # the pipeline guard (skips the kernel body on fill/drain iterations)
+
+
+@dataclasses.dataclass
+class KernelSchedule:
+  """Cycle structure of one kernel from its pre-delay (or final) schedule."""
+
+  total_bundles: int
+  prologue: int                  # bundles before the grid loop
+  epilogue: int                  # bundles after the grid loop
+  body: int                      # grid-loop body bundles (all regions executed, inner loops x trips)
+  trip_count: int                # grid-loop iterations (grid steps + pipeline stages)
+  has_loop: bool
+  delay_slots: int
+  guard: Region | None           # pipeline fill/drain guard
+  conds: list[Region]            # kernel-level conditional regions (pl.when), program order
+  inner_loops: list[tuple[int, int, int]]  # (start, end, trip) of loops nested in the body
+  mxu_ops_body: list[tuple[int, str]]      # (addr, opcode) of vmatmul in the body
+  dmas_body: list[tuple[int, str, int | None]]
+  warnings: list[str]
+
+  def step_cycles(self, skipped_conds: list[bool] | None = None) -> int:
+    """Cycles of one steady grid step; skipped_conds[i] True = cond region i skipped."""
+    c = self.body
+    if skipped_conds is not None:
+      for r, s in zip(self.conds, skipped_conds):
+        if s:
+          c -= r.skipped
+    return c
+
+  def fill_cycles(self) -> int:
+    """Cycles of one pipeline fill/drain iteration (guard taken)."""
+    return self.body - (self.guard.skipped if self.guard else 0)
+
+  def mxu_ops_in(self, skipped_conds: list[bool] | None = None) -> list[str]:
+    ops = []
+    for addr, op in self.mxu_ops_body:
+      if skipped_conds is not None and any(
+          s and r.branch_addr < addr < r.target for r, s in zip(self.conds, skipped_conds)):
+        continue
+      ops.append(op)
+    return ops
+
+
+def _infer_delay_slots(bundles: list[Bundle], backedge: int) -> int:
+  for j in range(backedge + 1, min(len(bundles), backedge + 12)):
+    if bundles[j].depth == 0 and not bundles[j].empty:
+      return j - backedge - 1
+  return DEFAULT_DELAY_SLOTS
+
+
+def analyze(bundles: list[Bundle]) -> KernelSchedule:
+  n = len(bundles)
+  warnings: list[str] = []
+  branches = []  # (src, target, predicated)
+  for b in bundles:
+    br = b.branch()
+    if br is not None:
+      branches.append((b.addr, br[0], br[1]))
+  # Outer (grid) loop: the back-edge whose target is the first LB at depth 1.
+  lb = [b.addr for b in bundles if b.marker == "LB" and b.depth == 1]
+  outer = None
+  if lb:
+    start = lb[0]
+    backs = [(s, t) for s, t, _ in branches if t == start and s > t]
+    if backs:
+      outer = (start, max(s for s, _ in backs))
+  if outer is None:
+    delay = DEFAULT_DELAY_SLOTS
+    start, end = 0, n  # whole program is one "step"
+    prologue = epilogue = 0
+    trip = 1
+  else:
+    start, back = outer
+    delay = _infer_delay_slots(bundles, back)
+    end = back + 1 + delay
+    prologue, epilogue = start, n - end
+    trip = None
+    for b in bundles[start:end]:
+      if b.depth == 1 and b.exit_trip() is not None:
+        trip = b.exit_trip()
+    if trip is None:
+      trip = 1
+      warnings.append("grid loop exit test not found; trip count assumed 1")
+  # Inner loops: back-edges strictly inside the body.
+  inner = []
+  for s, t, _ in branches:
+    if start <= t < s < end and (outer is None or (t, s) != (start, outer[1])) and t != start:
+      iend = min(s + 1 + delay, end)
+      itrip = None
+      for b in bundles[t:iend]:
+        if b.exit_trip() is not None:
+          itrip = b.exit_trip()
+      if itrip is None:
+        itrip = 1
+        warnings.append(f"inner loop at {t:#x}: trip count not found, assumed 1")
+      inner.append((t, iend, itrip))
+  # Forward conditional branches inside the body, not inside an inner loop.
+  def in_inner(a):
+    return any(t <= a < e for t, e, _ in inner)
+  fwd = [(s, t) for s, t, _ in branches if start <= s < t <= end and not in_inner(s)]
+  regions = [Region(s, t, max(0, t - (s + 1 + delay)), False) for s, t in fwd]
+  guard = None
+  if outer is not None and regions:
+    r0 = regions[0]
+    others = regions[1:]
+    if others and all(r0.branch_addr < r.branch_addr and r.target <= r0.target for r in others):
+      r0.encloses_all = True
+      guard, regions = r0, others
+    elif not others:
+      # A single forward branch: guard if it skips most of the body, else a pl.when.
+      if r0.skipped > 0.5 * (end - start):
+        r0.encloses_all = True
+        guard, regions = r0, []
+  body = end - start
+  for t, e, itrip in inner:
+    body += (e - t) * (itrip - 1)
+  mxu = [(b.addr, op) for b in bundles[start:end] for op in b.mxu_ops()]
+  dmas = [(b.addr, d, nb) for b in bundles[start:end] for d, nb in b.dmas()]
+  return KernelSchedule(
+      total_bundles=n, prologue=prologue, epilogue=epilogue, body=body, trip_count=trip,
+      has_loop=outer is not None, delay_slots=delay, guard=guard, conds=regions,
+      inner_loops=inner, mxu_ops_body=mxu, dmas_body=dmas, warnings=warnings)
+
+
+def final_schedule_summary(text: str) -> dict:
+  """Loop structure of the final (post delay-converter) schedule, for reporting."""
+  bundles = []
+  for line in text.splitlines():
+    m = _ADDR_RE.match(line)
+    if m:
+      bundles.append(Bundle(int(m.group(1), 16), m.group(2) or "", len(m.group(3)), m.group(4)))
+    elif bundles:
+      bundles[-1].text += "\n" + line
+  lb = [b.addr for b in bundles if b.marker == "LB" and b.depth == 1]
+  trip = None
+  last_in_loop = None
+  for b in bundles:
+    if b.depth >= 1:
+      last_in_loop = b.addr
+    if b.depth == 1 and b.exit_trip() is not None:
+      trip = b.exit_trip()
+  body = None
+  if lb and last_in_loop is not None:
+    body = last_in_loop - lb[0] + 1 + DEFAULT_DELAY_SLOTS
+  return {"total_bundles": len(bundles), "loop_body_bundles": body, "trip_count": trip,
+          "prologue_bundles": lb[0] if lb else None}
