@@ -1,0 +1,446 @@
+"""Pallas TPU kernels for the ragged dot (grouped matmul): forward (with an optional fused bias / activation / gated
+epilogue) and the transposed grouped matmul used for the rhs gradient. The lhs gradient is the forward kernel with
+rhs read transposed.
+
+Visits. lhs rows are sorted by group, so an m tile of `tm` rows can hold rows of several groups. The forward walks a
+list of *visits*, one per (m tile, group) pair that share rows, in m-tile order; a tile that straddles a group
+boundary is visited once per group and each visit writes only its own rows (a row mask). Tiles holding no row of a
+local group (rows past sum(group_sizes), rows of groups outside the local window) get one *zero visit* that writes
+zeros and computes nothing. The list is built in plain JAX (`forward_metadata`) and handed to the kernel through
+scalar prefetch (SMEM), where the index maps read it to pick the lhs tile, the group's weight block and the output
+tile of each grid step.
+
+Grid (n tiles, visits, k tiles). The output block (tile, n) stays in VMEM while consecutive visits share the tile,
+so the masked writes of several groups merge before one write-back. The weight block (group, k, n) stays in VMEM
+while consecutive visits share the group and tk = K, so a group's weights are read once per n tile however many m
+tiles it spans. Zero visits pin their lhs/weight block indices to those of the adjacent real visit, so they cause no
+DMA. By default the visit axis is sized by the real visit count (a dynamic grid bound, read from the metadata);
+`static_grid=True` instead sizes it by the worst case (tiles_m + groups - 1), the surplus steps repeat the last
+visit's block indices (no DMA) and skip all work under `pl.when`.
+
+Accumulation is in f32: directly in registers when tk = K (one k step), else in a VMEM scratch over the k axis.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+# Fields of the forward metadata, each a run of V int32 in one flat SMEM array.
+F_TILE, F_FETCH_TILE, F_GROUP, F_KPIN, F_LO, F_HI, F_FIRST = range(7)
+NUM_FIELDS = 7
+# Fields of the transposed-matmul metadata.
+T_TILE, T_GROUP, T_LO, T_HI, T_FIRST, T_LAST = range(6)
+NUM_T_FIELDS = 6
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _group_bounds(group_sizes, m, group_offset, num_local_groups):
+    """Row range [gs, ge) of each local group, sanitized so that no index can leave [0, m].
+
+    Negative sizes count as zero and rows past m are dropped (concrete inputs are rejected for these in api.py;
+    traced ones cannot be checked, so they are made safe here).
+    """
+    num_groups = group_sizes.shape[0]
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m).astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    gidx = jnp.asarray(group_offset, jnp.int32) + jnp.arange(num_local_groups, dtype=jnp.int32)
+    valid = (gidx >= 0) & (gidx < num_groups)
+    gidx = jnp.clip(gidx, 0, num_groups - 1)
+    gs = starts[gidx]
+    ge = jnp.where(valid, ends[gidx], gs)
+    return gs, ge
+
+
+def forward_visits_bound(tiles_m: int, num_local_groups: int) -> int:
+    # Local groups cover one contiguous row range, so the visits of real groups number at most
+    # (tiles they cover) + (groups - 1), and every other tile gets exactly one zero visit.
+    return tiles_m + max(num_local_groups, 1) - 1
+
+
+def forward_metadata(group_sizes, *, m, tm, tiles_k, group_offset, num_local_groups, rhs_group_base, rhs_groups):
+    """Visit list for the forward kernel. Returns (flat int32 metadata [NUM_FIELDS * V + 1], visit count, V).
+
+    rhs_group_base: added to the local group index to get rhs's group index (group_offset when rhs holds every
+    group, 0 when it holds only the window). The last metadata element is the visit count.
+    """
+    tiles_m = _cdiv(m, tm)
+    n_local = num_local_groups
+    V = forward_visits_bound(tiles_m, n_local)
+    gs, ge = _group_bounds(group_sizes, m, group_offset, n_local)
+    nonempty = ge > gs
+    first_t = gs // tm
+    cnt = jnp.where(nonempty, (ge - 1) // tm - first_t + 1, 0)
+    total = cnt.sum()
+    any_rows = total > 0
+    lo = jnp.min(jnp.where(nonempty, gs, m))
+    hi = jnp.max(jnp.where(nonempty, ge, 0))
+    prefix = jnp.where(any_rows, lo // tm, tiles_m)  # zero visits for tiles 0 .. prefix-1
+    last_cov = jnp.where(any_rows, (hi - 1) // tm, tiles_m - 1)
+    suffix = tiles_m - 1 - last_cov  # zero visits for tiles last_cov+1 .. tiles_m-1
+    nv = prefix + total + suffix
+    j_first = jnp.argmax(nonempty).astype(jnp.int32)
+    j_last = (n_local - 1 - jnp.argmax(nonempty[::-1])).astype(jnp.int32)
+
+    v = jnp.minimum(jnp.arange(V, dtype=jnp.int32), nv - 1)  # surplus entries repeat the last visit
+    csum = jnp.cumsum(cnt)
+    u = v - prefix
+    j = jnp.clip(jnp.searchsorted(csum, u, side="right"), 0, n_local - 1).astype(jnp.int32)
+    g_tile = first_t[j] + u - (csum[j] - cnt[j])
+    is_pre = v < prefix
+    is_grp = (v >= prefix) & (v < prefix + total)
+    tile = jnp.where(is_pre, v, jnp.where(is_grp, g_tile, last_cov + 1 + (v - prefix - total)))
+    row_lo = jnp.where(is_grp, jnp.maximum(gs[j], g_tile * tm), 0)
+    row_hi = jnp.where(is_grp, jnp.minimum(ge[j], g_tile * tm + tm), 0)
+    # Zero visits fetch what the adjacent real visit fetches: the first one's blocks at k = 0 before it, the last
+    # one's at k = last after it (all zeros when there is no real visit).
+    first_real_tile = jnp.where(any_rows, prefix, 0)
+    fetch_tile = jnp.where(is_pre, first_real_tile, jnp.where(is_grp, tile, jnp.where(any_rows, last_cov, 0)))
+    group = jnp.where(is_pre, j_first, jnp.where(is_grp, j, jnp.where(any_rows, j_last, 0)))
+    kpin = jnp.where(is_grp, -1, jnp.where(is_pre | ~any_rows, 0, tiles_k - 1))
+    surplus = jnp.arange(V, dtype=jnp.int32) >= nv
+    kpin = jnp.where(surplus, tiles_k - 1, kpin)
+    prev_tile = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tile[:-1]])
+    first = (tile != prev_tile).astype(jnp.int32)
+    fields = [None] * NUM_FIELDS
+    fields[F_TILE] = tile
+    fields[F_FETCH_TILE] = fetch_tile
+    fields[F_GROUP] = jnp.clip(group + rhs_group_base, 0, rhs_groups - 1)  # never a DMA outside rhs
+    fields[F_KPIN] = kpin
+    fields[F_LO] = row_lo
+    fields[F_HI] = row_hi
+    fields[F_FIRST] = first
+    meta = jnp.concatenate([f.astype(jnp.int32) for f in fields] + [nv.reshape(1).astype(jnp.int32)])
+    return meta, nv.astype(jnp.int32), V
+
+
+def transposed_visits_bound(tiles_m: int, num_local_groups: int) -> int:
+    # Real visits as in the forward, plus one visit per empty group (its output block must still be zeroed).
+    return tiles_m + 2 * max(num_local_groups, 1) - 1
+
+
+def transposed_metadata(group_sizes, *, m, tm, group_offset, num_local_groups):
+    """Visit list for the transposed grouped matmul: every local group in order, each over the m tiles it touches,
+    an empty group once (to write its zero output). Returns (flat metadata [NUM_T_FIELDS * V + 1], count, V)."""
+    tiles_m = _cdiv(m, tm)
+    n_local = num_local_groups
+    V = transposed_visits_bound(tiles_m, n_local)
+    gs, ge = _group_bounds(group_sizes, m, group_offset, n_local)
+    nonempty = ge > gs
+    first_t = gs // tm
+    cnt = jnp.where(nonempty, (ge - 1) // tm - first_t + 1, 1)
+    csum = jnp.cumsum(cnt)
+    nv = csum[-1]
+    v = jnp.minimum(jnp.arange(V, dtype=jnp.int32), nv - 1)
+    j = jnp.clip(jnp.searchsorted(csum, v, side="right"), 0, n_local - 1).astype(jnp.int32)
+    u = v - (csum[j] - cnt[j])
+    tile = jnp.clip(first_t[j] + u, 0, tiles_m - 1)
+    real = nonempty[j]
+    row_lo = jnp.where(real, jnp.maximum(gs[j], tile * tm), 0)
+    row_hi = jnp.where(real, jnp.minimum(ge[j], tile * tm + tm), 0)
+    fields = [None] * NUM_T_FIELDS
+    fields[T_TILE] = tile
+    fields[T_GROUP] = j
+    fields[T_LO] = row_lo
+    fields[T_HI] = row_hi
+    fields[T_FIRST] = (u == 0).astype(jnp.int32)
+    fields[T_LAST] = (u == cnt[j] - 1).astype(jnp.int32)
+    meta = jnp.concatenate([f.astype(jnp.int32) for f in fields] + [nv.reshape(1).astype(jnp.int32)])
+    return meta, nv.astype(jnp.int32), V
+
+
+def _activation(x, activation):
+    if activation is None:
+        return x
+    if activation == "silu":
+        return x * jax.nn.sigmoid(x)
+    if activation == "gelu_tanh":
+        c = 0.7978845608028654  # sqrt(2 / pi)
+        return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * x * x * x)))
+    raise ValueError(f"activation: unsupported {activation!r}")
+
+
+def _precision(dtype):
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _forward_kernel(
+    meta_ref, lhs_ref, *refs, V, tm, tk, k, tiles_k, transposed, gated, activation, num_bias, compute_dtype,
+    static_grid,
+):
+    n_rhs = 2 if gated == "concatenated" else 1
+    rhs_refs = refs[:n_rhs]
+    bias_refs = refs[n_rhs : n_rhs + num_bias]
+    out_ref = refs[n_rhs + num_bias]
+    acc_refs = refs[n_rhs + num_bias + 1 :]
+    v = pl.program_id(1)
+    kk = pl.program_id(2)
+    tile = meta_ref[F_TILE * V + v]
+    lo = meta_ref[F_LO * V + v]
+    hi = meta_ref[F_HI * V + v]
+    first = meta_ref[F_FIRST * V + v] != 0
+    active = v < meta_ref[NUM_FIELDS * V] if static_grid else True
+    has_rows = jnp.logical_and(active, lo < hi)
+    last_k = tiles_k - 1
+    k_rem = k % tk
+    dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
+
+    def mask_k(x, axis):
+        # Only when tk does not divide K: columns of the last k block past K hold garbage.
+        if k_rem == 0:
+            return x
+        valid = jnp.where(kk == last_k, k_rem, tk)
+        ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+        return jnp.where(ids < valid, x, jnp.zeros_like(x))
+
+    def weights():
+        if gated == "interleaved":  # transposed layout: gate rows are the even rows of the (2 tn, tk) block
+            w = rhs_refs[0]
+            tn = w.shape[0] // 2
+            return [w[pl.ds(0, tn, stride=2), :], w[pl.ds(1, tn, stride=2), :]]
+        return [r[...] for r in rhs_refs]
+
+    def dots():
+        x = mask_k(lhs_ref[...].astype(compute_dtype), 1)
+        outs = []
+        for w in weights():
+            w = mask_k(w.astype(compute_dtype), 1 if transposed else 0)
+            outs.append(
+                jax.lax.dot_general(
+                    x, w, dims, preferred_element_type=jnp.float32, precision=_precision(compute_dtype)
+                )
+            )
+        return outs
+
+    def finalize(parts):
+        if num_bias:
+            parts = [p + b[...].astype(jnp.float32) for p, b in zip(parts, bias_refs)]
+        if gated is None:
+            r = _activation(parts[0], activation)
+        else:
+            r = _activation(parts[0], activation) * parts[1]
+        start = tile * tm
+        whole = jnp.logical_and(lo <= start, hi >= start + tm)
+
+        @pl.when(whole)
+        def _():
+            out_ref[...] = r.astype(out_ref.dtype)
+
+        @pl.when(jnp.logical_not(whole))
+        def _():
+            rows = start + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+            mask = jnp.logical_and(rows >= lo, rows < hi)
+            rc = r.astype(out_ref.dtype)
+
+            @pl.when(first)
+            def _():
+                out_ref[...] = jnp.where(mask, rc, jnp.zeros_like(rc))
+
+            @pl.when(jnp.logical_not(first))
+            def _():
+                out_ref[...] = jnp.where(mask, rc, out_ref[...])
+
+    if tiles_k == 1:
+
+        @pl.when(has_rows)
+        def _():
+            finalize(dots())
+
+    else:
+
+        @pl.when(jnp.logical_and(has_rows, kk == 0))
+        def _():
+            for acc, d in zip(acc_refs, dots()):
+                acc[...] = d
+
+        @pl.when(jnp.logical_and(has_rows, jnp.logical_and(kk > 0, kk < last_k)))
+        def _():
+            for acc, d in zip(acc_refs, dots()):
+                acc[...] += d
+
+        @pl.when(jnp.logical_and(has_rows, kk == last_k))
+        def _():
+            finalize([acc[...] + d for acc, d in zip(acc_refs, dots())])
+
+    @pl.when(jnp.logical_and(jnp.logical_and(active, lo >= hi), kk == last_k))
+    def _():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+
+def ragged_dot_forward(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    out_dtype,
+    blocks,
+    rhs_transposed,
+    group_offset,
+    num_local_groups,
+    rhs_group_base,
+    bias=(),
+    gated=None,
+    activation=None,
+    static_grid=False,
+):
+    """out [M, n_out] = per-visit masked lhs @ rhs[group] (+ bias, epilogue). Arguments are validated by api.py.
+
+    rhs: [Gr, K, N] or [Gr, N, K] (rhs_transposed). gated None: n_out = N. gated "concatenated": n_out = N / 2, the
+    gate is rhs columns [0, n_out) and up [n_out, N), read as two block streams of the same array (tn must divide
+    n_out). gated "interleaved" (transposed rhs only): gate rows even, up rows odd; one (2 tn, tk) block per step,
+    split with sublane-strided loads. bias: tuple of [Gr, 1, n_out] arrays, one per stream (gate, up) or one.
+    """
+    m, k = lhs.shape
+    n_full = rhs.shape[1] if rhs_transposed else rhs.shape[2]
+    n_out = n_full // 2 if gated else n_full
+    tm, tk, tn = blocks.tm, blocks.tk, blocks.tn
+    tiles_k = _cdiv(k, tk)
+    tiles_n = _cdiv(n_out, tn)
+    meta, nv, V = forward_metadata(
+        group_sizes, m=m, tm=tm, tiles_k=tiles_k, group_offset=group_offset, num_local_groups=num_local_groups,
+        rhs_group_base=rhs_group_base, rhs_groups=rhs.shape[0],
+    )
+
+    def k_index(v, kk, meta):
+        pin = meta[F_KPIN * V + v]
+        return jnp.where(pin < 0, kk, pin)
+
+    def lhs_map(n, v, kk, meta):
+        return meta[F_FETCH_TILE * V + v], k_index(v, kk, meta)
+
+    def rhs_map(shift):
+        def index(n, v, kk, meta):
+            g = meta[F_GROUP * V + v]
+            if rhs_transposed:
+                return g, n + shift, k_index(v, kk, meta)
+            return g, k_index(v, kk, meta), n + shift
+
+        return index
+
+    def bias_map(n, v, kk, meta):
+        return meta[F_GROUP * V + v], 0, n
+
+    def out_map(n, v, kk, meta):
+        return meta[F_TILE * V + v], n
+
+    in_specs = [pl.BlockSpec((tm, tk), lhs_map)]
+    operands = [lhs]
+    if gated == "interleaved":
+        in_specs.append(pl.BlockSpec((None, 2 * tn, tk), rhs_map(0)))
+        operands.append(rhs)
+    else:
+        shifts = [0, n_out // tn] if gated == "concatenated" else [0]
+        wshape = (None, tn, tk) if rhs_transposed else (None, tk, tn)
+        for s in shifts:
+            in_specs.append(pl.BlockSpec(wshape, rhs_map(s)))
+            operands.append(rhs)
+    for b in bias:
+        in_specs.append(pl.BlockSpec((None, 1, tn), bias_map))
+        operands.append(b)
+    streams = 2 if gated else 1
+    scratch = [pltpu.VMEM((tm, tn), jnp.float32) for _ in range(streams)] if tiles_k > 1 else []
+    compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    kernel = functools.partial(
+        _forward_kernel, V=V, tm=tm, tk=tk, k=k, tiles_k=tiles_k, transposed=rhs_transposed, gated=gated,
+        activation=activation, num_bias=len(bias), compute_dtype=compute_dtype, static_grid=static_grid,
+    )
+    grid_v = V if static_grid else nv
+    rhs_bytes = num_local_groups * k * n_full * rhs.dtype.itemsize
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n_full,
+        transcendentals=m * n_out if activation else 0,
+        bytes_accessed=tiles_n * m * k * lhs.dtype.itemsize + rhs_bytes + m * n_out * jnp.dtype(out_dtype).itemsize,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(tiles_n, grid_v, tiles_k),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((tm, tn), out_map),
+            scratch_shapes=scratch,
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"), vmem_limit_bytes=blocks.vmem_limit_bytes
+        ),
+        cost_estimate=cost,
+        name="ragged_dot_fwd",
+    )(meta, *operands)
+
+
+def _transposed_kernel(meta_ref, a_ref, b_ref, out_ref, acc_ref, *, V, tm, compute_dtype, static_grid):
+    v = pl.program_id(2)
+    tile = meta_ref[T_TILE * V + v]
+    lo = meta_ref[T_LO * V + v]
+    hi = meta_ref[T_HI * V + v]
+    active = v < meta_ref[NUM_T_FIELDS * V] if static_grid else True
+    first = jnp.logical_and(active, meta_ref[T_FIRST * V + v] != 0)
+    last = jnp.logical_and(active, meta_ref[T_LAST * V + v] != 0)
+
+    @pl.when(first)
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(jnp.logical_and(active, lo < hi))
+    def _():
+        rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+        mask = jnp.logical_and(rows >= lo, rows < hi)
+        # Both operands masked: rows of other groups, and rows past M in a partial last tile, may hold anything.
+        a = jnp.where(mask, a_ref[...].astype(jnp.float32), 0.0).astype(compute_dtype)
+        b = jnp.where(mask, b_ref[...].astype(jnp.float32), 0.0).astype(compute_dtype)
+        acc_ref[...] += jax.lax.dot_general(
+            a.T, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+            precision=_precision(compute_dtype),
+        )
+
+    @pl.when(last)
+    def _():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def transposed_ragged_dot(a, b, group_sizes, *, out_dtype, blocks, group_offset, num_local_groups, static_grid=False):
+    """out [n_local, P, Q]: out[j] = a[rows of local group j]^T @ b[rows of local group j]; zero for empty groups.
+
+    a [M, P], b [M, Q]. This is the rhs gradient: d rhs = transposed_ragged_dot(lhs, g) ([K, N] blocks), or
+    transposed_ragged_dot(g, lhs) for a transposed rhs ([N, K] blocks).
+    """
+    m, p = a.shape
+    q = b.shape[1]
+    tm, tp, tq = blocks.tm, blocks.tp, blocks.tq
+    meta, nv, V = transposed_metadata(
+        group_sizes, m=m, tm=tm, group_offset=group_offset, num_local_groups=num_local_groups
+    )
+    compute_dtype = jnp.promote_types(a.dtype, b.dtype)
+    kernel = functools.partial(_transposed_kernel, V=V, tm=tm, compute_dtype=compute_dtype, static_grid=static_grid)
+    tiles_p, tiles_q = _cdiv(p, tp), _cdiv(q, tq)
+    cost = pl.CostEstimate(
+        flops=2 * m * p * q,
+        transcendentals=0,
+        bytes_accessed=tiles_q * m * p * a.dtype.itemsize + tiles_p * m * q * b.dtype.itemsize
+        + num_local_groups * p * q * jnp.dtype(out_dtype).itemsize,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_local_groups, p, q), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(tiles_p, tiles_q, V if static_grid else nv),
+            in_specs=[
+                pl.BlockSpec((tm, tp), lambda i, jq, v, meta: (meta[T_TILE * V + v], i)),
+                pl.BlockSpec((tm, tq), lambda i, jq, v, meta: (meta[T_TILE * V + v], jq)),
+            ],
+            out_specs=pl.BlockSpec((None, tp, tq), lambda i, jq, v, meta: (meta[T_GROUP * V + v], i, jq)),
+            scratch_shapes=[pltpu.VMEM((tp, tq), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=blocks.vmem_limit_bytes
+        ),
+        cost_estimate=cost,
+        name="ragged_dot_tgmm",
+    )(meta, a, b)

@@ -1,0 +1,169 @@
+"""Block sizes (tm, tk, tn) for the ragged-dot kernels, per TPU generation.
+
+How the kernels use them (see kernel.py): the forward grid is (n tiles, visits, k tiles), a visit being one
+(m tile, group) pair, so the weight block of a group, (tk, tn), is re-used by consecutive visits of that group when
+tk covers all of K (its block index does not change, so the pipeline does not refetch it). Hence:
+
+- tk = K whenever the (K, tn) weight blocks fit the VMEM budget: the weights are then read from HBM once per n tile
+  per group, never once per m tile, which is what decode needs (it is a stream of expert weights at HBM speed).
+- tn as wide as the budget allows (up to TN_MAX): each step moves a big weight block (a few MiB), which hides the
+  fixed per-step cost, and lhs is re-read once per n tile, so fewer n tiles means less lhs traffic in prefill.
+- tm trades MXU work against masking waste. A tile that straddles a group boundary is computed once per group, so
+  the MXU does about (1 + groups * tm / M) times the useful work; tm is the largest power of two with
+  tm <= M / (2 * groups), clamped to [sublane multiple, TM_MAX]; when M fits in one tile, tm = M.
+
+The working set (double-buffered lhs, weight and output blocks, the f32 accumulator and the body's f32 temporaries)
+must fit VMEM_SHARE of the core's VMEM; tk shrinks first (to a divisor of K that is a multiple of 128), then tn.
+Every entry is meant to be proven by the deviceless compile check at the benchmark shapes on v5e, v6e and v7x.
+"""
+import dataclasses
+
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from ..common import chip
+
+# Upper bounds per generation. v5e's MXUs are 128 wide and its HBM half as fast, so its blocks are smaller.
+TM_MAX = {"v5e": 256, "v6e": 512, "v7x": 512}
+TN_MAX = {"v5e": 1024, "v6e": 2048, "v7x": 2048}
+TK_MAX = {"v5e": 4096, "v6e": 8192, "v7x": 8192}
+# Share of the core's VMEM the working set may use (v7x has 64 MiB per core, v5e/v6e 128 MiB).
+VMEM_SHARE = {"v5e": 0.35, "v6e": 0.35, "v7x": 0.4}
+# f32 (tm, tn) temporaries live in the kernel body besides the accumulator (dot result, epilogue values).
+F32_TEMPORARIES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDotBlocks:
+    tm: int
+    tk: int
+    tn: int
+    vmem_limit_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposedBlocks:
+    """Blocks of the transposed grouped matmul (the rhs gradient): out[g] = a[rows of g]^T @ b[rows of g]."""
+
+    tm: int  # rows of a and b per visit (the contraction)
+    tp: int  # columns of a per output block
+    tq: int  # columns of b per output block
+    vmem_limit_bytes: int
+
+
+def sublane_multiple(dtype) -> int:
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, int(x)).bit_length() - 1)
+
+
+def _divisor_tiles(dim: int, cap: int, multiple: int) -> list[int]:
+    """Legal tile sizes for a dimension, largest first: the full dim if <= cap, then divisors that are multiples."""
+    out = [dim] if dim <= cap else []
+    t = min(cap, dim) // multiple * multiple
+    while t >= multiple:
+        if dim % t == 0 and t != dim:
+            out.append(t)
+        t -= multiple
+    if not out:  # no divisor: a multiple of `multiple` (the last block is partial; callers handle that)
+        out.append(max(multiple, min(cap, dim) // multiple * multiple))
+    return out
+
+
+def _generation(info):
+    g = chip.generation_name(info)
+    return g if g in TM_MAX else "v6e"
+
+
+def choose_tm(m: int, num_groups: int, dtype, generation: str) -> int:
+    sub = sublane_multiple(dtype)
+    tm = _pow2_floor(max(1, m // max(1, 2 * num_groups)))
+    tm = max(sub, min(TM_MAX[generation], tm))
+    return m if m <= tm else tm
+
+
+def choose_blocks(
+    m: int,
+    k: int,
+    n: int,
+    *,
+    num_groups: int,
+    lhs_dtype,
+    rhs_dtype,
+    out_dtype,
+    rhs_transposed: bool,
+    gated: bool = False,
+    half_n: int | None = None,
+    info: pltpu.TpuInfo | None = None,
+) -> RaggedDotBlocks:
+    """Blocks for the forward kernel (and the lhs-gradient kernel, which is the forward with rhs transposed).
+
+    n is the width of the output. With `gated`, rhs has 2 * n columns and the gate/up blocks are tn wide each; for
+    the concatenated layout tn must divide n (`half_n`), so the up block sits at a whole block index.
+    """
+    info = info or chip.current_tpu_info()
+    gen = _generation(info)
+    tm = choose_tm(m, num_groups, lhs_dtype, gen)
+    lb, rb, ob = (jnp.dtype(d).itemsize for d in (lhs_dtype, rhs_dtype, out_dtype))
+    # In the transposed layout tn is the weight block's second-minor dim (sublanes); the output block is (tm, tn)
+    # either way, so tn is a multiple of 128 or all of n.
+    n_multiple = 128
+    budget = int(info.vmem_capacity_bytes * VMEM_SHARE[gen])
+    streams = 2 if gated else 1
+
+    def working_set(tk, tn):
+        single_k = tk >= k
+        ws = 2 * tm * tk * lb + 2 * streams * tk * tn * rb + 2 * tm * tn * ob
+        ws += (0 if single_k else streams * tm * tn * 4) + F32_TEMPORARIES * streams * tm * tn * 4
+        return ws
+
+    tn_options = _divisor_tiles(n, TN_MAX[gen], n_multiple)
+    if gated and half_n is not None:
+        tn_options = [t for t in tn_options if n % t == 0] or [n]
+    tk_options = _divisor_tiles(k, TK_MAX[gen], 128)
+    for tn in tn_options:
+        for tk in tk_options:
+            if working_set(tk, tn) <= budget:
+                return _blocks(tm, tk, tn, working_set(tk, tn), info)
+    tn, tk = tn_options[-1], tk_options[-1]
+    return _blocks(tm, tk, tn, working_set(tk, tn), info)
+
+
+def _blocks(tm, tk, tn, ws, info):
+    limit = min(int(info.vmem_capacity_bytes * 0.75), max(ws * 3 // 2 + (2 << 20), 16 << 20))
+    return RaggedDotBlocks(tm=tm, tk=tk, tn=tn, vmem_limit_bytes=limit)
+
+
+def choose_transposed_blocks(
+    m: int, p: int, q: int, *, num_groups: int, a_dtype, b_dtype, out_dtype, info: pltpu.TpuInfo | None = None
+) -> TransposedBlocks:
+    """Blocks for out[g] (p, q) = a[rows]^T (p, tm) @ b[rows] (tm, q): tm rows per visit, (tp, tq) output blocks.
+
+    Here tm is a contraction length: the larger the better, bounded by the masking waste as in the forward.
+    """
+    info = info or chip.current_tpu_info()
+    gen = _generation(info)
+    ab, bb, ob = (jnp.dtype(d).itemsize for d in (a_dtype, b_dtype, out_dtype))
+    sub = max(sublane_multiple(a_dtype), sublane_multiple(b_dtype))
+    tm = _pow2_floor(max(1, m // max(1, 2 * num_groups)))
+    tm = max(128 if m >= 128 else sub, min(TM_MAX[gen], tm))
+    tm = m if m <= tm else tm
+    budget = int(info.vmem_capacity_bytes * VMEM_SHARE[gen])
+
+    def working_set(tp, tq):
+        return 2 * tm * tp * ab + 2 * tm * tq * bb + 2 * tp * tq * ob + (1 + F32_TEMPORARIES) * tp * tq * 4
+
+    tp_options = _divisor_tiles(p, 1024, 128)
+    tq_options = _divisor_tiles(q, 1024, 128)
+    for tp in tp_options:
+        for tq in tq_options:
+            if working_set(tp, tq) <= budget:
+                ws = working_set(tp, tq)
+                limit = min(int(info.vmem_capacity_bytes * 0.75), max(ws * 3 // 2 + (2 << 20), 16 << 20))
+                return TransposedBlocks(tm=tm, tp=tp, tq=tq, vmem_limit_bytes=limit)
+    tp, tq = tp_options[-1], tq_options[-1]
+    ws = working_set(tp, tq)
+    limit = min(int(info.vmem_capacity_bytes * 0.75), max(ws * 3 // 2 + (2 << 20), 16 << 20))
+    return TransposedBlocks(tm=tm, tp=tp, tq=tq, vmem_limit_bytes=limit)
