@@ -212,7 +212,9 @@ def build(out_dir: Path | str = ROOT / "build", *, package_dir: Path | str | Non
             }
             (target / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
             files = _files(target)
-            leftovers = [p.relative_to(target).as_posix() for p in files if DEV_NAMESPACE in p.read_text("utf-8", "ignore")]
+            leftovers = [
+                p.relative_to(target).as_posix() for p in files if DEV_NAMESPACE in p.read_text("utf-8", "ignore")
+            ]
             if leftovers:
                 raise BuildError(f"the dev namespace {DEV_NAMESPACE!r} is still used in {leftovers}; use _ops.py")
             variants.append(Variant(backend, target, kernel_id, len(files), sum(p.stat().st_size for p in files)))
