@@ -10,7 +10,8 @@ from ..common.validation import FLOAT_DTYPES, check_array, check_finite, check_f
 from . import kernel, tuning
 
 
-def _check_inputs(x, weight, eps, weight_offset, residual=None):
+def check_inputs(x, weight, eps, weight_offset, residual=None):
+    """Validate rms_norm / fused_add_rms_norm arguments (arrays or ShapeDtypeStructs); return (eps, weight_offset)."""
     dtype = check_array("x", x, min_ndim=1)
     hidden = x.shape[-1]
     if hidden == 0:
@@ -82,7 +83,10 @@ _fused_add_rms_norm_2d.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _as_rows(a, hidden):
-    return a.reshape(-1, hidden)
+    """(rows, hidden) view for the kernels. float16 goes through the kernels as float32: Mosaic (libtpu 0.0.50) does
+    not lower float16 vector loads, and TPUs have no float16 arithmetic; the cast back rounds once, as f32 math does."""
+    a = a.reshape(-1, hidden)
+    return a.astype(jnp.float32) if a.dtype == jnp.float16 else a
 
 
 @interpret_eager_cpu_calls
@@ -92,12 +96,12 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *
     x: [..., hidden] in f32, bf16 or f16; weight: [hidden] or None (no scale); returns x's shape and dtype.
     `weight_offset=1.0` gives Gemma's (1 + weight) convention. Differentiable in x and weight.
     """
-    eps, weight_offset = _check_inputs(x, weight, eps, weight_offset)
+    eps, weight_offset = check_inputs(x, weight, eps, weight_offset)
     hidden = x.shape[-1]
     if x.size == 0:
         return jnp.zeros(x.shape, x.dtype)
-    w2d = None if weight is None else weight.reshape(1, hidden)
-    return _rms_norm_2d(_as_rows(x, hidden), w2d, eps, weight_offset).reshape(x.shape)
+    w2d = None if weight is None else _as_rows(weight, hidden)
+    return _rms_norm_2d(_as_rows(x, hidden), w2d, eps, weight_offset).reshape(x.shape).astype(x.dtype)
 
 
 @interpret_eager_cpu_calls
@@ -108,13 +112,13 @@ def fused_add_rms_norm(
 
     residual must have x's shape and dtype. Differentiable in x, residual and weight.
     """
-    eps, weight_offset = _check_inputs(x, weight, eps, weight_offset, residual=residual)
+    eps, weight_offset = check_inputs(x, weight, eps, weight_offset, residual=residual)
     hidden = x.shape[-1]
     if x.size == 0:
         return jnp.zeros(x.shape, x.dtype), jnp.zeros(x.shape, x.dtype)
-    w2d = None if weight is None else weight.reshape(1, hidden)
+    w2d = None if weight is None else _as_rows(weight, hidden)
     out, total = _fused_add_rms_norm_2d(_as_rows(x, hidden), _as_rows(residual, hidden), w2d, eps, weight_offset)
-    return out.reshape(x.shape), total.reshape(x.shape)
+    return out.reshape(x.shape).astype(x.dtype), total.reshape(x.shape).astype(x.dtype)
 
 
 @interpret_eager_cpu_calls
@@ -132,7 +136,7 @@ def rms_norm_backward(
     For fused_add_rms_norm pass x = the saved sum and grad_sum = the cotangent of the sum output; d x is then the
     gradient for both x and residual. d weight is None when weight is None.
     """
-    eps, weight_offset = _check_inputs(x, weight, eps, weight_offset)
+    eps, weight_offset = check_inputs(x, weight, eps, weight_offset)
     check_array("grad", grad, dtypes=None)
     if tuple(grad.shape) != tuple(x.shape):
         raise ValueError(f"grad: expected the shape of x {tuple(x.shape)}, got {tuple(grad.shape)}")
@@ -142,10 +146,12 @@ def rms_norm_backward(
     if x.size == 0:
         dw = None if weight is None else jnp.zeros(weight.shape, weight.dtype)
         return jnp.zeros(x.shape, x.dtype), dw
-    w2d = None if weight is None else weight.reshape(1, hidden)
-    blocks = _blocks(x.size // hidden, hidden, x.dtype)
+    w2d = None if weight is None else _as_rows(weight, hidden)
     gsum2d = None if grad_sum is None else _as_rows(grad_sum, hidden)
+    x2d = _as_rows(x, hidden)
+    blocks = _blocks(*x2d.shape, x2d.dtype)
     dx, partials = kernel.rms_norm_backward(
-        _as_rows(x, hidden), _as_rows(grad, hidden), gsum2d, w2d, eps=eps, weight_offset=weight_offset, blocks=blocks
+        x2d, _as_rows(grad, hidden), gsum2d, w2d, eps=eps, weight_offset=weight_offset, blocks=blocks
     )
-    return dx.reshape(x.shape), _weight_grad(partials, w2d)
+    dweight = _weight_grad(partials, w2d)
+    return dx.reshape(x.shape).astype(x.dtype), (None if dweight is None else dweight.reshape(weight.shape).astype(weight.dtype))

@@ -1,0 +1,190 @@
+"""The verification ladder as helpers shared by every kernel's tests (shared/design/ARCHITECTURE.md).
+
+Rung 1  run_interpreted / check_against_reference: the kernel in Pallas' TPU interpret mode with race detection,
+        out-of-bounds reads raising and uninitialized memory reading as NaN, against a plain-jnp reference on fresh
+        random inputs. Output buffers start as NaN in that mode (uninitialized_memory="nan"), so any element a kernel
+        fails to write shows up as NaN, and NaN never passes assert_close.
+Rung 2  export_for_tpu: jax.export for the TPU platform, what TorchTPU's jax_op does at call time.
+Rung 3  compile_for_tpu: deviceless compile for v5e / v6e / v7x through libtpu: Mosaic lowering, layouts, VMEM fit.
+Torch   check_torch_op: torch.library.opcheck, FakeTensorMode and meta shapes, torch.compile(fullgraph=True).
+"""
+import functools
+import secrets
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import topologies
+from jax.experimental.pallas import tpu as pltpu
+
+from tpu_kernels._pallas.common.interpret import STRICT_INTERPRET_PARAMS
+
+try:  # where jax keeps the race detector's verdict (jax 0.10 - 0.12)
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interpret_state
+except ImportError:  # pragma: no cover - older layout
+    from jax._src.pallas.mosaic import interpret as _interpret_state
+
+# Topologies with one device per chip for each generation the project targets (TPU.md, rung 3).
+TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:1x1", "v7x": "tpu7x:2x2x1"}
+GENERATIONS = tuple(TOPOLOGIES)
+
+# (rtol, atol) for comparing a kernel to its f32 reference, by the kernel's input dtype.
+TOLERANCES = {
+    jnp.dtype(jnp.float32): (1e-5, 1e-5),
+    jnp.dtype(jnp.bfloat16): (1.6e-2, 1.6e-2),
+    jnp.dtype(jnp.float16): (2e-3, 2e-3),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------- inputs
+class RandomInputs:
+    """Fresh random data for every check; the seed is drawn per test and shown in every failure message."""
+
+    def __init__(self, seed: int | None = None):
+        self.seed = secrets.randbits(32) if seed is None else seed
+        self.rng = np.random.default_rng(self.seed)
+
+    def normal(self, shape, dtype=jnp.float32, scale=1.0, offset=0.0):
+        values = self.rng.standard_normal(shape, dtype=np.float32) * scale + offset
+        return jnp.asarray(values, dtype=dtype)
+
+    def uniform(self, shape, low, high, dtype=jnp.float32):
+        return jnp.asarray(self.rng.uniform(low, high, shape).astype(np.float32), dtype=dtype)
+
+    def integers(self, low, high, shape, dtype=jnp.int32):
+        return jnp.asarray(self.rng.integers(low, high, shape), dtype=dtype)
+
+    def __repr__(self):
+        return f"RandomInputs(seed={self.seed})"
+
+
+@pytest.fixture
+def rand():
+    return RandomInputs()
+
+
+# ---------------------------------------------------------------------------------------------------------- rung 1
+def races_found() -> bool:
+    state = getattr(_interpret_state, "races", None)
+    return bool(state is not None and state.races_found)
+
+
+def run_interpreted(fn, *args, params: pltpu.InterpretParams = STRICT_INTERPRET_PARAMS, **kwargs):
+    """Run fn under strict TPU interpret mode; fail on a data race. Returns fn's outputs as numpy-backed arrays."""
+    pltpu.reset_tpu_interpret_mode_state()
+    try:
+        with pltpu.force_tpu_interpret_mode(params):
+            out = jax.block_until_ready(fn(*args, **kwargs))
+    except Exception:
+        pltpu.reset_tpu_interpret_mode_state()  # the simulator keeps its state after an exception
+        raise
+    assert not races_found(), f"the race detector found a data race in {getattr(fn, '__name__', fn)}"
+    return out
+
+
+def _as_f32_numpy(a):
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def assert_close(actual, expected, *, dtype=None, rtol=None, atol=None, what="output", context=""):
+    """Elementwise |actual - expected| <= atol + rtol * |expected|, NaN anywhere in actual fails."""
+    dtype = jnp.dtype(dtype if dtype is not None else jnp.asarray(expected).dtype)
+    default_rtol, default_atol = TOLERANCES.get(dtype, TOLERANCES[jnp.dtype(jnp.float32)])
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    actual_np, expected_np = _as_f32_numpy(actual), _as_f32_numpy(expected)
+    assert actual_np.shape == expected_np.shape, f"{what}: shape {actual_np.shape} != {expected_np.shape} {context}"
+    assert not np.isnan(actual_np).any(), (
+        f"{what}: {int(np.isnan(actual_np).sum())} NaN element(s) (unwritten or poisoned) {context}"
+    )
+    np.testing.assert_allclose(actual_np, expected_np, rtol=rtol, atol=atol, err_msg=f"{what} {context}")
+
+
+def check_against_reference(kernel_fn, reference_fn, args, *, dtype, rand=None, rtol=None, atol=None, names=None):
+    """Rung 1: kernel (strict interpret mode) vs reference on the same inputs; compares every output leaf."""
+    actual = run_interpreted(kernel_fn, *args)
+    expected = reference_fn(*args)
+    actual_leaves = jax.tree_util.tree_leaves(actual)
+    expected_leaves = jax.tree_util.tree_leaves(expected)
+    assert len(actual_leaves) == len(expected_leaves), "kernel and reference return different structures"
+    for i, (a, e) in enumerate(zip(actual_leaves, expected_leaves)):
+        what = names[i] if names else f"output {i}"
+        assert jnp.asarray(a).dtype == jnp.asarray(e).dtype, f"{what}: dtype {a.dtype} != reference {e.dtype}"
+        assert_close(a, e, dtype=dtype, rtol=rtol, atol=atol, what=what, context=repr(rand) if rand else "")
+    return actual
+
+
+# ---------------------------------------------------------------------------------------------------------- rung 2
+def export_for_tpu(fn, *specs, **static_kwargs):
+    """Rung 2: export for the TPU platform on this CPU host; asserts the module holds a Mosaic kernel."""
+    exported = jax.export.export(jax.jit(functools.partial(fn, **static_kwargs)), platforms=["tpu"])(*specs)
+    text = exported.mlir_module()
+    assert "tpu_custom_call" in text, "the TPU export holds no Mosaic kernel (tpu_custom_call)"
+    return exported
+
+
+# ---------------------------------------------------------------------------------------------------------- rung 3
+@functools.cache
+def tpu_device(generation: str):
+    """A compile-only device of the given generation (no TPU needed)."""
+    return topologies.get_topology_desc(TOPOLOGIES[generation], "tpu").devices[0]
+
+
+def tpu_spec(generation: str, shape, dtype):
+    sharding = jax.sharding.SingleDeviceSharding(tpu_device(generation))
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+
+
+COMPILE_STATS: list[dict] = []  # written to build/compile_stats.json at the end of the session (conftest)
+
+
+def compile_for_tpu(fn, generation: str, *shapes_and_dtypes, label: str = "", **static_kwargs):
+    """Rung 3: deviceless compile of jit(fn) for `generation`; returns the memory stats it records.
+
+    shapes_and_dtypes: (shape, dtype) pairs, or None for an absent optional argument. Tracing happens with the
+    generation's device as default device, so the kernels' tuning sees that chip.
+    """
+    specs = [None if sd is None else tpu_spec(generation, *sd) for sd in shapes_and_dtypes]
+    with jax.default_device(tpu_device(generation)):
+        compiled = jax.jit(functools.partial(fn, **static_kwargs)).lower(*specs).compile()
+    memory = compiled.memory_analysis()
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text or "custom-call" in text, "compiled program holds no Mosaic kernel"
+    stats = {
+        "label": label or getattr(fn, "__name__", str(fn)),
+        "generation": generation,
+        "inputs": [None if sd is None else [list(sd[0]), str(jnp.dtype(sd[1]))] for sd in shapes_and_dtypes],
+        "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
+        "output_bytes": getattr(memory, "output_size_in_bytes", None),
+        "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+    }
+    COMPILE_STATS.append(stats)
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------------------- torch
+def check_torch_op(op, args, *, expected_shapes):
+    """opcheck (schema, fake, autograd registration, AOT dispatch incl. dynamic shapes), FakeTensorMode and meta
+    shapes, and torch.compile(fullgraph=True) tracing through the op with the eager result."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.library.opcheck(op, args)
+
+    def shapes(result):
+        leaves = result if isinstance(result, (tuple, list)) else (result,)
+        return [tuple(t.shape) for t in leaves]
+
+    with FakeTensorMode() as mode:
+        fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        assert shapes(op(*fake_args)) == expected_shapes
+    meta_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+    assert shapes(op(*meta_args)) == expected_shapes
+
+    eager = op(*args)
+    compiled = torch.compile(lambda *a: op(*a), fullgraph=True, backend="aot_eager")(*args)
+    eager_leaves = eager if isinstance(eager, (tuple, list)) else (eager,)
+    compiled_leaves = compiled if isinstance(compiled, (tuple, list)) else (compiled,)
+    for e, c in zip(eager_leaves, compiled_leaves):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
