@@ -1,32 +1,21 @@
-"""Test-session setup: the environment for deviceless TPU compiles, set before jax or torch is imported."""
-import os
+"""Test-session setup. The environment for deviceless TPU compiles is applied before jax or torch is imported.
+
+pytest puts tests/ on sys.path (rootdir conftest, "prepend" import mode), which is how `environment`, `hub` and
+`ladder`, the shared test harness, are imported here and by the test modules.
+"""
+import json
 import pathlib
 import sys
 
-# Deviceless compile for TPU topologies on a host with no TPU (shared/reference/TPU.md, rung 3). libtpu reads these
-# when it loads, so they must be in place before the first `import jax` / `import torch` (torch auto-loads torch_tpu).
-DEVICELESS_ENV = {
-    "JAX_PLATFORMS": "cpu",
-    "TPU_SKIP_MDS_QUERY": "1",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-    "TPU_ACCELERATOR_TYPE": "v6e-1",
-    "PYTHONWARNINGS": "ignore::UserWarning:torch_tpu",
-    "HF_HUB_OFFLINE": "1",
-}
-for _name, _value in DEVICELESS_ENV.items():
-    os.environ.setdefault(_name, _value)
+import environment
+
+environment.apply()
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# The in-tree torch package (torch-ext/tpu_kernels, whose _pallas/ is the JAX kernels) and the shared test harness.
-for _path in (ROOT / "torch-ext", ROOT / "tests"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+sys.path.insert(0, str(ROOT / "torch-ext"))  # the in-tree torch package; its _pallas/ is the JAX kernels
 
-
-import json  # noqa: E402
-
-from ladder import COMPILE_STATS, rand  # noqa: E402,F401  (the shared `rand` fixture)
+from hub import hub_root  # noqa: E402,F401  (shared fixtures)
+from ladder import COMPILE_STATS, rand  # noqa: E402,F401
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -20,39 +20,12 @@ from pathlib import Path
 
 import pytest
 
+import environment
+from hub import REPO_ID, build_hub
+
 ROOT = Path(__file__).resolve().parents[1]
-REPO_ID = "kernels-community/tpu-kernels"
-SUBPROCESS_ENV = {
-    "JAX_PLATFORMS": "cpu",
-    "TPU_SKIP_MDS_QUERY": "1",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-    "PYTHONWARNINGS": "ignore",
-    "HF_HUB_OFFLINE": "1",
-}
+SUBPROCESS_ENV = environment.DEVICELESS_ENV
 EXPECTED_OPS = ("rms_norm", "fused_add_rms_norm", "rms_norm_backward")
-
-
-def _load_build_script():
-    spec = importlib.util.spec_from_file_location("build_hub", ROOT / "scripts" / "build_hub.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("build_hub", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-build_hub = _load_build_script()
-
-
-@pytest.fixture(scope="module")
-def hub_root(tmp_path_factory) -> Path:
-    """A repo-like directory holding build/torch-tpu and build/torch-cpu (what LOCAL_KERNELS points at)."""
-    root = tmp_path_factory.mktemp("hub")
-    build_hub.build(root / "build")
-    # Like the repo: the library also scans the root for variants, where `torch-ext` parses as a (rejected) noarch
-    # variant "torch-ext"; it must still fall through to build/.
-    (root / "torch-ext").mkdir()
-    return root
 
 
 @pytest.fixture(scope="module")
