@@ -156,6 +156,7 @@ def compile_deviceless(fn, args, gen: str = "v6e", *, dump: bool = True, keep_du
       pickle.dump(([p for p in sys.path if p], blob), f)
     env = dict(os.environ)
     env.update(DEVICELESS_ENV)
+    env.pop("TPU_ACCELERATOR_TYPE", None)  # the topology, not the host, names the chip
     flags = env.get("LIBTPU_INIT_ARGS", "")
     if dump:
       flags = f"{flags} --xla_jf_dump_to={dump_dir} --xla_mosaic_dump_to={dump_dir}".strip()
