@@ -175,14 +175,28 @@ def _eval_index_map(bm, pids, scalars, steps):
   cj = bm.index_map_jaxpr
   n_grid = len(pids)
 
+  n_out = len(cj.jaxpr.outvars)
+  if scalars:
+    # Scalar-prefetch operands reach the index map as Refs: discharge them into values.
+    # Private API (jax._src.state.discharge), guarded: without it, maps that read scalar
+    # prefetch refs cannot be evaluated.
+    try:
+      from jax._src.state.discharge import discharge_state
+      try:
+        cj = discharge_state(cj)
+      except TypeError:  # older signature: (jaxpr, consts) -> (jaxpr, consts)
+        dj, dc = discharge_state(cj.jaxpr, cj.consts)
+        cj = type(cj)(dj, dc)
+    except ImportError:  # pragma: no cover
+      pass
   try:
-    from jax.extend.core import jaxpr_as_fun  # public since jax 0.4.3x
+    from jax.extend.core import jaxpr_as_fun  # public
     g = jaxpr_as_fun(cj)
   except ImportError:  # pragma: no cover
     g = lambda *a: jax.core.eval_jaxpr(cj.jaxpr, cj.consts, *a)  # noqa: E731
 
   def f(*p):
-    return g(*p, *scalars)
+    return g(*p, *scalars)[:n_out]
 
   with jax.default_device(jax.devices("cpu")[0]):
     if n_grid == 0:
