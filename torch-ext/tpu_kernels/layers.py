@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from .rms_norm import rms_norm
+from .rms_norm_ops import rms_norm
 
 
 class RMSNorm(nn.Module):
