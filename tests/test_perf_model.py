@@ -91,6 +91,15 @@ def pallas_gather_rows(idx, x, block_rows=256):
                         out_shape=jax.ShapeDtypeStruct((idx.shape[0] * block_rows, cols), x.dtype))(idx, x)
 
 
+def pallas_copy_tuned_by_chip(x):
+  """A copy whose block size depends on the chip it is traced for (as the project's tuning tables do)."""
+  try:
+    v5e = pltpu.get_tpu_info().chip_version == pltpu.ChipVersion.TPU_V5E
+  except (ValueError, RuntimeError):  # no TPU to ask: the host default
+    v5e = False
+  return pallas_copy(x, block_rows=256 if v5e else 512)
+
+
 def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -181,6 +190,16 @@ def test_scalar_prefetch_traffic_skips_repeated_blocks():
   blk = 256 * 512 * 4
   assert k.hbm_bytes_in == 3 * blk
   assert k.hbm_bytes_out == 8 * blk
+
+
+@pytest.mark.parametrize("gen", ["v5e", "v6e"])
+def test_traffic_is_counted_for_the_blocks_of_the_generation_compiled_for(gen):
+  """The host-side trace sees the target generation's chip, so grid and bytes match the compiled kernel."""
+  m = perf_model.model_function(pallas_copy_tuned_by_chip, (_sds((4096, 1024), jnp.float32),), gen=gen)
+  (k,) = m.kernels
+  steps = 16 if gen == "v5e" else 8
+  assert k.steps == steps and k.trip_count == steps + 2, (k.steps, k.trip_count)
+  assert not m.warnings, m.warnings
 
 
 def test_bundle_parser_on_a_synthetic_schedule():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -313,6 +314,18 @@ def _model_kernel(chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallIn
       hbm_s=hbm_bytes / bw, modeled_s=float(total), bound=bound, warnings=warnings)
 
 
+@functools.cache
+def _topology_device(topology: str):
+  """A deviceless device of `topology` (None if libtpu cannot describe it). Tracing under it as default device
+  makes kernels that tune by chip (pltpu.get_tpu_info()) trace for the generation being compiled for, not for
+  the host; otherwise the traffic would be counted for other block sizes than the compiled kernel's."""
+  try:
+    from jax.experimental import topologies
+    return topologies.get_topology_desc(topology, "tpu").devices[0]
+  except Exception:  # noqa: BLE001 - no libtpu: trace for the host's default
+    return None
+
+
 def model_function(fn, args, gen: str = "v6e", *, keep_dumps: str | None = None) -> ProgramModel:
   """Model the run time of jax.jit(fn)(*args) on one TensorCore of TPU generation `gen`.
 
@@ -330,7 +343,7 @@ def model_function(fn, args, gen: str = "v6e", *, keep_dumps: str | None = None)
   chip = C.get_chip(gen)
   label = f"modeled {gen}"
   args = tuple(args)
-  infos, warnings = T.analyze_pallas_calls(fn, args)
+  infos, warnings = T.analyze_pallas_calls(fn, args, trace_device=_topology_device(chip.topology))
   info_all, files = compile_deviceless(fn, args, gen, dump=bool(infos), keep_dumps=keep_dumps)
   hlo = info_all["hlo"]
   calls = _mosaic_calls(hlo)

@@ -285,13 +285,21 @@ def _kernel_conds(kjaxpr, grid, pids, steps, warnings):
   return conds, flops
 
 
-def analyze_pallas_calls(fn, args) -> tuple[list[PallasCallInfo], list[str]]:
-  """Find and analyse every pallas_call in fn(*args). Returns (calls, warnings)."""
+def analyze_pallas_calls(fn, args, trace_device=None) -> tuple[list[PallasCallInfo], list[str]]:
+  """Find and analyse every pallas_call in fn(*args). Returns (calls, warnings).
+
+  trace_device: default device while tracing fn (the target generation's topology device), so that
+  kernels choosing block sizes from the chip they are traced for trace the program that is compiled.
+  """
   warnings: list[str] = []
   leaves = jax.tree.leaves(args)
   concrete = all(isinstance(x, (np.ndarray, jax.Array, np.generic, int, float)) for x in leaves)
   specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x, args)
-  closed = jax.make_jaxpr(fn)(*specs)
+  if trace_device is None:
+    closed = jax.make_jaxpr(fn)(*specs)
+  else:
+    with jax.default_device(trace_device):
+      closed = jax.make_jaxpr(fn)(*specs)
   flat = [np.asarray(x) for x in leaves] if concrete else [None] * len(closed.jaxpr.invars)
   records: list = []
   _walk(closed.jaxpr, list(closed.consts), flat, records, warnings)
