@@ -199,10 +199,6 @@ def _forward_kernel(
         return jnp.where(ids < valid, x, jnp.zeros_like(x))
 
     def weights():
-        if gated == "interleaved":  # transposed layout: gate rows are the even rows of the (2 tn, tk) block
-            w = rhs_refs[0]
-            tn = w.shape[0] // 2
-            return [w[pl.ds(0, tn, stride=2), :], w[pl.ds(1, tn, stride=2), :]]
         return [r[...] for r in rhs_refs]
 
     def dots():
@@ -292,8 +288,9 @@ def ragged_dot_forward(
 
     rhs: [Gr, K, N] or [Gr, N, K] (rhs_transposed). gated None: n_out = N. gated "concatenated": n_out = N / 2, the
     gate is rhs columns [0, n_out) and up [n_out, N), read as two block streams of the same array (tn must divide
-    n_out). gated "interleaved" (transposed rhs only): gate rows even, up rows odd; one (2 tn, tk) block per step,
-    split with sublane-strided loads. bias: tuple of [Gr, 1, n_out] arrays, one per stream (gate, up) or one.
+    n_out); the epilogue writes act(gate) * up. (An interleaved gate/up layout is not fused: Mosaic's strided loads
+    cannot split a bf16 (2 tn, tk) block into even and odd rows, "last dim size is not 128"; api.py computes it
+    unfused.) bias: tuple of [Gr, 1, n_out] arrays, one per stream (gate, up) or one.
     """
     m, k = lhs.shape
     n_full = rhs.shape[1] if rhs_transposed else rhs.shape[2]
@@ -328,17 +325,15 @@ def ragged_dot_forward(
     def out_map(n, v, kk, meta):
         return meta[F_TILE * V + v], n
 
+    if gated not in (None, "concatenated"):
+        raise ValueError(f"gated: the kernel fuses only the concatenated layout, got {gated!r}")
     in_specs = [pl.BlockSpec((tm, tk), lhs_map)]
     operands = [lhs]
-    if gated == "interleaved":
-        in_specs.append(pl.BlockSpec((None, 2 * tn, tk), rhs_map(0)))
+    shifts = [0, n_out // tn] if gated == "concatenated" else [0]
+    wshape = (None, tn, tk) if rhs_transposed else (None, tk, tn)
+    for s in shifts:
+        in_specs.append(pl.BlockSpec(wshape, rhs_map(s)))
         operands.append(rhs)
-    else:
-        shifts = [0, n_out // tn] if gated == "concatenated" else [0]
-        wshape = (None, tn, tk) if rhs_transposed else (None, tk, tn)
-        for s in shifts:
-            in_specs.append(pl.BlockSpec(wshape, rhs_map(s)))
-            operands.append(rhs)
     for b in bias:
         in_specs.append(pl.BlockSpec((None, 1, tn), bias_map))
         operands.append(b)
