@@ -1,0 +1,176 @@
+"""Pallas TPU kernel for rotary position embeddings (RoPE), optionally fused with a per-head RMSNorm.
+
+One pallas_call rotates q and k (any head counts) together, so the per-token cos/sin rows (or positions) are read
+once for all heads of both. Layouts, as seen by the kernel:
+  seq_major ("bshd"): x [B, S, H, D], block (block_batch, block_seq, H, D): each token's heads form a (H, D) tile;
+  head_major ("bhsd"): x [B, H, S, D], block (block_batch, H, block_seq, D): each head is a (block_seq, D) slab.
+Tables are per token: cos/sin [Bc, S, W] (Bc = 1 broadcasts over the batch) or positions [Bp, S, 1] with the
+inverse frequencies [1, W]; a table block is (block_batch or 1, block_seq, W), broadcast over heads in the kernel.
+
+The rotation works on the last (lane) axis of width W (the head dim, or the first W lanes when only an aligned
+prefix rotates). rotate_half pairs lane j with j + r/2 (j < r/2); the interleaved (GPT-J) convention pairs 2i with
+2i+1. The partner lanes come from two lane rotations (`pltpu.roll`); which of the two holds lane j's partner is
+decided by rolling a lane iota the same way, so the kernel does not depend on the rotation direction convention.
+The result is x * cos + R(x) * sin with R(x)[j] = -x[p(j)] for the first lane of a pair and +x[p(j)] for the
+second; the transpose (the backward, since RoPE is linear in x) is g * cos - R(g * sin). Lanes at or past
+`rotary_dim` pass through unchanged.
+
+Token blocks are independent ("parallel" on both grid axes), which lets a multi-core chip split the grid. A ragged
+last block computes on padding rows whose writes Pallas drops; nothing reduces across rows.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .tuning import RotaryBlocks
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Static facts of one kernel call."""
+
+    rotary_dim: int  # lanes [0, rotary_dim) of the table width rotate; the rest pass through
+    interleaved: bool
+    seq_major: bool  # x is [B, S, H, D] ("bshd"), else [B, H, S, D] ("bhsd")
+    transpose: bool = False  # apply the transpose rotation (the gradient)
+    from_positions: bool = False  # tables are positions + inverse frequencies, not cos/sin
+    attention_scaling: float = 1.0  # cos and sin are scaled by this (yarn); positions mode only
+    norm: bool = False  # per-head RMSNorm over D before the rotation
+    eps: float = 1e-6
+    weight_offset: float = 0.0
+
+
+def _partner_lanes(y, cfg: RopeConfig):
+    """(partner, first): partner[..., j] = y[..., p(j)] for lanes j < rotary_dim; first marks a pair's first lane."""
+    width = y.shape[-1]
+    axis = y.ndim - 1
+    lane2d = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    if cfg.interleaved:
+        first = lane2d % 2 == 0
+        partner_idx = jnp.where(first, lane2d + 1, lane2d - 1)
+        shift = 1
+    else:
+        half = cfg.rotary_dim // 2
+        first = lane2d < half
+        partner_idx = jnp.where(first, lane2d + half, lane2d - half)
+        shift = half
+    a = pltpu.roll(y, shift, axis)
+    other = (width - shift) % width
+    if other == shift:  # rotating by half the width: both directions agree
+        partner = a
+    else:
+        # Where lane j of `a` came from, found by rolling the lane ids the same way.
+        source = pltpu.roll(lane2d, shift, 1)
+        pick_a = (source == partner_idx).reshape((1,) * (y.ndim - 1) + (width,))
+        partner = jnp.where(pick_a, a, pltpu.roll(y, other, axis))
+    return partner, first.reshape((1,) * (y.ndim - 1) + (width,))
+
+
+def _rotate(x, cos, sin, cfg: RopeConfig):
+    """x: f32 (..., W); cos/sin: f32 broadcastable to x. Returns the rotated x (or its transpose) in f32."""
+    if cfg.transpose:
+        partner, first = _partner_lanes(x * sin, cfg)
+        out = x * cos + jnp.where(first, partner, -partner)
+    else:
+        partner, first = _partner_lanes(x, cfg)
+        out = x * cos + jnp.where(first, -partner, partner) * sin
+    width = x.shape[-1]
+    if cfg.rotary_dim < width:
+        lane = jax.lax.broadcasted_iota(jnp.int32, (1,) * (x.ndim - 1) + (width,), x.ndim - 1)
+        out = jnp.where(lane < cfg.rotary_dim, out, x)
+    return out
+
+
+def _kernel(*refs, n, cfg: RopeConfig):
+    x_refs = refs[:n]
+    table_a, table_b = refs[n], refs[n + 1]
+    w_refs = refs[n + 2 : 2 * n + 2] if cfg.norm else ()
+    out_refs = refs[len(refs) - n :]
+
+    if cfg.from_positions:
+        # table_a: positions (b, ts, 1) int32; table_b: inverse frequencies (1, W) f32.
+        angle = table_a[...].astype(jnp.float32) * table_b[...][None]  # (b, ts, W), the f32 product transformers forms
+        cos, sin = jnp.cos(angle), jnp.sin(angle)
+        if cfg.attention_scaling != 1.0:
+            cos, sin = cos * cfg.attention_scaling, sin * cfg.attention_scaling
+    else:
+        cos, sin = table_a[...].astype(jnp.float32), table_b[...].astype(jnp.float32)
+    # Broadcast the per-token rows over heads: (b, ts, 1, W) in bshd, (b, 1, ts, W) in bhsd.
+    cos = cos[:, :, None, :] if cfg.seq_major else cos[:, None, :, :]
+    sin = sin[:, :, None, :] if cfg.seq_major else sin[:, None, :, :]
+    width = cos.shape[-1]
+
+    for i in range(n):
+        x = x_refs[i][...].astype(jnp.float32)
+        if cfg.norm:
+            x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.eps)
+            w = w_refs[i][...].astype(jnp.float32)  # (1, D)
+            x = x * (w.reshape((1, 1, 1, w.shape[-1])) + cfg.weight_offset)
+        out_ref = out_refs[i]
+        if width == x.shape[-1]:
+            out_ref[...] = _rotate(x, cos, sin, cfg).astype(out_ref.dtype)
+        else:  # an aligned prefix of the lanes rotates (width % 128 == 0); the rest is copied
+            out_ref[:, :, :, :width] = _rotate(x[..., :width], cos, sin, cfg).astype(out_ref.dtype)
+            out_ref[:, :, :, width:] = x[..., width:].astype(out_ref.dtype)
+
+
+def rope(xs, table_a, table_b, weights, *, cfg: RopeConfig, blocks: RotaryBlocks):
+    """Rotate every array of `xs` (same B, S, D; any head count) with one pallas_call.
+
+    xs: 4D arrays in the layout cfg.seq_major says. Tables: cos/sin [Bc, S, W] (Bc in {1, B}), or, with
+    cfg.from_positions, positions [Bp, S, 1] int32 and inverse frequencies [1, W] f32. weights: per x a (1, D) norm
+    weight when cfg.norm, else (). Returns a list of outputs shaped and typed like xs.
+    """
+    n = len(xs)
+    x0 = xs[0]
+    batch, seq, head_dim = x0.shape[0], (x0.shape[1] if cfg.seq_major else x0.shape[2]), x0.shape[3]
+    bb, ts = blocks.block_batch, blocks.block_seq
+    grid = (pl.cdiv(batch, bb), pl.cdiv(seq, ts))
+
+    def x_spec(x):
+        if cfg.seq_major:
+            return pl.BlockSpec((bb, ts, x.shape[2], head_dim), lambda i, j: (i, j, 0, 0))
+        return pl.BlockSpec((bb, x.shape[1], ts, head_dim), lambda i, j: (i, 0, j, 0))
+
+    def per_token_spec(t):
+        if t.shape[0] == batch and batch != 1:
+            return pl.BlockSpec((bb, ts, t.shape[2]), lambda i, j: (i, j, 0))
+        return pl.BlockSpec((1, ts, t.shape[2]), lambda i, j: (0, j, 0))  # one row shared by the whole batch
+
+    def fixed_spec(t):
+        return pl.BlockSpec(t.shape, lambda i, j: (0,) * t.ndim)  # same block every step: fetched once
+
+    if cfg.from_positions:
+        table_specs = [per_token_spec(table_a), fixed_spec(table_b)]
+    else:
+        table_specs = [per_token_spec(table_a), per_token_spec(table_b)]
+    in_specs = [x_spec(x) for x in xs] + table_specs + ([fixed_spec(w) for w in weights] if cfg.norm else [])
+    operands = list(xs) + [table_a, table_b] + (list(weights) if cfg.norm else [])
+
+    elements = sum(x.size for x in xs)
+    width = table_b.shape[-1]
+    tokens = batch * seq
+    cost = pl.CostEstimate(
+        flops=(10 if cfg.norm else 6) * elements,
+        transcendentals=(2 * tokens * width if cfg.from_positions else 0) + (tokens * n if cfg.norm else 0),
+        bytes_accessed=2 * sum(x.size * x.dtype.itemsize for x in xs)
+        + table_a.size * table_a.dtype.itemsize
+        + table_b.size * table_b.dtype.itemsize,
+    )
+    outs = pl.pallas_call(
+        functools.partial(_kernel, n=n, cfg=cfg),
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs],
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=[x_spec(x) for x in xs],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=blocks.vmem_limit_bytes
+        ),
+        cost_estimate=cost,
+        name=("rms_norm_rope" if cfg.norm else "rope") + ("_bwd" if cfg.transpose else ""),
+    )(*operands)
+    return list(outs)
