@@ -50,7 +50,7 @@ def test_build_toml_is_valid_kernel_builder_config():
 def test_variants_are_complete_self_contained_packages(variants):
     for backend, path in variants.items():
         assert (path / "__init__.py").is_file(), "the kernels library imports <variant>/__init__.py"
-        for rel in ("_ops.py", "jax.py", "layers.py", "rms_norm.py", "_pallas/rms_norm/api.py",
+        for rel in ("_ops.py", "jax.py", "layers.py", "rms_norm_ops.py", "_pallas/rms_norm/api.py",
                     "_pallas/rms_norm/kernel.py", "_pallas/common/interpret.py"):
             assert (path / rel).is_file(), f"{backend}: {rel} missing"
         links = [p for p in path.rglob("*") if p.is_symlink()]
