@@ -13,9 +13,9 @@ hold either
     the expert weights, and group_offset = shard index * num_local_groups, possibly a traced value such as
     `jax.lax.axis_index(...) * n` inside shard_map), or
   - every group: rhs.shape[0] == G, of which only the window is used.
-num_local_groups defaults to rhs.shape[0]. group_offset is a Python int or an integer scalar array (shape () or
-(1,)); a concrete one is checked to keep the window inside [0, G); a traced one cannot be, and window groups outside
-[0, G) then contribute nothing.
+num_local_groups defaults to G (no window; rhs must then hold G groups). group_offset is a Python int or an integer
+scalar array (shape () or (1,)); a concrete one is checked to keep the window inside [0, G); a traced one cannot be,
+and window groups outside [0, G) then contribute nothing.
 
 Fused epilogue (for the MoE gate/up projection): `bias` [rhs groups, N] is added per group; `activation` in
 {None, "silu", "gelu_tanh"}; with `gated="concatenated"` (gate = columns [0, N/2), up = [N/2, N)) or
@@ -113,13 +113,20 @@ def check_inputs(
                 f"preferred_element_type: expected one of ({', '.join(map(str, OUT_DTYPES))}), got {out_dtype}"
             )
     if num_local_groups is None:
+        if rhs_groups != num_groups:
+            raise ValueError(
+                f"rhs: expected {num_groups} groups (len(group_sizes)) in dimension 0, got shape {tuple(rhs.shape)}; "
+                "for a local group window pass num_local_groups (and group_offset)"
+            )
         n_local = rhs_groups
     else:
         if isinstance(num_local_groups, bool) or not isinstance(num_local_groups, (int, np.integer)):
             raise TypeError(f"num_local_groups: expected an int, got {type(num_local_groups).__name__}")
         n_local = int(num_local_groups)
     if n_local < 0 or n_local > num_groups:
-        raise ValueError(f"num_local_groups: expected 0 <= num_local_groups <= {num_groups} (len(group_sizes)), got {n_local}")
+        raise ValueError(
+            f"num_local_groups: expected 0 <= num_local_groups <= {num_groups} (len(group_sizes)), got {n_local}"
+        )
     if rhs_groups not in (n_local, num_groups):
         raise ValueError(
             f"rhs: expected {n_local} groups (the local window, num_local_groups) or {num_groups} (every group, "
@@ -246,7 +253,8 @@ def _ragged_dot(cfg: _Config, lhs, rhs, bias2d, group_sizes, group_offset):
 
 
 def _ragged_dot_fwd(cfg, lhs, rhs, bias2d, group_sizes, group_offset):
-    return _fused_forward(cfg, lhs, rhs, bias2d, group_sizes, group_offset), (lhs, rhs, bias2d, group_sizes, group_offset)
+    out = _fused_forward(cfg, lhs, rhs, bias2d, group_sizes, group_offset)
+    return out, (lhs, rhs, bias2d, group_sizes, group_offset)
 
 
 def _ragged_dot_bwd(cfg: _Config, saved, g):
@@ -261,7 +269,6 @@ def _ragged_dot_bwd(cfg: _Config, saved, g):
         )
         _, epilogue_vjp = jax.vjp(lambda h: _epilogue(h, cfg), h)
         (g,) = epilogue_vjp(g.astype(jnp.float32))
-    n = g.shape[1]
     # d lhs: the same grouped matmul against rhs read the other way round; rows outside the window get zero.
     dlhs = _plain_forward(
         g, rhs, None, group_sizes, group_offset, out_dtype=lhs.dtype, rhs_transposed=not cfg.rhs_transposed,
@@ -288,7 +295,6 @@ def _ragged_dot_bwd(cfg: _Config, saved, g):
         drhs = jax.lax.dynamic_update_slice(jnp.zeros(rhs.shape, rhs.dtype), drhs, (start, 0, 0))
         if dbias is not None:
             dbias = jax.lax.dynamic_update_slice(jnp.zeros(bias2d.shape, bias2d.dtype), dbias, (start, 0))
-    del n
     return dlhs, drhs, dbias, None, None
 
 
@@ -325,15 +331,15 @@ def ragged_dot(
     m, k = lhs.shape
     if m == 0 or n_out == 0:
         return jnp.zeros((m, n_out), cfg.out_dtype)
-    if cfg.num_local_groups == 0 or k == 0:
-        # Nothing to multiply: the plain-JAX reference is exact (zeros, or the epilogue of the bias alone).
-        zero_lhs = jnp.zeros((m, 1), lhs.dtype)
-        zero_rhs = jnp.zeros(rhs.shape[:1] + ((n_out * (2 if gated else 1), 1) if rhs_transposed else (1, n_out * (2 if gated else 1))), rhs.dtype)
-        if cfg.num_local_groups == 0:
-            return jnp.zeros((m, n_out), cfg.out_dtype)
+    if cfg.num_local_groups == 0:
+        return jnp.zeros((m, n_out), cfg.out_dtype)
+    if k == 0:
+        # Nothing to contract: each row is its group's bias (or zero) through the epilogue; the reference is exact.
+        n_full = rhs.shape[1] if rhs_transposed else rhs.shape[2]
+        unit_rhs = jnp.zeros((rhs.shape[0],) + ((n_full, 1) if rhs_transposed else (1, n_full)), rhs.dtype)
         return reference.ragged_dot_reference(
-            zero_lhs, zero_rhs, group_sizes, preferred_element_type=cfg.out_dtype, rhs_transposed=rhs_transposed,
-            group_offset=group_offset, num_local_groups=cfg.num_local_groups, bias=bias, activation=activation,
-            gated=gated,
+            jnp.zeros((m, 1), lhs.dtype), unit_rhs, group_sizes, preferred_element_type=cfg.out_dtype,
+            rhs_transposed=rhs_transposed, group_offset=group_offset, num_local_groups=cfg.num_local_groups,
+            bias=bias, activation=activation, gated=gated,
         )
     return _ragged_dot(cfg, lhs, rhs, bias, group_sizes, group_offset)
