@@ -20,8 +20,14 @@ $(STAMP): pyproject.toml scripts/requirements.py
 build: venv
 	$(PY) scripts/build_hub.py
 
+# The main suite, and beside it (second core) the JAX-only tests under Python 3.12 + jax 0.12 (scripts/jax_compat.sh).
 test: build
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@mkdir -p build; scripts/jax_compat.sh -q $(PYTEST_ARGS) > build/jax012-tests.log 2>&1 & compat=$$!; \
+	$(PY) -m pytest $(PYTEST_ARGS); main=$$?; \
+	wait $$compat; compat_rc=$$?; \
+	echo "=== JAX-only tests under Python 3.12 + jax 0.12 (full log: build/jax012-tests.log) ==="; \
+	tail -n 15 build/jax012-tests.log; \
+	test $$main -eq 0 && test $$compat_rc -eq 0
 
 bench: venv
 	$(PY) -m benchmarks $(BENCH_ARGS)

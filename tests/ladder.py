@@ -136,7 +136,7 @@ def tpu_spec(generation: str, shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
 
 
-COMPILE_STATS: list[dict] = []  # written to build/compile_stats.json at the end of the session (conftest)
+COMPILE_STATS: list[dict] = []  # written to build/compile_stats-jax<version>.json at session end (conftest)
 
 
 def compile_for_tpu(fn, generation: str, *shapes_and_dtypes, label: str = "", **static_kwargs):

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The JAX-only tests under Python 3.12 + jax 0.12 (what TPU VMs run), in .venv-jax012/. Used by `make test`.
+# Exit status: pytest's; 0 with a loud note when no Python 3.12 exists on this machine.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+venv=.venv-jax012
+python312=$(command -v python3.12 || PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null \
+            || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -n 1)
+if [ -z "$python312" ]; then
+    echo "NOTE: no Python 3.12 on this machine: the jax 0.12 compatibility run did not happen"
+    exit 0
+fi
+stamp=$venv/.installed-$(cksum pyproject.toml | cut -d' ' -f1)
+if [ ! -e "$stamp" ]; then
+    [ -x $venv/bin/python ] || "$python312" -m venv $venv || exit 1
+    "$python312" scripts/requirements.py --jax-compat | $venv/bin/python -m pip install -q -r /dev/stdin || exit 1
+    rm -f $venv/.installed-* && touch "$stamp"
+fi
+exec $venv/bin/python -m pytest -p no:cacheprovider "$@"
