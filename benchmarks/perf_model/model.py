@@ -126,6 +126,10 @@ def _arg_specs(args):
 
 _COMPILE_CACHE: dict[str, dict] = {}
 
+# Only the LLO passes the model reads are dumped (pre-delay and final bundles, their schedule-analysis summaries):
+# the full dump is ~50 MB per compile and triples its wall time. `keep_dumps` gets the full dump.
+_DUMP_PASS_REGEX = "packed-bundles-post-ra|final_bundles"
+
 
 def compile_deviceless(fn, args, gen: str = "v6e", *, dump: bool = True, keep_dumps: str | None = None,
                        timeout: float = 900.0) -> tuple[dict, dict[str, str]]:
@@ -161,6 +165,8 @@ def compile_deviceless(fn, args, gen: str = "v6e", *, dump: bool = True, keep_du
     flags = env.get("LIBTPU_INIT_ARGS", "")
     if dump:
       flags = f"{flags} --xla_jf_dump_to={dump_dir} --xla_mosaic_dump_to={dump_dir}".strip()
+      if keep_dumps is None:
+        flags += f" --xla_jf_dump_llo_pass_label_regex={_DUMP_PASS_REGEX}"
     env["LIBTPU_INIT_ARGS"] = flags
     proc = subprocess.run([sys.executable, _WORKER, payload, out_path], env=env,
                           capture_output=True, text=True, timeout=timeout)
