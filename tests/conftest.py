@@ -15,6 +15,7 @@ environment.apply()
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "torch-ext"))  # the in-tree torch package; its _pallas/ is the JAX kernels
+sys.path.append(str(ROOT))  # `benchmarks` (shapes declared once, the harness); appended: never shadows a library
 if importlib.util.find_spec("torch") is None:
     # A JAX-only environment (the jax 0.12 / Python 3.12 compatibility run): make the package's JAX modules
     # (tpu_kernels.jax, tpu_kernels._pallas.*) importable without running its torch-importing __init__.

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import ladder
+from benchmarks.shapes import RMS_NORM_HIDDENS, RMS_NORM_TOKENS
 from tpu_kernels import jax as tk
 from tpu_kernels._pallas.rms_norm import api, tuning
 from tpu_kernels._pallas.rms_norm.reference import fused_add_rms_norm_reference, rms_norm_reference
@@ -162,8 +163,8 @@ def test_export_for_tpu(dtype):
     ladder.export_for_tpu(jax.grad(lambda x, r, w: _loss(api.fused_add_rms_norm(x, r, w)), argnums=(0, 1, 2)), x, x, w)
 
 
-BENCH_TOKENS = [1, 8, 64, 512, 4096, 32768]
-BENCH_HIDDENS = [2048, 4096]
+BENCH_TOKENS = list(RMS_NORM_TOKENS)  # the benchmark shapes, declared once in benchmarks/shapes.py
+BENCH_HIDDENS = list(RMS_NORM_HIDDENS)
 
 
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)

@@ -1,0 +1,155 @@
+"""The benchmark of one kernel, end to end: measure (pytest-benchmark), model (perf_model), roofline, targets.
+
+`run_kernel` returns a JSON-ready result; `benchmarks.report` turns it into the table, the JSON file and the chart.
+Every figure carries its label: "measured <device>" (or "cpu interpret" / "cpu XLA", never a TPU figure),
+"modeled <gen>" or "roofline <gen>".
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+from . import device as _device
+from . import measured, modeled, perf_model, roofline
+from . import suite as _suite
+
+NOTES = (
+    "modeled = static performance model (benchmarks/perf_model): the compiled kernel's bundle schedule and its HBM "
+    "traffic, never a run on a TPU. It ignores DMA contention and efficiency, clock throttling and data-dependent "
+    "stalls; Pallas launch overhead is an assumed 1 us per kernel.",
+    "Known bias: a Pallas kernel's HBM time is modeled at the full table bandwidth, while XLA's own estimates (used "
+    "for the default implementation's XLA ops) assume ~81% of it for a streaming op, so an HBM-bound kernel gets up "
+    "to ~1.2x credit against a default of the same traffic.",
+    "roofline = max(minimum HBM bytes / HBM bandwidth, matmul flops / bf16 peak) for the generation's chip.",
+    "efficiency = roofline / modeled kernel time; speedup = modeled default time / modeled kernel time.",
+    "default = the plain JAX path of the same operation (the kernel's reference), compiled by XLA.",
+)
+
+
+@dataclasses.dataclass
+class Config:
+    gen: str = "v6e"
+    full: bool = False
+    out: pathlib.Path = pathlib.Path("bench-results")
+    measure: bool = True
+    workers: int | None = None
+
+
+def _us(seconds):
+    return None if seconds is None else seconds * 1e6
+
+
+def _measured_entry(stats: dict, case: _suite.Case, units: int, hbm_bytes: int):
+    kernel, default = stats.get((case.id, "kernel")), stats.get((case.id, "default"))
+    if kernel is None and default is None:
+        return None
+    entry = {}
+    for impl, s in (("kernel", kernel), ("default", default)):
+        if s is None:
+            continue
+        t = s["median_s"]
+        entry[impl] = {"label": s["label"], "us": _us(t), "rounds": s["rounds"], "stddev_us": _us(s["stddev_s"]),
+                       "units_per_s": units / t, "gbps": hbm_bytes / t / 1e9}
+    return entry
+
+
+def _modeled_entry(model):
+    if isinstance(model, Exception):
+        return {"error": f"{type(model).__name__}: {model}"}
+    out = {"label": model.label, "us": model.modeled_us, "warnings": list(model.warnings),
+           "xla_ops_us": sum(x.modeled_s for x in model.xla_ops) * 1e6}
+    if model.kernels:
+        out["kernels"] = [{"name": k.kernel_name, "grid": list(k.grid), "bound": k.bound, "hbm_bytes": k.hbm_bytes,
+                           "compute_us": k.compute_s * 1e6, "hbm_us": k.hbm_s * 1e6, "us": k.modeled_s * 1e6}
+                          for k in model.kernels]
+    return out
+
+
+def build_row(case: _suite.Case, chip, models: dict, stats: dict, batch_unit: str) -> dict:
+    shape, op = case.shape, case.op
+    hbm_bytes, flops = int(op.hbm_bytes(shape)), int(op.mxu_flops(shape))
+    roof_s = roofline.roofline_s(hbm_bytes, flops, chip)
+    kernel = _modeled_entry(models[(case.id, "kernel")])
+    default = _modeled_entry(models[(case.id, "default")])
+    row = {
+        "op": op.name, "case": case.id, "shape": shape.as_dict(), "shape_id": shape.id, "series": shape.series,
+        "batch": shape.batch, "batch_unit": batch_unit, "hbm_bytes": hbm_bytes, "mxu_flops": flops,
+        "roofline": {"label": f"roofline {chip.gen}", "us": _us(roof_s),
+                     "bound": roofline.bound(hbm_bytes, flops, chip)},
+        "modeled_kernel": kernel, "modeled_default": default,
+        "efficiency": None, "speedup": None,
+        "measured": _measured_entry(stats, case, shape.batch, hbm_bytes),
+    }
+    for name, entry in (("modeled_kernel", kernel), ("modeled_default", default)):
+        if "us" in entry:
+            t = entry["us"] * 1e-6
+            entry["units_per_s"] = shape.batch / t
+            entry["gbps"] = hbm_bytes / t / 1e9
+    if "us" in kernel:
+        row["efficiency"] = row["roofline"]["us"] / kernel["us"]
+        if "us" in default:
+            row["speedup"] = default["us"] / kernel["us"]
+    return row
+
+
+def check_targets(targets: _suite.Targets, rows: list[dict]) -> list[dict]:
+    """Each target: what it asks, whether the modeled figures meet it, and the worst case."""
+    out = []
+    if targets.min_efficiency is not None:
+        sel = [r for r in rows if r["batch"] >= targets.min_efficiency_from_batch]
+        worst = min(sel, key=lambda r: r["efficiency"] if r["efficiency"] is not None else -1.0, default=None)
+        eff = None if worst is None else worst["efficiency"]
+        out.append({
+            "target": f"efficiency >= {targets.min_efficiency:.0%} of the roofline at "
+                      f"{rows[0]['batch_unit'] if rows else 'batch'} >= {targets.min_efficiency_from_batch}",
+            "source": targets.source, "met": eff is not None and eff >= targets.min_efficiency,
+            "worst": None if worst is None else {"case": worst["case"], "efficiency": eff},
+        })
+    if targets.beats_default:
+        worst = min(rows, key=lambda r: r["speedup"] if r["speedup"] is not None else -1.0, default=None)
+        speedup = None if worst is None else worst["speedup"]
+        out.append({
+            "target": "faster than the default implementation at every shape", "source": targets.source,
+            "met": speedup is not None and speedup > 1.0,
+            "worst": None if worst is None else {"case": worst["case"], "speedup": speedup},
+        })
+    return out
+
+
+def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None, bar=None) -> dict:
+    """Benchmark one kernel: `shapes` default to the suite's (benchmarks/shapes.py)."""
+    suite = _suite.get(kernel)
+    cases = suite.cases(None if shapes is None else tuple(shapes))
+    chip = perf_model.get_chip(config.gen)
+    config.out.mkdir(parents=True, exist_ok=True)
+    timed = [c for c in cases if dev.times(c.op.hbm_bytes(c.shape), config.full)] if config.measure else []
+    if bar is not None:
+        bar.total = (bar.total or 0) + 2 * len(cases) + 2 * len(timed)
+        bar.refresh()
+    stats, measure_error = {}, None
+    if timed:
+        if bar is not None:
+            bar.set_description(f"{kernel}: measuring ({dev.kernel_label})")
+        stats, measure_error = measured.run(
+            kernel, timed, json_path=config.out / f"{kernel}.pytest-benchmark.json",
+            log_path=config.out / f"{kernel}.pytest.log", full=config.full, bar=bar)
+    if bar is not None:
+        bar.set_description(f"{kernel}: modeling ({chip.gen})")
+    models = modeled.run(cases, chip.gen, bar=bar, workers=config.workers)
+    rows = [build_row(c, chip, models, stats, suite.batch_unit) for c in cases]
+    return {
+        "kernel": kernel,
+        "generation": chip.gen,
+        "modeled_label": f"modeled {chip.gen}",
+        "roofline_label": f"roofline {chip.gen}",
+        "chip": chip.as_dict(),
+        "device": dev.as_dict(),
+        "measured_label": dev.kernel_label,
+        "measured_default_label": dev.default_label,
+        "measure_error": measure_error,
+        "full": config.full,
+        "batch_unit": suite.batch_unit,
+        "targets": check_targets(suite.targets, rows),
+        "notes": list(NOTES),
+        "rows": rows,
+    }

@@ -1,0 +1,111 @@
+"""Measured timings, through pytest-benchmark.
+
+The suites (`benchmarks/test_<kernel>.py`) time each case twice, the kernel and the default implementation, with
+pytest-benchmark's `benchmark` fixture. `run()` runs a suite in this process through `pytest.main` with
+`--benchmark-json` and reads the timings back from that JSON. Which cases a suite times is decided here (`plan`),
+so `python -m benchmarks` and a direct `pytest benchmarks/test_<kernel>.py` time the same cases.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+
+from . import device as _device
+from . import suite as _suite
+
+IMPLS = _suite.IMPLS
+HERE = pathlib.Path(__file__).resolve().parent
+# pytest-benchmark rounds (each one call, after one warm-up call that also compiles) per device.
+ROUNDS = {"tpu": (20, 10), "cpu": (3, 1)}          # (rounds, iterations per round)
+
+_PLANNED: dict[str, list[_suite.Case]] = {}
+
+
+def plan(kernel: str, *, full: bool, dev: _device.Device | None = None) -> list[_suite.Case]:
+    """The cases of `kernel` to time: those `run()` was given, else every case the device times."""
+    if kernel in _PLANNED:
+        return _PLANNED[kernel]
+    dev = dev or _device.detect()
+    return [c for c in _suite.get(kernel).cases() if dev.times(c.op.hbm_bytes(c.shape), full)]
+
+
+def _arrays(case: _suite.Case, seed: int = 0):
+    import jax
+    import numpy as np
+
+    if case.op.arrays is not None:
+        return case.op.arrays(case.shape, seed)
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: jax.numpy.asarray(rng.standard_normal(s.shape, np.float32), s.dtype),
+                        case.op.specs(case.shape))
+
+
+def time_case(benchmark, case: _suite.Case, impl: str, dev: _device.Device) -> None:
+    """Time one case with pytest-benchmark's `benchmark` fixture. On a CPU the kernel runs in TPU interpret mode."""
+    import jax
+
+    from . import jax_kernels
+
+    fn = jax.jit(case.op.kernel if impl == "kernel" else case.op.default)
+    args = _arrays(case)
+    interpret = impl == "kernel" and not dev.is_tpu
+    context = jax_kernels.load("common.interpret").interpret_on_cpu if interpret else contextlib.nullcontext
+
+    def call():
+        with context():
+            jax.block_until_ready(fn(*args))
+
+    call()  # compile outside the timed rounds
+    rounds, iterations = ROUNDS["tpu" if dev.is_tpu else "cpu"]
+    benchmark.extra_info.update(
+        case_id=case.id, impl=impl, label=dev.kernel_label if impl == "kernel" else dev.default_label,
+        device_kind=dev.kind, batch=case.shape.batch, hbm_bytes=case.op.hbm_bytes(case.shape),
+    )
+    benchmark.pedantic(call, rounds=rounds, iterations=iterations, warmup_rounds=1)
+
+
+class _Progress:
+    """pytest plugin: one progress-bar step per finished test."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        if self.bar is not None:
+            self.bar.update(1)
+
+
+def run(kernel: str, cases: list[_suite.Case], *, json_path: pathlib.Path, log_path: pathlib.Path,
+        full: bool, bar=None) -> tuple[dict, str | None]:
+    """Time `cases` of `kernel` through its pytest-benchmark suite. Returns ({(case id, impl): stats}, error).
+
+    pytest's own output goes to `log_path`; timings in seconds come from pytest-benchmark's JSON at `json_path`.
+    """
+    import pytest
+
+    if not cases:
+        return {}, None
+    test_file = HERE / f"test_{kernel}.py"
+    if not test_file.exists():
+        return {}, f"no pytest-benchmark suite {test_file.name}"
+    json_path.unlink(missing_ok=True)
+    _PLANNED[kernel] = list(cases)
+    args = [str(test_file), f"--benchmark-json={json_path}", "-p", "no:cacheprovider", "-q",
+            "--rootdir", str(HERE.parent)] + (["--bench-full"] if full else [])
+    try:
+        with open(log_path, "w") as log, contextlib.redirect_stdout(log):
+            code = pytest.main(args, plugins=[_Progress(bar)])
+    finally:
+        _PLANNED.pop(kernel, None)
+    error = None if code == 0 else f"pytest exited with {int(code)}; see {log_path}"
+    if not json_path.exists():
+        return {}, error or f"pytest-benchmark wrote no {json_path}"
+    stats = {}
+    for b in json.loads(json_path.read_text())["benchmarks"]:
+        info, s = b["extra_info"], b["stats"]
+        stats[(info["case_id"], info["impl"])] = {
+            "label": info["label"], "median_s": s["median"], "mean_s": s["mean"], "min_s": s["min"],
+            "stddev_s": s["stddev"], "rounds": s["rounds"],
+        }
+    return stats, error

@@ -1,0 +1,36 @@
+"""Modeled times: the kernel and the default implementation of every case through the static performance model.
+
+Each `perf_model.model_function` call compiles in its own subprocess (~2-8 s here); the calls run on a small thread
+pool, which keeps both cores busy.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+from . import perf_model
+from . import suite as _suite
+
+IMPLS = _suite.IMPLS
+
+
+def _model_one(case: _suite.Case, impl: str, gen: str):
+    op = case.op
+    args = op.model_args(case.shape) if op.model_args else op.specs(case.shape)
+    return perf_model.model_function(op.kernel if impl == "kernel" else op.default, args, gen=gen)
+
+
+def run(cases: list[_suite.Case], gen: str, *, bar=None, workers: int | None = None) -> dict:
+    """{(case id, impl): ProgramModel or the Exception that modeling raised}."""
+    workers = workers or max(1, min(4, os.cpu_count() or 1))
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {pool.submit(_model_one, c, impl, gen): (c.id, impl) for c in cases for impl in IMPLS}
+        for future in concurrent.futures.as_completed(futures):
+            try:
+                results[futures[future]] = future.result()
+            except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
+                results[futures[future]] = e
+            if bar is not None:
+                bar.update(1)
+    return results

@@ -1,0 +1,1 @@
+"""One module per kernel, each defining `SUITE` (see benchmarks/suite.py)."""

@@ -1,0 +1,66 @@
+"""RMSNorm and fused residual-add + RMSNorm against the plain JAX path XLA compiles (the references)."""
+import jax
+import jax.numpy as jnp
+
+from .. import jax_kernels, shapes
+from ..suite import Op, Suite, Targets
+
+api = jax_kernels.load("rms_norm.api")
+reference = jax_kernels.load("rms_norm.reference")
+
+EPS = 1e-6
+
+
+def kernel_rms_norm(x, weight):
+    return api.rms_norm(x, weight, EPS)
+
+
+def default_rms_norm(x, weight):
+    return reference.rms_norm_reference(x, weight, EPS)
+
+
+def kernel_fused_add_rms_norm(x, residual, weight):
+    return api.fused_add_rms_norm(x, residual, weight, EPS)
+
+
+def default_fused_add_rms_norm(x, residual, weight):
+    return reference.fused_add_rms_norm_reference(x, residual, weight, EPS)
+
+
+def _rows(shape):
+    return jax.ShapeDtypeStruct((shape["tokens"], shape["hidden"]), jnp.dtype(shape.dtype))
+
+
+def _weight(shape):
+    return jax.ShapeDtypeStruct((shape["hidden"],), jnp.dtype(shape.dtype))
+
+
+def _row_bytes(shape):
+    return shape["tokens"] * shape["hidden"] * jnp.dtype(shape.dtype).itemsize
+
+
+SUITE = Suite(
+    kernel="rms_norm",
+    ops=(
+        Op(
+            name="rms_norm",
+            kernel=kernel_rms_norm,
+            default=default_rms_norm,
+            specs=lambda s: (_rows(s), _weight(s)),
+            # read x, write out, read the weight once
+            hbm_bytes=lambda s: 2 * _row_bytes(s) + s["hidden"] * jnp.dtype(s.dtype).itemsize,
+        ),
+        Op(
+            name="fused_add_rms_norm",
+            kernel=kernel_fused_add_rms_norm,
+            default=default_fused_add_rms_norm,
+            specs=lambda s: (_rows(s), _rows(s), _weight(s)),
+            # read x and residual, write out and the sum, read the weight once
+            hbm_bytes=lambda s: 4 * _row_bytes(s) + s["hidden"] * jnp.dtype(s.dtype).itemsize,
+        ),
+    ),
+    shapes=shapes.RMS_NORM,
+    targets=Targets(
+        source="issue 3 item 5", min_efficiency=0.85, min_efficiency_from_batch=4096, beats_default=True
+    ),
+)

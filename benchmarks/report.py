@@ -1,0 +1,124 @@
+"""A kernel's benchmark result as a table (text), as JSON (`<out>/<kernel>.json`) and as a chart (`<out>/<kernel>.png`).
+
+Column headers and chart labels carry every figure's label: "measured <device>" / "cpu interpret", "modeled <gen>",
+"roofline <gen>".
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+DASH = "—"
+
+
+def _fmt(value, spec: str) -> str:
+    return DASH if value is None else format(value, spec)
+
+
+def _us(entry) -> float | None:
+    return None if not entry or "us" not in entry else entry["us"]
+
+
+def columns(result: dict) -> list[str]:
+    gen = result["generation"]
+    return ["shape", f"{result['measured_label']} µs", f"modeled {gen} µs kernel", f"roofline {gen} µs",
+            "efficiency", f"modeled {gen} µs default", "speedup", f"GB/s modeled {gen}"]
+
+
+def table_rows(result: dict) -> list[tuple[str, list[list[str]]]]:
+    """[(op, rows of cells)] in column order."""
+    out: dict[str, list[list[str]]] = {}
+    for r in result["rows"]:
+        kernel, default = r["modeled_kernel"], r["modeled_default"]
+        measured = (r["measured"] or {}).get("kernel")
+        shape = " ".join(f"{k}={v}" for k, v in r["shape"].items() if k != "dtype")
+        cells = [
+            shape,
+            _fmt(_us(measured), ",.1f"),
+            _fmt(_us(kernel), ",.2f") if "error" not in kernel else "error",
+            _fmt(r["roofline"]["us"], ",.2f"),
+            _fmt(r["efficiency"], ".1%"),
+            _fmt(_us(default), ",.2f") if "error" not in default else "error",
+            DASH if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            _fmt(kernel.get("gbps"), ",.0f"),
+        ]
+        out.setdefault(r["op"], []).append(cells)
+    return list(out.items())
+
+
+def format_table(result: dict) -> str:
+    head = columns(result)
+    dtypes = sorted({r["shape"].get("dtype", "") for r in result["rows"]})
+    lines = []
+    for op, rows in table_rows(result):
+        widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
+        fmt_row = lambda cells: "| " + " | ".join(  # noqa: E731
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+        sep = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
+        lines += [f"\n{result['kernel']} / {op} ({', '.join(dtypes)})", fmt_row(head), sep]
+        lines += [fmt_row(r) for r in rows]
+    for t in result["targets"]:
+        worst = t["worst"] or {}
+        detail = ", ".join(f"{k} {v:.1%}" if k == "efficiency" else f"{k} {v:.2f}x" if k == "speedup" else
+                           f"{k}: {v}" for k, v in worst.items() if k != "case")
+        lines.append(f"target ({t['source']}, {result['modeled_label']}): {t['target']}: "
+                     f"{'MET' if t['met'] else 'NOT MET'} (worst: {worst.get('case', DASH)}, {detail})")
+    if result.get("measure_error"):
+        lines.append(f"measurement: {result['measure_error']}")
+    if not result["device"]["platform"] == "tpu":
+        lines.append(f"measured: {result['measured_label']} = the Pallas kernel in TPU interpret mode on this CPU "
+                     f"({result['device']['kind']}); not a TPU figure. {DASH} = not timed on a CPU "
+                     "(--full times more).")
+    warned = sorted({w for r in result["rows"] for e in (r["modeled_kernel"], r["modeled_default"])
+                     for w in e.get("warnings", [])})
+    lines += [f"model warning: {w}" for w in warned]
+    lines += [f"note: {n}" for n in result["notes"]]
+    return "\n".join(lines)
+
+
+def write_json(result: dict, out: pathlib.Path) -> pathlib.Path:
+    path = out / f"{result['kernel']}.json"
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+def write_chart(result: dict, out: pathlib.Path) -> pathlib.Path:
+    """Throughput vs batch, kernel (solid) vs default (dashed), per op, one colour per series; roofline dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
+    unit = result["batch_unit"]
+    modeled = result["modeled_label"]
+    fig, axes = plt.subplots(1, len(ops), figsize=(6.5 * len(ops), 4.8), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        rows = [r for r in result["rows"] if r["op"] == op]
+        for i, series in enumerate(dict.fromkeys(r["series"] for r in rows)):
+            pts = sorted((r for r in rows if r["series"] == series), key=lambda r: r["batch"])
+            color = f"C{i}"
+            for key, style, name in (("modeled_kernel", "-o", "kernel"), ("modeled_default", "--s", "XLA default")):
+                xy = [(r["batch"], r[key]["units_per_s"]) for r in pts if "units_per_s" in r[key]]
+                if xy:
+                    ax.plot(*zip(*xy), style, color=color, label=f"{name}, {series} ({modeled})")
+            roof = [(r["batch"], r["batch"] / (r["roofline"]["us"] * 1e-6)) for r in pts]
+            ax.plot(*zip(*roof), ":", color=color, alpha=0.6, label=f"{result['roofline_label']}, {series}")
+            if result["device"]["platform"] == "tpu":  # measured points only when they are TPU figures
+                xy = [(r["batch"], r["measured"]["kernel"]["units_per_s"]) for r in pts
+                      if r["measured"] and "kernel" in r["measured"]]
+                if xy:
+                    ax.plot(*zip(*xy), "x", color=color, markersize=9,
+                            label=f"kernel, {series} ({result['measured_label']})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(unit)
+        ax.set_ylabel(f"{unit}/s ({modeled})")
+        ax.set_title(f"{result['kernel']}: {op} — {modeled}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / f"{result['kernel']}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

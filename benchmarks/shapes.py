@@ -1,0 +1,89 @@
+"""Benchmark shapes: declared once per kernel, here, and imported by everything that needs them.
+
+The benchmark suites (`benchmarks/ops/<kernel>.py`) time and model these shapes; the deviceless-compile tests
+(`tests/test_<kernel>.py`, ladder rung 3) prove that every one of them lowers, lays out and fits VMEM on v5e, v6e and
+v7x. A shape added here is therefore compiled by `make test` and benchmarked by `make bench`.
+
+A `Shape` is one benchmark point: `batch` is the quantity the throughput chart puts on its x axis (tokens for
+RMSNorm and rotary, tokens per step for ragged dot), `params` are the other problem sizes, and `series` names the
+line of the chart the point belongs to (the params that are not the batch). To add a kernel, declare its shapes
+below with `sweep(...)` and list them in `SHAPES`.
+
+This module imports nothing but the standard library, so tests and subprocesses can import it cheaply.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch_name: str                  # "tokens", "batch", ...
+    batch: int
+    params: tuple[tuple[str, int | str], ...] = ()
+    dtype: str = "bfloat16"
+
+    def __getitem__(self, name: str):
+        if name == self.batch_name:
+            return self.batch
+        for key, value in self.params:
+            if key == name:
+                return value
+        raise KeyError(name)
+
+    @property
+    def series(self) -> str:
+        """The chart line: every param but the batch, e.g. "hidden=2048"."""
+        return " ".join(f"{k}={v}" for k, v in self.params) or self.dtype
+
+    @property
+    def id(self) -> str:
+        """Stable, readable id, e.g. "tokens=4096 hidden=2048 bfloat16" (pytest ids, JSON, table)."""
+        return f"{self.batch_name}={self.batch} {self.series} {self.dtype}".replace("  ", " ")
+
+    def as_dict(self) -> dict:
+        return {self.batch_name: self.batch, **dict(self.params), "dtype": self.dtype}
+
+
+def sweep(batch_name: str, batches, dtype: str = "bfloat16", **param_values) -> tuple[Shape, ...]:
+    """The cross product of `batches` with every param's values (each a value or an iterable of values), ordered
+    by series then batch."""
+    names = list(param_values)
+    values = [v if isinstance(v, (list, tuple)) else (v,) for v in param_values.values()]
+    return tuple(
+        Shape(batch_name, int(b), tuple(zip(names, combo)), dtype)
+        for combo in itertools.product(*values)
+        for b in batches
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------- RMSNorm
+# Decode (1-64 tokens) to long prefill (32768 tokens), at the hidden sizes of Qwen3-30B-A3B (2048) and 8B-class
+# models (4096). bf16, the dtype models run in.
+RMS_NORM_TOKENS = (1, 8, 64, 512, 4096, 32768)
+RMS_NORM_HIDDENS = (2048, 4096)
+RMS_NORM = sweep("tokens", RMS_NORM_TOKENS, hidden=RMS_NORM_HIDDENS)
+
+# ------------------------------------------------------------------------------------------------------- ragged dot
+# Declared now so the MoE shapes are fixed in one place; the suite lands with the kernel (issue 4).
+# MoE expert layers: top-8 of 128 experts. (hidden, moe intermediate size) per model.
+MOE_MODELS = {
+    "qwen3-30b-a3b": {"hidden": 2048, "intermediate": 768},
+    "gemma4-26b-a4b": {"hidden": 2816, "intermediate": 704},
+}
+MOE_EXPERTS, MOE_TOP_K = 128, 8
+RAGGED_DOT_DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)   # decode batch B: B * top_k rows
+RAGGED_DOT_PREFILL_TOKENS = (4096, 32768, 131072)               # prefill M tokens
+RAGGED_DOT = tuple(
+    shape
+    for model, dims in MOE_MODELS.items()
+    for phase, tokens in (("decode", RAGGED_DOT_DECODE_TOKENS), ("prefill", RAGGED_DOT_PREFILL_TOKENS))
+    for shape in sweep("tokens", tokens, model=model, phase=phase, experts=MOE_EXPERTS, top_k=MOE_TOP_K, **dims)
+)
+
+# Every kernel's shapes, by the kernel name used in `python -m benchmarks --kernel NAME`.
+SHAPES: dict[str, tuple[Shape, ...]] = {
+    "rms_norm": RMS_NORM,
+    "ragged_dot": RAGGED_DOT,
+}

@@ -1,0 +1,79 @@
+"""What a kernel's benchmark is made of, and the registry of kernels that have one.
+
+A kernel's benchmark lives in `benchmarks/ops/<kernel>.py` and defines `SUITE = Suite(...)`: its operations (each a
+Pallas kernel path and the default implementation of the same operation, the plain JAX/XLA path), the shapes from
+`benchmarks/shapes.py`, the HBM bytes and MXU flops one call must move/do at least (for the roofline), and the
+targets its issue holds it to. `benchmarks/test_<kernel>.py` is its pytest-benchmark suite (a few lines: the shared
+`measure` fixture does the timing). Adding both files is all a new kernel needs; `python -m benchmarks` finds it.
+
+Every function handed to the performance model is compiled in a subprocess and pickled by reference: `kernel` and
+`default` must be module-level functions of the ops module (or functools.partials of them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from typing import Callable
+
+from . import ops as _ops_package
+from .shapes import Shape
+
+# Every case is timed and modeled twice: the Pallas kernel, and the default implementation of the same operation.
+IMPLS = ("kernel", "default")
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    name: str                                  # e.g. "rms_norm", "fused_add_rms_norm"
+    kernel: Callable                           # the Pallas path (module-level function)
+    default: Callable                          # the default implementation: plain JAX, compiled by XLA
+    specs: Callable[[Shape], tuple]            # shape -> argument ShapeDtypeStructs
+    hbm_bytes: Callable[[Shape], int]          # bytes one call must move between HBM and the core, at least
+    mxu_flops: Callable[[Shape], int] = lambda shape: 0   # matmul flops (0 for memory-bound kernels)
+    arrays: Callable | None = None             # (shape, seed) -> concrete arguments; default: random normal specs
+    model_args: Callable | None = None         # shape -> arguments for the model when specs are not enough
+                                               # (e.g. concrete group sizes for ragged dot)
+    default_name: str = "XLA default"
+
+
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """Performance targets checked on the modeled figures (None / False: not checked)."""
+    source: str = ""                           # where the target comes from, e.g. "issue 3 item 5"
+    min_efficiency: float | None = None        # roofline / modeled kernel time, at least ...
+    min_efficiency_from_batch: int = 0         # ... for shapes with batch >= this
+    beats_default: bool = False                # modeled kernel time < modeled default time at every shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: Op
+    shape: Shape
+
+    @property
+    def id(self) -> str:
+        return f"{self.op.name} {self.shape.id}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    kernel: str
+    ops: tuple[Op, ...]
+    shapes: tuple[Shape, ...]
+    targets: Targets = Targets()
+    batch_unit: str = "tokens"                 # what the throughput counts: tokens/s
+
+    def cases(self, shapes: tuple[Shape, ...] | None = None) -> list[Case]:
+        return [Case(op, shape) for op in self.ops for shape in (self.shapes if shapes is None else shapes)]
+
+
+def available() -> list[str]:
+    """Kernels with a benchmark suite (a module in benchmarks/ops/ defining SUITE)."""
+    return sorted(m.name for m in pkgutil.iter_modules(_ops_package.__path__) if not m.name.startswith("_"))
+
+
+def get(kernel: str) -> Suite:
+    if kernel not in available():
+        raise ValueError(f"--kernel: expected one of {available()}, got {kernel!r}")
+    return importlib.import_module(f"{_ops_package.__name__}.{kernel}").SUITE

@@ -1,0 +1,94 @@
+"""The benchmark harness end to end on one tiny shape: pytest-benchmark timing, the performance model for kernel and
+default, roofline, targets, table, JSON and PNG, and the labels (a CPU interpret timing is never a TPU figure;
+modeled figures say "modeled <gen>")."""
+import json
+import types
+
+import pytest
+
+from benchmarks import device, harness, report, shapes, suite
+
+TINY = shapes.Shape("tokens", 8, (("hidden", 256),), "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    config = harness.Config(gen="v6e", out=out)
+    result = harness.run_kernel("rms_norm", config, dev=device.detect(), shapes=[TINY])
+    return result, out, report.write_json(result, out), report.write_chart(result, out)
+
+
+def test_runs_end_to_end_and_writes_json_and_png(tiny_result):
+    result, out, json_path, png_path = tiny_result
+    assert json_path == out / "rms_norm.json" and png_path == out / "rms_norm.png"
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(json_path.read_text())
+    assert data["kernel"] == "rms_norm" and data["generation"] == "v6e"
+    assert [r["op"] for r in data["rows"]] == ["rms_norm", "fused_add_rms_norm"]
+    for row in data["rows"]:
+        assert row["shape"] == {"tokens": 8, "hidden": 256, "dtype": "bfloat16"}
+        assert row["modeled_kernel"]["us"] > 0 and row["modeled_default"]["us"] > 0
+        assert row["modeled_kernel"]["kernels"], "the kernel path holds no Pallas kernel"
+        assert "kernels" not in row["modeled_default"], "the default path must be plain XLA"
+        assert row["roofline"]["us"] == pytest.approx(row["hbm_bytes"] / data["chip"]["hbm_bytes_per_s"] * 1e6)
+        assert row["efficiency"] == pytest.approx(row["roofline"]["us"] / row["modeled_kernel"]["us"])
+        assert row["speedup"] == pytest.approx(row["modeled_default"]["us"] / row["modeled_kernel"]["us"])
+        assert row["measured"]["kernel"]["us"] > 0 and row["measured"]["default"]["us"] > 0  # pytest-benchmark ran
+    assert (out / "rms_norm.pytest-benchmark.json").exists()
+    assert {t["source"] for t in data["targets"]} == {"issue 3 item 5"}
+
+
+def test_labels(tiny_result):
+    result, *_ = tiny_result
+    assert result["modeled_label"] == "modeled v6e" and result["roofline_label"] == "roofline v6e"
+    for row in result["rows"]:
+        assert row["modeled_kernel"]["label"] == row["modeled_default"]["label"] == "modeled v6e"
+        assert row["roofline"]["label"] == "roofline v6e"
+    table = report.format_table(result)
+    assert "modeled v6e µs kernel" in table and "modeled v6e µs default" in table
+    if result["device"]["platform"] != "tpu":  # this machine: CPU interpret timings, never shown as TPU figures
+        assert result["measured_label"] == device.CPU_INTERPRET
+        for row in result["rows"]:
+            assert row["measured"]["kernel"]["label"] == "cpu interpret"
+            assert row["measured"]["default"]["label"] == "cpu XLA"
+        assert "| cpu interpret µs |" in table.replace("  ", " ") or "cpu interpret µs" in table
+        assert "TPU" not in report.columns(result)[1]
+        assert "not a TPU figure" in table
+
+
+def test_device_labels(monkeypatch):
+    import jax
+
+    fake = lambda platform, kind: [types.SimpleNamespace(platform=platform, device_kind=kind)]  # noqa: E731
+    monkeypatch.setattr(jax, "devices", lambda *a: fake("tpu", "TPU v6 lite"))
+    tpu = device.detect()
+    assert tpu.kernel_label == "measured TPU v6 lite" and tpu.is_tpu and tpu.times(1 << 40, full=False)
+    monkeypatch.setattr(jax, "devices", lambda *a: fake("cpu", "cpu"))
+    cpu = device.detect()
+    assert cpu.kernel_label == "cpu interpret" and not cpu.is_tpu
+    assert "TPU" not in cpu.kernel_label + cpu.default_label
+    assert cpu.times(64 * 4096 * 2 * 2, full=False) and not cpu.times(32768 * 4096 * 2 * 2, full=True)
+
+
+def test_cpu_rows_outside_the_timed_sizes_show_a_dash():
+    cpu = device.Device("cpu", "cpu", device.CPU_INTERPRET, device.CPU_XLA)
+    big = [c for c in suite.get("rms_norm").cases() if not cpu.times(c.op.hbm_bytes(c.shape), full=False)]
+    assert big and all(c.shape.batch >= 512 for c in big)
+    row = {"op": "rms_norm", "case": "x", "shape": {"tokens": 32768, "hidden": 4096, "dtype": "bfloat16"},
+           "batch": 32768, "measured": None, "roofline": {"us": 1.0}, "efficiency": 0.5, "speedup": 2.0,
+           "modeled_kernel": {"label": "modeled v6e", "us": 2.0, "gbps": 1.0}, "modeled_default": {"us": 4.0}}
+    result = {"kernel": "rms_norm", "generation": "v6e", "measured_label": "cpu interpret", "rows": [row],
+              "targets": [], "device": cpu.as_dict(), "notes": [], "modeled_label": "modeled v6e"}
+    ((_, (cells,)),) = report.table_rows(result)
+    assert cells[1] == report.DASH
+
+
+def test_shapes_are_declared_once():
+    import test_rms_norm
+
+    assert tuple(test_rms_norm.BENCH_TOKENS) == shapes.RMS_NORM_TOKENS == (1, 8, 64, 512, 4096, 32768)
+    assert tuple(test_rms_norm.BENCH_HIDDENS) == shapes.RMS_NORM_HIDDENS == (2048, 4096)
+    assert {(s["tokens"], s["hidden"]) for s in suite.get("rms_norm").shapes} == {
+        (t, h) for t in shapes.RMS_NORM_TOKENS for h in shapes.RMS_NORM_HIDDENS}
+    assert all(s.batch * s["top_k"] for s in shapes.RAGGED_DOT)
