@@ -145,7 +145,8 @@ def check_position_inputs(q, k, positions, *, theta, rotary_dim=None, scaling=No
             f"got {tuple(positions.shape)}"
         )
     if _is_concrete(positions) and positions.size:
-        low, high = int(jnp.min(positions)), int(jnp.max(positions))
+        values = np.asarray(positions)
+        low, high = int(values.min()), int(values.max())
         if low < 0 or high >= MAX_POSITION:
             raise ValueError(
                 f"positions: expected values in [0, {MAX_POSITION}) (exact in float32, as transformers computes "
@@ -218,7 +219,8 @@ def _reference_rotation(xs, ws, cos, sin, cfg):
     outs = []
     for i, x in enumerate(xs):
         xf = reference.head_rms_norm_reference(x, ws[i], cfg.eps, cfg.weight_offset) if cfg.norm else x
-        outs.append(reference.rotate_reference(xf, cos, sin, interleaved=cfg.interleaved, layout=layout))
+        rotated = reference.rotate_reference(xf, cos, sin, interleaved=cfg.interleaved, layout=layout)
+        outs.append(rotated.astype(x.dtype))
     return outs
 
 

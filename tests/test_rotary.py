@@ -1,0 +1,399 @@
+"""Rotary embeddings, JAX side, up the ladder: reference vs kernel (interpret mode) for apply_rotary, its backward,
+fused per-head RMSNorm + RoPE and cos/sin from positions; gradients; bad input; TPU export; deviceless compile for
+v5e / v6e / v7x at the benchmark shapes (Qwen3-30B-A3B and Gemma 4 attention, decode and prefill)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ladder
+from tpu_kernels import jax as tk
+from tpu_kernels._pallas.rotary import api, frequencies, reference, tuning
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+@pytest.fixture(params=["tuned_blocks", "small_blocks"])
+def block_regime(request, monkeypatch):
+    """Tuned blocks, and tiny ones so grids of many steps and ragged last blocks are covered at test sizes."""
+    if request.param == "small_blocks":
+        monkeypatch.setattr(tuning, "TARGET_BLOCK_BYTES", {g: 1 for g in tuning.TARGET_BLOCK_BYTES})
+        monkeypatch.setattr(tuning, "MIN_BLOCK_BYTES", 1)
+    return request.param
+
+
+def _shapes(layout, batch, seq, hq, hk, head_dim):
+    if layout == "bhsd":
+        return (batch, hq, seq, head_dim), (batch, hk, seq, head_dim)
+    return (batch, seq, hq, head_dim), (batch, seq, hk, head_dim)
+
+
+def _loss(out):
+    """A scalar that weighs every output element differently, so each gradient element matters."""
+    return sum(jnp.sum(jnp.sin(3.0 * leaf.astype(jnp.float32))) for leaf in jax.tree_util.tree_leaves(out))
+
+
+# (id, layout, batch, seq, q heads, k heads, head_dim, rotary_dim, interleaved, dtype, cos dtype, cos batch)
+CASES = [
+    ("qwen3-like", "bhsd", 2, 24, 4, 2, 128, 128, False, BF16, BF16, 1),
+    ("bshd-f32-cos", "bshd", 3, 17, 4, 1, 128, 128, False, BF16, F32, 3),
+    ("decode-bhsd", "bhsd", 5, 1, 8, 2, 128, 128, False, BF16, BF16, 5),
+    ("interleaved", "bhsd", 2, 20, 3, 3, 128, 128, True, F32, F32, 2),
+    ("interleaved-bshd-d64", "bshd", 2, 9, 2, 4, 64, 64, True, BF16, BF16, 1),
+    ("partial-aligned", "bshd", 2, 12, 4, 2, 512, 128, False, BF16, BF16, 1),  # Gemma-4-full-like prefix
+    ("partial-padded", "bhsd", 2, 16, 2, 1, 128, 64, False, F32, F32, 2),  # GPT-NeoX-like rotary_pct 0.5
+    ("partial-interleaved", "bhsd", 1, 8, 2, 2, 128, 32, True, F32, BF16, 1),
+]
+# Multi-step grids with ragged last blocks: these cases run again with tiny blocks.
+SMALL_BLOCK_CASES = ("bshd-f32-cos", "partial-padded", "decode-bhsd")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_apply_rotary_matches_reference(rand, block_regime, case):
+    if block_regime == "small_blocks" and case[0] not in SMALL_BLOCK_CASES:
+        pytest.skip("tiny blocks run for a few cases only (interpret mode is slow)")
+    _, layout, batch, seq, hq, hk, head_dim, rotary_dim, interleaved, dtype, cos_dtype, cos_batch = case
+    q_shape, k_shape = _shapes(layout, batch, seq, hq, hk, head_dim)
+    q, k = rand.normal(q_shape, dtype, scale=2.0), rand.normal(k_shape, dtype)
+    cos, sin = rand.normal((cos_batch, seq, rotary_dim), cos_dtype), rand.normal((cos_batch, seq, rotary_dim), cos_dtype)
+    kw = dict(interleaved=interleaved, layout=layout)
+    ladder.check_against_reference(
+        lambda q, k, c, s: tk.apply_rotary(q, k, c, s, **kw),
+        jax.jit(lambda q, k, c, s: reference.apply_rotary_reference(q, k, c, s, **kw)),
+        (q, k, cos, sin), dtype=dtype, rand=rand, names=["q", "k"],
+    )
+
+
+def test_apply_rotary_without_k(rand):
+    q = rand.normal((2, 3, 16, 128))
+    cos, sin = rand.normal((1, 16, 128)), rand.normal((1, 16, 128))
+    out_q, out_k = ladder.run_interpreted(tk.apply_rotary, q, None, cos, sin)
+    assert out_k is None
+    ladder.assert_close(out_q, reference.rotate_reference(q, cos, sin), dtype=F32)
+
+
+def test_transformers_tables_rotate_as_the_formula(rand):
+    """With transformers' own tables (cat(freqs, freqs)) the result is a rotation of each pair: norms are kept."""
+    q = rand.normal((1, 2, 8, 128))
+    cos, sin = api.rope_cos_sin(rand.integers(0, 5000, (1, 8)), head_dim=128, theta=1e6)
+    out, _ = ladder.run_interpreted(tk.apply_rotary, q, None, cos, sin)
+    pairs = lambda x: x[..., :64] ** 2 + x[..., 64:] ** 2  # noqa: E731
+    ladder.assert_close(pairs(out), pairs(q), dtype=F32, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[6]], ids=lambda c: c[0])
+def test_apply_rotary_gradients(rand, case):
+    _, layout, batch, seq, hq, hk, head_dim, rotary_dim, interleaved, dtype, cos_dtype, cos_batch = case
+    q_shape, k_shape = _shapes(layout, batch, seq, hq, hk, head_dim)
+    args = (rand.normal(q_shape, dtype), rand.normal(k_shape, dtype), rand.normal((cos_batch, seq, rotary_dim), cos_dtype),
+            rand.normal((cos_batch, seq, rotary_dim), cos_dtype))
+    kw = dict(interleaved=interleaved, layout=layout)
+    kernel_grad = jax.grad(lambda *a: _loss(tk.apply_rotary(*a, **kw)), argnums=(0, 1, 2, 3))
+    ref_grad = jax.grad(lambda *a: _loss(reference.apply_rotary_reference(*a, **kw)), argnums=(0, 1, 2, 3))
+    actual = ladder.run_interpreted(jax.jit(kernel_grad), *args)
+    expected = ref_grad(*args)
+    # cos/sin gradients sum over heads (and the shared batch): a bf16 input carries its rounding into that sum.
+    for name, a, e in zip(["d q", "d k", "d cos", "d sin"], actual, expected):
+        ladder.assert_close(a, e, dtype=dtype, atol=6e-2 if dtype == BF16 else 1e-4, what=name, context=repr(rand))
+
+
+@pytest.mark.parametrize("interleaved", [True])
+def test_backward_is_the_rotation_by_minus_sin(rand, interleaved):
+    """RoPE is linear; for tables whose pair halves agree (all transformers tables) its transpose is the rotation by
+    -sin. apply_rotary_backward computes grad * cos - R(grad * sin), which is that."""
+    gq, gk = rand.normal((2, 4, 24, 128)), rand.normal((2, 2, 24, 128))
+    cos, sin = api.rope_cos_sin(rand.integers(0, 100000, (2, 24)), head_dim=128, theta=1e4, interleaved=interleaved)
+    actual = ladder.run_interpreted(lambda *a: tk.apply_rotary_backward(*a, interleaved=interleaved), gq, gk, cos, sin)
+    expected = reference.apply_rotary_reference(gq, gk, cos, -sin, interleaved=interleaved)
+    for a, e in zip(actual, expected):
+        ladder.assert_close(a, e, dtype=F32, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ fused RMSNorm + RoPE
+NORM_CASES = [
+    ("qwen3-bhsd-bf16", "bhsd", 2, 24, 4, 2, 128, 128, BF16, 0.0),
+    ("gemma4-sliding-bshd-f32", "bshd", 2, 9, 4, 2, 256, 256, F32, 0.0),
+    ("gemma4-full-partial", "bshd", 1, 5, 2, 1, 512, 128, BF16, 0.0),
+    ("decode-offset", "bhsd", 7, 1, 4, 2, 128, 128, F32, 1.0),
+]
+SMALL_BLOCK_NORM_CASES = ("gemma4-sliding-bshd-f32",)
+
+
+@pytest.mark.parametrize("case", NORM_CASES, ids=[c[0] for c in NORM_CASES])
+def test_rms_norm_rope_matches_reference(rand, block_regime, case):
+    if block_regime == "small_blocks" and case[0] not in SMALL_BLOCK_NORM_CASES:
+        pytest.skip("tiny blocks run for a few cases only (interpret mode is slow)")
+    _, layout, batch, seq, hq, hk, head_dim, rotary_dim, dtype, offset = case
+    q_shape, k_shape = _shapes(layout, batch, seq, hq, hk, head_dim)
+    q, k = rand.normal(q_shape, dtype, scale=3.0, offset=0.5), rand.normal(k_shape, dtype)
+    qw, kw_ = rand.normal((head_dim,), dtype), rand.normal((head_dim,), F32)
+    cos, sin = api.rope_cos_sin(rand.integers(0, 40000, (1, seq)), head_dim=head_dim, theta=1e6, rotary_dim=rotary_dim)
+    cos, sin = cos.astype(dtype), sin.astype(dtype)
+    kw = dict(eps=1e-6, weight_offset=offset, layout=layout)
+    ladder.check_against_reference(
+        lambda *a: tk.rms_norm_rope(*a, **kw),
+        jax.jit(lambda *a: reference.rms_norm_rope_reference(*a, **kw)),
+        (q, k, qw, kw_, cos, sin), dtype=dtype, rand=rand, names=["q", "k"],
+    )
+
+
+@pytest.mark.parametrize("dtype", [BF16], ids=lambda d: jnp.dtype(d).name)
+def test_rms_norm_rope_gradients(rand, dtype):
+    q, k = rand.normal((2, 4, 16, 128), dtype, scale=2.0), rand.normal((2, 2, 16, 128), dtype)
+    qw, kw_ = rand.normal((128,), dtype), rand.normal((128,), dtype)
+    cos, sin = rand.normal((1, 16, 128), dtype), rand.normal((1, 16, 128), dtype)
+    args = (q, k, qw, kw_, cos, sin)
+    kernel_grad = jax.grad(lambda *a: _loss(tk.rms_norm_rope(*a, eps=1e-5)), argnums=tuple(range(6)))
+    ref_grad = jax.grad(lambda *a: _loss(reference.rms_norm_rope_reference(*a, eps=1e-5)), argnums=tuple(range(6)))
+    actual = ladder.run_interpreted(jax.jit(kernel_grad), *args)
+    expected = ref_grad(*args)
+    for name, a, e in zip(["d q", "d k", "d q_weight", "d k_weight", "d cos", "d sin"], actual, expected):
+        ladder.assert_close(a, e, dtype=dtype, atol=1e-1 if dtype == BF16 else 2e-4, rtol=5e-2 if dtype == BF16 else 1e-4,
+                            what=name, context=repr(rand))
+
+
+# --------------------------------------------------------------------------------------------- cos/sin in-kernel
+SCALINGS = [
+    ("default", None, 128),
+    ("llama3", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}, 128),
+    ("yarn-partial", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048, "beta_fast": 16},
+     64),
+    ("proportional", {"rope_type": "proportional", "partial_rotary_factor": 0.25}, None),
+]
+
+
+@pytest.mark.parametrize("case", SCALINGS, ids=[c[0] for c in SCALINGS])
+def test_apply_rotary_from_positions_matches_reference(rand, case):
+    _, scaling, rotary_dim = case
+    head_dim, theta = 128, 1e6
+    q, k = rand.normal((2, 4, 16, head_dim)), rand.normal((2, 2, 16, head_dim))
+    positions = rand.integers(0, 60000, (2, 16))
+    kw = dict(theta=theta, rotary_dim=rotary_dim, scaling=scaling)
+    cos, sin = api.rope_cos_sin(positions, head_dim=head_dim, **kw)
+    # Angles are the same f32 products; the kernel's cos/sin implementation may differ from XLA's in the last bits,
+    # amplified by angles up to ~6e4 rad.
+    ladder.check_against_reference(
+        lambda q, k, p: tk.apply_rotary_from_positions(q, k, p, **kw),
+        lambda q, k, p: reference.apply_rotary_reference(q, k, cos, sin),
+        (q, k, positions), dtype=F32, rand=rand, rtol=1e-4, atol=1e-4, names=["q", "k"],
+    )
+
+
+@pytest.mark.parametrize("layout,interleaved,dtype", [("bshd", True, BF16)])
+def test_from_positions_layouts_norm_and_gradients(rand, layout, interleaved, dtype):
+    q_shape, k_shape = _shapes(layout, 3, 8, 4, 2, 256)
+    q, k = rand.normal(q_shape, dtype), rand.normal(k_shape, dtype)
+    qw, kw_ = rand.normal((256,), F32), rand.normal((256,), F32)
+    positions = rand.integers(0, 1000, (1, 8))
+    opts = dict(theta=1e4, interleaved=interleaved, layout=layout)
+    cos, sin = api.rope_cos_sin(positions, head_dim=256, theta=1e4, interleaved=interleaved)
+    ladder.check_against_reference(
+        lambda *a: tk.rms_norm_rope_from_positions(*a, eps=1e-6, **opts),
+        lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(
+            q, k, qw, kw_, cos, sin, eps=1e-6, interleaved=interleaved, layout=layout),
+        (q, k, qw, kw_, positions), dtype=dtype, rand=rand, names=["q", "k"],
+    )
+    grad = jax.grad(lambda q, k: _loss(tk.apply_rotary_from_positions(q, k, positions, **opts)), argnums=(0, 1))
+    ref = jax.grad(lambda q, k: _loss(reference.apply_rotary_reference(
+        q, k, cos, sin, interleaved=interleaved, layout=layout)), argnums=(0, 1))
+    for a, e in zip(ladder.run_interpreted(jax.jit(grad), q, k), ref(q, k)):
+        ladder.assert_close(a, e, dtype=dtype, atol=5e-2 if dtype == BF16 else 1e-4)
+
+
+# ------------------------------------------------------------------------------------------------------ bad input
+def _base(r):
+    return dict(q=r.normal((2, 4, 8, 128)), k=r.normal((2, 2, 8, 128)), cos=r.normal((1, 8, 128)),
+                sin=r.normal((1, 8, 128)))
+
+
+BAD_INPUTS = [
+    ("q rank", lambda r: dict(q=r.normal((2, 4, 128))), ValueError, "q: expected 4 dimensions"),
+    ("q int", lambda r: dict(q=r.integers(0, 3, (2, 4, 8, 128))), TypeError, "q: expected dtype"),
+    ("q float16", lambda r: dict(q=r.normal((2, 4, 8, 128), jnp.float16)), TypeError, "q: expected dtype"),
+    ("q a list", lambda r: dict(q=[[1.0]]), TypeError, "q: expected a jax array, got list"),
+    ("k dtype", lambda r: dict(k=r.normal((2, 2, 8, 128), BF16)), TypeError, "k: expected dtype"),
+    ("k seq", lambda r: dict(k=r.normal((2, 2, 9, 128))), ValueError, "k: expected the batch, seq and head_dim of q"),
+    ("k head_dim", lambda r: dict(k=r.normal((2, 2, 8, 64))), ValueError, "k: expected the batch, seq and head_dim"),
+    ("odd rotary dim", lambda r: dict(cos=r.normal((1, 8, 65)), sin=r.normal((1, 8, 65))), ValueError,
+     "rotary_dim (cos.shape[-1]): expected an even number > 0"),
+    ("rotary_dim > head_dim", lambda r: dict(cos=r.normal((1, 8, 256)), sin=r.normal((1, 8, 256))), ValueError,
+     "rotary_dim (cos.shape[-1]): expected at most head_dim = 128, got 256"),
+    ("rotary_dim != cos", lambda r: dict(rotary_dim=64), ValueError, "rotary_dim: expected the width of cos and sin"),
+    ("cos seq mismatch", lambda r: dict(cos=r.normal((1, 7, 128)), sin=r.normal((1, 7, 128))), ValueError,
+     "cos: expected shape (2 or 1, 8, rotary_dim)"),
+    ("cos batch mismatch", lambda r: dict(cos=r.normal((3, 8, 128)), sin=r.normal((3, 8, 128))), ValueError,
+     "cos: expected shape (2 or 1, 8, rotary_dim)"),
+    ("cos rank", lambda r: dict(cos=r.normal((8, 128))), ValueError, "cos: expected 3 dimensions"),
+    ("sin shape", lambda r: dict(sin=r.normal((1, 8, 64))), ValueError, "sin: expected the shape of cos (1, 8, 128)"),
+    ("sin dtype", lambda r: dict(sin=r.normal((1, 8, 128), BF16)), TypeError, "sin: expected dtype"),
+    ("layout", lambda r: dict(layout="sbhd"), ValueError, "layout: expected 'bhsd' or 'bshd', got 'sbhd'"),
+    ("interleaved", lambda r: dict(interleaved="yes"), TypeError, "interleaved: expected a bool"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_a_clear_error(rand, case):
+    _, make, error, message = case
+    args = _base(rand)
+    args.update(make(rand))
+    with pytest.raises(error) as info:
+        tk.apply_rotary(args.pop("q"), args.pop("k"), args.pop("cos"), args.pop("sin"), **args)
+    assert message in str(info.value)
+
+
+BAD_NORM_INPUTS = [
+    ("q_weight shape", dict(q_weight=(64,)), ValueError, "q_weight: expected shape (128,)"),
+    ("k_weight missing", dict(k_weight=None), ValueError, "k_weight: expected a [128] norm weight, got None"),
+    ("eps negative", dict(eps=-1.0), ValueError, "eps: expected a finite number >= 0"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_NORM_INPUTS, ids=[c[0] for c in BAD_NORM_INPUTS])
+def test_bad_norm_input_is_a_clear_error(rand, case):
+    _, change, error, message = case
+    a = _base(rand)
+    weights = dict(q_weight=rand.normal((128,)), k_weight=rand.normal((128,)))
+    eps = change.pop("eps", 1e-6) if "eps" in change else 1e-6
+    for name, value in change.items():
+        weights[name] = None if value is None else rand.normal(value)
+    with pytest.raises(error, match=None) as info:
+        tk.rms_norm_rope(a["q"], a["k"], weights["q_weight"], weights["k_weight"], a["cos"], a["sin"], eps=eps)
+    assert message in str(info.value)
+
+
+BAD_POSITION_INPUTS = [
+    ("positions beyond float32's exact range", lambda r: dict(positions=jnp.full((2, 8), 1 << 24, jnp.int32)),
+     ValueError, "positions: expected values in [0, 16777216)"),
+    ("negative positions", lambda r: dict(positions=jnp.full((1, 8), -1, jnp.int32)), ValueError,
+     "positions: expected values in [0, 16777216)"),
+    ("positions float", lambda r: dict(positions=r.normal((2, 8))), TypeError, "positions: expected dtype in (int32)"),
+    ("positions shape", lambda r: dict(positions=r.integers(0, 9, (2, 9))), ValueError,
+     "positions: expected shape (2 or 1, 8)"),
+    ("odd rotary_dim", lambda r: dict(rotary_dim=63), ValueError, "rotary_dim: expected an even number > 0"),
+    ("rotary_dim > head_dim", lambda r: dict(rotary_dim=130), ValueError, "rotary_dim: expected at most head_dim"),
+    ("theta", lambda r: dict(theta=float("nan")), ValueError, "theta: expected a finite number"),
+    ("scaling type", lambda r: dict(scaling={"rope_type": "longrope"}), ValueError, "scaling['rope_type']"),
+    ("scaling missing key", lambda r: dict(scaling={"rope_type": "llama3", "factor": 8.0}), ValueError,
+     "scaling: rope_type 'llama3' needs"),
+    ("scaling unknown key", lambda r: dict(scaling={"rope_type": "linear", "factor": 2.0, "beta": 1}), ValueError,
+     "unexpected key(s) ['beta']"),
+    ("scaling factor", lambda r: dict(scaling={"rope_type": "linear", "factor": -2.0}), ValueError,
+     "scaling['factor']: expected a number > 0"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_POSITION_INPUTS, ids=[c[0] for c in BAD_POSITION_INPUTS])
+def test_bad_position_input_is_a_clear_error(rand, case):
+    _, make, error, message = case
+    a = _base(rand)
+    args = dict(positions=rand.integers(0, 100, (2, 8)), theta=1e4)
+    args.update(make(rand))
+    with pytest.raises(error) as info:
+        tk.apply_rotary_from_positions(a["q"], a["k"], args.pop("positions"), **args)
+    assert message in str(info.value)
+
+
+def test_head_too_large_for_vmem_is_a_clear_error():
+    q = jax.ShapeDtypeStruct((1, 4096, 8, 8192), F32)
+    cos = jax.ShapeDtypeStruct((1, 8, 8192), F32)
+    with pytest.raises(ValueError, match="q: heads .* too large"):
+        jax.eval_shape(tk.apply_rotary, q, q, cos, cos)
+
+
+# ------------------------------------------------------------------------------------------------ rungs 2 and 3
+def test_export_for_tpu():
+    q, k = jax.ShapeDtypeStruct((2, 32, 64, 128), BF16), jax.ShapeDtypeStruct((2, 4, 64, 128), BF16)
+    cos, w = jax.ShapeDtypeStruct((1, 64, 128), BF16), jax.ShapeDtypeStruct((128,), BF16)
+    pos = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+    ladder.export_for_tpu(api.apply_rotary, q, k, cos, cos)
+    ladder.export_for_tpu(api.apply_rotary_backward, q, k, cos, cos, interleaved=True)
+    ladder.export_for_tpu(api.rms_norm_rope, q, k, w, w, cos, cos)
+    ladder.export_for_tpu(api.apply_rotary_from_positions, q, k, pos, theta=1e6)
+    ladder.export_for_tpu(jax.grad(lambda q, k, w, c: _loss(api.rms_norm_rope(q, k, w, w, c, c)), argnums=(0, 1, 2)),
+                          q, k, w, cos)
+
+
+# Attention shapes of the benchmarks (issue 5): (name, q heads, kv heads, head_dim, rotary_dim).
+MODELS = [
+    ("qwen3-30b-a3b", 32, 4, 128, 128),
+    ("gemma4-sliding", 16, 8, 256, 256),
+    ("gemma4-full", 16, 2, 512, 512),  # transformers' proportional tables: full width, trailing frequencies 0
+    ("gemma4-full-prefix", 16, 2, 512, 128),  # the same rotation as an aligned rotary prefix
+]
+DECODE_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+PREFILL_SEQS = [2048, 32768]
+# (batch, seq): decode is one position per sequence, prefill one sequence.
+BENCH_SHAPES = [(b, 1) for b in DECODE_BATCHES] + [(1, s) for s in PREFILL_SEQS]
+
+
+# v6e (the benchmarks' target) compiles every shape; v5e and v7x the extremes of decode and both prefills.
+SHAPES_BY_GENERATION = {"v6e": BENCH_SHAPES, "v5e": [(1, 1), (256, 1), (1, 2048), (1, 32768)]}
+SHAPES_BY_GENERATION["v7x"] = SHAPES_BY_GENERATION["v5e"]
+
+
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+@pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
+def test_compiles_for_tpu_at_benchmark_shapes(generation, model):
+    """apply_rotary at the benchmark shapes (transformers' bhsd layout, bf16 q/k and tables); the fused norm + rope
+    and the fused norm + rope from positions (what the benchmarks compare) at the largest decode batch and the longest
+    prefill."""
+    _, hq, hk, head_dim, rotary_dim = model
+    for batch, seq in SHAPES_BY_GENERATION[generation]:
+        q, k = ((batch, hq, seq, head_dim), BF16), ((batch, hk, seq, head_dim), BF16)
+        table = ((1, seq, rotary_dim), BF16)
+        ladder.compile_for_tpu(api.apply_rotary, generation, q, k, table, table, label="apply_rotary")
+        if (batch, seq) in ((256, 1), (1, 32768)) and model[0] != "gemma4-full":
+            w, pos = ((head_dim,), BF16), ((batch, seq), jnp.int32)
+            ladder.compile_for_tpu(api.rms_norm_rope, generation, q, k, w, w, table, table, label="rms_norm_rope")
+            ladder.compile_for_tpu(
+                lambda q, k, w, p: api.rms_norm_rope_from_positions(q, k, w, w, p, theta=1e6, rotary_dim=rotary_dim),
+                generation, q, k, w, pos, label="rms_norm_rope_from_positions",
+            )
+
+
+@pytest.mark.parametrize("generation", ["v6e", "v7x"])
+def test_compiles_for_tpu_other_variants(generation):
+    """Layouts, dtypes and conventions beyond the benchmark's: bshd, f32, interleaved, padded partial rotary,
+    head_dim 64, the backward, the gradient of the fused op and yarn from positions."""
+    bshd_q, bshd_k = ((4, 512, 32, 128), BF16), ((4, 512, 4, 128), BF16)
+    table = ((4, 512, 128), F32)
+    ladder.compile_for_tpu(functools_partial(api.apply_rotary, layout="bshd", interleaved=True), generation,
+                           bshd_q, bshd_k, table, table, label="apply_rotary_bshd_interleaved")
+    q64, k64, t64 = ((2, 16, 256, 64), F32), ((2, 16, 256, 64), F32), ((1, 256, 32), F32)
+    ladder.compile_for_tpu(api.apply_rotary, generation, q64, k64, t64, t64, label="apply_rotary_d64_partial")
+    ladder.compile_for_tpu(api.apply_rotary_backward, generation, bshd_q, bshd_k, table, table,
+                           label="apply_rotary_backward", layout="bshd")
+    q, k, t, w = ((8, 32, 256, 128), BF16), ((8, 4, 256, 128), BF16), ((1, 256, 128), BF16), ((128,), BF16)
+    ladder.compile_for_tpu(
+        jax.grad(lambda q, k, w, c: _loss(api.rms_norm_rope(q, k, w, w, c, c)), argnums=(0, 1, 2)),
+        generation, q, k, w, t, label="rms_norm_rope_grad",
+    )
+    ladder.compile_for_tpu(
+        lambda q, k, p: api.apply_rotary_from_positions(
+            q, k, p, theta=5e5, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}),
+        generation, q, k, ((8, 256), jnp.int32), label="apply_rotary_from_positions_yarn",
+    )
+
+
+def functools_partial(fn, **kw):
+    return lambda *a: fn(*a, **kw)
+
+
+def test_tuning_follows_the_traced_generation():
+    """The block choice reads the chip being compiled for: v5e gets fewer tokens per step than v6e."""
+    blocks = {}
+    for generation in ("v5e", "v6e"):
+        with jax.default_device(ladder.tpu_device(generation)):
+            info = api.chip.current_tpu_info()
+        blocks[generation] = tuning.choose_blocks(
+            batch=1, seq=32768, heads=(32, 4), head_dim=128, dtype=BF16, table_width=128, table_dtypes=(BF16, BF16),
+            seq_major=False, info=info,
+        ).block_seq
+    assert blocks["v5e"] < blocks["v6e"], blocks
+
+
+def test_inverse_frequencies_default_formula():
+    inv, scale, r = frequencies.inverse_frequencies(128, 1e6, 128)
+    np.testing.assert_allclose(inv, 1.0 / (1e6 ** (np.arange(0, 128, 2) / 128)), rtol=1e-6)
+    assert scale == 1.0 and r == 128
