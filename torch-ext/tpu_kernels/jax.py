@@ -5,5 +5,24 @@ kernels in Pallas' TPU interpret mode; to jit them for the CPU, call them inside
 """
 from ._pallas.common.interpret import interpret_on_cpu
 from ._pallas.rms_norm.api import fused_add_rms_norm, rms_norm, rms_norm_backward
+from ._pallas.rotary.api import (
+    apply_rotary,
+    apply_rotary_backward,
+    apply_rotary_from_positions,
+    rms_norm_rope,
+    rms_norm_rope_from_positions,
+    rope_cos_sin,
+)
 
-__all__ = ["fused_add_rms_norm", "interpret_on_cpu", "rms_norm", "rms_norm_backward"]
+__all__ = [
+    "apply_rotary",
+    "apply_rotary_backward",
+    "apply_rotary_from_positions",
+    "fused_add_rms_norm",
+    "interpret_on_cpu",
+    "rms_norm",
+    "rms_norm_backward",
+    "rms_norm_rope",
+    "rms_norm_rope_from_positions",
+    "rope_cos_sin",
+]
