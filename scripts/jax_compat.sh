@@ -4,8 +4,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv-jax012
-python312=$(command -v python3.12 || PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null \
-            || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -n 1)
+python312=""
+for candidate in "$(PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null)" /root/.pyenv/versions/3.12*/bin/python3.12 \
+                 "$(command -v python3.12)"; do
+    # pyenv's shim exists even where it cannot run 3.12: keep the first interpreter that really starts.
+    if [ -n "$candidate" ] && "$candidate" -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null; then
+        python312=$candidate
+        break
+    fi
+done
 if [ -z "$python312" ]; then
     echo "NOTE: no Python 3.12 on this machine: the jax 0.12 compatibility run did not happen"
     exit 0
