@@ -82,8 +82,28 @@ RAGGED_DOT = tuple(
     for shape in sweep("tokens", tokens, model=model, phase=phase, experts=MOE_EXPERTS, top_k=MOE_TOP_K, **dims)
 )
 
+# ---------------------------------------------------------------------------------------------------------- rotary
+# RoPE and fused per-head RMSNorm + RoPE of q and k (issue 5), at the attention shapes of Qwen3-30B-A3B and Gemma 4
+# 26B-A4B (sliding and full-attention layers). Gemma 4's full layers rotate a quarter of head_dim through
+# transformers' "proportional" tables: full-width cos/sin whose trailing frequencies are zero, so rotary_dim is
+# head_dim. Decode: `tokens` sequences, one position each; prefill: one sequence of `tokens` positions.
+ROTARY_MODELS = {
+    "qwen3-30b-a3b": {"q_heads": 32, "kv_heads": 4, "head_dim": 128, "rotary_dim": 128},
+    "gemma4-sliding": {"q_heads": 16, "kv_heads": 8, "head_dim": 256, "rotary_dim": 256},
+    "gemma4-full": {"q_heads": 16, "kv_heads": 2, "head_dim": 512, "rotary_dim": 512},
+}
+ROTARY_DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ROTARY_PREFILL_SEQS = (2048, 32768)
+ROTARY = tuple(
+    shape
+    for model, dims in ROTARY_MODELS.items()
+    for phase, tokens in (("decode", ROTARY_DECODE_BATCHES), ("prefill", ROTARY_PREFILL_SEQS))
+    for shape in sweep("tokens", tokens, model=model, phase=phase, **dims)
+)
+
 # Every kernel's shapes, by the kernel name used in `python -m benchmarks --kernel NAME`.
 SHAPES: dict[str, tuple[Shape, ...]] = {
     "rms_norm": RMS_NORM,
     "ragged_dot": RAGGED_DOT,
+    "rotary": ROTARY,
 }
