@@ -24,7 +24,7 @@ def parse_args(argv=None):
                    help="kernel to benchmark (repeatable; default: all)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"), help="output directory")
     p.add_argument("--no-measure", action="store_true", help="model only; time nothing")
-    p.add_argument("--workers", type=int, default=None, help="parallel model compiles (default: CPU count, <= 4)")
+    p.add_argument("--workers", type=int, default=None, help="parallel model compiles (default 1)")
     return p.parse_args(argv)
 
 

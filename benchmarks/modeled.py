@@ -1,12 +1,12 @@
 """Modeled times: the kernel and the default implementation of every case through the static performance model.
 
-Each `perf_model.model_function` call compiles in its own subprocess (~2-8 s here); the calls run on a small thread
-pool, which keeps both cores busy.
+Each `perf_model.model_function` call compiles in its own subprocess (~3-5 s here, most of it the subprocess's start:
+importing jax and loading libtpu). The calls run on a thread pool of `workers` (default 1: on this 2-core machine two
+concurrent compile subprocesses were slower in total than one, 104 s vs 87 s for 16 calls).
 """
 from __future__ import annotations
 
 import concurrent.futures
-import os
 
 from . import perf_model
 from . import suite as _suite
@@ -22,7 +22,7 @@ def _model_one(case: _suite.Case, impl: str, gen: str):
 
 def run(cases: list[_suite.Case], gen: str, *, bar=None, workers: int | None = None) -> dict:
     """{(case id, impl): ProgramModel or the Exception that modeling raised}."""
-    workers = workers or max(1, min(4, os.cpu_count() or 1))
+    workers = workers or 1
     results = {}
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         futures = {pool.submit(_model_one, c, impl, gen): (c.id, impl) for c in cases for impl in IMPLS}
