@@ -4,7 +4,7 @@ How the kernels use them (see kernel.py): the forward grid is (n tiles, visits, 
 (m tile, group) pair, so the weight block of a group, (tk, tn), is re-used by consecutive visits of that group when
 tk covers all of K (its block index does not change, so the pipeline does not refetch it). Hence:
 
-- tk = K whenever the (K, tn) weight blocks fit the VMEM budget: the weights are then read from HBM once per n tile
+- tk = K whenever (K, tn) weight blocks fit the VMEM budget for some tn: the weights are then read from HBM once per n tile
   per group, never once per m tile, which is what decode needs (it is a stream of expert weights at HBM speed).
 - tn as wide as the budget allows (up to TN_MAX): each step moves a big weight block (a few MiB), which hides the
   fixed per-step cost, and lhs is re-read once per n tile, so fewer n tiles means less lhs traffic in prefill.
@@ -59,17 +59,23 @@ def _pow2_floor(x: int) -> int:
     return 1 << (max(1, int(x)).bit_length() - 1)
 
 
-def _divisor_tiles(dim: int, cap: int, multiple: int) -> list[int]:
-    """Legal tile sizes for a dimension, largest first: the full dim if <= cap, then divisors that are multiples."""
+def _tile_options(dim: int, cap: int, multiple: int, *, prefer_divisors: bool) -> list[int]:
+    """Legal tile sizes for a dimension, best first: the full dim if <= cap, then (unless prefer_divisors) the
+    balanced split (equal tiles rounded up to `multiple`, the last one partial), then divisors that are multiples of
+    `multiple`. A partial last block is harmless along N (columns past N are never written) and masked along K."""
     out = [dim] if dim <= cap else []
-    t = min(cap, dim) // multiple * multiple
-    while t >= multiple:
-        if dim % t == 0 and t != dim:
-            out.append(t)
-        t -= multiple
-    if not out:  # no divisor: a multiple of `multiple` (the last block is partial; callers handle that)
-        out.append(max(multiple, min(cap, dim) // multiple * multiple))
-    return out
+    balanced = _cdiv(dim, _cdiv(dim, cap))
+    balanced = max(multiple, _cdiv(balanced, multiple) * multiple)
+    divisors = [t for t in range(min(cap, dim) // multiple * multiple, 0, -multiple) if dim % t == 0 and t != dim]
+    if prefer_divisors:
+        out += divisors or [balanced]
+    else:
+        out += [balanced] + divisors
+    return list(dict.fromkeys(t for t in out if t <= max(cap, multiple) or t == dim))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _generation(info):
@@ -119,12 +125,13 @@ def choose_blocks(
         ws += (0 if single_k else streams * tm * tn * 4) + F32_TEMPORARIES * streams * tm * tn * 4
         return ws
 
-    tn_options = _divisor_tiles(n, TN_MAX[gen], n_multiple)
+    tn_options = _tile_options(n, TN_MAX[gen], n_multiple, prefer_divisors=False)
     if gated and half_n is not None:
         tn_options = [t for t in tn_options if n % t == 0] or [n]
-    tk_options = _divisor_tiles(k, TK_MAX[gen], 128)
-    for tn in tn_options:
-        for tk in tk_options:
+    tk_options = _tile_options(k, TK_MAX[gen], 128, prefer_divisors=True)
+    # tk = K first: it lets consecutive visits of a group share the weight block (no refetch per m tile).
+    for tk in tk_options:
+        for tn in tn_options:
             if working_set(tk, tn) <= budget:
                 return _blocks(tm, tk, tn, working_set(tk, tn), info)
     tn, tk = tn_options[-1], tk_options[-1]
@@ -155,8 +162,8 @@ def choose_transposed_blocks(
     def working_set(tp, tq):
         return 2 * tm * tp * ab + 2 * tm * tq * bb + 2 * tp * tq * ob + (1 + F32_TEMPORARIES) * tp * tq * 4
 
-    tp_options = _divisor_tiles(p, 1024, 128)
-    tq_options = _divisor_tiles(q, 1024, 128)
+    tp_options = _tile_options(p, 1024, 128, prefer_divisors=False)
+    tq_options = _tile_options(q, 1024, 128, prefer_divisors=False)
     for tp in tp_options:
         for tq in tq_options:
             if working_set(tp, tq) <= budget:
