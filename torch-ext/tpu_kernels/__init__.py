@@ -10,5 +10,15 @@ Importing this package compiles nothing and makes no network access.
 from . import jax, layers
 from ._ops import add_op_namespace_prefix, ops
 from .rms_norm_ops import fused_add_rms_norm, rms_norm
+from .rotary_ops import apply_rotary, rms_norm_rope
 
-__all__ = ["add_op_namespace_prefix", "fused_add_rms_norm", "jax", "layers", "ops", "rms_norm"]
+__all__ = [
+    "add_op_namespace_prefix",
+    "apply_rotary",
+    "fused_add_rms_norm",
+    "jax",
+    "layers",
+    "ops",
+    "rms_norm",
+    "rms_norm_rope",
+]
