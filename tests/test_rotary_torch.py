@@ -208,3 +208,40 @@ def test_kernelized_qwen3_gives_the_same_logits(rand, hub_root, monkeypatch):
         actual = model(tokens).logits
     assert torch.isfinite(actual).all()
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_gemma4_with_the_rotary_kernel_gives_the_same_logits(rand, monkeypatch):
+    """Gemma 4's text attention rotates q and k separately through its own single-tensor apply_rotary_pos_emb(x, cos,
+    sin, unsqueeze_dim=2), which has no hub hook in transformers 5.23 (so no kernelize); swap it for the kernel (k=None,
+    bshd) and compare logits. Covers Gemma 4's "proportional" partial rotary (full-attention layer, head_dim 256,
+    a quarter of the frequencies non-zero) through transformers' own tables, and its sliding layers."""
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4 import modeling_gemma4
+
+    config = Gemma4TextConfig(
+        vocab_size=211, hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=128, global_head_dim=256, layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8, vocab_size_per_layer_input=211, hidden_size_per_layer_input=16, max_position_embeddings=64,
+    )
+    torch.manual_seed(rand.seed)
+    model = modeling_gemma4.Gemma4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "Gemma4RMSNorm" and getattr(module, "with_scale", False):
+                module.weight.normal_(1.0, 0.3)
+    tokens = torch.from_numpy(rand.rng.integers(0, 211, (2, 11)))
+    with torch.no_grad():
+        expected = model(tokens).logits
+
+    seen = []
+
+    def kernel_rotary(x, cos, sin, unsqueeze_dim=1):
+        seen.append(x.shape[-1])
+        out, _ = tpu_kernels.apply_rotary(x, None, cos, sin, layout="bshd" if unsqueeze_dim == 2 else "bhsd")
+        return out
+
+    monkeypatch.setattr(modeling_gemma4, "apply_rotary_pos_emb", kernel_rotary)
+    with torch.no_grad():
+        actual = model(tokens).logits
+    assert sorted(set(seen)) == [128, 256], seen  # both layer kinds went through the kernel
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
