@@ -64,14 +64,18 @@ def _tile_options(dim: int, cap: int, multiple: int, *, prefer_divisors: bool) -
     balanced split (equal tiles rounded up to `multiple`, the last one partial), then divisors that are multiples of
     `multiple`. A partial last block is harmless along N (columns past N are never written) and masked along K."""
     out = [dim] if dim <= cap else []
-    balanced = _cdiv(dim, _cdiv(dim, cap))
-    balanced = max(multiple, _cdiv(balanced, multiple) * multiple)
+    # Balanced splits into 1, 2, 3, ... tiles (so a VMEM-bound choice shrinks gradually, not to one lane tile).
+    balanced = sorted(
+        {max(multiple, _cdiv(_cdiv(dim, c), multiple) * multiple) for c in range(max(1, _cdiv(dim, cap)), 17)},
+        reverse=True,
+    )
+    balanced = [t for t in balanced if t <= cap and t < dim]
     divisors = [t for t in range(min(cap, dim) // multiple * multiple, 0, -multiple) if dim % t == 0 and t != dim]
     if prefer_divisors:
-        out += divisors or [balanced]
+        out += divisors or balanced
     else:
-        out += [balanced] + divisors
-    return list(dict.fromkeys(t for t in out if t <= max(cap, multiple) or t == dim))
+        out += sorted(set(balanced) | set(divisors), reverse=True)
+    return list(dict.fromkeys(out)) or [multiple]
 
 
 def _cdiv(a: int, b: int) -> int:
