@@ -1,0 +1,134 @@
+"""Mixture-of-Experts experts forward on the ragged dot kernels (transformers' experts interface, in JAX).
+
+Route: sort the (token, slot) pairs by expert (stable, so equal experts keep token order), gather the token rows;
+gate/up grouped matmul with act(gate) * up fused into its epilogue (written once, width I); down grouped matmul;
+weight by the routing weights and sum each token's k rows in f32. Expert ids outside [0, num_experts) (expert-parallel
+sentinels) are sorted past the last group, so the grouped matmuls leave their rows zero and skip their work.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..common.interpret import interpret_eager_cpu_calls
+from ..common.validation import FLOAT_DTYPES, check_array
+from ..ragged_dot import api as ragged_dot_api
+
+INDEX_DTYPES = (jnp.dtype(jnp.int32),)
+ACTIVATIONS = ("silu", "gelu_tanh")
+GATE_LAYOUTS = ("concatenated", "interleaved", None)
+
+
+def _is_concrete(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, jax.core.Tracer)
+
+
+def check_inputs(
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *,
+    activation, gate_layout, weights_transposed,
+):
+    """Validate experts_forward's arguments (arrays or ShapeDtypeStructs); return (T, H, E, I)."""
+    check_array("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES[:2])
+    check_array("top_k_index", top_k_index, ndim=2, dtypes=INDEX_DTYPES)
+    check_array("top_k_weights", top_k_weights, ndim=2, dtypes=FLOAT_DTYPES)
+    check_array("gate_up_proj", gate_up_proj, ndim=3, dtypes=FLOAT_DTYPES[:2])
+    check_array("down_proj", down_proj, ndim=3, dtypes=FLOAT_DTYPES[:2])
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if gate_layout not in GATE_LAYOUTS:
+        raise ValueError(f"gate_layout: expected one of {GATE_LAYOUTS}, got {gate_layout!r}")
+    tokens, hidden = hidden_states.shape
+    if tuple(top_k_index.shape) != tuple(top_k_weights.shape) or top_k_index.shape[0] != tokens:
+        raise ValueError(
+            f"top_k_index / top_k_weights: expected the same shape [T={tokens}, k], got {tuple(top_k_index.shape)} "
+            f"and {tuple(top_k_weights.shape)}"
+        )
+    num_experts = gate_up_proj.shape[0]
+    up_in, up_out = (gate_up_proj.shape[1], gate_up_proj.shape[2])
+    if not weights_transposed:
+        up_in, up_out = up_out, up_in
+    layout = "[E, H, N] (is_transposed)" if weights_transposed else "[E, N, H]"
+    if up_in != hidden:
+        raise ValueError(
+            f"gate_up_proj: expected layout {layout} with H = {hidden} (hidden_states' size), got shape "
+            f"{tuple(gate_up_proj.shape)}"
+        )
+    if gate_layout is not None and up_out % 2:
+        raise ValueError(f"gate_up_proj: a gated layout needs an even 2*I, got {up_out} (shape {tuple(gate_up_proj.shape)})")
+    intermediate = up_out // 2 if gate_layout is not None else up_out
+    expected_down = (num_experts, intermediate, hidden) if weights_transposed else (num_experts, hidden, intermediate)
+    if tuple(down_proj.shape) != expected_down:
+        raise ValueError(f"down_proj: expected shape {expected_down}, got {tuple(down_proj.shape)}")
+    if gate_up_bias is not None:
+        check_array("gate_up_bias", gate_up_bias, ndim=2, dtypes=FLOAT_DTYPES[:2])
+        if tuple(gate_up_bias.shape) != (num_experts, up_out):
+            raise ValueError(f"gate_up_bias: expected shape {(num_experts, up_out)}, got {tuple(gate_up_bias.shape)}")
+    if down_bias is not None:
+        check_array("down_bias", down_bias, ndim=2, dtypes=FLOAT_DTYPES[:2])
+        if tuple(down_bias.shape) != (num_experts, hidden):
+            raise ValueError(f"down_bias: expected shape {(num_experts, hidden)}, got {tuple(down_bias.shape)}")
+    if _is_concrete(top_k_index) and top_k_index.size and int(np.min(np.asarray(top_k_index))) < 0:
+        bad = np.argwhere(np.asarray(top_k_index) < 0)[0]
+        raise ValueError(
+            f"top_k_index: expected expert ids >= 0 (ids >= num_experts = {num_experts} are expert-parallel "
+            f"sentinels), got top_k_index[{bad[0]}, {bad[1]}] = {int(np.asarray(top_k_index)[tuple(bad)])}"
+        )
+    return tokens, hidden, num_experts, intermediate
+
+
+def route(top_k_index, num_experts):
+    """Sort (token, slot) pairs by expert. Returns (order, group_sizes): order[i] is the flat pair index at sorted
+    position i; group_sizes[e] the pairs routed to expert e (sentinels counted nowhere, sorted last)."""
+    flat = top_k_index.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    key = jnp.where(valid, flat, num_experts)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[jnp.where(valid, flat, 0)].add(valid.astype(jnp.int32))
+    return order, group_sizes
+
+
+@interpret_eager_cpu_calls
+def experts_forward(
+    hidden_states: jax.Array,
+    top_k_index: jax.Array,
+    top_k_weights: jax.Array,
+    gate_up_proj: jax.Array,
+    down_proj: jax.Array,
+    gate_up_bias: jax.Array | None = None,
+    down_bias: jax.Array | None = None,
+    *,
+    activation: str = "silu",
+    gate_layout: str | None = "concatenated",
+    weights_transposed: bool = False,
+) -> jax.Array:
+    """transformers' MoE experts forward: y[t] = sum_j w[t,j] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = idx[t,j].
+
+    hidden_states [T, H]; top_k_index [T, k] int32; top_k_weights [T, k]; gate_up_proj [E, 2I, H] and down_proj
+    [E, H, I] as transformers stores them (applied as x @ W[e].T), or [E, H, 2I] / [E, I, H] with
+    weights_transposed. gate_layout: "concatenated" (gate rows first), "interleaved" (gate, up alternate), or None for
+    experts without a gate (gate_up_proj is then the up projection [E, I, H] and the activation applies to it).
+    Biases [E, 2I] and [E, H] are optional. Returns [T, H] in hidden_states' dtype; f32 accumulation throughout.
+    """
+    tokens, hidden, num_experts, _ = check_inputs(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+        activation=activation, gate_layout=gate_layout, weights_transposed=weights_transposed,
+    )
+    top_k = top_k_index.shape[1]
+    if tokens * top_k == 0:
+        return jnp.zeros((tokens, hidden), hidden_states.dtype)
+    order, group_sizes = route(top_k_index, num_experts)
+    x_sorted = jnp.take(hidden_states, order // top_k, axis=0)
+    h = ragged_dot_api.ragged_dot(
+        x_sorted, gate_up_proj, group_sizes, rhs_transposed=not weights_transposed, bias=gate_up_bias,
+        activation=activation, gated=gate_layout, preferred_element_type=hidden_states.dtype,
+    )
+    y = ragged_dot_api.ragged_dot(
+        h, down_proj, group_sizes, rhs_transposed=not weights_transposed, bias=down_bias,
+        preferred_element_type=jnp.float32,
+    )
+    weights_sorted = jnp.take(top_k_weights.reshape(-1).astype(jnp.float32), order)
+    # Sentinel rows are zero from the grouped matmuls, but a bias would be added to nothing: mask them explicitly.
+    valid_sorted = jnp.take(((top_k_index >= 0) & (top_k_index < num_experts)).reshape(-1), order)
+    weighted = jnp.where(valid_sorted[:, None], y * weights_sorted[:, None], 0.0)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    per_slot = jnp.take(weighted, inverse, axis=0).reshape(tokens, top_k, hidden)
+    return per_slot.sum(axis=1).astype(hidden_states.dtype)
