@@ -63,7 +63,8 @@ class _Config:
 
 
 def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
+    """Values known now: a concrete jax or numpy array (not a tracer, not a ShapeDtypeStruct placeholder)."""
+    return isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, jax.core.Tracer)
 
 
 def _check_group_offset(group_offset):

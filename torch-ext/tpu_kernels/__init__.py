@@ -4,21 +4,25 @@
     y = kernel.rms_norm(x, weight, eps)            # torch, on a `tpu` (or `cpu`, interpret mode) tensor
     y = kernel.jax.rms_norm(x_jax, weight_jax)     # JAX
     kernel.layers.RMSNorm                          # for kernels.kernelize
+    ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", kernel.experts_forward)   # transformers MoE experts
 
 Importing this package compiles nothing and makes no network access.
 """
 from . import jax, layers
 from ._ops import add_op_namespace_prefix, ops
+from .moe_ops import experts_forward, ragged_dot
 from .rms_norm_ops import fused_add_rms_norm, rms_norm
 from .rotary_ops import apply_rotary, rms_norm_rope
 
 __all__ = [
     "add_op_namespace_prefix",
     "apply_rotary",
+    "experts_forward",
     "fused_add_rms_norm",
     "jax",
     "layers",
     "ops",
+    "ragged_dot",
     "rms_norm",
     "rms_norm_rope",
 ]

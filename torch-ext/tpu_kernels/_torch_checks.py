@@ -43,3 +43,11 @@ def placeholder(name: str, value):
 
 def has_symbolic_shape(*tensors) -> bool:
     return any(isinstance(t, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in t.shape) for t in tensors)
+
+
+def values_or_placeholder(name: str, value: torch.Tensor):
+    """The tensor's values (numpy) when they are on the host and real, so value checks (e.g. negative ids) can run;
+    a placeholder for device, fake and meta tensors, whose values are unknown without a device sync."""
+    if type(value) is torch.Tensor and value.device.type == "cpu":
+        return value.detach().numpy()
+    return placeholder(name, value)

@@ -4,6 +4,8 @@ Under jax.jit / jax.export they trace Mosaic kernels for the TPU; called eagerly
 kernels in Pallas' TPU interpret mode; to jit them for the CPU, call them inside `interpret_on_cpu()`.
 """
 from ._pallas.common.interpret import interpret_on_cpu
+from ._pallas.moe.api import experts_forward
+from ._pallas.ragged_dot.api import ragged_dot
 from ._pallas.rms_norm.api import fused_add_rms_norm, rms_norm, rms_norm_backward
 from ._pallas.rotary.api import (
     apply_rotary,
@@ -18,8 +20,10 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_backward",
     "apply_rotary_from_positions",
+    "experts_forward",
     "fused_add_rms_norm",
     "interpret_on_cpu",
+    "ragged_dot",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_rope",
