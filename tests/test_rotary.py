@@ -49,10 +49,13 @@ CASES = [
 SMALL_BLOCK_CASES = ("bshd-f32-cos", "partial-padded")
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+REGIME_CASES = [(c, "tuned_blocks") for c in CASES] + [(c, "small_blocks") for c in CASES if c[0] in SMALL_BLOCK_CASES]
+
+
+@pytest.mark.parametrize(
+    "case,block_regime", REGIME_CASES, ids=[f"{c[0]}-{r}" for c, r in REGIME_CASES], indirect=["block_regime"]
+)
 def test_apply_rotary_matches_reference(rand, block_regime, case):
-    if block_regime == "small_blocks" and case[0] not in SMALL_BLOCK_CASES:
-        pytest.skip("tiny blocks run for a few cases only (interpret mode is slow)")
     _, layout, batch, seq, hq, hk, head_dim, rotary_dim, interleaved, dtype, cos_dtype, cos_batch = case
     q_shape, k_shape = _shapes(layout, batch, seq, hq, hk, head_dim)
     q, k = rand.normal(q_shape, dtype, scale=2.0), rand.normal(k_shape, dtype)
