@@ -1,10 +1,21 @@
 """Token-block sizes for the rotary kernels, per TPU generation.
 
-RoPE (and RMSNorm + RoPE) is memory-bound: every grid step streams all q and k heads of a block of tokens in and
-out, plus the block's cos/sin rows (or positions). A step should move enough bytes that its ~0.35 us fixed cost hides
-behind the DMAs, yet leave several steps for the pipeline to overlap (and for v7x's two cores to split), and its
-double-buffered streams plus f32 temporaries must fit the VMEM the kernel asks for. Every entry is proven by the
-deviceless compile test at the benchmark shapes on v5e, v6e and v7x.
+RoPE (and RMSNorm + RoPE) streams all q and k heads of a block of tokens in and out, plus the block's cos/sin rows
+(or positions). Pallas double-buffers the blocks, so the first block's read and the last block's write are not
+hidden behind compute: with few steps those edges cost a large share of the time. Each step also has a fixed cost
+(~230-380 cycles on v6e in the performance model), and the fused RMSNorm + RoPE at head_dim 128 needs about as many
+cycles per block as the block's HBM transfer takes. So: blocks of about `TARGET_BLOCK_BYTES` of input, at least
+`MIN_STEPS` steps when the data allows, and the token count rounded to a power of two (it then divides the
+power-of-two sequence lengths and decode batches: no ragged last block). The double-buffered streams plus f32
+temporaries must fit the VMEM the kernel asks for. Every entry is proven by the deviceless compile test at the
+benchmark shapes on v5e, v6e and v7x.
+
+How the numbers were chosen (benchmarks/ops/rotary.py, modeled v6e, transformers' bhsd layout, bf16): at prefill
+S=2048, 16 steps of 128 tokens for Qwen3-30B-A3B (32 + 4 heads x 128) and 32 steps of 64 tokens for Gemma 4 (16 + 8
+heads x 256, 16 + 2 x 512) beat the previous 2 MiB blocks (10-13 steps): apply_rotary 86 -> 90 % of the HBM
+roofline, fused norm + rope 70 -> 78 % (Qwen3) and 82 -> 86 % (Gemma 4 sliding); at S=32768 the same blocks are at
+94-99 %. Decode (one position per sequence, tokens on the batch axis of the grid): 32-token blocks (2-8 steps) are
+within 2 % of the best block at every batch, while 1-step or 8-token blocks lose 10-30 %.
 """
 import dataclasses
 import math
@@ -14,13 +25,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..common import chip
 
-# Input bytes (q + k heads of the block) per grid step. v5e has half v6e's HBM bandwidth, so a smaller block takes
-# as long.
-TARGET_BLOCK_BYTES = {"v5e": 1 << 20, "v6e": 2 << 20, "v7x": 2 << 20}
+# Input bytes (q + k heads of the block) per grid step, in proportion to the HBM bandwidth (v5e half of v6e's, a v7x
+# core about twice), so a step takes about as long on each.
+TARGET_BLOCK_BYTES = {"v5e": 512 << 10, "v6e": 1 << 20, "v7x": 2 << 20}
 # Never split below this many input bytes per step just to get more steps.
 MIN_BLOCK_BYTES = 256 << 10
-# Aim for at least this many grid steps when the data allows (pipelining, and v7x's two TensorCores).
-MIN_STEPS = 4
+# Aim for at least this many grid steps when the data allows: the first read and the last write are exposed, so
+# their share shrinks with the step count (and v7x's two TensorCores split the grid).
+MIN_STEPS = 16
 # Live f32 copies of a head slab inside the kernel body (upcast x, the partner lanes, the rotated result, ...).
 F32_TEMPORARIES = 4
 VMEM_SHARE = 0.5
@@ -40,6 +52,12 @@ def sublane_multiple(dtype) -> int:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def _nearest_power_of_two(n: int) -> int:
+    """The power of two nearest to n on a log scale (n >= 1)."""
+    low = 1 << (max(1, n).bit_length() - 1)
+    return low * 2 if n * n > 2 * low * low else low
 
 
 def choose_blocks(
@@ -79,8 +97,8 @@ def choose_blocks(
     total = batch * seq
     target = TARGET_BLOCK_BYTES.get(generation, TARGET_BLOCK_BYTES["v6e"]) // in_bytes_per_token
     floor = max(1, MIN_BLOCK_BYTES // in_bytes_per_token)
-    tokens = min(target, max(floor, math.ceil(total / MIN_STEPS)), tokens_by_vmem)
-    tokens = max(tokens, 1)
+    tokens = _nearest_power_of_two(max(1, min(target, max(floor, math.ceil(total / MIN_STEPS)))))
+    tokens = max(min(tokens, tokens_by_vmem), 1)
 
     # Split the token budget into (block_batch, block_seq).
     if tokens >= seq:

@@ -1,0 +1,222 @@
+"""Rotary embeddings (issue 5 item 6): RoPE from cos/sin tables, the fused per-head RMSNorm + RoPE, and the fused
+RMSNorm + RoPE with cos/sin computed in the kernel from positions, each against the plain-jnp path XLA compiles
+(the references: norm then rope, and for positions the tables built by XLA first).
+
+Shapes (benchmarks/shapes.py, ROTARY): transformers' attention layout, q [B, Hq, S, D] and k [B, Hk, S, D] in bf16.
+Decode: B sequences of one token, each at its own position (cos/sin [B, 1, D], positions [B, 1]); prefill: one
+sequence of S tokens (cos/sin [1, S, D], positions [1, S]). Tables in bf16, as transformers rounds them to the model
+dtype; norm weights bf16 [D], eps 1e-6. Rope parameters per model: Qwen3 theta 1e6; Gemma 4 sliding layers theta
+1e4; Gemma 4 full layers theta 1e6 with "proportional" partial rotary (factor 0.25: full-width frequencies whose
+trailing three quarters are zero), which is why rotary_dim = head_dim there.
+
+Targets (issue 5 item 6), on the modeled v6e figures: >= 85 % of the HBM roofline at >= 64 tokens for every op, and
+the fused norm + rope ops >= 1.5x the unfused XLA path at every shape.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import jax_kernels, shapes
+from ..suite import Op, Suite, Targets
+
+api = jax_kernels.load("rotary.api")
+reference = jax_kernels.load("rotary.reference")
+
+SOURCE = "issue 5 item 6"
+EPS = 1e-6
+MIN_EFFICIENCY, MIN_EFFICIENCY_FROM = 0.85, 64
+MIN_FUSED_SPEEDUP = 1.5
+FUSED_OPS = ("rms_norm_rope", "rms_norm_rope_from_positions")
+
+# transformers' rope_parameters of each attention shape (Qwen3-30B-A3B config; Gemma4TextConfig defaults).
+ROPE = {
+    "qwen3-30b-a3b": {"theta": 1_000_000.0, "scaling": None},
+    "gemma4-sliding": {"theta": 10_000.0, "scaling": None},
+    "gemma4-full": {"theta": 1_000_000.0, "scaling": {"rope_type": "proportional", "partial_rotary_factor": 0.25}},
+}
+
+# `python -m benchmarks` without --full models this subset (keeps `make bench` short); --full models every shape.
+QUICK_MODELS = ("qwen3-30b-a3b", "gemma4-sliding")
+QUICK_DECODE_BATCHES = (1, 64, 256)
+QUICK_PREFILL_SEQS = (2048,)
+QUICK = tuple(
+    s for s in shapes.ROTARY
+    if s["model"] in QUICK_MODELS
+    and s.batch in (QUICK_DECODE_BATCHES if s["phase"] == "decode" else QUICK_PREFILL_SEQS)
+)
+
+
+# ------------------------------------------------------------------------------------- kernel and default paths
+def kernel_apply_rotary(q, k, cos, sin, *, model):
+    return api.apply_rotary(q, k, cos, sin)
+
+
+def default_apply_rotary(q, k, cos, sin, *, model):
+    return reference.apply_rotary_reference(q, k, cos, sin)
+
+
+def kernel_rms_norm_rope(q, k, q_weight, k_weight, cos, sin, *, model):
+    return api.rms_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=EPS)
+
+
+def default_rms_norm_rope(q, k, q_weight, k_weight, cos, sin, *, model):
+    return reference.rms_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps=EPS)
+
+
+def kernel_rms_norm_rope_from_positions(q, k, q_weight, k_weight, positions, *, model):
+    return api.rms_norm_rope_from_positions(q, k, q_weight, k_weight, positions, eps=EPS, **ROPE[model])
+
+
+def default_rms_norm_rope_from_positions(q, k, q_weight, k_weight, positions, *, model):
+    """XLA builds the cos/sin tables from the positions (transformers' rotary embedding), then norm and rope."""
+    cos, sin = api.rope_cos_sin(positions, head_dim=q.shape[-1], **ROPE[model])
+    cos, sin = cos.astype(q.dtype), sin.astype(q.dtype)   # transformers rounds its tables to the model dtype
+    return reference.rms_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps=EPS)
+
+
+# ------------------------------------------------------------------------------------------------ shapes, bytes
+def _batch_seq(s):
+    """(batch, seq, table batch): decode is B sequences of one token; prefill one sequence of S tokens."""
+    return (s["tokens"], 1, s["tokens"]) if s["phase"] == "decode" else (1, s["tokens"], 1)
+
+
+def _qk(s):
+    b, seq, _ = _batch_seq(s)
+    dt = jnp.dtype(s.dtype)
+    return (jax.ShapeDtypeStruct((b, s["q_heads"], seq, s["head_dim"]), dt),
+            jax.ShapeDtypeStruct((b, s["kv_heads"], seq, s["head_dim"]), dt))
+
+
+def _table(s):
+    _, seq, tb = _batch_seq(s)
+    return jax.ShapeDtypeStruct((tb, seq, s["rotary_dim"]), jnp.dtype(s.dtype))
+
+
+def _weight(s):
+    return jax.ShapeDtypeStruct((s["head_dim"],), jnp.dtype(s.dtype))
+
+
+def _positions(s):
+    _, seq, tb = _batch_seq(s)
+    return jax.ShapeDtypeStruct((tb, seq), jnp.int32)
+
+
+def _nbytes(spec):
+    return int(np.prod(spec.shape)) * jnp.dtype(spec.dtype).itemsize
+
+
+def _qk_bytes(s):
+    """q and k read once and written once."""
+    return 2 * sum(_nbytes(x) for x in _qk(s))
+
+
+def _tables_specs(s):
+    return (*_qk(s), _table(s), _table(s))
+
+
+def _norm_specs(s):
+    return (*_qk(s), _weight(s), _weight(s), _table(s), _table(s))
+
+
+def _positions_specs(s):
+    return (*_qk(s), _weight(s), _weight(s), _positions(s))
+
+
+def _positions_arrays(s, seed):
+    """Random q, k, weights and nonnegative positions (decode: scattered positions in a 32k context)."""
+    rng = np.random.default_rng(seed)
+    q, k, w, _, pos = _positions_specs(s)
+    normal = lambda spec: jnp.asarray(rng.standard_normal(spec.shape, np.float32), spec.dtype)  # noqa: E731
+    if s["phase"] == "decode":
+        positions = rng.integers(0, 32768, pos.shape).astype(np.int32)
+    else:
+        positions = np.arange(pos.shape[1], dtype=np.int32)[None]
+    return normal(q), normal(k), normal(w), normal(w), jnp.asarray(positions)
+
+
+# ------------------------------------------------------------------------------------------------------- targets
+def _case(row):
+    return row["case"]
+
+
+def custom_targets(rows: list[dict]) -> list[dict]:
+    """>= 85 % of the HBM roofline at >= 64 tokens (every op), and the fused ops >= 1.5x the unfused XLA path."""
+    out = []
+    sel = [r for r in rows if r["batch"] >= MIN_EFFICIENCY_FROM]
+    if sel:
+        worst = min(sel, key=lambda r: r["efficiency"] if r["efficiency"] is not None else -1.0)
+        eff = worst["efficiency"]
+        ok = eff is not None and eff >= MIN_EFFICIENCY
+        short = [r for r in sel if (r["efficiency"] or 0.0) < MIN_EFFICIENCY]
+        if eff is None:
+            detail = "no modeled time"
+        elif ok:
+            detail = f"efficiency {eff:.1%}"
+        else:
+            need = worst["roofline"]["us"] / MIN_EFFICIENCY
+            detail = (f"efficiency {eff:.1%}, {MIN_EFFICIENCY - eff:.1%} points short: modeled "
+                      f"{worst['modeled_kernel']['us']:,.2f} µs vs <= {need:,.2f} µs needed; "
+                      f"{len(short)} of {len(sel)} shapes short")
+        out.append({"target": f"efficiency >= {MIN_EFFICIENCY:.0%} of the HBM roofline at tokens >= "
+                              f"{MIN_EFFICIENCY_FROM}", "source": SOURCE, "met": ok,
+                    "worst": {"case": _case(worst)}, "detail": detail})
+    fused = [r for r in rows if r["op"] in FUSED_OPS]
+    if fused:
+        worst = min(fused, key=lambda r: r["speedup"] if r["speedup"] is not None else -1.0)
+        sp = worst["speedup"]
+        ok = sp is not None and sp >= MIN_FUSED_SPEEDUP
+        short = [r for r in fused if (r["speedup"] or 0.0) < MIN_FUSED_SPEEDUP]
+        if sp is None:
+            detail = "no modeled time"
+        elif ok:
+            detail = f"speedup {sp:.2f}x"
+        else:
+            detail = (f"speedup {sp:.2f}x, {MIN_FUSED_SPEEDUP - sp:.2f}x short: modeled "
+                      f"{worst['modeled_kernel']['us']:,.2f} µs vs <= "
+                      f"{worst['modeled_default']['us'] / MIN_FUSED_SPEEDUP:,.2f} µs needed; "
+                      f"{len(short)} of {len(fused)} shapes short")
+        out.append({"target": f"fused norm + rope >= {MIN_FUSED_SPEEDUP}x the unfused XLA path at every shape",
+                    "source": SOURCE, "met": ok, "worst": {"case": _case(worst)}, "detail": detail})
+    return out
+
+
+def _static(s):
+    return {"model": s["model"]}
+
+
+SUITE = Suite(
+    kernel="rotary",
+    ops=(
+        Op(
+            name="apply_rotary",
+            kernel=kernel_apply_rotary,
+            default=default_apply_rotary,
+            specs=_tables_specs,
+            hbm_bytes=lambda s: _qk_bytes(s) + 2 * _nbytes(_table(s)),   # + cos and sin read once
+            static=_static,
+            default_name="XLA (reference rope)",
+        ),
+        Op(
+            name="rms_norm_rope",
+            kernel=kernel_rms_norm_rope,
+            default=default_rms_norm_rope,
+            specs=_norm_specs,
+            hbm_bytes=lambda s: _qk_bytes(s) + 2 * _nbytes(_table(s)) + 2 * _nbytes(_weight(s)),
+            static=_static,
+            default_name="XLA unfused (norm, then rope)",
+        ),
+        Op(
+            name="rms_norm_rope_from_positions",
+            kernel=kernel_rms_norm_rope_from_positions,
+            default=default_rms_norm_rope_from_positions,
+            specs=_positions_specs,
+            arrays=_positions_arrays,
+            hbm_bytes=lambda s: _qk_bytes(s) + _nbytes(_positions(s)) + 2 * _nbytes(_weight(s)),
+            static=_static,
+            default_name="XLA unfused (tables, norm, then rope)",
+        ),
+    ),
+    shapes=shapes.ROTARY,
+    quick_shapes=QUICK,
+    targets=Targets(source=SOURCE, custom=custom_targets),
+)
