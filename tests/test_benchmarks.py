@@ -92,3 +92,43 @@ def test_shapes_are_declared_once():
     assert {(s["tokens"], s["hidden"]) for s in suite.get("rms_norm").shapes} == {
         (t, h) for t in shapes.RMS_NORM_TOKENS for h in shapes.RMS_NORM_HIDDENS}
     assert all(s.batch * s["top_k"] for s in shapes.RAGGED_DOT)
+
+
+# One tiny rotary shape (issue 5 item 6): decode, 8 sequences of one token, Qwen3's rope parameters at few heads.
+TINY_ROTARY = shapes.Shape("tokens", 8, (("model", "qwen3-30b-a3b"), ("phase", "decode"), ("q_heads", 4),
+                                         ("kv_heads", 2), ("head_dim", 128), ("rotary_dim", 128)), "bfloat16")
+
+
+def test_rotary_suite_end_to_end(tmp_path):
+    from benchmarks.ops import rotary
+
+    result = harness.run_kernel("rotary", harness.Config(gen="v6e", out=tmp_path), dev=device.detect(),
+                                shapes=[TINY_ROTARY])
+    assert [r["op"] for r in result["rows"]] == ["apply_rotary", "rms_norm_rope", "rms_norm_rope_from_positions"]
+    for row in result["rows"]:
+        assert row["modeled_kernel"]["us"] > 0 and row["modeled_default"]["us"] > 0
+        assert row["modeled_kernel"]["kernels"], "the kernel path holds no Pallas kernel"
+        assert "kernels" not in row["modeled_default"], "the default path must be plain XLA"
+        assert row["speedup"] == pytest.approx(row["modeled_default"]["us"] / row["modeled_kernel"]["us"])
+        assert row["measured"]["kernel"]["us"] > 0 and row["measured"]["default"]["us"] > 0
+    # q and k in and out, plus the per-token tables (cos and sin) or positions, plus the norm weights
+    qk = 2 * 8 * (4 + 2) * 128 * 2
+    assert [r["hbm_bytes"] for r in result["rows"]] == [qk + 2 * 8 * 128 * 2, qk + 2 * 8 * 128 * 2 + 2 * 128 * 2,
+                                                        qk + 8 * 4 + 2 * 128 * 2]
+    # No shape of >= 64 tokens here: only the fused-vs-unfused target applies (the efficiency one is not checked).
+    (target,) = result["targets"]
+    assert target["source"] == rotary.SOURCE and "1.5x the unfused XLA path" in target["target"]
+    fused = [r for r in result["rows"] if r["op"] in rotary.FUSED_OPS]
+    assert target["met"] == (min(r["speedup"] for r in fused) >= 1.5)
+    table = report.format_table(result)
+    assert "rotary / rms_norm_rope" in table and ("MET (" in table or "NOT MET" in table)
+
+
+def test_rotary_quick_shapes_are_a_subset():
+    from benchmarks.ops import rotary
+
+    quick = rotary.SUITE.quick_shapes
+    assert set(quick) < set(shapes.ROTARY) == set(rotary.SUITE.shapes)
+    assert {s.batch for s in quick if s["phase"] == "decode"} == {1, 64, 256}
+    assert {s.batch for s in quick if s["phase"] == "prefill"} == {2048}
+    assert {s["model"] for s in quick} == {"qwen3-30b-a3b", "gemma4-sliding"}
