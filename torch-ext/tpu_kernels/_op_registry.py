@@ -63,10 +63,19 @@ def _to_torch(value):
     return torch.from_dlpack(value)
 
 
+def _is_array_annotation(annotation) -> bool:
+    return _schema_type(annotation).startswith("Tensor")
+
+
 def _cpu_impl(jax_fn):
+    """The CPU kernel: jit (once per shape and static values) and run the JAX function in TPU interpret mode."""
+    signature = inspect.signature(inspect.unwrap(jax_fn), eval_str=True)
+    static = tuple(i for i, p in enumerate(signature.parameters.values()) if not _is_array_annotation(p.annotation))
+    jitted = jax.jit(jax_fn, static_argnums=static)
+
     def impl(*args):
         with interpret_on_cpu():
-            return _to_torch(jax_fn(*(_to_jax(a) for a in args)))
+            return _to_torch(jitted(*(_to_jax(a) for a in args)))
 
     return impl
 

@@ -1,0 +1,60 @@
+"""Tiny transformers models built from configs with random weights (no download), shared by the model tests.
+
+Norm weights are drawn around 1 instead of the all-ones init, so a kernel that ignored them would be caught.
+"""
+import torch
+
+VOCAB = 211
+
+
+def randomize_norm_weights(model, seed):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if "RMSNorm" in type(module).__name__ and isinstance(getattr(module, "weight", None), torch.Tensor):
+                module.weight.copy_(1.0 + 0.3 * torch.randn(module.weight.shape, generator=generator))
+    return model
+
+
+def qwen3(seed, **overrides):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**{
+        "vocab_size": VOCAB, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, **overrides,
+    })
+    torch.manual_seed(seed)
+    return randomize_norm_weights(Qwen3ForCausalLM(config).eval(), seed)
+
+
+def qwen3_moe(seed, **overrides):
+    """Qwen3-MoE's architecture (SiLU experts, renormalized top-k), 8 experts, top-2, every layer MoE."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**{
+        "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 192, "moe_intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 64,
+        "tie_word_embeddings": False, **overrides,
+    })
+    torch.manual_seed(seed)
+    return randomize_norm_weights(Qwen3MoeForCausalLM(config).eval(), seed)
+
+
+def gemma4(seed, *, moe=False, **overrides):
+    """Gemma 4 text architecture: a sliding and a full attention layer; with moe=True the MoE block (GELU-tanh
+    experts, 8 experts, top-2) beside the dense MLP, as in Gemma 4 26B-A4B."""
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+
+    moe_args = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 64}
+    config = Gemma4TextConfig(**{
+        "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 160, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128, "global_head_dim": 256,
+        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
+        "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16, "max_position_embeddings": 64,
+        **(moe_args if moe else {}), **overrides,
+    })
+    torch.manual_seed(seed)
+    return randomize_norm_weights(Gemma4ForCausalLM(config).eval(), seed)
