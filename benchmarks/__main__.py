@@ -19,12 +19,13 @@ def parse_args(argv=None):
 
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
     p.add_argument("--gen", default="v6e", choices=["v5e", "v6e", "v7x"], help="TPU generation to model (v6e)")
-    p.add_argument("--full", action="store_true", help="on a CPU, also time mid-size shapes (slower)")
+    p.add_argument("--full", action="store_true", help="every shape: model the suites' full shape lists (default: their quick subsets) "
+                   "and, on a CPU, also time mid-size shapes (slower)")
     p.add_argument("--kernel", action="append", choices=suite.available(),
                    help="kernel to benchmark (repeatable; default: all)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"), help="output directory")
     p.add_argument("--no-measure", action="store_true", help="model only; time nothing")
-    p.add_argument("--workers", type=int, default=None, help="parallel model compiles (default 1)")
+    p.add_argument("--workers", type=int, default=None, help="parallel model chunks (default 2)")
     return p.parse_args(argv)
 
 

@@ -47,7 +47,7 @@ def time_case(benchmark, case: _suite.Case, impl: str, dev: _device.Device) -> N
 
     from . import jax_kernels
 
-    fn = jax.jit(case.op.kernel if impl == "kernel" else case.op.default)
+    fn = jax.jit(case.op.function(impl, case.shape))
     args = _arrays(case)
     interpret = impl == "kernel" and not dev.is_tpu
     context = jax_kernels.load("common.interpret").interpret_on_cpu if interpret else contextlib.nullcontext

@@ -19,48 +19,85 @@ def _us(entry) -> float | None:
     return None if not entry or "us" not in entry else entry["us"]
 
 
-def columns(result: dict) -> list[str]:
+def columns(result: dict, rows: list[dict] | None = None) -> list[str]:
+    """Column headers; with `rows` (one op's rows), the default is named after its implementation and every
+    baseline of those rows gets a time and a speedup column."""
     gen = result["generation"]
-    return ["shape", f"{result['measured_label']} µs", f"modeled {gen} µs kernel", f"roofline {gen} µs",
-            "efficiency", f"modeled {gen} µs default", "speedup", f"GB/s modeled {gen}"]
+    default_name = (rows[0].get("default_name") if rows else None) or "XLA default"
+    default = "default" if default_name == "XLA default" else default_name
+    head = ["shape", f"{result['measured_label']} µs", f"modeled {gen} µs kernel", f"roofline {gen} µs",
+            "efficiency", f"modeled {gen} µs {default}", "speedup" if default == "default" else f"vs {default}"]
+    for name in _baseline_names(rows or []):
+        head += [f"modeled {gen} µs {name}", f"vs {name}"]
+    return head + [f"GB/s modeled {gen}"]
+
+
+def _baseline_names(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(n for r in rows for n in r.get("modeled_baselines", {})))
+
+
+def _time_cell(entry) -> str:
+    if not entry:
+        return DASH
+    if "na" in entry:
+        return "n/a"
+    if "error" in entry:
+        return "error"
+    return _fmt(_us(entry), ",.2f") + ("*" if entry.get("floored_at_roofline") else "")
 
 
 def table_rows(result: dict) -> list[tuple[str, list[list[str]]]]:
-    """[(op, rows of cells)] in column order."""
-    out: dict[str, list[list[str]]] = {}
+    """[(op, rows of cells)] in column order (see `columns(result, rows)`)."""
+    by_op: dict[str, list[dict]] = {}
     for r in result["rows"]:
-        kernel, default = r["modeled_kernel"], r["modeled_default"]
-        measured = (r["measured"] or {}).get("kernel")
-        shape = " ".join(f"{k}={v}" for k, v in r["shape"].items() if k != "dtype")
-        cells = [
-            shape,
-            _fmt(_us(measured), ",.1f"),
-            _fmt(_us(kernel), ",.2f") if "error" not in kernel else "error",
-            _fmt(r["roofline"]["us"], ",.2f"),
-            _fmt(r["efficiency"], ".1%"),
-            _fmt(_us(default), ",.2f") if "error" not in default else "error",
-            DASH if r["speedup"] is None else f"{r['speedup']:.2f}x",
-            _fmt(kernel.get("gbps"), ",.0f"),
-        ]
-        out.setdefault(r["op"], []).append(cells)
-    return list(out.items())
+        by_op.setdefault(r["op"], []).append(r)
+    out = []
+    for op, rows in by_op.items():
+        names = _baseline_names(rows)
+        cells_list = []
+        for r in rows:
+            kernel, default = r["modeled_kernel"], r["modeled_default"]
+            measured = (r["measured"] or {}).get("kernel")
+            shape = " ".join(f"{k}={v}" for k, v in r["shape"].items() if k != "dtype")
+            cells = [
+                shape,
+                _fmt(_us(measured), ",.1f"),
+                _time_cell(kernel),
+                _fmt(r["roofline"]["us"], ",.2f"),
+                _fmt(r["efficiency"], ".1%"),
+                _time_cell(default),
+                DASH if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            ]
+            for name in names:
+                b = r.get("modeled_baselines", {}).get(name)
+                speedup = r.get("speedups", {}).get(name)
+                cells += [_time_cell(b), DASH if speedup is None else f"{speedup:.2f}x"]
+            cells.append(_fmt(kernel.get("gbps"), ",.0f"))
+            cells_list.append(cells)
+        out.append((op, cells_list))
+    return out
 
 
 def format_table(result: dict) -> str:
-    head = columns(result)
     dtypes = sorted({r["shape"].get("dtype", "") for r in result["rows"]})
     lines = []
     for op, rows in table_rows(result):
+        head = columns(result, [r for r in result["rows"] if r["op"] == op])
         widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
         fmt_row = lambda cells: "| " + " | ".join(  # noqa: E731
             c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
         sep = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
         lines += [f"\n{result['kernel']} / {op} ({', '.join(dtypes)})", fmt_row(head), sep]
         lines += [fmt_row(r) for r in rows]
+    na = sorted({f"{name}: {b['na']}" for r in result["rows"]
+                 for name, b in r.get("modeled_baselines", {}).items() if "na" in b})
+    lines += [f"n/a = {reason}" for reason in na]
+    lines += _extra_measured_lines(result)
     for t in result["targets"]:
         worst = t["worst"] or {}
-        detail = ", ".join(f"{k} {v:.1%}" if k == "efficiency" else f"{k} {v:.2f}x" if k == "speedup" else
-                           f"{k}: {v}" for k, v in worst.items() if k != "case")
+        detail = t.get("detail") or ", ".join(
+            f"{k} {v:.1%}" if k == "efficiency" else f"{k} {v:.2f}x" if k == "speedup" else
+            f"{k}: {v}" for k, v in worst.items() if k != "case")
         lines.append(f"target ({t['source']}, {result['modeled_label']}): {t['target']}: "
                      f"{'MET' if t['met'] else 'NOT MET'} (worst: {worst.get('case', DASH)}, {detail})")
     if result.get("measure_error"):
@@ -69,11 +106,23 @@ def format_table(result: dict) -> str:
         lines.append(f"measured: {result['measured_label']} = the Pallas kernel in TPU interpret mode on this CPU "
                      f"({result['device']['kind']}); not a TPU figure. {DASH} = not timed on a CPU "
                      "(--full times more).")
-    warned = sorted({w for r in result["rows"] for e in (r["modeled_kernel"], r["modeled_default"])
+    warned = sorted({w for r in result["rows"]
+                     for e in (r["modeled_kernel"], r["modeled_default"], *r.get("modeled_baselines", {}).values())
                      for w in e.get("warnings", [])})
     lines += [f"model warning: {w}" for w in warned]
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
+
+
+def _extra_measured_lines(result: dict) -> list[str]:
+    """Timings of impls beyond kernel/default (e.g. the MoE suite's torch paths on a TPU), one line per case."""
+    lines = []
+    for r in result["rows"]:
+        extra = {k: v for k, v in (r["measured"] or {}).items() if k not in ("kernel", "default")}
+        if extra:
+            lines.append(f"{r['op']} {r['shape_id']}: " + ", ".join(
+                f"{k} {v['us']:,.1f} µs ({v['label']})" for k, v in sorted(extra.items())))
+    return lines
 
 
 def write_json(result: dict, out: pathlib.Path) -> pathlib.Path:

@@ -65,22 +65,37 @@ RMS_NORM_TOKENS = (1, 8, 64, 512, 4096, 32768)
 RMS_NORM_HIDDENS = (2048, 4096)
 RMS_NORM = sweep("tokens", RMS_NORM_TOKENS, hidden=RMS_NORM_HIDDENS)
 
-# ------------------------------------------------------------------------------------------------------- ragged dot
-# Declared now so the MoE shapes are fixed in one place; the suite lands with the kernel (issue 4).
-# MoE expert layers: top-8 of 128 experts. (hidden, moe intermediate size) per model.
+# ------------------------------------------------------------------------------------------------ ragged dot, MoE
+# MoE expert layers: top-8 of 128 experts, (hidden, moe intermediate size) per model, the expert activation.
+# Tokens are routed at random (uniform choice of top_k distinct experts per token, fixed seed; see
+# benchmarks/ops/_moe.py), not balanced by construction.
 MOE_MODELS = {
-    "qwen3-30b-a3b": {"hidden": 2048, "intermediate": 768},
-    "gemma4-26b-a4b": {"hidden": 2816, "intermediate": 704},
+    "qwen3-30b-a3b": {"hidden": 2048, "intermediate": 768, "activation": "silu"},
+    "gemma4-26b-a4b": {"hidden": 2816, "intermediate": 704, "activation": "gelu_tanh"},
 }
 MOE_EXPERTS, MOE_TOP_K = 128, 8
 RAGGED_DOT_DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)   # decode batch B: B * top_k rows
-RAGGED_DOT_PREFILL_TOKENS = (4096, 32768, 131072)               # prefill M tokens
-RAGGED_DOT = tuple(
-    shape
-    for model, dims in MOE_MODELS.items()
-    for phase, tokens in (("decode", RAGGED_DOT_DECODE_TOKENS), ("prefill", RAGGED_DOT_PREFILL_TOKENS))
-    for shape in sweep("tokens", tokens, model=model, phase=phase, experts=MOE_EXPERTS, top_k=MOE_TOP_K, **dims)
-)
+RAGGED_DOT_PREFILL_ROWS = (4096, 32768, 131072)                 # prefill: M rows of the grouped matmul (M / top_k tokens)
+# `python -m benchmarks` without --full models this subset (keeps `make bench` short); --full models everything.
+RAGGED_DOT_QUICK_TOKENS = (1, 8, 64, 256)
+RAGGED_DOT_QUICK_ROWS = (4096,)
+
+
+def _moe_sweep(decode_tokens, prefill_rows):
+    out = []
+    for model, dims in MOE_MODELS.items():
+        common = dict(model=model, experts=MOE_EXPERTS, top_k=MOE_TOP_K, **dims)
+        out += sweep("tokens", decode_tokens, phase="decode", **common)
+        out += sweep("rows", prefill_rows, phase="prefill", **common)
+    return tuple(out)
+
+
+# Each grouped matmul of the MoE (gate/up with the fused activation, down): decode batches and prefill rows.
+RAGGED_DOT = _moe_sweep(RAGGED_DOT_DECODE_TOKENS, RAGGED_DOT_PREFILL_ROWS)
+RAGGED_DOT_QUICK = _moe_sweep(RAGGED_DOT_QUICK_TOKENS, RAGGED_DOT_QUICK_ROWS)
+# The whole experts_forward (route, gate/up, down, combine): decode batches.
+MOE = _moe_sweep(RAGGED_DOT_DECODE_TOKENS, ())
+MOE_QUICK = _moe_sweep(RAGGED_DOT_QUICK_TOKENS, ())
 
 # ---------------------------------------------------------------------------------------------------------- rotary
 # RoPE and fused per-head RMSNorm + RoPE of q and k (issue 5), at the attention shapes of Qwen3-30B-A3B and Gemma 4
@@ -105,5 +120,6 @@ ROTARY = tuple(
 SHAPES: dict[str, tuple[Shape, ...]] = {
     "rms_norm": RMS_NORM,
     "ragged_dot": RAGGED_DOT,
+    "moe": MOE,
     "rotary": ROTARY,
 }

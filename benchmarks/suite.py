@@ -12,6 +12,7 @@ Every function handed to the performance model is compiled in a subprocess and p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import pkgutil
 from typing import Callable
@@ -19,8 +20,18 @@ from typing import Callable
 from . import ops as _ops_package
 from .shapes import Shape
 
-# Every case is timed and modeled twice: the Pallas kernel, and the default implementation of the same operation.
+# Every case is timed and modeled at least twice: the Pallas kernel, and the default implementation of the same
+# operation. An op may add further baselines (modeled only), each impl "baseline:<name>".
 IMPLS = ("kernel", "default")
+BASELINE_PREFIX = "baseline:"
+
+
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """Another implementation of the op to compare against (modeled, compiled in the same run)."""
+    name: str                                  # column label, e.g. "tokamax"
+    fn: Callable                               # module-level function, same arguments as the kernel
+    unsupported: Callable[[Shape], str | None] = lambda shape: None   # why it does not apply to a shape, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +46,26 @@ class Op:
     model_args: Callable | None = None         # shape -> arguments for the model when specs are not enough
                                                # (e.g. concrete group sizes for ragged dot)
     default_name: str = "XLA default"
+    baselines: tuple[Baseline, ...] = ()
+    static: Callable[[Shape], dict] | None = None   # shape -> static keyword arguments bound (functools.partial)
+                                                    # to kernel, default and baselines (e.g. the activation)
+
+    def impls(self, shape: Shape) -> dict[str, str | None]:
+        """{impl: None if it applies to `shape`, else the reason it does not}: kernel, default, then baselines."""
+        out = {impl: None for impl in IMPLS}
+        for b in self.baselines:
+            out[BASELINE_PREFIX + b.name] = b.unsupported(shape)
+        return out
+
+    def function(self, impl: str, shape: Shape) -> Callable:
+        """The function of `impl` for `shape` (picklable by reference, for the model's subprocess)."""
+        if impl == "kernel":
+            fn = self.kernel
+        elif impl == "default":
+            fn = self.default
+        else:
+            fn = {BASELINE_PREFIX + b.name: b.fn for b in self.baselines}[impl]
+        return functools.partial(fn, **self.static(shape)) if self.static else fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +75,7 @@ class Targets:
     min_efficiency: float | None = None        # roofline / modeled kernel time, at least ...
     min_efficiency_from_batch: int = 0         # ... for shapes with batch >= this
     beats_default: bool = False                # modeled kernel time < modeled default time at every shape
+    custom: Callable[[list], list] | None = None   # rows -> more target dicts (see harness.check_targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +95,7 @@ class Suite:
     shapes: tuple[Shape, ...]
     targets: Targets = Targets()
     batch_unit: str = "tokens"                 # what the throughput counts: tokens/s
+    quick_shapes: tuple[Shape, ...] | None = None   # modeled without --full (None: every shape)
 
     def cases(self, shapes: tuple[Shape, ...] | None = None) -> list[Case]:
         return [Case(op, shape) for op in self.ops for shape in (self.shapes if shapes is None else shapes)]

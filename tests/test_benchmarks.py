@@ -3,6 +3,7 @@ default, roofline, targets, table, JSON and PNG, and the labels (a CPU interpret
 modeled figures say "modeled <gen>")."""
 import json
 import types
+import numpy as np
 
 import pytest
 
@@ -94,6 +95,66 @@ def test_shapes_are_declared_once():
     assert all(s.batch * s["top_k"] for s in shapes.RAGGED_DOT)
 
 
+TINY_MOE = shapes.Shape("tokens", 8, (("phase", "decode"), ("model", "tiny"), ("experts", 8), ("top_k", 2),
+                                      ("hidden", 256), ("intermediate", 128), ("activation", "silu")), "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_moe")
+    result = harness.run_kernel("moe", harness.Config(gen="v6e", out=out), dev=device.detect(), shapes=[TINY_MOE])
+    return result, out, report.write_json(result, out), report.write_chart(result, out)
+
+
+def test_moe_end_to_end_on_a_tiny_shape(tiny_moe_result):
+    """experts_forward vs the XLA ragged_dot composition (default), tokamax (n/a: too few rows) and the dense masked
+    MoE, on 8 tokens routed top-2 over 8 experts: modeled, roofline over the experts touched, targets, table."""
+    result, out, json_path, png_path = tiny_moe_result
+    assert png_path.exists() and json.loads(json_path.read_text())["kernel"] == "moe"
+    (row,) = result["rows"]
+    assert row["op"] == "experts_forward" and row["default_name"] == "XLA ragged_dot"
+    assert row["modeled_kernel"]["us"] > 0 and row["modeled_kernel"]["kernels"], "no Pallas kernel modeled"
+    assert row["modeled_default"]["us"] > 0
+    dense, tokamax = row["modeled_baselines"]["dense masked"], row["modeled_baselines"]["tokamax"]
+    assert dense["us"] > 0 and "kernels" not in dense, "the dense masked MoE is plain XLA"
+    assert "na" in tokamax and ">= 128" in tokamax["na"]
+    assert row["speedups"]["dense masked"] == pytest.approx(dense["us"] / row["modeled_kernel"]["us"])
+    from benchmarks.ops import _moe
+
+    touched = _moe.experts_touched(TINY_MOE)
+    assert 2 <= touched <= 8
+    assert row["hbm_bytes"] == touched * 3 * 128 * 256 * 2 + 2 * 8 * 256 * 2 + 8 * 2 * 8
+    assert row["mxu_flops"] == 2 * 16 * 256 * 3 * 128
+    assert row["measured"]["kernel"]["label"] == device.CPU_INTERPRET or device.detect().is_tpu
+    targets = {t["target"]: t for t in result["targets"]}
+    assert any(t.startswith("decode (B <= 64)") for t in targets)
+    assert any("XLA" in t or "default" in t for t in targets)
+    assert all(t["source"].startswith("issue 4") for t in result["targets"] if "decode" in t["target"])
+    table = report.format_table(result)
+    assert "modeled v6e µs XLA ragged_dot" in table and "modeled v6e µs dense masked" in table
+    assert "| n/a |" in table.replace("  ", " ") or " n/a " in table
+    assert "MET" in table
+
+
+def test_moe_routing_is_random_not_balanced():
+    from benchmarks.ops import _moe
+
+    index, weights = _moe.routing(64, 128, 8)
+    assert index.shape == (64, 8) and all(len(set(r)) == 8 for r in index.tolist())   # distinct experts per token
+    assert np.allclose(weights.sum(axis=1), 1.0)
+    sizes = np.bincount(index.reshape(-1), minlength=128)
+    assert sizes.sum() == 512 and sizes.max() > sizes.min() + 2   # not balanced by construction
+    assert (_moe.routing(64, 128, 8)[0] == index).all()            # fixed seed
+
+
+def test_moe_shapes():
+    assert {s["model"] for s in shapes.MOE} == {"qwen3-30b-a3b", "gemma4-26b-a4b"}
+    assert sorted({s.batch for s in shapes.MOE}) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    prefill = [s for s in shapes.RAGGED_DOT if s["phase"] == "prefill"]
+    assert sorted({s.batch for s in prefill}) == [4096, 32768, 131072] and all(s.batch_name == "rows" for s in prefill)
+    assert set(shapes.RAGGED_DOT_QUICK) <= set(shapes.RAGGED_DOT) and set(shapes.MOE_QUICK) <= set(shapes.MOE)
+
+
 # One tiny rotary shape (issue 5 item 6): decode, 8 sequences of one token, Qwen3's rope parameters at few heads.
 TINY_ROTARY = shapes.Shape("tokens", 8, (("model", "qwen3-30b-a3b"), ("phase", "decode"), ("q_heads", 4),
                                          ("kv_heads", 2), ("head_dim", 128), ("rotary_dim", 128)), "bfloat16")
@@ -132,3 +193,16 @@ def test_rotary_quick_shapes_are_a_subset():
     assert {s.batch for s in quick if s["phase"] == "decode"} == {1, 64, 256}
     assert {s.batch for s in quick if s["phase"] == "prefill"} == {2048}
     assert {s["model"] for s in quick} == {"qwen3-30b-a3b", "gemma4-sliding"}
+
+
+def test_dense_masked_baseline_equals_the_reference():
+    """The MoE suite's dense masked baseline (vectorised over experts) computes kernels/moe/reference.py's function."""
+    import jax.numpy as jnp
+
+    from benchmarks.ops import _moe, moe
+
+    args = moe._arrays(TINY_MOE, 0)
+    got = moe.dense_masked_experts(*args, activation="silu")
+    want = _moe.moe_reference.experts_forward_reference(*args, activation="silu")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    assert jnp.abs(want.astype(jnp.float32)).max() > 0

@@ -228,3 +228,29 @@ def test_chip_parameters_come_from_jax_and_clock_is_derived():
   assert perf_model.get_chip("v5e").clock_hz == pytest.approx(1.503e9, rel=1e-3)
   assert perf_model.get_chip("v6e").clock_hz == pytest.approx(1.755e9, rel=1e-3)
   assert perf_model.get_chip("v7x").clock_hz == pytest.approx(2.203e9, rel=1e-3)
+
+
+def not_compilable(x):
+  raise ValueError("this function does not trace")
+
+
+def test_model_functions_batches_compiles_in_one_subprocess_and_matches_model_function():
+  """perf_model.model_functions compiles several programs in one subprocess: the same figures as one
+  model_function each, a failing item does not lose the others, and each program's kernels come from its own
+  dumps. Concrete group-size-like operands beside ShapeDtypeStructs still drive the scalar-prefetch traffic."""
+  x = _sds((4096, 1024), jnp.float32)
+  idx = jnp.arange(8, dtype=jnp.int32) % 4            # concrete, beside an abstract matrix
+  rows = _sds((1024, 1024), jnp.float32)
+  items = [(pallas_copy, (x,)), (not_compilable, (x,)), (xla_dot, (_sds((512, 512), jnp.bfloat16),) * 2),
+           (pallas_gather_rows, (idx, rows)), (functools.partial(pallas_copy, block_rows=256), (x,))]
+  models = perf_model.model_functions(items, gen="v6e")
+  assert isinstance(models[1], Exception)
+  copy, dot, gather, copy256 = models[0], models[2], models[3], models[4]
+  single = perf_model.model_function(pallas_copy, (x,), gen="v6e")
+  assert copy.modeled_s == pytest.approx(single.modeled_s, rel=1e-6)
+  assert [k.steps for k in copy.kernels] == [8] and [k.steps for k in copy256.kernels] == [16]
+  assert not dot.kernels and dot.xla_ops
+  concrete = perf_model.model_function(pallas_gather_rows, (np.asarray(idx), np.zeros(rows.shape, np.float32)),
+                                      gen="v6e")
+  # idx = 0,1,2,3,0,1,2,3: every step fetches a new block (8 in, 8 out)
+  assert gather.kernels[0].hbm_bytes == concrete.kernels[0].hbm_bytes == 16 * 256 * 1024 * 4

@@ -1,4 +1,4 @@
-"""Subprocess entry: deviceless compile of one function for one TPU topology.
+"""Subprocess entry: deviceless compile of one or several functions for one TPU topology.
 
 Run as `python _worker.py PAYLOAD.pkl OUT.json`. The parent sets the environment
 (JAX_PLATFORMS=cpu, TPU_SKIP_MDS_QUERY=1, TPU_WORKER_HOSTNAMES=localhost,
@@ -6,27 +6,41 @@ ALLOW_MULTIPLE_LIBTPU_LOAD=1 and, when it wants bundle dumps, LIBTPU_INIT_ARGS w
 --xla_jf_dump_to / --xla_mosaic_dump_to): libtpu reads its flags only when it is
 loaded, which is why this is a fresh process. This file imports nothing from the
 project, so it works whatever the parent's package layout is; the payload carries
-the parent's sys.path so the pickled function (pickled by reference) can be found.
+the parent's sys.path so the pickled functions (pickled by reference) can be found.
+
+Payload: (sys_path, blob, dump_dir); blob unpickles to (topology, [(fn, arg_specs), ...]).
+The functions compile one after the other; after each compile the dump files that
+appeared in dump_dir are moved to dump_dir/<index>/, so each program's kernels are
+found in its own folder. OUT.json is a list with one entry per function: the compile
+info, or {"error": "..."} when that function failed (the others still compile).
 """
 
 import json
+import os
 import pickle
 import sys
+import traceback
 
 
-def main(payload_path: str, out_path: str) -> None:
-  with open(payload_path, "rb") as f:
-    sys_path, blob = pickle.load(f)
-  for p in reversed(sys_path):
-    if p not in sys.path:
-      sys.path.insert(0, p)
-  fn, arg_specs, topology = pickle.loads(blob)
+class _AsTextFailed(RuntimeError):
+  """compiled.as_text() failed; the parent retries with XLA's own text dump (XLA_FLAGS=--xla_dump_to)."""
 
+
+def _dumped_hlo():
+  """The optimized HLO text XLA dumped (XLA_FLAGS --xla_dump_to=$PERF_MODEL_XLA_DUMP), or None."""
+  xla_dir = os.environ.get("PERF_MODEL_XLA_DUMP")
+  if not xla_dir or not os.path.isdir(xla_dir):
+    return None
+  names = sorted(n for n in os.listdir(xla_dir) if n.endswith(".after_optimizations.txt"))
+  if not names:
+    return None
+  with open(os.path.join(xla_dir, names[-1])) as f:
+    return f.read()
+
+
+def _compile_one(fn, arg_specs, dev):
   import jax
-  from jax.experimental import topologies
 
-  topo = topologies.get_topology_desc(topology, "tpu")
-  dev = topo.devices[0]
   sharding = jax.sharding.SingleDeviceSharding(dev)
 
   def to_sds(leaf):
@@ -47,13 +61,53 @@ def main(payload_path: str, out_path: str) -> None:
            if k.endswith("_in_bytes") and isinstance(getattr(mem, k), int)}
   except Exception:  # noqa: BLE001 - optional information
     mem = {}
-  out = {
-      "hlo": compiled.as_text(),
+  try:
+    hlo = compiled.as_text()
+  except Exception as e:  # noqa: BLE001 - some programs (e.g. with sparsecore async ops) fail to print from proto
+    hlo = _dumped_hlo()
+    if hlo is None:
+      raise _AsTextFailed(f"{type(e).__name__}: {e}") from e
+  return {
+      "hlo": hlo,
       "cost": {k: float(v) for k, v in (cost or {}).items()},
       "memory": mem,
       "device_kind": dev.device_kind,
       "jax_version": jax.__version__,
   }
+
+
+def main(payload_path: str, out_path: str) -> None:
+  with open(payload_path, "rb") as f:
+    sys_path, blob, dump_dir = pickle.load(f)
+  for p in reversed(sys_path):
+    if p not in sys.path:
+      sys.path.insert(0, p)
+
+  import jax  # noqa: F401
+  from jax.experimental import topologies
+
+  topology, items = pickle.loads(blob)
+  dev = topologies.get_topology_desc(topology, "tpu").devices[0]
+  out = []
+  for i, (fn, arg_specs) in enumerate(items):
+    try:
+      out.append(_compile_one(fn, arg_specs, dev))
+    except Exception as e:  # noqa: BLE001 - one failing function must not lose the others
+      out.append({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:],
+                  "as_text_failed": isinstance(e, _AsTextFailed)})
+    xla_dir = os.environ.get("PERF_MODEL_XLA_DUMP")
+    if xla_dir and os.path.isdir(xla_dir):
+      for name in os.listdir(xla_dir):
+        path = os.path.join(xla_dir, name)
+        if os.path.isfile(path):
+          os.remove(path)
+    if dump_dir and os.path.isdir(dump_dir):
+      sub = os.path.join(dump_dir, str(i))
+      os.makedirs(sub)
+      for name in os.listdir(dump_dir):
+        path = os.path.join(dump_dir, name)
+        if os.path.isfile(path):
+          os.rename(path, os.path.join(sub, name))
   with open(out_path, "w") as f:
     json.dump(out, f)
 

@@ -140,17 +140,47 @@ def compile_deviceless(fn, args, gen: str = "v6e", *, dump: bool = True, keep_du
   dump_files) where dump_files maps "<hlo name>/<kind>" to file text for each
   Mosaic kernel (kinds: "pre_delay", "final", "profile").
   """
-  chip = C.get_chip(gen)
+  (result,) = compile_deviceless_many([(fn, args)], gen, dump=dump, keep_dumps=keep_dumps, timeout=timeout)
+  if isinstance(result, Exception):
+    raise result
+  return result
+
+
+def _pickle_item(fn, args):
   specs = _arg_specs(args)
   try:
-    blob = pickle.dumps((fn, specs, chip.topology))
+    pickle.dumps(fn)
   except Exception as e:  # noqa: BLE001
     raise TypeError(
         "perf_model needs `fn` picklable by reference (a module-level function or a "
         f"functools.partial of one); got {fn!r}: {e}") from e
-  key = hashlib.sha256(blob + repr(dump).encode()).hexdigest()
-  if key in _COMPILE_CACHE and keep_dumps is None:
-    return _COMPILE_CACHE[key]
+  return fn, specs
+
+
+def compile_deviceless_many(items, gen: str = "v6e", *, dump: bool = True, keep_dumps: str | None = None,
+                            timeout: float | None = None, _xla_text_dump: bool = False) -> list:
+  """Compile several (fn, args) for `gen` in ONE fresh subprocess (the subprocess's start, importing jax and
+  loading libtpu, is most of a single compile's wall time). Returns, per item, (compile_info, dump_files) as
+  `compile_deviceless` does, or the Exception that item raised (the others are still compiled). Cached per item.
+  `keep_dumps` copies item i's dumps to `keep_dumps/<i>` (to `keep_dumps` itself for a single item)."""
+  chip = C.get_chip(gen)
+  results: list = [None] * len(items)
+  todo = []  # (index, key, fn, specs)
+  for i, (fn, args) in enumerate(items):
+    try:
+      fn, specs = _pickle_item(fn, args)
+      key = hashlib.sha256(pickle.dumps((fn, specs, chip.topology)) + repr(dump).encode()).hexdigest()
+    except Exception as e:  # noqa: BLE001
+      results[i] = e
+      continue
+    if key in _COMPILE_CACHE and keep_dumps is None:
+      results[i] = _COMPILE_CACHE[key]
+    else:
+      todo.append((i, key, fn, specs))
+  if not todo:
+    return results
+  blob = pickle.dumps((chip.topology, [(fn, specs) for _, _, fn, specs in todo]))
+  timeout = timeout if timeout is not None else 300.0 + 120.0 * len(todo)
   tmp = tempfile.mkdtemp(prefix="perf_model_")
   try:
     dump_dir = os.path.join(tmp, "dump")
@@ -158,7 +188,7 @@ def compile_deviceless(fn, args, gen: str = "v6e", *, dump: bool = True, keep_du
     payload = os.path.join(tmp, "payload.pkl")
     out_path = os.path.join(tmp, "out.json")
     with open(payload, "wb") as f:
-      pickle.dump(([p for p in sys.path if p], blob), f)
+      pickle.dump(([p for p in sys.path if p], blob, dump_dir if dump else None), f)
     env = dict(os.environ)
     env.update(DEVICELESS_ENV)
     env.pop("TPU_ACCELERATOR_TYPE", None)  # the topology, not the host, names the chip
@@ -168,20 +198,44 @@ def compile_deviceless(fn, args, gen: str = "v6e", *, dump: bool = True, keep_du
       if keep_dumps is None:
         flags += f" --xla_jf_dump_llo_pass_label_regex={_DUMP_PASS_REGEX}"
     env["LIBTPU_INIT_ARGS"] = flags
+    if _xla_text_dump:  # compiled.as_text() failed for these programs: read XLA's own text dump instead
+      xla_dir = os.path.join(tmp, "xla")
+      env["PERF_MODEL_XLA_DUMP"] = xla_dir
+      env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={xla_dir} --xla_dump_hlo_as_text".strip()
     proc = subprocess.run([sys.executable, _WORKER, payload, out_path], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not os.path.exists(out_path):
       tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
-      raise RuntimeError(f"deviceless compile for {gen} failed (rc={proc.returncode}):\n{tail}")
+      err = RuntimeError(f"deviceless compile for {gen} failed (rc={proc.returncode}):\n{tail}")
+      for i, *_ in todo:
+        results[i] = err
+      return results
     with open(out_path) as f:
-      info = json.load(f)
-    files = _collect_kernel_dumps(dump_dir, info["hlo"]) if dump else {}
-    if keep_dumps:
-      shutil.copytree(dump_dir, keep_dumps, dirs_exist_ok=True)
+      outs = json.load(f)
+    retry = []
+    for j, ((i, key, _, _), info) in enumerate(zip(todo, outs)):
+      if "error" in info and info.get("as_text_failed") and not _xla_text_dump:
+        retry.append(i)
+        continue
+      if "error" in info:
+        results[i] = RuntimeError(f"deviceless compile for {gen} failed: {info['error']}\n"
+                                  f"{info.get('traceback', '')}")
+        continue
+      item_dir = os.path.join(dump_dir, str(j))
+      files = _collect_kernel_dumps(item_dir, info["hlo"]) if dump else {}
+      if keep_dumps:
+        dest = keep_dumps if len(items) == 1 else os.path.join(keep_dumps, str(i))
+        shutil.copytree(item_dir, dest, dirs_exist_ok=True)
+      _COMPILE_CACHE[key] = (info, files)
+      results[i] = (info, files)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
-  _COMPILE_CACHE[key] = (info, files)
-  return info, files
+  if retry:
+    again = compile_deviceless_many([items[i] for i in retry], gen, dump=dump, timeout=timeout,
+                                    _xla_text_dump=True)
+    for i, r in zip(retry, again):
+      results[i] = r
+  return results
 
 
 _CUSTOM_CALL_RE = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=.*custom_call_target=\"tpu_custom_call\"", re.M)
@@ -332,6 +386,10 @@ def _topology_device(topology: str):
     return None
 
 
+def _prepare(fn, args, chip):
+  return T.analyze_pallas_calls(fn, tuple(args), trace_device=_topology_device(chip.topology))
+
+
 def model_function(fn, args, gen: str = "v6e", *, keep_dumps: str | None = None) -> ProgramModel:
   """Model the run time of jax.jit(fn)(*args) on one TensorCore of TPU generation `gen`.
 
@@ -339,7 +397,8 @@ def model_function(fn, args, gen: str = "v6e", *, keep_dumps: str | None = None)
         functools.partial of one; static configuration goes into the partial).
   args: tuple of positional arguments: concrete arrays (preferred: scalar-prefetch
         values and data-dependent block indices are then exact) or
-        jax.ShapeDtypeStruct (pytrees of them allowed).
+        jax.ShapeDtypeStruct (pytrees of them allowed), or a mix (e.g. concrete
+        group sizes beside ShapeDtypeStruct matrices: what only the former decide is exact).
   gen:  "v5e", "v6e" or "v7x".
   keep_dumps: optional directory to copy the compiler dumps to.
 
@@ -347,10 +406,45 @@ def model_function(fn, args, gen: str = "v6e", *, keep_dumps: str | None = None)
   """
   gen = C.canonical_gen(gen)
   chip = C.get_chip(gen)
-  label = f"modeled {gen}"
   args = tuple(args)
-  infos, warnings = T.analyze_pallas_calls(fn, args, trace_device=_topology_device(chip.topology))
-  info_all, files = compile_deviceless(fn, args, gen, dump=bool(infos), keep_dumps=keep_dumps)
+  infos, warnings = _prepare(fn, args, chip)
+  compiled = compile_deviceless(fn, args, gen, dump=bool(infos), keep_dumps=keep_dumps)
+  return _assemble(chip, infos, warnings, compiled)
+
+
+def model_functions(items, gen: str = "v6e") -> list:
+  """Model several (fn, args) at once: like `model_function` for each, but the compiles share one subprocess.
+  Returns, per item, a ProgramModel or the Exception modeling it raised."""
+  gen = C.canonical_gen(gen)
+  chip = C.get_chip(gen)
+  results: list = [None] * len(items)
+  prepared = {}
+  for i, (fn, args) in enumerate(items):
+    try:
+      prepared[i] = _prepare(fn, tuple(args), chip)
+    except Exception as e:  # noqa: BLE001
+      results[i] = e
+  # Dumps for every program: XLA itself emits Mosaic kernels for some ops (e.g. lax.ragged_dot on TPU), and those
+  # are modeled from their bundles like a pallas_call (their HBM bytes are unknown: see KernelModel.warnings).
+  idx = list(prepared)
+  if idx:
+    compiled = compile_deviceless_many([(items[i][0], tuple(items[i][1])) for i in idx], gen, dump=True)
+    for i, c in zip(idx, compiled):
+      if isinstance(c, Exception):
+        results[i] = c
+        continue
+      try:
+        results[i] = _assemble(chip, *prepared[i], c)
+      except Exception as e:  # noqa: BLE001
+        results[i] = e
+  return results
+
+
+def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
+  gen = chip.gen
+  label = f"modeled {gen}"
+  warnings = list(warnings)
+  info_all, files = compiled
   hlo = info_all["hlo"]
   calls = _mosaic_calls(hlo)
   # Match HLO custom calls to jaxpr pallas_calls: by kernel name in the Mosaic body, else in order.

@@ -86,7 +86,10 @@ def _walk(jaxpr, consts, args, records, warnings):
         warnings.append(f"pallas_call inside `{name}`: not analysed")
       elif all(x is not None for x in invals):
         try:
-          subfuns, bind_params = eqn.primitive.get_bind_params(eqn.params)
+          bind_params = eqn.primitive.get_bind_params(eqn.params)
+          subfuns = ()
+          if isinstance(bind_params, tuple):  # jax < 0.10: (subfuns, params); later: params (subfuns inside)
+            subfuns, bind_params = bind_params
           with jax.default_device(jax.devices("cpu")[0]):
             outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
           if not eqn.primitive.multiple_results:
@@ -293,14 +296,16 @@ def analyze_pallas_calls(fn, args, trace_device=None) -> tuple[list[PallasCallIn
   """
   warnings: list[str] = []
   leaves = jax.tree.leaves(args)
-  concrete = all(isinstance(x, (np.ndarray, jax.Array, np.generic, int, float)) for x in leaves)
+  # Concrete leaves are evaluated on the host; ShapeDtypeStruct leaves are unknown (None): a program may mix them
+  # (e.g. concrete group sizes beside abstract matrices), and what depends only on concrete leaves is exact.
+  is_concrete = lambda x: isinstance(x, (np.ndarray, jax.Array, np.generic, int, float))  # noqa: E731
   specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x, args)
   if trace_device is None:
     closed = jax.make_jaxpr(fn)(*specs)
   else:
     with jax.default_device(trace_device):
       closed = jax.make_jaxpr(fn)(*specs)
-  flat = [np.asarray(x) for x in leaves] if concrete else [None] * len(closed.jaxpr.invars)
+  flat = [np.asarray(x) if is_concrete(x) else None for x in leaves]
   records: list = []
   _walk(closed.jaxpr, list(closed.consts), flat, records, warnings)
   infos = []

@@ -1,0 +1,117 @@
+"""The whole MoE experts forward (transformers' experts interface, in JAX) on the ragged dot kernels, against the same
+composition on XLA's `jax.lax.ragged_dot` (the default), on tokamax's ragged dot, and the dense masked MoE in plain
+JAX (`kernels/moe/reference.py`: every expert over every token, masked by the routing; what XLA does with no grouped
+kernel). Decode batches, tokens routed top-8 over 128 experts at random (benchmarks/ops/_moe.py).
+
+Weights in transformers' layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]; bf16.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import shapes
+from ..suite import Baseline, Op, Suite, Targets
+from . import _moe
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def kernel_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
+    return _moe.moe_api.experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                        activation=activation, gate_layout="concatenated", weights_transposed=False)
+
+
+def _composed(ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+    """experts_forward's composition (route, gather, gate/up + epilogue, down, weight, combine) on `ragged_dot`."""
+    tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[1]
+    order, group_sizes = _moe.moe_api.route(top_k_index, gate_up_proj.shape[0])
+    x = jnp.take(hidden_states, order // top_k, axis=0)
+    h = _moe.gated_epilogue(ragged_dot(x, gate_up_proj, group_sizes, out_dtype=F32), activation, hidden_states.dtype)
+    y = ragged_dot(h, down_proj, group_sizes, out_dtype=F32)
+    y = y * jnp.take(top_k_weights.reshape(-1).astype(F32), order)[:, None]
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    return jnp.take(y, inverse, axis=0).reshape(tokens, top_k, hidden).sum(axis=1).astype(hidden_states.dtype)
+
+
+def xla_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
+    return _composed(_moe.xla_ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                     activation)
+
+
+def tokamax_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
+    return _composed(_moe.tokamax_ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                     activation)
+
+
+def dense_masked_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
+    """The dense masked MoE of kernels/moe/reference.py (every expert over every token, the routing as a mask of
+    coefficients), vectorised over experts and in the model's dtype with f32 accumulation: what XLA runs with no
+    grouped kernel. (The reference itself, a 128-iteration Python loop of f32 HIGHEST-precision dots, takes ~3 min
+    to compile per shape here and runs its matmuls as multi-pass f32 on the MXU; as a speed baseline that would
+    overstate the kernel's speedup.)"""
+    num_experts = gate_up_proj.shape[0]
+    h = jnp.einsum("th,enh->etn", hidden_states, gate_up_proj, preferred_element_type=F32)
+    act = _moe.gated_epilogue(h.reshape(-1, h.shape[-1]), activation, hidden_states.dtype).reshape(
+        num_experts, hidden_states.shape[0], -1)
+    y = jnp.einsum("eti,ehi->eth", act, down_proj, preferred_element_type=F32)
+    coefficient = jnp.sum(jnp.where(top_k_index[None] == jnp.arange(num_experts)[:, None, None],
+                                    top_k_weights[None].astype(F32), 0.0), axis=-1)          # [E, T]
+    return jnp.einsum("et,eth->th", coefficient, y).astype(hidden_states.dtype)
+
+
+def _weights_specs(s):
+    e, h, i = s["experts"], s["hidden"], s["intermediate"]
+    return jax.ShapeDtypeStruct((e, 2 * i, h), BF16), jax.ShapeDtypeStruct((e, h, i), BF16)
+
+
+def _specs(s):
+    t, k = _moe.tokens_of(s), s["top_k"]
+    return (jax.ShapeDtypeStruct((t, s["hidden"]), BF16), jax.ShapeDtypeStruct((t, k), jnp.int32),
+            jax.ShapeDtypeStruct((t, k), F32), *_weights_specs(s))
+
+
+def _model_args(s):
+    """Activations and weights as specs; the routing concrete (group sizes and block indices follow it)."""
+    hidden, _, _, up, down = _specs(s)
+    index, weights = _moe.routing_of(s)
+    return hidden, jnp.asarray(index), jnp.asarray(weights), up, down
+
+
+def _arrays(s, seed):
+    rng = np.random.default_rng(seed)
+    e, h, i = s["experts"], s["hidden"], s["intermediate"]
+    index, weights = _moe.routing_of(s)
+    hidden = jnp.asarray(rng.standard_normal((_moe.tokens_of(s), h), np.float32), BF16)
+    up = jnp.asarray(rng.standard_normal((e, 2 * i, h), np.float32) / np.sqrt(h), BF16)
+    down = jnp.asarray(rng.standard_normal((e, h, i), np.float32) / np.sqrt(i), BF16)
+    return hidden, jnp.asarray(index), jnp.asarray(weights), up, down
+
+
+def _hbm_bytes(s):
+    """The expert weights touched (gate/up and down), hidden states in and out, the routing."""
+    t, h, i, k = _moe.tokens_of(s), s["hidden"], s["intermediate"], s["top_k"]
+    return _moe.experts_touched(s) * 3 * i * h * 2 + 2 * t * h * 2 + t * k * (4 + 4)
+
+
+def _flops(s):
+    return 2 * _moe.rows_of(s) * s["hidden"] * 3 * s["intermediate"]
+
+
+def _tokamax_unsupported(s):
+    return _moe.tokamax_available() or _moe.tokamax_unsupported(s)
+
+
+SUITE = Suite(
+    kernel="moe",
+    ops=(Op(
+        name="experts_forward", kernel=kernel_experts, default=xla_experts, specs=_specs, model_args=_model_args,
+        arrays=_arrays, hbm_bytes=_hbm_bytes, mxu_flops=_flops, default_name="XLA ragged_dot",
+        baselines=(Baseline("tokamax", tokamax_experts, _tokamax_unsupported),
+                   Baseline("dense masked", dense_masked_experts)),
+        static=lambda s: {"activation": s["activation"]},
+    ),),
+    shapes=shapes.MOE,
+    quick_shapes=shapes.MOE_QUICK,
+    targets=Targets(source=_moe.SOURCE, beats_default=True, custom=_moe.custom_targets),
+)

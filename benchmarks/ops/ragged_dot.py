@@ -1,0 +1,109 @@
+"""The MoE grouped matmuls on the ragged dot kernel: gate/up (act(gate) * up fused into the epilogue) and down,
+against XLA's `jax.lax.ragged_dot` (the default) and tokamax's Pallas ragged dot, with the same random routing.
+
+Weights are in transformers' layout, rhs [E, N, K] (`rhs_transposed=True`; every implementation contracts the same
+layout). gate/up: lhs [M, H] bf16 x [E, 2I, H] -> act(gate) * up [M, I] bf16; the baselines run the [M, 2I] product
+in f32 and the epilogue in XLA (neither fuses a gated epilogue). down: [M, I] bf16 x [E, H, I] -> [M, H] f32, as
+experts_forward uses it.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import shapes
+from ..suite import Baseline, Op, Suite, Targets
+from . import _moe
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def kernel_gate_up(lhs, rhs, group_sizes, *, activation):
+    return _moe.ragged_dot_api.ragged_dot(lhs, rhs, group_sizes, rhs_transposed=True, activation=activation,
+                                          gated="concatenated", preferred_element_type=BF16)
+
+
+def xla_gate_up(lhs, rhs, group_sizes, *, activation):
+    return _moe.gated_epilogue(_moe.xla_ragged_dot(lhs, rhs, group_sizes, out_dtype=F32), activation, BF16)
+
+
+def tokamax_gate_up(lhs, rhs, group_sizes, *, activation):
+    return _moe.gated_epilogue(_moe.tokamax_ragged_dot(lhs, rhs, group_sizes, out_dtype=F32), activation, BF16)
+
+
+def kernel_down(lhs, rhs, group_sizes, *, activation=None):
+    return _moe.ragged_dot_api.ragged_dot(lhs, rhs, group_sizes, rhs_transposed=True, preferred_element_type=F32)
+
+
+def xla_down(lhs, rhs, group_sizes, *, activation=None):
+    return _moe.xla_ragged_dot(lhs, rhs, group_sizes, out_dtype=F32)
+
+
+def tokamax_down(lhs, rhs, group_sizes, *, activation=None):
+    return _moe.tokamax_ragged_dot(lhs, rhs, group_sizes, out_dtype=F32)
+
+
+# (K, N of rhs [E, N, K], output width, output bytes per element) per op
+def _dims(op, s):
+    h, i = s["hidden"], s["intermediate"]
+    return (h, 2 * i, i, 2) if op == "gate_up" else (i, h, h, 4)
+
+
+def _specs(op, s):
+    k, n, _, _ = _dims(op, s)
+    return (jax.ShapeDtypeStruct((_moe.rows_of(s), k), BF16), jax.ShapeDtypeStruct((s["experts"], n, k), BF16),
+            jax.ShapeDtypeStruct((s["experts"],), jnp.int32))
+
+
+def _model_args(op, s):
+    """Matrices as specs, group sizes concrete (the kernel's grid and block indices follow them)."""
+    lhs, rhs, _ = _specs(op, s)
+    return lhs, rhs, jnp.asarray(_moe.group_sizes_of(s))
+
+
+def _arrays(op, s, seed):
+    k, n, _, _ = _dims(op, s)
+    rng = np.random.default_rng(seed)
+    lhs = jnp.asarray(rng.standard_normal((_moe.rows_of(s), k), np.float32), BF16)
+    rhs = jnp.asarray(rng.standard_normal((s["experts"], n, k), np.float32) / np.sqrt(k), BF16)
+    return lhs, rhs, jnp.asarray(_moe.group_sizes_of(s))
+
+
+def _hbm_bytes(op, s):
+    """The expert weights touched (groups with rows), lhs read once, the output written once."""
+    k, n, n_out, out_bytes = _dims(op, s)
+    m = _moe.rows_of(s)
+    return _moe.experts_touched(s) * n * k * 2 + m * k * 2 + m * n_out * out_bytes + s["experts"] * 4
+
+
+def _flops(op, s):
+    k, n, _, _ = _dims(op, s)
+    return 2 * _moe.rows_of(s) * k * n
+
+
+def _tokamax_unsupported(s):
+    return _moe.tokamax_available() or _moe.tokamax_unsupported(s)
+
+
+def _op(name, kernel, default, tokamax):
+    return Op(
+        name=name, kernel=kernel, default=default,
+        specs=functools.partial(_specs, name), model_args=functools.partial(_model_args, name),
+        arrays=functools.partial(_arrays, name),
+        hbm_bytes=functools.partial(_hbm_bytes, name), mxu_flops=functools.partial(_flops, name),
+        default_name="XLA ragged_dot",
+        baselines=(Baseline("tokamax", tokamax, _tokamax_unsupported),),
+        static=lambda s: {"activation": s["activation"]},
+    )
+
+
+SUITE = Suite(
+    kernel="ragged_dot",
+    ops=(_op("gate_up", kernel_gate_up, xla_gate_up, tokamax_gate_up),
+         _op("down", kernel_down, xla_down, tokamax_down)),
+    shapes=shapes.RAGGED_DOT,
+    quick_shapes=shapes.RAGGED_DOT_QUICK,
+    targets=Targets(source=_moe.SOURCE, beats_default=True, custom=_moe.custom_targets),
+    batch_unit="tokens (decode) / rows (prefill)",
+)
