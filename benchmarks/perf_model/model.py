@@ -271,6 +271,7 @@ def _collect_kernel_dumps(dump_dir: str, hlo: str) -> dict[str, str]:
   return files
 
 
+_NO_ESTIMATE_CYCLES = 2**62
 _EST_RE = re.compile(r'^\s*(?:ROOT\s+)?%(\S+)\s*=.*"estimated_cycles":"(\d+)"', re.M)
 
 
@@ -463,8 +464,14 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
     kernels.append(_model_kernel(chip, hlo_name, files, infos[match] if match is not None else None,
                                  label))
   mosaic_names = {n for n, _ in calls}
-  xla_ops = [XlaOpModel(label, n, c, c / chip.clock_hz) for n, c in xla_op_estimates(hlo)
-             if n not in mosaic_names]
+  xla_ops = []
+  for n, c in xla_op_estimates(hlo):
+    if n in mosaic_names:
+      continue
+    if c >= _NO_ESTIMATE_CYCLES:  # XLA's "no estimate" (INT64_MAX), e.g. a sort: not a time
+      warnings.append(f"{n}: XLA gives no cycle estimate (estimated_cycles = {c}); counted as 0")
+      continue
+    xla_ops.append(XlaOpModel(label, n, c, c / chip.clock_hz))
   cost = info_all.get("cost", {})
   total = sum(k.modeled_s for k in kernels) + sum(x.modeled_s for x in xla_ops)
   for k in kernels:
