@@ -192,7 +192,7 @@ def test_rotary_quick_shapes_are_a_subset():
     assert set(quick) < set(shapes.ROTARY) == set(rotary.SUITE.shapes)
     assert {s.batch for s in quick if s["phase"] == "decode"} == {1, 64, 256}
     assert {s.batch for s in quick if s["phase"] == "prefill"} == {2048}
-    assert {s["model"] for s in quick} == {"qwen3-30b-a3b", "gemma4-sliding"}
+    assert {s["model"] for s in quick} == {"qwen3-30b-a3b", "gemma4-sliding"} and len(quick) == 7
 
 
 def test_dense_masked_baseline_equals_the_reference():
