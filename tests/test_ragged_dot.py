@@ -1,0 +1,434 @@
+"""Ragged dot (grouped matmul), JAX side, up the ladder: kernel vs reference and vs `jax.lax.ragged_dot` in strict
+interpret mode (random group sizes with zeros, M from 0 to 4096, bf16 and f32, both rhs layouts, empty groups, one
+group holding every row, tail rows past sum(group_sizes), local group windows, fused bias / activation / gated
+epilogue, static grid); gradients w.r.t. lhs, rhs and bias; bad input; TPU export; deviceless compile for v5e / v6e /
+v7x of the prefill grouped matmuls at the benchmark shapes (the decode ones compile inside experts_forward, in
+test_moe.py) and of the backward.
+
+Every interpret run is jitted (one XLA compile per shape instead of one per eager op), and shapes stay small: the
+simulator costs about a second per call on this machine."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ladder
+from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, RAGGED_DOT_PREFILL_ROWS
+from tpu_kernels import jax as tk
+from tpu_kernels._pallas.ragged_dot import api, tuning
+from tpu_kernels._pallas.ragged_dot.reference import ragged_dot_reference
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+# f32 sums of a few hundred products: CPU and kernel summation orders differ by a few ulps of the largest term.
+F32_TOL = dict(rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(params=["tuned_blocks", "small_blocks"])
+def block_regime(request, monkeypatch):
+    """Tuned blocks, and tiny ones (8-row m tiles, 128-wide k and n tiles) so multi-tile grids, k accumulation over
+    several steps, a masked partial last k block, partial last n blocks and tiles shared by several groups are all
+    exercised at test sizes."""
+    if request.param == "small_blocks":
+        monkeypatch.setattr(tuning, "TM_MAX", {g: 8 for g in tuning.TM_MAX})
+        monkeypatch.setattr(tuning, "TN_MAX", {g: 128 for g in tuning.TN_MAX})
+        monkeypatch.setattr(tuning, "TK_MAX", {g: 128 for g in tuning.TK_MAX})
+    return request.param
+
+
+def group_sizes(rand, groups, fill):
+    """Random sizes summing to `fill`, with at least one empty group when there are two or more groups."""
+    cuts = np.sort(rand.rng.integers(0, fill + 1, groups - 1))
+    sizes = np.diff(np.concatenate([[0], cuts, [fill]])).astype(np.int32)
+    if groups > 1:
+        empty = int(rand.rng.integers(0, groups))
+        moved, sizes[empty] = sizes[empty], 0
+        sizes[(empty + 1) % groups] += moved
+    assert sizes.sum() == fill and (sizes >= 0).all()
+    return jnp.asarray(sizes)
+
+
+def rhs_shape(groups, k, n, transposed):
+    return (groups, n, k) if transposed else (groups, k, n)
+
+
+def kernel_fn(**kw):
+    return jax.jit(functools.partial(tk.ragged_dot, **kw))
+
+
+def reference_fn(**kw):
+    return jax.jit(functools.partial(ragged_dot_reference, **kw))
+
+
+def lax_ragged_dot(lhs, rhs, sizes, *, rhs_transposed, out_dtype):
+    """XLA's ragged dot, f32 accumulation, rounded once to out_dtype (what the kernel does)."""
+    w = jnp.swapaxes(rhs, 1, 2) if rhs_transposed else rhs
+    out = jax.lax.ragged_dot(lhs, w, sizes, preferred_element_type=F32, precision=jax.lax.Precision.HIGHEST)
+    return out.astype(out_dtype)
+
+
+def tolerance(out_dtype):
+    return F32_TOL if jnp.dtype(out_dtype) == F32 else {}
+
+
+# ------------------------------------------------------------------------------------------- forward, plain
+# (id, M, K, N, groups, filled rows, input dtype, rhs_transposed, preferred_element_type)
+CASES = [
+    ("m0", 0, 128, 256, 4, 0, F32, False, None),
+    ("m1", 1, 128, 256, 4, 1, F32, False, None),
+    ("m7-tail-bf16-t", 7, 256, 128, 3, 5, BF16, True, None),
+    ("m8-f32-t-to-bf16", 8, 128, 128, 8, 8, F32, True, BF16),
+    ("m64-k200-bf16-to-f32", 64, 200, 256, 6, 50, BF16, False, F32),
+    ("m129-n200-f32", 129, 128, 200, 5, 129, F32, False, None),
+    ("m512-bf16-t", 512, 256, 128, 16, 500, BF16, True, None),
+    ("m512-bf16-to-f16", 512, 128, 128, 5, 512, BF16, False, F16),
+    ("m4096-bf16", 4096, 128, 128, 8, 4000, BF16, False, None),
+]
+# These run again with tiny blocks (multi-tile grids, masked partial k block, partial n block).
+SMALL_BLOCK_CASES = ("m64-k200-bf16-to-f32", "m129-n200-f32")
+REGIME_CASES = [(c, "tuned_blocks") for c in CASES] + [
+    (c, "small_blocks") for c in CASES if c[0] in SMALL_BLOCK_CASES
+]
+
+
+@pytest.mark.parametrize(
+    "case,block_regime", REGIME_CASES, ids=[f"{c[0]}-{r}" for c, r in REGIME_CASES], indirect=["block_regime"]
+)
+def test_ragged_dot_matches_reference_and_lax(rand, block_regime, case):
+    _, m, k, n, groups, fill, dtype, transposed, preferred = case
+    lhs = rand.normal((m, k), dtype)
+    rhs = rand.normal(rhs_shape(groups, k, n, transposed), dtype)
+    sizes = group_sizes(rand, groups, fill)
+    kw = dict(rhs_transposed=transposed, preferred_element_type=preferred)
+    out_dtype = jnp.dtype(preferred or dtype)
+    out = ladder.check_against_reference(
+        kernel_fn(**kw), reference_fn(**kw), (lhs, rhs, sizes), dtype=out_dtype, rand=rand, **tolerance(out_dtype)
+    )
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    expected = lax_ragged_dot(lhs, rhs, sizes, rhs_transposed=transposed, out_dtype=out_dtype)
+    ladder.assert_close(out, expected, dtype=out_dtype, what="vs lax.ragged_dot", context=f"{sizes} {rand}",
+                        **tolerance(out_dtype))
+    assert bool(jnp.all(out[fill:] == 0)), f"rows past sum(group_sizes) = {fill} are not exactly zero ({rand})"
+
+
+def _special_sizes(kind, groups, m):
+    sizes = np.zeros(groups, np.int32)
+    if kind == "one-group-holds-every-row":
+        sizes[groups // 2] = m
+    elif kind == "first-group-holds-every-row":
+        sizes[0] = m
+    elif kind == "last-group-holds-every-row":
+        sizes[-1] = m
+    elif kind == "every-group-empty":
+        pass
+    elif kind == "alternate-empty-and-single-rows":
+        sizes[::2] = 1
+    return jnp.asarray(sizes)
+
+
+# (layout, static_grid): the grid sized by the real visit count, or by the worst case with surplus steps skipped.
+SPECIAL = [("one-group-holds-every-row", False), ("first-group-holds-every-row", True),
+           ("last-group-holds-every-row", False), ("every-group-empty", True),
+           ("alternate-empty-and-single-rows", True)]
+
+
+@pytest.mark.parametrize("kind,static_grid", SPECIAL, ids=[f"{k}-{'static' if s else 'dynamic'}" for k, s in SPECIAL])
+def test_special_group_layouts(rand, kind, static_grid):
+    m, k, n, groups = 40, 128, 128, 7
+    lhs, rhs = rand.normal((m, k)), rand.normal((groups, n, k))
+    sizes = _special_sizes(kind, groups, m)
+    kw = dict(rhs_transposed=True, static_grid=static_grid)
+    out = ladder.check_against_reference(
+        kernel_fn(**kw), reference_fn(rhs_transposed=True), (lhs, rhs, sizes), dtype=F32, rand=rand, **F32_TOL
+    )
+    ladder.assert_close(out, lax_ragged_dot(lhs, rhs, sizes, rhs_transposed=True, out_dtype=F32), dtype=F32,
+                        what="vs lax.ragged_dot", context=repr(rand), **F32_TOL)
+    fill = int(sizes.sum())
+    assert bool(jnp.all(out[fill:] == 0)), f"{kind}: rows past the groups are not exactly zero"
+
+
+@pytest.mark.parametrize("block_regime", ["small_blocks"], indirect=True)
+def test_static_grid_matches_dynamic_grid(rand, block_regime):
+    lhs, rhs = rand.normal((96, 256), BF16), rand.normal((9, 256, 256), BF16)
+    sizes = group_sizes(rand, 9, 83)
+    dynamic = ladder.run_interpreted(kernel_fn(), lhs, rhs, sizes)
+    static = ladder.run_interpreted(kernel_fn(static_grid=True), lhs, rhs, sizes)
+    assert bool(jnp.all(dynamic == static)), f"static and dynamic grids differ ({rand})"
+    ladder.assert_close(static, reference_fn()(lhs, rhs, sizes), dtype=BF16, context=repr(rand))
+
+
+def test_k_zero_gives_bias_or_zero(rand):
+    lhs, rhs, sizes = rand.normal((10, 0)), rand.normal((3, 0, 128)), jnp.asarray([4, 0, 5], jnp.int32)
+    bias = rand.normal((3, 128))
+    out = ladder.run_interpreted(kernel_fn(bias=bias), lhs, rhs, sizes)
+    assert bool(jnp.all(out[:4] == bias[0])) and bool(jnp.all(out[4:9] == bias[2])) and bool(jnp.all(out[9:] == 0))
+
+
+# ---------------------------------------------------------------------------------------------- local window
+@pytest.mark.parametrize("rhs_holds,offset_kind", [("window", "int"), ("window", "traced"), ("every_group", "traced")])
+def test_local_group_window(rand, rhs_holds, offset_kind):
+    """Only groups [offset, offset + n) live here; rows of every other group (and the tail) come out exactly zero."""
+    m, k, n, groups, offset, n_local = 72, 128, 128, 7, 2, 3
+    lhs = rand.normal((m, k), BF16)
+    full_rhs = rand.normal((groups, k, n), BF16)
+    rhs = full_rhs[offset:offset + n_local] if rhs_holds == "window" else full_rhs
+    sizes = group_sizes(rand, groups, 66)
+    kw = dict(num_local_groups=n_local)
+    group_offset = offset if offset_kind == "int" else jnp.asarray([offset], jnp.int32)
+    # A traced offset (as inside shard_map) reaches the kernel as a jit argument, not a constant.
+    kernel = jax.jit(lambda l, r, s, o: tk.ragged_dot(l, r, s, group_offset=o, **kw))
+    out = ladder.run_interpreted(kernel, lhs, rhs, sizes, group_offset) if offset_kind == "traced" else (
+        ladder.run_interpreted(kernel_fn(group_offset=offset, **kw), lhs, rhs, sizes))
+    expected = reference_fn(group_offset=offset, **kw)(lhs, rhs, sizes)
+    ladder.assert_close(out, expected, dtype=BF16, context=f"{sizes} {rand}")
+    ends = np.cumsum(np.asarray(sizes))
+    lo, hi = (int(ends[offset - 1]) if offset else 0), int(ends[offset + n_local - 1])
+    full = lax_ragged_dot(lhs, full_rhs, sizes, rhs_transposed=False, out_dtype=BF16)
+    ladder.assert_close(out[lo:hi], full[lo:hi], dtype=BF16, what="window rows vs lax.ragged_dot", context=repr(rand))
+    assert bool(jnp.all(out[:lo] == 0)) and bool(jnp.all(out[hi:] == 0)), (
+        f"rows outside the window [{lo}, {hi}) are not exactly zero ({sizes}, {rand})")
+
+
+# ------------------------------------------------------------------------------------------ fused epilogue
+# (id, M, K, N, groups, dtype, rhs_transposed, bias, activation, gated, window (offset, n_local, rhs every group))
+EPILOGUE_CASES = [
+    ("silu-bf16-t", 48, 128, 256, 4, BF16, True, False, "silu", None, None),
+    ("gelu-bias-f32", 33, 256, 128, 3, F32, False, True, "gelu_tanh", None, None),
+    ("concat-gelu-bias-bf16", 64, 128, 512, 5, BF16, False, True, "gelu_tanh", "concatenated", None),
+    ("concat-silu-bias-f32-t", 40, 256, 256, 4, F32, True, True, "silu", "concatenated", None),
+    ("concat-silu-n200-unfused", 40, 128, 200, 4, BF16, False, True, "silu", "concatenated", None),
+    ("interleaved-gelu-f32", 40, 128, 256, 4, F32, False, False, "gelu_tanh", "interleaved", None),
+    ("interleaved-silu-bias-bf16-t", 40, 128, 256, 4, BF16, True, True, "silu", "interleaved", None),
+    ("window-concat-silu-bias", 56, 128, 256, 6, BF16, True, True, "silu", "concatenated", (1, 3, True)),
+    ("window-only-interleaved-bias", 56, 128, 256, 6, F32, False, True, "gelu_tanh", "interleaved", (3, 2, False)),
+]
+SMALL_BLOCK_EPILOGUE = ("concat-gelu-bias-bf16",)
+
+
+def _epilogue_args(rand, case):
+    _, m, k, n, groups, dtype, transposed, with_bias, activation, gated, window = case
+    kw = dict(rhs_transposed=transposed, activation=activation, gated=gated)
+    rhs_groups = groups
+    if window is not None:
+        offset, n_local, every = window
+        kw.update(group_offset=offset, num_local_groups=n_local)
+        rhs_groups = groups if every else n_local
+    lhs = rand.normal((m, k), dtype)
+    rhs = rand.normal(rhs_shape(rhs_groups, k, n, transposed), dtype, scale=0.2)
+    bias = rand.normal((rhs_groups, n), dtype) if with_bias else None
+    sizes = group_sizes(rand, groups, m - 3)
+    return (lhs, rhs, sizes, bias), kw
+
+
+EPILOGUE_REGIMES = [(c, "tuned_blocks") for c in EPILOGUE_CASES] + [
+    (c, "small_blocks") for c in EPILOGUE_CASES if c[0] in SMALL_BLOCK_EPILOGUE
+]
+
+
+@pytest.mark.parametrize(
+    "case,block_regime", EPILOGUE_REGIMES, ids=[f"{c[0]}-{r}" for c, r in EPILOGUE_REGIMES],
+    indirect=["block_regime"],
+)
+def test_fused_epilogue_matches_reference(rand, block_regime, case):
+    (lhs, rhs, sizes, bias), kw = _epilogue_args(rand, case)
+    dtype = case[5]
+    out = ladder.check_against_reference(
+        jax.jit(lambda l, r, s, b: tk.ragged_dot(l, r, s, bias=b, **kw)),
+        jax.jit(lambda l, r, s, b: ragged_dot_reference(l, r, s, bias=b, **kw)),
+        (lhs, rhs, sizes, bias), dtype=dtype, rand=rand, **tolerance(dtype),
+    )
+    n = case[3]
+    assert out.shape == (lhs.shape[0], n // 2 if kw["gated"] else n)
+    assert bool(jnp.all(out[lhs.shape[0] - 3:] == 0)), "tail rows are not exactly zero"
+
+
+# ------------------------------------------------------------------------------------------------ gradients
+def _loss(out, cotangent=None):
+    """<out, cotangent>: the vjp with a fixed random cotangent, the same for kernel and reference (a cotangent that
+    depends on the output, such as that of sum(sin(out)), would differ wherever the two outputs differ by an ulp)."""
+    if cotangent is None:
+        return jnp.sum(jnp.sin(out.astype(F32)))  # export / compile only
+    return jnp.sum(out.astype(F32) * cotangent)
+
+
+# (id, M, K, N, groups, dtype, rhs_transposed, bias, activation, gated, window, static_grid)
+GRAD_CASES = [
+    ("f32-bias", 56, 128, 256, 5, F32, False, True, None, None, None, False),
+    ("f32-t-concat-silu-bias", 40, 128, 256, 4, F32, True, True, "silu", "concatenated", None, False),
+    ("bf16-interleaved-gelu-bias", 40, 128, 256, 4, BF16, False, True, "gelu_tanh", "interleaved", None, False),
+    ("f32-window-every-group-bias-static", 48, 128, 128, 6, F32, False, True, None, None, (2, 3, True), True),
+    ("bf16-window-only-t", 48, 128, 128, 6, BF16, True, False, None, None, (1, 4, False), False),
+]
+GRAD_REGIMES = [(c, "tuned_blocks") for c in GRAD_CASES] + [(GRAD_CASES[0], "small_blocks")]
+
+
+@pytest.mark.parametrize(
+    "case,block_regime", GRAD_REGIMES, ids=[f"{c[0]}-{r}" for c, r in GRAD_REGIMES], indirect=["block_regime"]
+)
+def test_gradients_match_reference(rand, block_regime, case):
+    name, m, k, n, groups, dtype, transposed, with_bias, activation, gated, window, static_grid = case
+    kw = dict(rhs_transposed=transposed, activation=activation, gated=gated)
+    rhs_groups = groups
+    if window is not None:
+        kw.update(group_offset=window[0], num_local_groups=window[1])
+        rhs_groups = groups if window[2] else window[1]
+    lhs = rand.normal((m, k), dtype)
+    rhs = rand.normal(rhs_shape(rhs_groups, k, n, transposed), dtype, scale=0.2)
+    bias = rand.normal((rhs_groups, n), dtype) if with_bias else None
+    sizes = group_sizes(rand, groups, m - 5)
+    cotangent = rand.normal((m, n // 2 if gated else n))
+    argnums = (0, 1, 3) if with_bias else (0, 1)
+    kernel_grad = jax.grad(
+        lambda l, r, s, b, c: _loss(tk.ragged_dot(l, r, s, bias=b, static_grid=static_grid, **kw), c),
+        argnums=argnums)
+    ref_grad = jax.grad(lambda l, r, s, b, c: _loss(ragged_dot_reference(l, r, s, bias=b, **kw), c), argnums=argnums)
+    actual = ladder.run_interpreted(jax.jit(kernel_grad), lhs, rhs, sizes, bias, cotangent)
+    expected = jax.jit(ref_grad)(lhs, rhs, sizes, bias, cotangent)
+    # d rhs and d bias sum over a group's rows: bf16 inputs carry their rounding into those sums.
+    tol = dict(atol=5e-2) if dtype == BF16 else dict(rtol=1e-5, atol=2e-4)
+    for what, a, e in zip(["d lhs", "d rhs", "d bias"], actual, expected):
+        assert a.dtype == e.dtype, f"{what}: dtype {a.dtype} != {e.dtype}"
+        ladder.assert_close(a, e, dtype=dtype, what=what, context=f"{sizes} {rand}", **tol)
+    assert bool(jnp.all(actual[0][m - 5:] == 0)), "d lhs of rows past the groups is not exactly zero"
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _good_args(rand):
+    return dict(lhs=rand.normal((16, 128)), rhs=rand.normal((4, 128, 256)),
+                group_sizes=jnp.asarray([3, 0, 7, 2], jnp.int32))
+
+
+BAD_INPUTS = [
+    ("negative size", dict(group_sizes=jnp.asarray([3, -1, 7, 2], jnp.int32)), ValueError,
+     "group_sizes: expected sizes >= 0, got group_sizes[1] = -1"),
+    ("sizes past M", dict(group_sizes=jnp.asarray([3, 9, 7, 2], jnp.int32)), ValueError,
+     "group_sizes: the sizes sum to 21, more than lhs's 16 rows"),
+    ("contraction mismatch", dict(rhs=jnp.zeros((4, 64, 256))), ValueError, "rhs: contraction dimension 64"),
+    ("contraction mismatch transposed", dict(rhs=jnp.zeros((4, 128, 256)), rhs_transposed=True), ValueError,
+     "rhs: contraction dimension 256 of rhs (4, 128, 256) (layout [G, N, K] (rhs_transposed=True))"),
+    ("lhs int", dict(lhs=jnp.zeros((16, 128), jnp.int32)), TypeError, "lhs: expected dtype"),
+    ("lhs float16", dict(lhs=jnp.zeros((16, 128), F16)), TypeError, "lhs: expected dtype"),
+    ("rhs int", dict(rhs=jnp.zeros((4, 128, 256), jnp.int8)), TypeError, "rhs: expected dtype"),
+    ("group_sizes float", dict(group_sizes=jnp.asarray([3.0, 0, 7, 2])), TypeError,
+     "group_sizes: expected dtype in (int32), got float32"),
+    ("group_sizes int64", dict(group_sizes=np.asarray([3, 0, 7, 2], np.int64)), TypeError,
+     "group_sizes: expected dtype in (int32), got int64"),
+    ("lhs rank 3", dict(lhs=jnp.zeros((2, 8, 128))), ValueError, "lhs: expected 2 dimensions"),
+    ("rhs rank 2", dict(rhs=jnp.zeros((128, 256))), ValueError, "rhs: expected 3 dimensions"),
+    ("group_sizes rank 2", dict(group_sizes=jnp.zeros((1, 4), jnp.int32)), ValueError,
+     "group_sizes: expected 1 dimensions"),
+    ("lhs a list", dict(lhs=[[1.0]]), TypeError, "lhs: expected a jax array, got list"),
+    ("rhs groups", dict(rhs=jnp.zeros((3, 128, 256))), ValueError, "rhs: expected 4 groups (len(group_sizes))"),
+    ("window too many groups", dict(num_local_groups=5), ValueError,
+     "num_local_groups: expected 0 <= num_local_groups <= 4"),
+    ("window past the end", dict(rhs=jnp.zeros((2, 128, 256)), num_local_groups=2, group_offset=3), ValueError,
+     "group_offset: the window [group_offset, group_offset + num_local_groups) = [3, 5)"),
+    ("window negative offset", dict(rhs=jnp.zeros((2, 128, 256)), num_local_groups=2, group_offset=-1), ValueError,
+     "group_offset: the window"),
+    ("window rhs groups", dict(rhs=jnp.zeros((3, 128, 256)), num_local_groups=2, group_offset=1), ValueError,
+     "rhs: expected 2 groups (the local window, num_local_groups) or 4"),
+    ("window offset float", dict(group_offset=1.0), TypeError, "group_offset: expected an int"),
+    ("window offset shape", dict(group_offset=jnp.zeros((2,), jnp.int32)), ValueError,
+     "group_offset: expected shape () or (1,)"),
+    ("window count float", dict(num_local_groups=2.0), TypeError, "num_local_groups: expected an int"),
+    ("activation", dict(activation="relu"), ValueError, "activation: expected one of"),
+    ("gated", dict(gated="split", activation="silu"), ValueError, "gated: expected one of"),
+    ("gated odd N", dict(rhs=jnp.zeros((4, 128, 255)), gated="concatenated"), ValueError,
+     "rhs: gated='concatenated' needs an even number of output columns N, got N = 255"),
+    ("bias shape", dict(bias=jnp.zeros((4, 128))), ValueError, "bias: expected shape (4, 256)"),
+    ("bias int", dict(bias=jnp.zeros((4, 256), jnp.int32)), TypeError, "bias: expected dtype"),
+    ("preferred_element_type int", dict(preferred_element_type=jnp.int32), TypeError,
+     "preferred_element_type: expected one of"),
+    ("rhs_transposed not bool", dict(rhs_transposed="yes"), TypeError, "rhs_transposed: expected a bool"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_a_clear_error(rand, case):
+    _, changes, error, message = case
+    args = _good_args(rand)
+    args.update(changes)
+    lhs, rhs, sizes = args.pop("lhs"), args.pop("rhs"), args.pop("group_sizes")
+    with pytest.raises(error) as info:
+        tk.ragged_dot(lhs, rhs, sizes, **args)
+    assert message in str(info.value), str(info.value)
+
+
+def test_bad_input_is_caught_before_tracing():
+    """Shape and dtype errors come from placeholders too (what TorchTPU's export and the torch fake kernels pass)."""
+    spec = jax.ShapeDtypeStruct
+    with pytest.raises(ValueError, match="rhs: contraction dimension"):
+        jax.eval_shape(tk.ragged_dot, spec((8, 128), BF16), spec((2, 256, 64), BF16), spec((2,), jnp.int32))
+    with pytest.raises(TypeError, match="group_sizes: expected dtype"):
+        jax.eval_shape(tk.ragged_dot, spec((8, 128), BF16), spec((2, 128, 64), BF16), spec((2,), jnp.uint32))
+
+
+# ------------------------------------------------------------------------------------------------ rung 2
+def test_export_for_tpu():
+    spec = jax.ShapeDtypeStruct
+    lhs, sizes = spec((512, 2048), BF16), spec((128,), jnp.int32)
+    rhs_t = spec((128, 1536, 2048), BF16)
+    ladder.export_for_tpu(api.ragged_dot, lhs, spec((128, 2048, 768), BF16), sizes)
+    ladder.export_for_tpu(api.ragged_dot, lhs, rhs_t, sizes, rhs_transposed=True, preferred_element_type=F32)
+    ladder.export_for_tpu(api.ragged_dot, lhs, rhs_t, sizes, rhs_transposed=True, activation="silu",
+                          gated="concatenated", preferred_element_type=BF16)
+    ladder.export_for_tpu(api.ragged_dot, lhs, rhs_t, sizes, rhs_transposed=True, activation="gelu_tanh",
+                          gated="interleaved")
+    ladder.export_for_tpu(lambda l, r, s, o: api.ragged_dot(l, r, s, group_offset=o, num_local_groups=16),
+                          lhs, spec((16, 2048, 768), BF16), sizes, spec((), jnp.int32))
+    grad = jax.grad(
+        lambda l, r, s, b: _loss(api.ragged_dot(l, r, s, bias=b, rhs_transposed=True, activation="silu",
+                                                gated="concatenated")),
+        argnums=(0, 1, 3),
+    )
+    ladder.export_for_tpu(grad, lhs, rhs_t, sizes, spec((128, 1536), BF16))
+
+
+# ------------------------------------------------------------------------------------------------ rung 3
+def _gate_up(lhs, rhs, sizes, *, activation):
+    """The MoE gate/up grouped matmul as benchmarked: transformers' [E, 2I, H] weights, act(gate) * up fused."""
+    return api.ragged_dot(lhs, rhs, sizes, rhs_transposed=True, activation=activation, gated="concatenated",
+                          preferred_element_type=BF16)
+
+
+def _down(lhs, rhs, sizes):
+    """The MoE down grouped matmul as benchmarked: [E, H, I] weights, f32 output for the weighted combine."""
+    return api.ragged_dot(lhs, rhs, sizes, rhs_transposed=True, preferred_element_type=F32)
+
+
+PREFILL = [(model, rows) for model in MOE_MODELS for rows in RAGGED_DOT_PREFILL_ROWS]
+
+
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+@pytest.mark.parametrize("model,rows", PREFILL, ids=[f"{m}-rows={r}" for m, r in PREFILL])
+def test_prefill_grouped_matmuls_compile_for_tpu(generation, model, rows):
+    """Both grouped matmuls of the MoE at every prefill benchmark shape (the decode shapes compile within the whole
+    experts_forward, test_moe.py). Group sizes are placeholders: the compiled kernel serves any routing."""
+    dims = MOE_MODELS[model]
+    h, i = dims["hidden"], dims["intermediate"]
+    sizes = ((MOE_EXPERTS,), jnp.int32)
+    ladder.compile_for_tpu(_gate_up, generation, ((rows, h), BF16), ((MOE_EXPERTS, 2 * i, h), BF16), sizes,
+                           label=f"ragged_dot gate_up {model}", activation=dims["activation"])
+    ladder.compile_for_tpu(_down, generation, ((rows, i), BF16), ((MOE_EXPERTS, h, i), BF16), sizes,
+                           label=f"ragged_dot down {model}")
+
+
+# The backward: d lhs through the forward kernel, d rhs through the transposed grouped matmul, the epilogue
+# recomputed.
+# (generation, model, op, rows): gate/up (fused epilogue) at a decode shape (B = 64, top-8), down at a prefill one.
+BACKWARD = [("v6e", "qwen3-30b-a3b", "gate_up", 512), ("v7x", "gemma4-26b-a4b", "down", RAGGED_DOT_PREFILL_ROWS[0])]
+
+
+@pytest.mark.parametrize("generation,model,op,rows", BACKWARD, ids=[f"{g}-{m}-{o}-rows={r}" for g, m, o, r in BACKWARD])
+def test_backward_compiles_for_tpu(generation, model, op, rows):
+    dims = MOE_MODELS[model]
+    h, i = dims["hidden"], dims["intermediate"]
+    if op == "gate_up":
+        fn = lambda l, r, s: _loss(_gate_up(l, r, s, activation=dims["activation"]))  # noqa: E731
+        lhs, rhs = ((rows, h), BF16), ((MOE_EXPERTS, 2 * i, h), BF16)
+    else:
+        fn = lambda l, r, s: _loss(_down(l, r, s))  # noqa: E731
+        lhs, rhs = ((rows, i), BF16), ((MOE_EXPERTS, h, i), BF16)
+    ladder.compile_for_tpu(jax.grad(fn, argnums=(0, 1)), generation, lhs, rhs, ((MOE_EXPERTS,), jnp.int32),
+                           label=f"ragged_dot {op} backward {model}")
