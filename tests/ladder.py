@@ -139,18 +139,21 @@ def tpu_spec(generation: str, shape, dtype):
 COMPILE_STATS: list[dict] = []  # written to build/compile_stats-jax<version>.json at session end (conftest)
 
 
-def compile_for_tpu(fn, generation: str, *shapes_and_dtypes, label: str = "", **static_kwargs):
+def compile_for_tpu(fn, generation: str, *shapes_and_dtypes, label: str = "", min_kernels: int = 1, **static_kwargs):
     """Rung 3: deviceless compile of jit(fn) for `generation`; returns the memory stats it records.
 
     shapes_and_dtypes: (shape, dtype) pairs, or None for an absent optional argument. Tracing happens with the
-    generation's device as default device, so the kernels' tuning sees that chip.
+    generation's device as default device, so the kernels' tuning sees that chip. The Mosaic kernels are counted in
+    the lowered module (`compiled.as_text()` of some programs with sorts and scatters fails in XLA on v6e/v7x
+    although the compile itself succeeded).
     """
     specs = [None if sd is None else tpu_spec(generation, *sd) for sd in shapes_and_dtypes]
     with jax.default_device(tpu_device(generation)):
-        compiled = jax.jit(functools.partial(fn, **static_kwargs)).lower(*specs).compile()
+        lowered = jax.jit(functools.partial(fn, **static_kwargs)).lower(*specs)
+        compiled = lowered.compile()
+    kernels = lowered.as_text().count("tpu_custom_call")
+    assert kernels >= min_kernels, f"{label}: the program holds {kernels} Mosaic kernel(s), expected >= {min_kernels}"
     memory = compiled.memory_analysis()
-    text = compiled.as_text()
-    assert "tpu_custom_call" in text or "custom-call" in text, "compiled program holds no Mosaic kernel"
     stats = {
         "label": label or getattr(fn, "__name__", str(fn)),
         "generation": generation,
