@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import ladder
+import tiny_models
 import tpu_kernels
 from tpu_kernels import rms_norm_ops as rms_norm_module
 
@@ -101,22 +102,6 @@ def test_layer_passes_kernels_layer_validation():
     _validate_layer(check_cls=Qwen3RMSNorm, cls=tpu_kernels.layers.RMSNorm, repo="tpu-kernels")
 
 
-def _tiny_qwen3(seed):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=211, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():  # random norm weights, not the all-ones init, so the weight path is exercised
-        for module in model.modules():
-            if type(module).__name__ == "Qwen3RMSNorm":
-                module.weight.normal_(1.0, 0.3)
-    return model
-
-
 def _make_qwen3_norm_kernelizable(monkeypatch):
     """transformers 5.23 turns its `@use_kernel_forward_from_hub` into a no-op unless kernels >= 0.18.2, which is not
     released; mark the class the way that decorator would (kernel_layer_name), for this test only."""
@@ -130,8 +115,8 @@ def test_kernelized_qwen3_gives_the_same_logits(rand, hub_root, monkeypatch):
     from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 
     _make_qwen3_norm_kernelizable(monkeypatch)
-    model = _tiny_qwen3(rand.seed)
-    tokens = torch.from_numpy(rand.rng.integers(0, 211, (2, 11)))
+    model = tiny_models.qwen3(rand.seed)
+    tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (2, 11)))
     with torch.no_grad():
         expected = model(tokens).logits
 
