@@ -186,6 +186,9 @@ def check_torch_op(op, args, *, expected_shapes):
     assert shapes(op(*meta_args)) == expected_shapes
 
     eager = op(*args)
+    # Every call compiles the same code object (the lambda below): start from a clean dynamo cache so a long session
+    # of op checks does not hit dynamo's recompile limit.
+    torch._dynamo.reset()
     compiled = torch.compile(lambda *a: op(*a), fullgraph=True, backend="aot_eager")(*args)
     eager_leaves = eager if isinstance(eager, (tuple, list)) else (eager,)
     compiled_leaves = compiled if isinstance(compiled, (tuple, list)) else (compiled,)
