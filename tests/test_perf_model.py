@@ -221,6 +221,22 @@ def test_bundle_parser_on_a_synthetic_schedule():
   assert s.step_cycles([True]) == 12 and len(s.mxu_ops_in([True])) == 0
 
 
+def test_bundle_parser_marks_a_run_time_loop_bound_as_dynamic():
+  """A grid sized from scalar prefetch compares against a register: no static trip count, the caller supplies it."""
+  text = "\n".join([
+      "     0   :  { %1 = vsyncpa [#allocation4], 0 }",
+      "   0x1 LB: > { %2 = sadd.s32 1, %s1 }",
+      "   0x2   : > { %4 = vmatmul.mubr.bf16.gmra.mxu0 %v1 }",
+      "   0x3 PF: > { %p2 = scmp.ge.s32.totalorder %s2, %s9 /* loop exit test */ }",
+      "   0x4   : > { %6 = sbr.rel (!%p2) target bundleno = 1 (0x1), region = 9 }",
+      "   0x5   :  {}", "   0x6   :  {}", "   0x7   :  {}", "   0x8   :  {}",
+      "   0x9   :  { %7 = vsyncpa [#allocation4], 1 }",
+  ])
+  s = perf_bundles.analyze(perf_bundles.parse_bundles(text))
+  assert s.has_loop and not s.trip_count_static and not s.warnings
+  assert (s.prologue, s.epilogue, s.body) == (1, 1, 8)
+
+
 def test_chip_parameters_come_from_jax_and_clock_is_derived():
   for gen in GENS:
     c = perf_model.get_chip(gen)

@@ -120,8 +120,9 @@ class KernelSchedule:
   prologue: int                  # bundles before the grid loop
   epilogue: int                  # bundles after the grid loop
   body: int                      # grid-loop body bundles (all regions executed, inner loops x trips)
-  trip_count: int                # grid-loop iterations (grid steps + pipeline stages)
+  trip_count: int                # grid-loop iterations (grid steps + pipeline stages); 1 if not static
   has_loop: bool
+  trip_count_static: bool        # False: the loop bound is a run-time value (a grid sized from scalar prefetch)
   delay_slots: int
   guard: Region | None           # pipeline fill/drain guard
   conds: list[Region]            # kernel-level conditional regions (pl.when), program order
@@ -181,6 +182,7 @@ def analyze(bundles: list[Bundle]) -> KernelSchedule:
     start, end = 0, n  # whole program is one "step"
     prologue = epilogue = 0
     trip = 1
+    trip_static = True
   else:
     start, back = outer
     delay = _infer_delay_slots(bundles, back)
@@ -190,9 +192,9 @@ def analyze(bundles: list[Bundle]) -> KernelSchedule:
     for b in bundles[start:end]:
       if b.depth == 1 and b.exit_trip() is not None:
         trip = b.exit_trip()
-    if trip is None:
-      trip = 1
-      warnings.append("grid loop exit test not found; trip count assumed 1")
+    # No compare against an immediate: the bound is a register (dynamic grid); the caller supplies the steps.
+    trip_static = trip is not None
+    trip = trip or 1
   # Inner loops: back-edges strictly inside the body.
   inner = []
   for s, t, _ in branches:
@@ -230,7 +232,7 @@ def analyze(bundles: list[Bundle]) -> KernelSchedule:
   dmas = [(b.addr, d, nb) for b in bundles[start:end] for d, nb in b.dmas()]
   return KernelSchedule(
       total_bundles=n, prologue=prologue, epilogue=epilogue, body=body, trip_count=trip,
-      has_loop=outer is not None, delay_slots=delay, guard=guard, conds=regions,
+      trip_count_static=trip_static, has_loop=outer is not None, delay_slots=delay, guard=guard, conds=regions,
       inner_loops=inner, mxu_ops_body=mxu, dmas_body=dmas, warnings=warnings)
 
 

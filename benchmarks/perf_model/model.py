@@ -305,12 +305,17 @@ def _model_kernel(chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallIn
   warnings += sched.warnings
   final_sum = B.final_schedule_summary(final) if final else {}
 
+  trip = sched.trip_count
+  if sched.has_loop and not sched.trip_count_static and info is None:
+    warnings.append("grid loop bound not found in the schedule and no pallas_call to take it from: trip count assumed 1")
   if info is not None:
     steps = info.steps
+    if sched.has_loop and not sched.trip_count_static:
+      trip = steps + 2  # dynamic grid: the steps come from the concrete inputs, plus the pipeline's two stages
     in_b, out_b = info.in_bytes.astype(np.float64), info.out_bytes.astype(np.float64)
     conds = info.cond_taken
-    if sched.has_loop and sched.trip_count - steps not in (0, 1, 2, 3):
-      warnings.append(f"grid has {steps} steps but the loop runs {sched.trip_count} iterations")
+    if sched.has_loop and trip - steps not in (0, 1, 2, 3):
+      warnings.append(f"grid has {steps} steps but the loop runs {trip} iterations")
     if len(conds) == len(sched.conds):
       skip = np.zeros((steps, len(conds)), bool)
       for i, t in enumerate(conds):
@@ -326,7 +331,7 @@ def _model_kernel(chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallIn
     grid = info.grid
     blocks = [dataclasses.asdict(b) for b in info.blocks]
   else:
-    steps = max(1, sched.trip_count - 2) if sched.has_loop else 1
+    steps = max(1, trip - 2) if sched.has_loop else 1
     in_b = np.zeros(steps)
     out_b = np.zeros(steps)
     skip = np.zeros((steps, len(sched.conds)), bool)
@@ -355,7 +360,7 @@ def _model_kernel(chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallIn
     dma[1:] += out_b[:-1]
   dma_t = dma / bw
   per_step = np.maximum(compute, dma_t)
-  n_fill = max(0, sched.trip_count - steps) if sched.has_loop else 0
+  n_fill = max(0, trip - steps) if sched.has_loop else 0
   fixed_cycles = sched.prologue + sched.epilogue + n_fill * sched.fill_cycles()
   total = (in_b[0] / bw if steps else 0.0) + per_step.sum() + (out_b[-1] / bw if steps else 0.0) \
       + fixed_cycles / clk + chip.launch_overhead_s
@@ -363,7 +368,7 @@ def _model_kernel(chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallIn
   bound = "compute" if compute.sum() >= dma_t.sum() + (in_b[0] + out_b[-1]) / bw else "hbm"
   return KernelModel(
       label=label, hlo_name=hlo_name, kernel_name=info.name if info else hlo_name,
-      grid=tuple(grid), steps=int(steps), trip_count=int(sched.trip_count),
+      grid=tuple(grid), steps=int(steps), trip_count=int(trip),
       prologue_bundles=sched.prologue, epilogue_bundles=sched.epilogue,
       loop_body_bundles=sched.body, step_cycles_min=int(step_cycles.min()),
       step_cycles_max=int(step_cycles.max()), step_cycles_mean=float(step_cycles.mean()),
