@@ -202,6 +202,26 @@ def test_traffic_is_counted_for_the_blocks_of_the_generation_compiled_for(gen):
   assert not m.warnings, m.warnings
 
 
+def routing_like_program(ids, x):
+  """Sort, gather and scatter (what MoE routing runs around its kernels), then a Pallas kernel."""
+  order = jnp.argsort(ids, stable=True)
+  rows = jnp.take(x, order, axis=0)
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+  return jnp.take(pallas_copy(rows, block_rows=8), inverse, axis=0)
+
+
+def test_gathers_and_scatters_are_charged_not_counted_as_zero():
+  """XLA would offload these to the SparseCore, where they carry no estimate (and break compiled.as_text(), which
+  hides every other op's estimate): the model keeps them on the TensorCore so each XLA op is estimated."""
+  m = perf_model.model_function(routing_like_program, (_sds((8192,), jnp.int32), _sds((8192, 256), jnp.float32)),
+                                gen="v6e")
+  assert len(m.kernels) == 1
+  names = [x.name for x in m.xla_ops]
+  assert len(names) >= 3, names
+  assert all(x.estimated_cycles > 0 for x in m.xla_ops)
+  assert not [w for w in m.warnings if "estimate" in w or "as_text" in w], m.warnings
+
+
 def test_bundle_parser_on_a_synthetic_schedule():
   text = "\n".join([
       "     0   :  { %1 = vsyncpa [#allocation4], 0 }",

@@ -61,14 +61,17 @@ def _compile_one(fn, arg_specs, dev):
            if k.endswith("_in_bytes") and isinstance(getattr(mem, k), int)}
   except Exception:  # noqa: BLE001 - optional information
     mem = {}
+  hlo_source = "executable"
   try:
     hlo = compiled.as_text()
   except Exception as e:  # noqa: BLE001 - some programs (e.g. with sparsecore async ops) fail to print from proto
     hlo = _dumped_hlo()
+    hlo_source = "xla_dump"
     if hlo is None:
       raise _AsTextFailed(f"{type(e).__name__}: {e}") from e
   return {
       "hlo": hlo,
+      "hlo_source": hlo_source,
       "cost": {k: float(v) for k, v in (cost or {}).items()},
       "memory": mem,
       "device_kind": dev.device_kind,
