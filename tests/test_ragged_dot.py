@@ -8,6 +8,7 @@ test_moe.py) and of the backward.
 Every interpret run is jitted (one XLA compile per shape instead of one per eager op), and shapes stay small: the
 simulator costs about a second per call on this machine."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -412,6 +413,48 @@ def test_prefill_grouped_matmuls_compile_for_tpu(generation, model, rows):
                            label=f"ragged_dot gate_up {model}", activation=dims["activation"])
     ladder.compile_for_tpu(_down, generation, ((rows, i), BF16), ((MOE_EXPERTS, h, i), BF16), sizes,
                            label=f"ragged_dot down {model}")
+
+
+# (E, rows, cols) weights: Gemma 4's down_proj, its transpose, and small shapes where one orientation pads less.
+STORED_LAYOUT_SHAPES = [(128, 2816, 704), (128, 704, 2816), (4, 256, 200), (4, 96, 64), (4, 2048, 768), (16, 256, 8)]
+
+
+def _entry_layout(compiled) -> str:
+    """minor_to_major of the first parameter in the compiled program's entry layout, e.g. "2,1,0"."""
+    return re.search(r"entry_computation_layout=\{\(\w+\[[\d,]*\]\{([\d,]+)", compiled.as_text()).group(1)
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_stored_orientation_rule_matches_the_compiler(generation):
+    """tuning.stored_minor_to_major_swapped predicts the layout XLA gives a weight array (its default layout)."""
+    for shape in STORED_LAYOUT_SHAPES:
+        with jax.default_device(ladder.tpu_device(generation)):
+            compiled = jax.jit(lambda w: w.sum()).lower(ladder.tpu_spec(generation, shape, BF16)).compile()
+        swapped = _entry_layout(compiled) == "1,2,0"
+        assert swapped == tuning.stored_minor_to_major_swapped(shape[1], shape[2]), (shape, _entry_layout(compiled))
+
+
+def test_weights_stored_swapped_are_not_copied():
+    """A transposed rhs [E, N, K] that XLA stores as [E, K, N] (K = 200 pads more on the lanes) reaches the kernel
+    as a bitcast: no relayout copy of the weights in the compiled program (Gemma 4's down_proj cost 3 ms a call)."""
+    shapes = (((64, 200), BF16), ((8, 256, 200), BF16), ((8,), jnp.int32))
+    with jax.default_device(ladder.tpu_device("v6e")):
+        compiled = jax.jit(_down).lower(*[ladder.tpu_spec("v6e", *sd) for sd in shapes]).compile()
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text
+    copies = [line for line in text.splitlines() if " copy(" in line and ("[8,256,200]" in line or "[8,200,256]" in line)]
+    assert not copies, copies
+
+
+def test_weights_stored_swapped_give_the_same_result(rand):
+    """The swapped orientation (kernel reads [E, K, N]) computes the same grouped matmul."""
+    lhs = rand.normal((40, 200), F32)
+    rhs = rand.normal((8, 256, 200), F32)
+    sizes = jnp.asarray([5, 0, 9, 3, 0, 12, 6, 2], jnp.int32)
+    assert tuning.stored_minor_to_major_swapped(256, 200)
+    ladder.check_against_reference(
+        functools.partial(api.ragged_dot, rhs_transposed=True),
+        functools.partial(ragged_dot_reference, rhs_transposed=True), (lhs, rhs, sizes), dtype=F32, rand=rand)
 
 
 # The backward: d lhs through the forward kernel, d rhs through the transposed grouped matmul, the epilogue

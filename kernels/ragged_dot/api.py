@@ -169,9 +169,18 @@ def _info():
     return chip.current_tpu_info()
 
 
+def _as_stored(rhs, rhs_transposed):
+    """rhs in the orientation XLA stores it in (see tuning.stored_minor_to_major_swapped): the swap is a bitcast of
+    the weights as they sit in HBM, where the logical orientation would cost a relayout copy of all of them."""
+    if tuning.stored_minor_to_major_swapped(rhs.shape[1], rhs.shape[2]):
+        return jnp.swapaxes(rhs, 1, 2), not rhs_transposed
+    return rhs, rhs_transposed
+
+
 def _plain_forward(lhs, rhs, bias2d, group_sizes, group_offset, *, out_dtype, rhs_transposed, n_local, rhs_global,
                    static_grid):
     """Grouped matmul (+ bias) with no epilogue, through the forward kernel."""
+    rhs, rhs_transposed = _as_stored(rhs, rhs_transposed)
     m, k = lhs.shape
     n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
     blocks = tuning.choose_blocks(
@@ -217,9 +226,13 @@ def _fused_forward(cfg: _Config, lhs, rhs, bias2d, group_sizes, group_offset):
         )
         return _epilogue(h, cfg).astype(cfg.out_dtype)
     n_out = half if cfg.gated else n_full
+    rhs_transposed = cfg.rhs_transposed
+    stored, stored_transposed = _as_stored(rhs, rhs_transposed)
+    if _fusable(cfg.gated, stored_transposed, half, rhs.dtype):
+        rhs, rhs_transposed = stored, stored_transposed
     blocks = tuning.choose_blocks(
         m, k, n_out, num_groups=cfg.num_local_groups, lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype,
-        out_dtype=cfg.out_dtype, rhs_transposed=cfg.rhs_transposed, gated=cfg.gated is not None,
+        out_dtype=cfg.out_dtype, rhs_transposed=rhs_transposed, gated=cfg.gated is not None,
         half_n=half if cfg.gated else None, info=_info(),
     )
     if bias2d is None:
@@ -229,7 +242,7 @@ def _fused_forward(cfg: _Config, lhs, rhs, bias2d, group_sizes, group_offset):
     else:
         bias = (bias2d[:, None, :],)
     return kernel.ragged_dot_forward(
-        lhs, rhs, group_sizes, out_dtype=cfg.out_dtype, blocks=blocks, rhs_transposed=cfg.rhs_transposed,
+        lhs, rhs, group_sizes, out_dtype=cfg.out_dtype, blocks=blocks, rhs_transposed=rhs_transposed,
         group_offset=group_offset, num_local_groups=cfg.num_local_groups,
         rhs_group_base=group_offset if cfg.rhs_global else 0, bias=bias, gated=cfg.gated,
         activation=cfg.activation, static_grid=cfg.static_grid,

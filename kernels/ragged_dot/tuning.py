@@ -87,6 +87,22 @@ def _generation(info):
     return g if g in TM_MAX else "v6e"
 
 
+def _padded_tiles(sublane_dim: int, lane_dim: int) -> int:
+    return _cdiv(sublane_dim, 8) * 8 * _cdiv(lane_dim, 128) * 128
+
+
+def stored_minor_to_major_swapped(rows: int, cols: int) -> bool:
+    """Whether XLA on TPU stores a [..., rows, cols] array with `rows` as its minor (lane) dimension.
+
+    Its default layout tiles the last two dimensions by (8, 128) and puts whichever of them pads less on the lanes:
+    a [E, 2816, 704] weight (Gemma 4's down_proj) is stored as [E, 704, 2816], because 704 is not a multiple of 128
+    and 2816 is. A Mosaic kernel reads its operands in the logical row-major layout, so handing it such a weight as
+    is makes XLA relayout the whole tensor on every call; reading its transpose instead is a free bitcast. Ties keep
+    the logical layout. (tests/test_ragged_dot.py checks this rule against the compiler's choice.)
+    """
+    return _padded_tiles(cols, rows) < _padded_tiles(rows, cols)
+
+
 def choose_tm(m: int, num_groups: int, dtype, generation: str) -> int:
     sub = sublane_multiple(dtype)
     tm = _pow2_floor(max(1, m // max(1, 2 * num_groups)))
