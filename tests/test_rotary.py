@@ -114,6 +114,8 @@ NORM_CASES = [
     ("gemma4-sliding-bshd-f32", "bshd", 2, 9, 4, 2, 256, 256, F32, 0.0),
     ("gemma4-full-partial", "bshd", 1, 5, 2, 1, 512, 128, BF16, 0.0),
     ("decode-offset", "bhsd", 7, 1, 4, 2, 128, 128, F32, 1.0),
+    # bf16 at head_dim 128 with whole sublane groups of heads: q's row sums on the MXU, k's (2 heads) cross-lane.
+    ("decode-bf16-mxu", "bhsd", 6, 1, 8, 2, 128, 128, BF16, 1.0),
 ]
 
 

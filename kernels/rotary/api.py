@@ -4,6 +4,7 @@
     apply_rotary_backward(grad_q, grad_k, cos, sin) its transpose (the gradient in q and k)
     rms_norm_rope(q, k, q_weight, k_weight, cos, sin)   per-head RMSNorm (Qwen3 / Gemma 4 q_norm, k_norm), then RoPE
     apply_rotary_from_positions(q, k, positions, theta=...)   cos/sin computed in the kernel, no tables in HBM
+    apply_rotary_from_positions_backward(grad_q, grad_k, positions, theta=...)   its transpose
     rms_norm_rope_from_positions(...)               both
 
 Shapes. layout="bhsd" (transformers' attention layout): q [B, Hq, S, D], k [B, Hk, S, D]; layout="bshd": q
@@ -112,11 +113,11 @@ def check_inputs(q, k, cos, sin, *, interleaved=False, rotary_dim=None, layout="
 def check_norm_inputs(q, k, q_weight, k_weight, cos, sin, *, eps, weight_offset, interleaved=False, layout="bhsd"):
     """Validate rms_norm_rope arguments; returns (eps, weight_offset)."""
     check_inputs(q, k, cos, sin, interleaved=interleaved, layout=layout)
-    _check_norm_weights(q, k, q_weight, k_weight)
+    check_norm_weights(q, k, q_weight, k_weight)
     return check_finite_nonnegative("eps", eps), check_finite("weight_offset", weight_offset)
 
 
-def _check_norm_weights(q, k, q_weight, k_weight):
+def check_norm_weights(q, k, q_weight, k_weight):
     head_dim = q.shape[3]
     for name, w, x in (("q_weight", q_weight, q), ("k_weight", k_weight, k)):
         if x is None:
@@ -177,9 +178,10 @@ def _run(xs, ws, table_a, table_b, cfg: kernel.RopeConfig):
     blocks = tuning.choose_blocks(
         batch=x0.shape[0], seq=seq, heads=tuple(_heads(x, cfg.seq_major) for x in xs), head_dim=x0.shape[3],
         dtype=x0.dtype, table_width=table_b.shape[-1], table_dtypes=table_dtypes, seq_major=cfg.seq_major,
-        info=chip.current_tpu_info(),
+        from_positions=cfg.from_positions, info=chip.current_tpu_info(),
     )
-    ws2d = [w.reshape(1, -1) for w in ws] if cfg.norm else []
+    # Norm weights [D] as (D // 128, 128): a bitcast in XLA's TPU layouts, where (1, D) at D = 256, 512 is a copy.
+    ws2d = [w.reshape(-1, 128) if w.shape[0] % 128 == 0 else w.reshape(1, -1) for w in ws] if cfg.norm else []
     return kernel.rope(list(xs), table_a, table_b, ws2d, cfg=cfg, blocks=blocks)
 
 
@@ -287,17 +289,30 @@ _rope_positions.defvjp(_rope_positions_fwd, _rope_positions_bwd)
 
 
 # ----------------------------------------------------------------------------------------------- layout handling
-def _to_kernel_layout(x, shape: _Shape):
-    """bhsd with a single position is the same memory as bshd: use the (H, D)-tile layout (decode)."""
-    if x is None or shape.seq_major or shape.seq != 1:
+def _decode_as_tokens(x, shape: _Shape):
+    """Decode (one position per sequence): B sequences of one token are run as one sequence of B tokens, x
+    [1, B, H, D] (the (H, D)-tile layout). For [B, H, 1, D] and [B, 1, H, D] this reshape is a bitcast in XLA's
+    layouts, as is [B, 1, r] -> [1, B, r] for the tables and [B, 1] -> [1, B] for positions, so no copy is made
+    around the kernel (the per-sequence blocks it replaces had XLA relayout the tables)."""
+    if x is None or shape.seq != 1:
         return x
-    return x.reshape(x.shape[0], 1, x.shape[1], x.shape[3])
+    heads = _heads(x, shape.seq_major)
+    return x.reshape(1, x.shape[0], heads, x.shape[3])
 
 
-def _from_kernel_layout(out, like, shape: _Shape):
-    if out is None or shape.seq_major or shape.seq != 1:
-        return out
-    return out.reshape(like.shape)
+def _tables_as_tokens(t, shape: _Shape):
+    """Tables [Bt, 1, r] or positions [Bt, 1] of a decode call as one sequence: [1, Bt, ...] (Bt = 1: shared)."""
+    if shape.seq != 1:
+        return t
+    return t.reshape((1, t.shape[0]) + t.shape[2:])
+
+
+def _call(fn, q, k, ws, shape: _Shape, *tables):
+    """fn(xs, ws, *tables) on the kernel's view of q and k (and the tables); results back in the caller's shapes."""
+    xs = tuple(_decode_as_tokens(x, shape) for x in ((q,) if k is None else (q, k)))
+    outs = fn(xs, ws, *(_tables_as_tokens(t, shape) for t in tables))
+    out_q = outs[0].reshape(q.shape)
+    return out_q, (None if k is None else outs[1].reshape(k.shape))
 
 
 def _config(shape: _Shape, rotary_dim, interleaved, **kw):
@@ -306,14 +321,35 @@ def _config(shape: _Shape, rotary_dim, interleaved, **kw):
     )
 
 
-def _call(fn, q, k, ws, shape, *args):
-    xs = tuple(_to_kernel_layout(x, shape) for x in ((q,) if k is None else (q, k)))
-    outs = fn(xs, ws, *args)
-    out_q = _from_kernel_layout(outs[0], q, shape)
-    return out_q, (None if k is None else _from_kernel_layout(outs[1], k, shape))
-
-
 # ------------------------------------------------------------------------------------------------------ public API
+def _on_tables(q, k, ws, cos, sin, r, *, interleaved, layout, backward=False, **cfg_kw):
+    """The kernel with cos/sin tables (validated by the caller): forward through the custom_vjp, or the transpose
+    rotation alone (backward=True)."""
+    shape = _check_qk(q, k, layout)
+    cfg = _config(shape, r, interleaved, transpose=backward, **cfg_kw)
+    if backward:
+        return _call(lambda xs, ws, c, s: tuple(_kernel_on_tables(xs, ws, c, s, cfg)), q, k, ws, shape, cos, sin)
+    return _call(lambda xs, ws, c, s: _rope_tables(xs, ws, c, s, cfg), q, k, ws, shape, cos, sin)
+
+
+def _on_positions(q, k, weights, positions, *, theta, rotary_dim, scaling, interleaved, layout, backward=False,
+                  **cfg_kw):
+    """The kernel with cos/sin computed from positions, inputs validated here; weights: (q_weight, k_weight) for the
+    fused norm, else None."""
+    inv_freq, attention_scaling, r = check_position_inputs(
+        q, k, positions, theta=theta, rotary_dim=rotary_dim, scaling=scaling, interleaved=interleaved, layout=layout
+    )
+    ws = ()
+    if weights is not None:
+        check_norm_weights(q, k, *weights)
+        ws = weights[:1] if k is None else weights
+    shape = _check_qk(q, k, layout)
+    cfg = _config(shape, r, interleaved, transpose=backward, from_positions=True, attention_scaling=attention_scaling,
+                  **cfg_kw)
+    inv = tuple(float(f) for f in inv_freq)
+    return _call(lambda xs, ws, p: _rope_positions(xs, ws, p, cfg, inv), q, k, ws, shape, positions)
+
+
 @interpret_eager_cpu_calls
 def apply_rotary(
     q: jax.Array,
@@ -330,9 +366,7 @@ def apply_rotary(
     See the module docstring for shapes. rotary_dim, when given, must equal cos.shape[-1] (a check, not a choice).
     """
     r = check_inputs(q, k, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim, layout=layout)
-    shape = _check_qk(q, k, layout)
-    cfg = _config(shape, r, interleaved)
-    return _call(lambda xs, ws, c, s: _rope_tables(xs, ws, c, s, cfg), q, k, (), shape, cos, sin)
+    return _on_tables(q, k, (), cos, sin, r, interleaved=interleaved, layout=layout)
 
 
 @interpret_eager_cpu_calls
@@ -348,9 +382,7 @@ def apply_rotary_backward(
     """Gradients in q and k of apply_rotary for output gradients grad_q, grad_k: the transpose rotation,
     grad * cos - rotate_half(grad * sin) (for tables with equal halves, the rotation by -sin)."""
     r = check_inputs(grad_q, grad_k, cos, sin, interleaved=interleaved, layout=layout)
-    shape = _check_qk(grad_q, grad_k, layout)
-    cfg = _config(shape, r, interleaved, transpose=True)
-    return _call(lambda xs, ws, c, s: tuple(_kernel_on_tables(xs, ws, c, s, cfg)), grad_q, grad_k, (), shape, cos, sin)
+    return _on_tables(grad_q, grad_k, (), cos, sin, r, interleaved=interleaved, layout=layout, backward=True)
 
 
 @interpret_eager_cpu_calls
@@ -374,11 +406,9 @@ def rms_norm_rope(
         q, k, q_weight, k_weight, cos, sin, eps=eps, weight_offset=weight_offset, interleaved=interleaved,
         layout=layout,
     )
-    shape = _check_qk(q, k, layout)
-    r = cos.shape[-1]
-    cfg = _config(shape, r, interleaved, norm=True, eps=eps, weight_offset=weight_offset)
     ws = (q_weight,) if k is None else (q_weight, k_weight)
-    return _call(lambda xs, ws, c, s: _rope_tables(xs, ws, c, s, cfg), q, k, ws, shape, cos, sin)
+    return _on_tables(q, k, ws, cos, sin, cos.shape[-1], interleaved=interleaved, layout=layout, norm=True, eps=eps,
+                      weight_offset=weight_offset)
 
 
 @interpret_eager_cpu_calls
@@ -398,13 +428,26 @@ def apply_rotary_from_positions(
     attention factor), so no tables cross HBM. theta: the rope base; rotary_dim: rotated features (default head_dim);
     scaling: transformers' rope_parameters dict for "linear", "llama3", "yarn" or "proportional" (Gemma 4), or None.
     The cos/sin stay in f32 (transformers rounds its tables to the model dtype first)."""
-    inv_freq, attention_scaling, r = check_position_inputs(
-        q, k, positions, theta=theta, rotary_dim=rotary_dim, scaling=scaling, interleaved=interleaved, layout=layout
-    )
-    shape = _check_qk(q, k, layout)
-    cfg = _config(shape, r, interleaved, from_positions=True, attention_scaling=attention_scaling)
-    inv = tuple(float(f) for f in inv_freq)
-    return _call(lambda xs, ws, p: _rope_positions(xs, ws, p, cfg, inv), q, k, (), shape, positions)
+    return _on_positions(q, k, None, positions, theta=theta, rotary_dim=rotary_dim, scaling=scaling,
+                         interleaved=interleaved, layout=layout)
+
+
+@interpret_eager_cpu_calls
+def apply_rotary_from_positions_backward(
+    grad_q: jax.Array,
+    grad_k: jax.Array | None,
+    positions: jax.Array,
+    *,
+    theta: float,
+    rotary_dim: int | None = None,
+    scaling: dict | None = None,
+    interleaved: bool = False,
+    layout: str = "bhsd",
+) -> tuple[jax.Array, jax.Array | None]:
+    """Gradients in q and k of apply_rotary_from_positions for output gradients grad_q, grad_k: the transpose
+    rotation (by -sin), cos/sin again computed in the kernel."""
+    return _on_positions(grad_q, grad_k, None, positions, theta=theta, rotary_dim=rotary_dim, scaling=scaling,
+                         interleaved=interleaved, layout=layout, backward=True)
 
 
 @interpret_eager_cpu_calls
@@ -424,19 +467,9 @@ def rms_norm_rope_from_positions(
     layout: str = "bhsd",
 ) -> tuple[jax.Array, jax.Array | None]:
     """rms_norm_rope with cos/sin computed in the kernel from positions (see apply_rotary_from_positions)."""
-    inv_freq, attention_scaling, r = check_position_inputs(
-        q, k, positions, theta=theta, rotary_dim=rotary_dim, scaling=scaling, interleaved=interleaved, layout=layout
-    )
-    _check_norm_weights(q, k, q_weight, k_weight)
     eps, weight_offset = check_finite_nonnegative("eps", eps), check_finite("weight_offset", weight_offset)
-    shape = _check_qk(q, k, layout)
-    cfg = _config(
-        shape, r, interleaved, from_positions=True, attention_scaling=attention_scaling, norm=True, eps=eps,
-        weight_offset=weight_offset,
-    )
-    inv = tuple(float(f) for f in inv_freq)
-    ws = (q_weight,) if k is None else (q_weight, k_weight)
-    return _call(lambda xs, ws, p: _rope_positions(xs, ws, p, cfg, inv), q, k, ws, shape, positions)
+    return _on_positions(q, k, (q_weight, k_weight), positions, theta=theta, rotary_dim=rotary_dim, scaling=scaling,
+                         interleaved=interleaved, layout=layout, norm=True, eps=eps, weight_offset=weight_offset)
 
 
 def rope_cos_sin(positions, *, head_dim: int, theta: float, rotary_dim: int | None = None, scaling=None,

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
-_KEYS = {
+ROPE_KEYS = {
     "default": set(),
     "linear": {"factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
@@ -44,7 +44,7 @@ def check_scaling(scaling) -> dict:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"scaling['rope_type']: expected one of {ROPE_TYPES}, got {rope_type!r}")
-    unknown = set(scaling) - _KEYS[rope_type] - _IGNORED - {"type"}
+    unknown = set(scaling) - ROPE_KEYS[rope_type] - _IGNORED - {"type"}
     if unknown:
         raise ValueError(f"scaling: unexpected key(s) {sorted(unknown)} for rope_type {rope_type!r}")
     missing = _REQUIRED.get(rope_type, set()) - {k for k, v in scaling.items() if v is not None}

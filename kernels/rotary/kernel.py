@@ -44,45 +44,84 @@ class RopeConfig:
     weight_offset: float = 0.0
 
 
-def _partner_lanes(y, cfg: RopeConfig):
-    """(partner, first): partner[..., j] = y[..., p(j)] for lanes j < rotary_dim; first marks a pair's first lane."""
-    width = y.shape[-1]
-    axis = y.ndim - 1
+def _pairs(width, cfg: RopeConfig):
+    """(lane ids (1, W), first (1, W): lane j is the first of its pair, partner ids (1, W), roll shift)."""
     lane2d = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
     if cfg.interleaved:
         first = lane2d % 2 == 0
-        partner_idx = jnp.where(first, lane2d + 1, lane2d - 1)
-        shift = 1
-    else:
-        half = cfg.rotary_dim // 2
-        first = lane2d < half
-        partner_idx = jnp.where(first, lane2d + half, lane2d - half)
-        shift = half
+        return lane2d, first, jnp.where(first, lane2d + 1, lane2d - 1), 1
+    half = cfg.rotary_dim // 2
+    first = lane2d < half
+    return lane2d, first, jnp.where(first, lane2d + half, lane2d - half), half
+
+
+def _first_lanes(y, cfg: RopeConfig):
+    """A mask broadcastable to y: lane j is the first of its pair."""
+    return _pairs(y.shape[-1], cfg)[1].reshape((1,) * (y.ndim - 1) + (y.shape[-1],))
+
+
+def _partner_lanes(y, cfg: RopeConfig):
+    """partner[..., j] = y[..., p(j)] for lanes j < rotary_dim."""
+    width = y.shape[-1]
+    axis = y.ndim - 1
+    lane2d, _, partner_idx, shift = _pairs(width, cfg)
     a = pltpu.roll(y, shift, axis)
     other = (width - shift) % width
     if other == shift:  # rotating by half the width: both directions agree
-        partner = a
-    else:
-        # Where lane j of `a` came from, found by rolling the lane ids the same way.
-        source = pltpu.roll(lane2d, shift, 1)
-        pick_a = (source == partner_idx).reshape((1,) * (y.ndim - 1) + (width,))
-        partner = jnp.where(pick_a, a, pltpu.roll(y, other, axis))
-    return partner, first.reshape((1,) * (y.ndim - 1) + (width,))
+        return a
+    # Where lane j of `a` came from, found by rolling the lane ids the same way.
+    source = pltpu.roll(lane2d, shift, 1)
+    pick_a = (source == partner_idx).reshape((1,) * (y.ndim - 1) + (width,))
+    return jnp.where(pick_a, a, pltpu.roll(y, other, axis))
 
 
-def _rotate(x, cos, sin, cfg: RopeConfig):
-    """x: f32 (..., W); cos/sin: f32 broadcastable to x. Returns the rotated x (or its transpose) in f32."""
+def _lane_factors(cos, sin, w, cfg: RopeConfig):
+    """(a, b), per token and lane, with rotated = x * a + partner(x) * b, for cos/sin (..., W) f32 and the norm
+    weight w (1, W) f32 (offset included) or None. Folding the pair signs, the transpose's partner sin and the norm
+    weight into these per-token rows (shared by every head) leaves two multiplies and an add per element.
+
+    rotate_half / interleaved: out[j] = y[j] cos[j] - y[p(j)] sin[j] (first lane of a pair), + y[p(j)] sin[j]
+    (second), y = x * w; transpose: out[j] = g[j] cos[j] + g[p(j)] sin[p(j)] (first), - g[p(j)] sin[p(j)] (second).
+    """
+    first = _first_lanes(sin, cfg)
     if cfg.transpose:
-        partner, first = _partner_lanes(x * sin, cfg)
-        out = x * cos + jnp.where(first, partner, -partner)
-    else:
-        partner, first = _partner_lanes(x, cfg)
-        out = x * cos + jnp.where(first, -partner, partner) * sin
+        partner_sin = _partner_lanes(sin, cfg)
+        return cos, jnp.where(first, partner_sin, -partner_sin)
+    signed_sin = jnp.where(first, -sin, sin)
+    if w is None:
+        return cos, signed_sin
+    return cos * w, signed_sin * _partner_lanes(w, cfg)
+
+
+def _rotate(x, a, b, cfg: RopeConfig, passthrough=None):
+    """x * a + partner(x) * b over the last axis (f32); lanes at or past rotary_dim get passthrough (x if None)."""
+    out = x * a + _partner_lanes(x, cfg) * b
     width = x.shape[-1]
     if cfg.rotary_dim < width:
         lane = jax.lax.broadcasted_iota(jnp.int32, (1,) * (x.ndim - 1) + (width,), x.ndim - 1)
-        out = jnp.where(lane < cfg.rotary_dim, out, x)
+        out = jnp.where(lane < cfg.rotary_dim, out, x if passthrough is None else passthrough)
     return out
+
+
+def _mean_square(x, in_dtype):
+    """mean(x * x) over the last (head) axis of f32 x: (..., 128) (the mean in every lane) or (..., 1).
+
+    At head_dim 128 with bf16 inputs the row sums run on the MXU, otherwise idle, instead of a cross-lane (XLU)
+    reduction per 128-wide row, which with the rotation's lane roll made the fused op compute-bound (modeled v6e,
+    Qwen3 prefill S=2048: ~2700 -> ~2200 cycles per 128-token step). x * x of a bf16 x is exact in f32 and splits
+    exactly into two bf16 parts, hi + lo, so [hi | lo] @ [1/128; 1/128] (f32 accumulation; 1/128 is exact) is the
+    f32 mean. Wider heads (256, 512) model faster with the cross-lane reduction (one per several vregs of work), as
+    do f32 inputs (whose squares do not split exactly) and head tiles that are not whole sublane groups.
+    """
+    x2 = x * x
+    if jnp.dtype(in_dtype) != jnp.dtype(jnp.bfloat16) or x.shape[-1] != 128 or x.shape[-2] % 8:
+        return jnp.mean(x2, axis=-1, keepdims=True)
+    x2 = x2.reshape(-1, 128)
+    hi = x2.astype(jnp.bfloat16)
+    lo = (x2 - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    ones = jnp.full((256, 128), 1.0 / 128, jnp.bfloat16)
+    ms = jnp.dot(jnp.concatenate([hi, lo], axis=-1), ones, preferred_element_type=jnp.float32)
+    return ms.reshape(x.shape)
 
 
 def _kernel(*refs, n, cfg: RopeConfig):
@@ -99,31 +138,43 @@ def _kernel(*refs, n, cfg: RopeConfig):
             cos, sin = cos * cfg.attention_scaling, sin * cfg.attention_scaling
     else:
         cos, sin = table_a[...].astype(jnp.float32), table_b[...].astype(jnp.float32)
-    # Broadcast the per-token rows over heads: (b, ts, 1, W) in bshd, (b, 1, ts, W) in bhsd.
-    cos = cos[:, :, None, :] if cfg.seq_major else cos[:, None, :, :]
-    sin = sin[:, :, None, :] if cfg.seq_major else sin[:, None, :, :]
     width = cos.shape[-1]
 
+    def over_heads(t):  # per-token rows broadcast over heads: (b, ts, 1, W) in bshd, (b, 1, ts, W) in bhsd
+        return t[:, :, None, :] if cfg.seq_major else t[:, None, :, :]
+
+    if not cfg.norm:
+        a, b = (over_heads(t) for t in _lane_factors(cos, sin, None, cfg))
     for i in range(n):
-        x = x_refs[i][...].astype(jnp.float32)
-        if cfg.norm:
-            x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.eps)
-            w = w_refs[i][...].astype(jnp.float32)  # (1, D)
-            x = x * (w.reshape((1, 1, 1, w.shape[-1])) + cfg.weight_offset)
+        x_in = x_refs[i][...]
+        x = x_in.astype(jnp.float32)
+        head_dim = x.shape[-1]
         out_ref = out_refs[i]
-        if width == x.shape[-1]:
-            out_ref[...] = _rotate(x, cos, sin, cfg).astype(out_ref.dtype)
-        else:  # an aligned prefix of the lanes rotates (width % 128 == 0); the rest is copied
-            out_ref[:, :, :, :width] = _rotate(x[..., :width], cos, sin, cfg).astype(out_ref.dtype)
-            out_ref[:, :, :, width:] = x[..., width:].astype(out_ref.dtype)
+        if cfg.norm:
+            scale = jax.lax.rsqrt(_mean_square(x, x_in.dtype) + cfg.eps)
+            w = w_refs[i][...].astype(jnp.float32).reshape(1, head_dim) + cfg.weight_offset  # (D // 128, 128) in
+            a, b = (over_heads(t) for t in _lane_factors(cos, sin, w[:, :width], cfg))
+            rotated = _rotate(x[..., :width], a, b, cfg, passthrough=x[..., :width] * w[:, :width])
+            rotated = rotated * (scale if scale.shape[-1] == 1 else scale[..., :width])
+        else:
+            rotated = _rotate(x[..., :width], a, b, cfg)
+        if width == head_dim:
+            out_ref[...] = rotated.astype(out_ref.dtype)
+        else:  # an aligned prefix of the lanes rotates (width % 128 == 0); the rest is copied (normalised)
+            out_ref[:, :, :, :width] = rotated.astype(out_ref.dtype)
+            rest = x[..., width:]
+            if cfg.norm:
+                rest = rest * w[:, width:] * (scale if scale.shape[-1] == 1 else scale[..., width:])
+            out_ref[:, :, :, width:] = rest.astype(out_ref.dtype)
 
 
 def rope(xs, table_a, table_b, weights, *, cfg: RopeConfig, blocks: RotaryBlocks):
     """Rotate every array of `xs` (same B, S, D; any head count) with one pallas_call.
 
     xs: 4D arrays in the layout cfg.seq_major says. Tables: cos/sin [Bc, S, W] (Bc in {1, B}), or, with
-    cfg.from_positions, positions [Bp, S, 1] int32 and inverse frequencies [1, W] f32. weights: per x a (1, D) norm
-    weight when cfg.norm, else (). Returns a list of outputs shaped and typed like xs.
+    cfg.from_positions, positions [Bp, S, 1] int32 and inverse frequencies [1, W] f32; a table with one position
+    (S = 1) serves every token. weights: per x its norm weight when cfg.norm, (D // 128, 128) or (1, D) (whichever
+    is a bitcast of the caller's [D] in XLA's layouts: no copy), else (). Returns a list of outputs like xs.
     """
     n = len(xs)
     x0 = xs[0]
@@ -137,6 +188,8 @@ def rope(xs, table_a, table_b, weights, *, cfg: RopeConfig, blocks: RotaryBlocks
         return pl.BlockSpec((bb, x.shape[1], ts, head_dim), lambda i, j: (i, 0, j, 0))
 
     def per_token_spec(t):
+        if t.shape[1] == 1 and seq != 1:
+            return fixed_spec(t)  # one token's row shared by every token (a decode batch with a shared table)
         if t.shape[0] == batch and batch != 1:
             return pl.BlockSpec((bb, ts, t.shape[2]), lambda i, j: (i, j, 0))
         return pl.BlockSpec((1, ts, t.shape[2]), lambda i, j: (0, j, 0))  # one row shared by the whole batch

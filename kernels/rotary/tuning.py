@@ -14,8 +14,9 @@ How the numbers were chosen (benchmarks/ops/rotary.py, modeled v6e, transformers
 S=2048, 16 steps of 128 tokens for Qwen3-30B-A3B (32 + 4 heads x 128) and 32 steps of 64 tokens for Gemma 4 (16 + 8
 heads x 256, 16 + 2 x 512) beat the previous 2 MiB blocks (10-13 steps): apply_rotary 86 -> 90 % of the HBM
 roofline, fused norm + rope 70 -> 78 % (Qwen3) and 82 -> 86 % (Gemma 4 sliding); at S=32768 the same blocks are at
-94-99 %. Decode (one position per sequence, tokens on the batch axis of the grid): 32-token blocks (2-8 steps) are
-within 2 % of the best block at every batch, while 1-step or 8-token blocks lose 10-30 %.
+94-99 %. Later, with the norm's row sums on the MXU, Qwen3 at S=2048 takes 32 steps of 64 tokens (see MIN_STEPS).
+Decode (one position per sequence; the api runs B sequences of one token as one sequence of B tokens): 32-token
+blocks (2-8 steps) are within 2 % of the best block at every batch, while 1-step or 8-token blocks lose 10-30 %.
 """
 import dataclasses
 import math
@@ -36,8 +37,12 @@ LONG_BLOCK_MAX_BYTES = 2 << 20
 # Never split below this many input bytes per step just to get more steps.
 MIN_BLOCK_BYTES = 256 << 10
 # Aim for at least this many grid steps when the data allows: the first read and the last write are exposed, so
-# their share shrinks with the step count (and v7x's two TensorCores split the grid).
-MIN_STEPS = 16
+# their share shrinks with the step count (and v7x's two TensorCores split the grid). The kernels on cos/sin tables
+# are HBM-bound (since the norm's row sums moved to the MXU): 32 steps (Qwen3 prefill S=2048: 64-token blocks; fused
+# norm + rope 83.9 -> 88.4 % of the roofline, modeled v6e). With cos/sin computed from positions the kernel is
+# compute-bound at head_dim 128 and the per-step cost matters more: 16 steps (76.0 % vs 73.7 % with 32).
+MIN_STEPS = 32
+MIN_STEPS_FROM_POSITIONS = 16
 # Live f32 copies of a head slab inside the kernel body (upcast x, the partner lanes, the rotated result, ...).
 F32_TEMPORARIES = 4
 VMEM_SHARE = 0.5
@@ -75,10 +80,12 @@ def choose_blocks(
     table_width: int,
     table_dtypes: tuple = (),
     seq_major: bool,
+    from_positions: bool = False,
     info: pltpu.TpuInfo | None = None,
 ) -> RotaryBlocks:
     """Blocks for arrays [batch, seq, H, head_dim] (seq_major, "bshd") or [batch, H, seq, head_dim] ("bhsd"), one per
-    entry of `heads`, plus per-token tables of `table_width` lanes in `table_dtypes` (cos/sin, or positions)."""
+    entry of `heads`, plus per-token tables of `table_width` lanes in `table_dtypes` (cos/sin, or positions when
+    `from_positions`)."""
     info = info or chip.current_tpu_info()
     generation = chip.generation_name(info)
     itemsize = jnp.dtype(dtype).itemsize
@@ -105,7 +112,8 @@ def choose_blocks(
         target_bytes = max(target_bytes, min(2 * target_bytes, LONG_BLOCK_MAX_BYTES))
     target = target_bytes // in_bytes_per_token
     floor = max(1, MIN_BLOCK_BYTES // in_bytes_per_token)
-    tokens = _nearest_power_of_two(max(1, min(target, max(floor, math.ceil(total / MIN_STEPS)))))
+    min_steps = MIN_STEPS_FROM_POSITIONS if from_positions else MIN_STEPS
+    tokens = _nearest_power_of_two(max(1, min(target, max(floor, math.ceil(total / min_steps)))))
     tokens = max(min(tokens, tokens_by_vmem), 1)
 
     # Split the token budget into (block_batch, block_seq).
