@@ -111,6 +111,87 @@ def test_torch_bad_input(rand):
                                  cos.to("meta"))
 
 
+# ------------------------------------------------------------------------------------------ cos/sin from positions
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 16}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+def _positions(rand, *shape, high=40000):
+    return torch.from_numpy(rand.rng.integers(0, high, shape).astype("int32"))
+
+
+def test_apply_rotary_from_positions_op_checks(rand):
+    q, k = _randn(rand, 2, 4, 8, 128, requires_grad=True), _randn(rand, 2, 2, 8, 128, requires_grad=True)
+    scalars = (1e6, 0, *rotary_ops.scaling_to_scalars(YARN))
+    ladder.check_torch_op(rotary_ops.apply_rotary_from_positions_op, (q, k, _positions(rand, 2, 8), *scalars,
+                          False, "bhsd"), expected_shapes=[(2, 4, 8, 128), (2, 2, 8, 128)])
+
+
+def test_rms_norm_rope_from_positions_op_checks(rand):
+    q, k = _randn(rand, 1, 8, 2, 128, requires_grad=True), _randn(rand, 1, 8, 1, 128, requires_grad=True)
+    qw, kw = _randn(rand, 128, requires_grad=True), _randn(rand, 128)
+    theta, rotary_dim, *rest = (1e4, 64, *rotary_ops.scaling_to_scalars(None))
+    args = (q, k, qw, kw, _positions(rand, 1, 8), theta, 1e-6, 0.0, rotary_dim, *rest, True, "bshd")
+    ladder.check_torch_op(rotary_ops.rms_norm_rope_from_positions_op, args,
+                          expected_shapes=[(1, 8, 2, 128), (1, 8, 1, 128)])
+
+
+def test_scaling_scalars_round_trip():
+    """The rope parameters survive the trip through the ops' scalar arguments."""
+    for scaling in (None, YARN, LLAMA3, {"rope_type": "linear", "factor": 2.0},
+                    {"rope_type": "proportional", "partial_rotary_factor": 0.25},
+                    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+                     "mscale_all_dim": 0.5, "truncate": False}):
+        rope_type, *numbers, truncate = rotary_ops.scaling_to_scalars(scaling)
+        assert rotary_ops.scaling_from_scalars(rope_type, numbers, truncate) == scaling
+
+
+def test_torch_from_positions_matches_torch_reference_with_autograd(rand):
+    """rms_norm_rope_from_positions (llama3 scaling): outputs and d q, d k, d weights against torch's autograd of the
+    formula on transformers-style tables; apply_rotary_from_positions with k=None against the same tables."""
+    shapes = dict(q=(2, 3, 6, 128), k=(2, 1, 6, 128), q_weight=(128,), k_weight=(128,))
+    inputs = {name: _randn(rand, *shape, requires_grad=True) for name, shape in shapes.items()}
+    positions = _positions(rand, 2, 6, high=20000)
+    cos, sin = (torch.from_numpy(np.array(t)) for t in rotary_ops.api.rope_cos_sin(
+        positions.numpy(), head_dim=128, theta=5e5, scaling=LLAMA3))
+    out_q, out_k = rotary_ops.rms_norm_rope_from_positions(*inputs.values(), positions, theta=5e5, eps=1e-6,
+                                                           weight_offset=0.5, scaling=LLAMA3)
+    weights = torch.linspace(-1, 2, 128)
+    grads = torch.autograd.grad((out_q * weights).sin().sum() + out_k.cos().sum(), tuple(inputs.values()))
+
+    ref = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
+
+    def norm(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (0.5 + w)
+
+    ref_q, ref_k = (_torch_rope(norm(ref[x], ref[w]), cos, sin) for x, w in (("q", "q_weight"), ("k", "k_weight")))
+    torch.testing.assert_close(out_q, ref_q, rtol=1e-4, atol=1e-4, msg=lambda m: f"q: {m} ({rand})")
+    expected = torch.autograd.grad((ref_q * weights).sin().sum() + ref_k.cos().sum(), tuple(ref.values()))
+    for name, a, e in zip(inputs, grads, expected):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=2e-4, msg=lambda m: f"d {name}: {m} ({rand})")
+
+    q = _randn(rand, 2, 6, 3, 128, dtype=torch.bfloat16)
+    out, none = rotary_ops.apply_rotary_from_positions(q, None, positions, theta=5e5, scaling=LLAMA3, layout="bshd")
+    assert none is None and out.dtype == torch.bfloat16
+    ladder.assert_close(out.float().numpy(), _torch_rope(q, cos, sin, head_axis=2).float().numpy(),
+                        dtype=ladder.jnp.dtype("bfloat16"), context=repr(rand))
+
+
+def test_torch_from_positions_bad_input(rand):
+    q, k = _randn(rand, 2, 4, 8, 128), _randn(rand, 2, 2, 8, 128)
+    with pytest.raises(ValueError, match=r"positions: expected values in \[0, 16777216\)"):
+        rotary_ops.apply_rotary_from_positions(q, k, torch.full((2, 8), 1 << 24, dtype=torch.int32), theta=1e4)
+    with pytest.raises(TypeError, match="positions: expected dtype"):
+        rotary_ops.apply_rotary_from_positions(q, k, torch.zeros(2, 8), theta=1e4)
+    with pytest.raises(ValueError, match="scaling: rope_type 'llama3' needs"):
+        rotary_ops.apply_rotary_from_positions(q, k, _positions(rand, 2, 8), theta=1e4,
+                                               scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(ValueError, match=r"k_weight: expected shape \(128,\)"):
+        rotary_ops.rms_norm_rope_from_positions(q, k, _randn(rand, 128), _randn(rand, 64), _positions(rand, 1, 8),
+                                                theta=1e4)
+
+
 # ------------------------------------------------------------------------------- frequencies vs transformers
 def _rope_config(rope_parameters, head_dim=128, partial_rotary_factor=None):
     from transformers import LlamaConfig
