@@ -138,44 +138,38 @@ def _case(row):
     return row["case"]
 
 
+def _target(rows, *, name, key, threshold, fmt, limit, gap_unit=""):
+    """One target over `rows`: met when the worst row's `key` >= threshold; else how far off and what it would take.
+    fmt formats a value of `key`; limit(row) is the modeled kernel time (µs) the row would need."""
+    worst = min(rows, key=lambda r: r[key] if r[key] is not None else -1.0)
+    value = worst[key]
+    ok = value is not None and value >= threshold
+    short = [r for r in rows if (r[key] or 0.0) < threshold]
+    if value is None:
+        detail = "no modeled time"
+    elif ok:
+        detail = f"{key} {fmt(value)}"
+    else:
+        detail = (f"{key} {fmt(value)}, {fmt(threshold - value)}{gap_unit} short: modeled {worst['modeled_kernel']['us']:,.2f} µs "
+                  f"vs <= {limit(worst):,.2f} µs needed; {len(short)} of {len(rows)} shapes short")
+    return {"target": name, "source": SOURCE, "met": ok, "worst": {"case": _case(worst)}, "detail": detail}
+
+
 def custom_targets(rows: list[dict]) -> list[dict]:
     """>= 85 % of the HBM roofline at >= 64 tokens (every op), and the fused ops >= 1.5x the unfused XLA path."""
     out = []
     sel = [r for r in rows if r["batch"] >= MIN_EFFICIENCY_FROM]
     if sel:
-        worst = min(sel, key=lambda r: r["efficiency"] if r["efficiency"] is not None else -1.0)
-        eff = worst["efficiency"]
-        ok = eff is not None and eff >= MIN_EFFICIENCY
-        short = [r for r in sel if (r["efficiency"] or 0.0) < MIN_EFFICIENCY]
-        if eff is None:
-            detail = "no modeled time"
-        elif ok:
-            detail = f"efficiency {eff:.1%}"
-        else:
-            need = worst["roofline"]["us"] / MIN_EFFICIENCY
-            detail = (f"efficiency {eff:.1%}, {MIN_EFFICIENCY - eff:.1%} points short: modeled "
-                      f"{worst['modeled_kernel']['us']:,.2f} µs vs <= {need:,.2f} µs needed; "
-                      f"{len(short)} of {len(sel)} shapes short")
-        out.append({"target": f"efficiency >= {MIN_EFFICIENCY:.0%} of the HBM roofline at tokens >= "
-                              f"{MIN_EFFICIENCY_FROM}", "source": SOURCE, "met": ok,
-                    "worst": {"case": _case(worst)}, "detail": detail})
+        out.append(_target(
+            sel, name=f"efficiency >= {MIN_EFFICIENCY:.0%} of the HBM roofline at tokens >= {MIN_EFFICIENCY_FROM}",
+            key="efficiency", threshold=MIN_EFFICIENCY, fmt=lambda v: f"{v:.1%}", gap_unit=" points",
+            limit=lambda r: r["roofline"]["us"] / MIN_EFFICIENCY))
     fused = [r for r in rows if r["op"] in FUSED_OPS]
     if fused:
-        worst = min(fused, key=lambda r: r["speedup"] if r["speedup"] is not None else -1.0)
-        sp = worst["speedup"]
-        ok = sp is not None and sp >= MIN_FUSED_SPEEDUP
-        short = [r for r in fused if (r["speedup"] or 0.0) < MIN_FUSED_SPEEDUP]
-        if sp is None:
-            detail = "no modeled time"
-        elif ok:
-            detail = f"speedup {sp:.2f}x"
-        else:
-            detail = (f"speedup {sp:.2f}x, {MIN_FUSED_SPEEDUP - sp:.2f}x short: modeled "
-                      f"{worst['modeled_kernel']['us']:,.2f} µs vs <= "
-                      f"{worst['modeled_default']['us'] / MIN_FUSED_SPEEDUP:,.2f} µs needed; "
-                      f"{len(short)} of {len(fused)} shapes short")
-        out.append({"target": f"fused norm + rope >= {MIN_FUSED_SPEEDUP}x the unfused XLA path at every shape",
-                    "source": SOURCE, "met": ok, "worst": {"case": _case(worst)}, "detail": detail})
+        out.append(_target(
+            fused, name=f"fused norm + rope >= {MIN_FUSED_SPEEDUP}x the unfused XLA path at every shape",
+            key="speedup", threshold=MIN_FUSED_SPEEDUP, fmt=lambda v: f"{v:.2f}x",
+            limit=lambda r: r["modeled_default"]["us"] / MIN_FUSED_SPEEDUP))
     return out
 
 
