@@ -116,6 +116,7 @@ NORM_CASES = [
     ("decode-offset", "bhsd", 7, 1, 4, 2, 128, 128, F32, 1.0),
     # bf16 at head_dim 128 with whole sublane groups of heads: q's row sums on the MXU, k's (2 heads) cross-lane.
     ("decode-bf16-mxu", "bhsd", 6, 1, 8, 2, 128, 128, BF16, 1.0),
+    ("partial-padded-bf16", "bhsd", 1, 16, 2, 1, 128, 64, BF16, 0.0),  # lanes >= 64 pass through, normalised
 ]
 
 
