@@ -18,7 +18,7 @@ import pytest
 import ladder
 from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, RAGGED_DOT_PREFILL_ROWS
 from tpu_kernels import jax as tk
-from tpu_kernels._pallas.ragged_dot import api, tuning
+from tpu_kernels._pallas.ragged_dot import api, metadata, tuning
 from tpu_kernels._pallas.ragged_dot.reference import ragged_dot_reference
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -33,6 +33,7 @@ def block_regime(request, monkeypatch):
     exercised at test sizes."""
     if request.param == "small_blocks":
         monkeypatch.setattr(tuning, "TM_MAX", {g: 8 for g in tuning.TM_MAX})
+        monkeypatch.setattr(tuning, "TM_MIN", 8)
         monkeypatch.setattr(tuning, "TN_MAX", {g: 128 for g in tuning.TN_MAX})
         monkeypatch.setattr(tuning, "TK_MAX", {g: 128 for g in tuning.TK_MAX})
     return request.param
@@ -413,6 +414,27 @@ def test_prefill_grouped_matmuls_compile_for_tpu(generation, model, rows):
                            label=f"ragged_dot gate_up {model}", activation=dims["activation"])
     ladder.compile_for_tpu(_down, generation, ((rows, i), BF16), ((MOE_EXPERTS, h, i), BF16), sizes,
                            label=f"ragged_dot down {model}")
+
+
+def test_metadata_kernel_equals_the_jax_visit_list(rand):
+    """The scalar Pallas kernel that builds the visit list writes exactly what metadata.forward_metadata_reference
+    computes, for random group sizes (zeros, all-empty, windows, tail rows past the groups, several k tiles)."""
+    for _ in range(10):
+        groups = int(rand.rng.integers(1, 10))
+        m = int(rand.rng.integers(1, 90))
+        sizes = rand.rng.integers(0, 14, groups) * (rand.rng.random(groups) < 0.7)
+        if rand.rng.random() < 0.15:
+            sizes[:] = 0
+        n_local = int(rand.rng.integers(1, groups + 1))
+        offset = int(rand.rng.integers(0, groups - n_local + 1))
+        kwargs = dict(m=m, tm=int(rand.rng.choice([8, 16, 32])), tiles_k=int(rand.rng.integers(1, 4)),
+                      group_offset=offset, num_local_groups=n_local,
+                      rhs_group_base=offset if rand.rng.random() < 0.5 else 0, rhs_groups=groups)
+        sizes = jnp.asarray(sizes, jnp.int32)
+        expected, expected_count, _ = metadata.forward_metadata_reference(sizes, **kwargs)
+        actual, count = ladder.run_interpreted(lambda s: metadata.forward_metadata(s, **kwargs)[:2], sizes)
+        np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected), err_msg=f"{kwargs} sizes={sizes}")
+        assert int(count) == int(expected_count)
 
 
 # (E, rows, cols) weights: Gemma 4's down_proj, its transpose, and small shapes where one orientation pads less.

@@ -464,12 +464,19 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
     warnings.append("compiled.as_text() failed: XLA ops read from XLA's text dump, where most carry no cycle "
                     "estimate (those count as 0): XLA time is undercounted")
   calls = _mosaic_calls(hlo)
-  # Match HLO custom calls to jaxpr pallas_calls: by kernel name in the Mosaic body, else in order.
+  # Match HLO custom calls to jaxpr pallas_calls in program order: by the instruction's name (XLA names a Mosaic
+  # custom call after its kernel, "<name>.<n>"), else by kernel name in the Mosaic body, else the next one. Names
+  # matter: XLA merges identical calls (CSE), so the HLO can hold fewer calls than the jaxpr.
   remaining = list(range(len(infos)))
   kernels = []
   for hlo_name, body in calls:
     match = None
+    base = re.sub(r"\.\d+$", "", hlo_name)
     for j in remaining:
+      if infos[j].name and infos[j].name == base:
+        match = j
+        break
+    for j in remaining if match is None else ():
       if infos[j].name and infos[j].name in body:
         match = j
         break

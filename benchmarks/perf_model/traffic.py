@@ -58,6 +58,28 @@ def _contains_pallas(jaxpr) -> bool:
   return False
 
 
+_INTERPRET_MAX_INPUT_BYTES = 1 << 20
+
+
+def _interpret_small_call(eqn, invals):
+  """Outputs of a pallas_call whose inputs are all concrete and small (e.g. a kernel that computes another kernel's
+  scalar-prefetch metadata), run in TPU interpret mode on the host; else None (unknown)."""
+  if any(x is None for x in invals) or sum(np.asarray(x).nbytes for x in invals) > _INTERPRET_MAX_INPUT_BYTES:
+    return None
+  try:
+    from jax.experimental.pallas import tpu as pltpu
+
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = ()
+    if isinstance(bind_params, tuple):
+      subfuns, bind_params = bind_params
+    bind_params = dict(bind_params, interpret=pltpu.InterpretParams())
+    with jax.default_device(jax.devices("cpu")[0]):
+      return list(eqn.primitive.bind(*subfuns, *invals, **bind_params))
+  except Exception:  # noqa: BLE001 - unknown values are allowed
+    return None
+
+
 def _walk(jaxpr, consts, args, records, warnings):
   """Evaluate `jaxpr` on the host (values may be None = unknown); record pallas_calls."""
   env: dict[Any, Any] = {}
@@ -77,6 +99,7 @@ def _walk(jaxpr, consts, args, records, warnings):
     name = eqn.primitive.name
     if name == "pallas_call":
       records.append((eqn, invals))
+      outs = _interpret_small_call(eqn, invals)
     else:
       subs = _sub_closed_jaxprs(eqn)
       if subs and _contains_pallas(subs[0][0]):
@@ -318,7 +341,7 @@ def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
   p = eqn.params
   gm = p["grid_mapping"]
   warnings: list[str] = []
-  name = getattr(p.get("name_and_src_info"), "name", None) or "pallas_call"
+  name = p.get("name") or getattr(p.get("name_and_src_info"), "name", None) or "pallas_call"  # jax 0.10: name
   grid = tuple(gm.grid)
   n_dyn = sum(1 for g in grid if not isinstance(g, (int, np.integer)))
   if n_dyn:

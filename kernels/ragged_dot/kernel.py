@@ -6,7 +6,7 @@ Visits. lhs rows are sorted by group, so an m tile of `tm` rows can hold rows of
 list of *visits*, one per (m tile, group) pair that share rows, in m-tile order; a tile that straddles a group
 boundary is visited once per group and each visit writes only its own rows (a row mask). Tiles holding no row of a
 local group (rows past sum(group_sizes), rows of groups outside the local window) get one *zero visit* that writes
-zeros and computes nothing. The list is built in plain JAX (`forward_metadata`) and handed to the kernel through
+zeros and computes nothing. The list is built by a scalar kernel (metadata.py) and handed to the kernel through
 scalar prefetch (SMEM), where the index maps read it to pick the lhs tile, the group's weight block and the output
 tile of each grid step.
 
@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# Fields of the forward metadata, each a run of V int32 in one flat SMEM array.
-F_TILE, F_FETCH_TILE, F_GROUP, F_KPIN, F_LO, F_HI, F_FIRST = range(7)
-NUM_FIELDS = 7
+from . import metadata
+from .metadata import F_FETCH_TILE, F_FIRST, F_GROUP, F_HI, F_KPIN, F_LO, F_TILE, NUM_FIELDS, group_bounds
+
 # Fields of the transposed-matmul metadata.
 T_TILE, T_GROUP, T_LO, T_HI, T_FIRST, T_LAST = range(6)
 NUM_T_FIELDS = 6
@@ -37,86 +37,6 @@ NUM_T_FIELDS = 6
 
 def _cdiv(a, b):
     return -(-a // b)
-
-
-def _group_bounds(group_sizes, m, group_offset, num_local_groups):
-    """Row range [gs, ge) of each local group, sanitized so that no index can leave [0, m].
-
-    Negative sizes count as zero and rows past m are dropped (concrete inputs are rejected for these in api.py;
-    traced ones cannot be checked, so they are made safe here).
-    """
-    num_groups = group_sizes.shape[0]
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m).astype(jnp.int32)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    gidx = jnp.asarray(group_offset, jnp.int32) + jnp.arange(num_local_groups, dtype=jnp.int32)
-    valid = (gidx >= 0) & (gidx < num_groups)
-    gidx = jnp.clip(gidx, 0, num_groups - 1)
-    gs = starts[gidx]
-    ge = jnp.where(valid, ends[gidx], gs)
-    return gs, ge
-
-
-def forward_visits_bound(tiles_m: int, num_local_groups: int) -> int:
-    # Local groups cover one contiguous row range, so the visits of real groups number at most
-    # (tiles they cover) + (groups - 1), and every other tile gets exactly one zero visit.
-    return tiles_m + max(num_local_groups, 1) - 1
-
-
-def forward_metadata(group_sizes, *, m, tm, tiles_k, group_offset, num_local_groups, rhs_group_base, rhs_groups):
-    """Visit list for the forward kernel. Returns (flat int32 metadata [NUM_FIELDS * V + 1], visit count, V).
-
-    rhs_group_base: added to the local group index to get rhs's group index (group_offset when rhs holds every
-    group, 0 when it holds only the window). The last metadata element is the visit count.
-    """
-    tiles_m = _cdiv(m, tm)
-    n_local = num_local_groups
-    V = forward_visits_bound(tiles_m, n_local)
-    gs, ge = _group_bounds(group_sizes, m, group_offset, n_local)
-    nonempty = ge > gs
-    first_t = gs // tm
-    cnt = jnp.where(nonempty, (ge - 1) // tm - first_t + 1, 0)
-    total = cnt.sum()
-    any_rows = total > 0
-    lo = jnp.min(jnp.where(nonempty, gs, m))
-    hi = jnp.max(jnp.where(nonempty, ge, 0))
-    prefix = jnp.where(any_rows, lo // tm, tiles_m)  # zero visits for tiles 0 .. prefix-1
-    last_cov = jnp.where(any_rows, (hi - 1) // tm, tiles_m - 1)
-    suffix = tiles_m - 1 - last_cov  # zero visits for tiles last_cov+1 .. tiles_m-1
-    nv = prefix + total + suffix
-    j_first = jnp.argmax(nonempty).astype(jnp.int32)
-    j_last = (n_local - 1 - jnp.argmax(nonempty[::-1])).astype(jnp.int32)
-
-    v = jnp.minimum(jnp.arange(V, dtype=jnp.int32), nv - 1)  # surplus entries repeat the last visit
-    csum = jnp.cumsum(cnt)
-    u = v - prefix
-    j = jnp.clip(jnp.searchsorted(csum, u, side="right"), 0, n_local - 1).astype(jnp.int32)
-    g_tile = first_t[j] + u - (csum[j] - cnt[j])
-    is_pre = v < prefix
-    is_grp = (v >= prefix) & (v < prefix + total)
-    tile = jnp.where(is_pre, v, jnp.where(is_grp, g_tile, last_cov + 1 + (v - prefix - total)))
-    row_lo = jnp.where(is_grp, jnp.maximum(gs[j], g_tile * tm), 0)
-    row_hi = jnp.where(is_grp, jnp.minimum(ge[j], g_tile * tm + tm), 0)
-    # Zero visits fetch what the adjacent real visit fetches: the first one's blocks at k = 0 before it, the last
-    # one's at k = last after it (all zeros when there is no real visit).
-    first_real_tile = jnp.where(any_rows, prefix, 0)
-    fetch_tile = jnp.where(is_pre, first_real_tile, jnp.where(is_grp, tile, jnp.where(any_rows, last_cov, 0)))
-    group = jnp.where(is_pre, j_first, jnp.where(is_grp, j, jnp.where(any_rows, j_last, 0)))
-    kpin = jnp.where(is_grp, -1, jnp.where(is_pre | ~any_rows, 0, tiles_k - 1))
-    surplus = jnp.arange(V, dtype=jnp.int32) >= nv
-    kpin = jnp.where(surplus, tiles_k - 1, kpin)
-    prev_tile = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tile[:-1]])
-    first = (tile != prev_tile).astype(jnp.int32)
-    fields = [None] * NUM_FIELDS
-    fields[F_TILE] = tile
-    fields[F_FETCH_TILE] = fetch_tile
-    fields[F_GROUP] = jnp.clip(group + rhs_group_base, 0, rhs_groups - 1)  # never a DMA outside rhs
-    fields[F_KPIN] = kpin
-    fields[F_LO] = row_lo
-    fields[F_HI] = row_hi
-    fields[F_FIRST] = first
-    meta = jnp.concatenate([f.astype(jnp.int32) for f in fields] + [nv.reshape(1).astype(jnp.int32)])
-    return meta, nv.astype(jnp.int32), V
 
 
 def transposed_visits_bound(tiles_m: int, num_local_groups: int) -> int:
@@ -130,7 +50,7 @@ def transposed_metadata(group_sizes, *, m, tm, group_offset, num_local_groups):
     tiles_m = _cdiv(m, tm)
     n_local = num_local_groups
     V = transposed_visits_bound(tiles_m, n_local)
-    gs, ge = _group_bounds(group_sizes, m, group_offset, n_local)
+    gs, ge = group_bounds(group_sizes, m, group_offset, n_local)
     nonempty = ge > gs
     first_t = gs // tm
     cnt = jnp.where(nonempty, (ge - 1) // tm - first_t + 1, 1)
@@ -298,7 +218,7 @@ def ragged_dot_forward(
     tm, tk, tn = blocks.tm, blocks.tk, blocks.tn
     tiles_k = _cdiv(k, tk)
     tiles_n = _cdiv(n_out, tn)
-    meta, nv, V = forward_metadata(
+    meta, nv, V = metadata.forward_metadata(
         group_sizes, m=m, tm=tm, tiles_k=tiles_k, group_offset=group_offset, num_local_groups=num_local_groups,
         rhs_group_base=rhs_group_base, rhs_groups=rhs.shape[0],
     )
