@@ -9,6 +9,7 @@ Rung 3  compile_for_tpu: deviceless compile for v5e / v6e / v7x through libtpu: 
 Torch   check_torch_op: torch.library.opcheck, FakeTensorMode and meta shapes, torch.compile(fullgraph=True).
 """
 import functools
+import os
 import secrets
 
 import jax
@@ -39,9 +40,13 @@ TOLERANCES = {
 
 # ---------------------------------------------------------------------------------------------------------- inputs
 class RandomInputs:
-    """Fresh random data for every check; the seed is drawn per test and shown in every failure message."""
+    """Fresh random data for every check; the seed is drawn per test and shown in every failure message.
+    To replay a failure: TPU_KERNELS_TEST_SEED=<seed> pytest <that test>."""
 
     def __init__(self, seed: int | None = None):
+        replay = os.environ.get("TPU_KERNELS_TEST_SEED")
+        if seed is None and replay:
+            seed = int(replay)
         self.seed = secrets.randbits(32) if seed is None else seed
         self.rng = np.random.default_rng(self.seed)
 
