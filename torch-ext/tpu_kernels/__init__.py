@@ -12,11 +12,12 @@ from . import jax, layers
 from ._ops import add_op_namespace_prefix, ops
 from .moe_ops import experts_forward, ragged_dot
 from .rms_norm_ops import fused_add_rms_norm, rms_norm
-from .rotary_ops import apply_rotary, rms_norm_rope
+from .rotary_ops import apply_rotary, apply_rotary_from_positions, rms_norm_rope, rms_norm_rope_from_positions
 
 __all__ = [
     "add_op_namespace_prefix",
     "apply_rotary",
+    "apply_rotary_from_positions",
     "experts_forward",
     "fused_add_rms_norm",
     "jax",
@@ -25,4 +26,5 @@ __all__ = [
     "ragged_dot",
     "rms_norm",
     "rms_norm_rope",
+    "rms_norm_rope_from_positions",
 ]
