@@ -239,6 +239,10 @@ def test_bundle_parser_on_a_synthetic_schedule():
   assert (s.prologue, s.epilogue, s.body, s.trip_count, s.delay_slots) == (1, 1, 14, 10, 4)
   assert s.guard is None and len(s.conds) == 1 and s.conds[0].skipped == 2
   assert s.step_cycles([True]) == 12 and len(s.mxu_ops_in([True])) == 0
+  # The same schedule in a kernel with no grid (e.g. scalar fori_loops): the loop is an inner loop of the single
+  # step, its 14 bundles (with the delay slots) run 10 times, the rest once.
+  gridless = perf_bundles.analyze(perf_bundles.parse_bundles(text), has_grid=False)
+  assert not gridless.has_loop and gridless.body == 16 + 14 * 9, gridless.body
 
 
 def test_bundle_parser_marks_a_run_time_loop_bound_as_dynamic():

@@ -161,7 +161,9 @@ def _infer_delay_slots(bundles: list[Bundle], backedge: int) -> int:
   return DEFAULT_DELAY_SLOTS
 
 
-def analyze(bundles: list[Bundle]) -> KernelSchedule:
+def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
+  """has_grid=False (a pallas_call with no grid): there is no grid loop, every loop is an inner loop of the one
+  step (e.g. scalar fori_loops), counted trip times."""
   n = len(bundles)
   warnings: list[str] = []
   branches = []  # (src, target, predicated)
@@ -172,7 +174,7 @@ def analyze(bundles: list[Bundle]) -> KernelSchedule:
   # Outer (grid) loop: the back-edge whose target is the first LB at depth 1.
   lb = [b.addr for b in bundles if b.marker == "LB" and b.depth == 1]
   outer = None
-  if lb:
+  if lb and has_grid:
     start = lb[0]
     backs = [(s, t) for s, t, _ in branches if t == start and s > t]
     if backs:

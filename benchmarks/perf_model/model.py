@@ -309,7 +309,7 @@ def _model_kernel(chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallIn
   if pre is None:
     warnings.append("pre-delay schedule missing: using final bundles (undercounts MXU waits)")
     pre = final
-  sched = B.analyze(B.parse_bundles(pre))
+  sched = B.analyze(B.parse_bundles(pre), has_grid=info is None or bool(info.grid))
   warnings += sched.warnings
   final_sum = B.final_schedule_summary(final) if final else {}
 

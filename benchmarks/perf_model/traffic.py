@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,9 @@ def _contains_pallas(jaxpr) -> bool:
 
 
 _INTERPRET_MAX_INPUT_BYTES = 1 << 20
+# The TPU interpreter keeps global state (its simulated memories): one interpreted call at a time, even when
+# callers model several programs from threads (benchmarks/modeled.py).
+_INTERPRET_LOCK = threading.Lock()
 
 
 def _interpret_small_call(eqn, invals):
@@ -74,8 +78,8 @@ def _interpret_small_call(eqn, invals):
     if isinstance(bind_params, tuple):
       subfuns, bind_params = bind_params
     bind_params = dict(bind_params, interpret=pltpu.InterpretParams())
-    with jax.default_device(jax.devices("cpu")[0]):
-      return list(eqn.primitive.bind(*subfuns, *invals, **bind_params))
+    with _INTERPRET_LOCK, jax.default_device(jax.devices("cpu")[0]):
+      return [np.asarray(x) for x in eqn.primitive.bind(*subfuns, *invals, **bind_params)]
   except Exception:  # noqa: BLE001 - unknown values are allowed
     return None
 

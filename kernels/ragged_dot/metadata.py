@@ -3,7 +3,7 @@
 `forward_metadata_reference` defines the visit list in plain JAX; XLA compiles it to about twenty small ops (a cumsum,
 a searchsorted loop, gathers, a concatenation), each costing about a microsecond of fixed overhead on the TPU, which
 at decode is as much as the grouped matmul's own weight stream. This kernel writes the same list in one launch: a
-walk over the groups on the scalar unit (a few hundred scalar stores at most). Its output equals
+walk over the groups and the visit slots on the scalar unit (static loops: groups + visits iterations). Its output equals
 `forward_metadata_reference`'s element for element (tests/test_ragged_dot.py checks it).
 """
 import functools
@@ -40,10 +40,11 @@ def group_bounds(group_sizes, m, group_offset, num_local_groups):
     return gs, ge
 
 
-def forward_visits_bound(tiles_m: int, num_local_groups: int) -> int:
+def forward_visits_bound(m: int, tm: int, num_local_groups: int) -> int:
     # Local groups cover one contiguous row range, so the visits of real groups number at most
-    # (tiles they cover) + (groups - 1), and every other tile gets exactly one zero visit.
-    return tiles_m + max(num_local_groups, 1) - 1
+    # (tiles they cover) + (groups with rows - 1), and every other tile gets exactly one zero visit. At most m groups
+    # have rows: at decode (m = tokens x top_k rows over many experts) that bound is the tighter one.
+    return _cdiv(m, tm) + max(min(num_local_groups, m), 1) - 1
 
 
 def forward_metadata_reference(group_sizes, *, m, tm, tiles_k, group_offset, num_local_groups, rhs_group_base, rhs_groups):
@@ -54,7 +55,7 @@ def forward_metadata_reference(group_sizes, *, m, tm, tiles_k, group_offset, num
     """
     tiles_m = _cdiv(m, tm)
     n_local = num_local_groups
-    V = forward_visits_bound(tiles_m, n_local)
+    V = forward_visits_bound(m, tm, n_local)
     gs, ge = group_bounds(group_sizes, m, group_offset, n_local)
     nonempty = ge > gs
     first_t = gs // tm
@@ -108,103 +109,81 @@ def _div(a, b):
     return jax.lax.div(a, jnp.int32(b))
 
 
-def _metadata_kernel(sizes_ref, offsets_ref, meta_ref, count_ref, starts_ref, ends_ref, *, m, tm, tiles_k, n_local,
-                     num_groups, rhs_groups, V):
+def _metadata_kernel(sizes_ref, offsets_ref, meta_ref, count_ref, ne_group_ref, ne_start_ref, ne_end_ref, *, m, tm, tiles_k, n_local, num_groups, rhs_groups, V):
+    # Both loops have a static trip count (groups, visit slots), so the cost is fixed and visible in the compiled
+    # schedule; the loop bodies are branch-free (scalar branches cost pipeline slots on every iteration).
     tiles_m = _cdiv(m, tm)
     i32 = jnp.int32
 
-    # Row range of every group: ends = min(cumsum(max(size, 0)), m), as kernel._group_bounds.
-    def prefix(g, running):
-        starts_ref[g] = jnp.minimum(running, m)
-        running = running + jnp.maximum(sizes_ref[g], 0)
-        ends_ref[g] = jnp.minimum(running, m)
-        return running
-
-    jax.lax.fori_loop(0, num_groups, prefix, i32(0))
     offset = offsets_ref[0]  # first local group
     base = offsets_ref[1]  # rhs group index of local group 0
 
-    def bounds(j):
-        gidx = offset + j
-        valid = jnp.logical_and(gidx >= 0, gidx < num_groups)
-        g = jnp.clip(gidx, 0, num_groups - 1)
-        gs = starts_ref[g]
-        return gs, jnp.where(valid, ends_ref[g], gs)
-
-    # Summary of the local groups with rows: tiles they cover, lowest/highest row, first/last such group.
-    def summarize(j, carry):
-        total, lo, hi, j_first, j_last = carry
-        gs, ge = bounds(j)
-        has = ge > gs
+    # One pass over the groups: row ranges (ends = min(cumsum(max(size, 0)), m), as group_bounds) and, for the
+    # local groups with rows, a compacted list (index, row range) plus what the visit list needs of them. Groups
+    # of the window outside [0, num_groups) have no rows, so walking the real groups covers every local one.
+    def summarize(g, carry):
+        running, n_ne, total, lo, hi, j_first, j_last = carry
+        gs = jnp.minimum(running, m)
+        running = running + jnp.maximum(sizes_ref[g], 0)
+        ge = jnp.minimum(running, m)
+        j = g - offset
+        has = jnp.logical_and(ge > gs, jnp.logical_and(j >= 0, j < n_local))
+        slot = jnp.where(has, n_ne, n_local)  # groups without local rows write to a spare last slot
+        ne_group_ref[slot] = j
+        ne_start_ref[slot] = gs
+        ne_end_ref[slot] = ge
         cnt = jnp.where(has, _div(ge - 1, tm) - _div(gs, tm) + 1, 0)
-        return (total + cnt, jnp.where(has, jnp.minimum(lo, gs), lo), jnp.where(has, jnp.maximum(hi, ge), hi),
-                jnp.where(jnp.logical_and(has, j_first < 0), j, j_first), jnp.where(has, j, j_last))
+        return (running, n_ne + has.astype(i32), total + cnt, jnp.where(has, jnp.minimum(lo, gs), lo),
+                jnp.where(has, jnp.maximum(hi, ge), hi), jnp.where(jnp.logical_and(has, j_first < 0), j, j_first),
+                jnp.where(has, j, j_last))
 
-    total, lo, hi, j_first, j_last = jax.lax.fori_loop(
-        0, n_local, summarize, (i32(0), i32(m), i32(0), i32(-1), i32(-1)))
+    _, _, total, lo, hi, j_first, j_last = jax.lax.fori_loop(
+        0, num_groups, summarize, (i32(0), i32(0), i32(0), i32(m), i32(0), i32(-1), i32(-1)))
     any_rows = total > 0
     j_first = jnp.maximum(j_first, 0)
     j_last = jnp.where(any_rows, j_last, 0)
-    n_prefix = jnp.where(any_rows, _div(lo, tm), tiles_m)
+    n_prefix = jnp.where(any_rows, _div(lo, tm), tiles_m)  # zero visits for tiles 0 .. n_prefix-1
     last_cov = jnp.where(any_rows, _div(hi - 1, tm), tiles_m - 1)
-    n_suffix = tiles_m - 1 - last_cov
-    nv = n_prefix + total + n_suffix
-
-    def write(v, tile, fetch_tile, group, kpin, row_lo, row_hi, prev_tile):
-        meta_ref[F_TILE * V + v] = tile
-        meta_ref[F_FETCH_TILE * V + v] = fetch_tile
-        meta_ref[F_GROUP * V + v] = jnp.clip(group + base, 0, rhs_groups - 1)  # never a DMA outside rhs
-        meta_ref[F_KPIN * V + v] = kpin
-        meta_ref[F_LO * V + v] = row_lo
-        meta_ref[F_HI * V + v] = row_hi
-        meta_ref[F_FIRST * V + v] = (tile != prev_tile).astype(i32)
-        return tile
-
-    # Zero visits before the first covered tile fetch what the first real visit fetches (its blocks at k = 0).
+    nv = n_prefix + total + (tiles_m - 1 - last_cov)
+    # Zero visits fetch what the adjacent real visit fetches: the first one's blocks at k = 0 before it, the last
+    # one's at the last k after it.
     first_real_tile = jnp.where(any_rows, n_prefix, 0)
-
-    def pre(v, prev):
-        return write(v, v, first_real_tile, j_first, i32(0), i32(0), i32(0), prev)
-
-    prev = jax.lax.fori_loop(0, n_prefix, pre, i32(-1))
-
-    # One visit per (tile, group) pair that shares rows, in tile order.
-    def group_visits(j, carry):
-        v, prev = carry
-        gs, ge = bounds(j)
-        cnt = jnp.where(ge > gs, _div(ge - 1, tm) - _div(gs, tm) + 1, 0)
-
-        def one(u, carry):
-            v, prev = carry
-            tile = _div(gs, tm) + u
-            prev = write(v, tile, tile, j, i32(-1), jnp.maximum(gs, tile * tm), jnp.minimum(ge, tile * tm + tm), prev)
-            return v + 1, prev
-
-        return jax.lax.fori_loop(0, cnt, one, (v, prev))
-
-    v, prev = jax.lax.fori_loop(0, n_local, group_visits, (n_prefix, prev))
-
-    # Zero visits after the last covered tile fetch what the last real visit fetched (its blocks at the last k).
     suffix_fetch = jnp.where(any_rows, last_cov, 0)
     suffix_kpin = jnp.where(any_rows, tiles_k - 1, 0)
 
-    def post(i, carry):
-        v, prev = carry
-        return v + 1, write(v, last_cov + 1 + i, suffix_fetch, j_last, suffix_kpin, i32(0), i32(0), prev)
+    def visit(s, carry):
+        # prev: the last real visit's fields (a slot past the visit count repeats it); (k, u): the group visits'
+        # position, compacted group k and its u-th tile.
+        prev, k, u = carry
+        real = s < nv
+        is_pre = s < n_prefix
+        is_grp = jnp.logical_and(s >= n_prefix, s < n_prefix + total)
+        kc = jnp.minimum(k, n_local - 1)
+        gs, ge = ne_start_ref[kc], ne_end_ref[kc]
+        g_tile = _div(gs, tm) + u
+        tile = jnp.where(is_pre, s, jnp.where(is_grp, g_tile, last_cov + 1 + (s - n_prefix - total)))
+        visit_fields = {
+            F_TILE: tile,
+            F_FETCH_TILE: jnp.where(is_pre, first_real_tile, jnp.where(is_grp, tile, suffix_fetch)),
+            F_GROUP: jnp.clip(jnp.where(is_pre, j_first, jnp.where(is_grp, ne_group_ref[kc], j_last)) + base,
+                              0, rhs_groups - 1),  # never a DMA outside rhs
+            F_LO: jnp.where(is_grp, jnp.maximum(gs, tile * tm), 0),
+            F_HI: jnp.where(is_grp, jnp.minimum(ge, tile * tm + tm), 0),
+        }
+        # Past the visit count: the last visit again at the last k (no DMA; skipped by a static grid).
+        fields = {f: jnp.where(real, value, prev[f]) for f, value in visit_fields.items()}
+        fields[F_KPIN] = jnp.where(real, jnp.where(is_grp, -1, jnp.where(is_pre, 0, suffix_kpin)), tiles_k - 1)
+        fields[F_FIRST] = jnp.logical_and(real, tile != prev[F_TILE]).astype(i32)
+        for f, value in fields.items():  # stores only: no branch in the loop body
+            meta_ref[f * V + s] = value
+        step = jnp.logical_and(real, is_grp)
+        group_done = _div(gs, tm) + u + 1 > _div(ge - 1, tm)
+        k = jnp.where(jnp.logical_and(step, group_done), k + 1, k)
+        u = jnp.where(step, jnp.where(group_done, 0, u + 1), u)
+        return {f: fields[f] for f in visit_fields}, k, u
 
-    v, prev = jax.lax.fori_loop(0, n_suffix, post, (v, prev))
-
-    # Entries past the visit count repeat the last visit at the last k (no DMA; skipped by a static grid).
-    last = nv - 1
-
-    def surplus(s, carry):
-        for f in range(NUM_FIELDS):
-            meta_ref[f * V + s] = meta_ref[f * V + last]
-        meta_ref[F_KPIN * V + s] = i32(tiles_k - 1)
-        meta_ref[F_FIRST * V + s] = i32(0)
-        return carry
-
-    jax.lax.fori_loop(nv, V, surplus, i32(0))
+    start = {f: i32(-1 if f == F_TILE else 0) for f in (F_TILE, F_FETCH_TILE, F_GROUP, F_LO, F_HI)}
+    jax.lax.fori_loop(0, V, visit, (start, i32(0), i32(0)))
     meta_ref[NUM_FIELDS * V] = nv
     count_ref[0] = nv
 
@@ -212,7 +191,7 @@ def _metadata_kernel(sizes_ref, offsets_ref, meta_ref, count_ref, starts_ref, en
 def forward_metadata(group_sizes, *, m, tm, tiles_k, group_offset, num_local_groups, rhs_group_base, rhs_groups):
     """As forward_metadata_reference (same arguments and result), computed by one scalar Pallas kernel."""
     num_groups = group_sizes.shape[0]
-    V = forward_visits_bound(_cdiv(m, tm), num_local_groups)
+    V = forward_visits_bound(m, tm, num_local_groups)
     offsets = jnp.stack([jnp.asarray(group_offset, jnp.int32).reshape(()),
                          jnp.asarray(rhs_group_base, jnp.int32).reshape(())])
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
@@ -224,7 +203,7 @@ def forward_metadata(group_sizes, *, m, tm, tiles_k, group_offset, num_local_gro
         out_shape=(jax.ShapeDtypeStruct((NUM_FIELDS * V + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)),
         in_specs=[smem, smem],
         out_specs=(smem, smem),
-        scratch_shapes=[pltpu.SMEM((num_groups,), jnp.int32), pltpu.SMEM((num_groups,), jnp.int32)],
+        scratch_shapes=[pltpu.SMEM((num_local_groups + 1,), jnp.int32)] * 3,
         name="ragged_dot_metadata",
     )(group_sizes.astype(jnp.int32), offsets)
     return meta, count.reshape(()), V
