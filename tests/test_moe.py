@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ladder
-from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, MOE_TOP_K, RAGGED_DOT_DECODE_TOKENS, RAGGED_DOT_QUICK_TOKENS
+from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, MOE_TOP_K, RAGGED_DOT_DECODE_TOKENS
 from tpu_kernels import jax as tk
 from tpu_kernels._pallas.moe import api
 from tpu_kernels._pallas.moe.reference import experts_forward_reference
@@ -210,12 +210,9 @@ def test_export_for_tpu():
 
 
 # ------------------------------------------------------------------------------------------------ rung 3
-# Every decode benchmark shape on v6e (the benchmarks' generation); the quick benchmark set on v5e and v7x, whose
-# kernels see the same tiling rules (each compile costs ~5 s of CI time, mostly XLA's routing ops).
-DECODE = [("v6e", model, tokens) for model in MOE_MODELS for tokens in RAGGED_DOT_DECODE_TOKENS] + [
-    (generation, model, tokens) for generation in ("v5e", "v7x") for model in MOE_MODELS
-    for tokens in RAGGED_DOT_QUICK_TOKENS
-]
+# Every decode benchmark shape on every generation (about a second each).
+DECODE = [(generation, model, tokens) for generation in ladder.GENERATIONS for model in MOE_MODELS
+          for tokens in RAGGED_DOT_DECODE_TOKENS]
 
 
 @pytest.mark.parametrize("generation,model,tokens", DECODE, ids=[f"{g}-{m}-B={t}" for g, m, t in DECODE])
