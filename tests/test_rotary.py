@@ -147,8 +147,13 @@ def test_rms_norm_rope_gradients(rand, dtype):
     actual = ladder.run_interpreted(jax.jit(kernel_grad), *args)
     expected = ref_grad(*args)
     for name, a, e in zip(["d q", "d k", "d q_weight", "d k_weight", "d cos", "d sin"], actual, expected):
-        ladder.assert_close(a, e, dtype=dtype, atol=1e-1 if dtype == BF16 else 2e-4, rtol=5e-2 if dtype == BF16 else 1e-4,
-                            what=name, context=repr(rand))
+        atol = 1e-1 if dtype == BF16 else 2e-4
+        if name.endswith("_weight") and dtype != BF16:
+            # A sum over every token and head of terms up to ~100: f32 rounding in a different summation order is
+            # relative to the terms, not to a small (cancelled) sum (seed 2787238278: 4e-4 off at 1.26, terms ~69).
+            atol += 2e-5 * float(jnp.max(jnp.abs(e)))
+        ladder.assert_close(a, e, dtype=dtype, atol=atol, rtol=5e-2 if dtype == BF16 else 1e-4, what=name,
+                            context=repr(rand))
 
 
 # --------------------------------------------------------------------------------------------- cos/sin in-kernel
