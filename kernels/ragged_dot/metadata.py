@@ -47,7 +47,8 @@ def forward_visits_bound(m: int, tm: int, num_local_groups: int) -> int:
     return _cdiv(m, tm) + max(min(num_local_groups, m), 1) - 1
 
 
-def forward_metadata_reference(group_sizes, *, m, tm, tiles_k, group_offset, num_local_groups, rhs_group_base, rhs_groups):
+def forward_metadata_reference(group_sizes, *, m, tm, tiles_k, group_offset, num_local_groups, rhs_group_base,
+                               rhs_groups):
     """Visit list for the forward kernel. Returns (flat int32 metadata [NUM_FIELDS * V + 1], visit count, V).
 
     rhs_group_base: added to the local group index to get rhs's group index (group_offset when rhs holds every
@@ -109,7 +110,8 @@ def _div(a, b):
     return jax.lax.div(a, jnp.int32(b))
 
 
-def _metadata_kernel(sizes_ref, offsets_ref, meta_ref, count_ref, ne_group_ref, ne_start_ref, ne_end_ref, *, m, tm, tiles_k, n_local, num_groups, rhs_groups, V):
+def _metadata_kernel(sizes_ref, offsets_ref, meta_ref, count_ref, ne_group_ref, ne_start_ref, ne_end_ref, *, m, tm,
+                     tiles_k, n_local, num_groups, rhs_groups, V):
     # Both loops have a static trip count (groups, visit slots), so the cost is fixed and visible in the compiled
     # schedule; the loop bodies are branch-free (scalar branches cost pipeline slots on every iteration).
     tiles_m = _cdiv(m, tm)
