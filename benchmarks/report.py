@@ -138,36 +138,47 @@ def write_chart(result: dict, out: pathlib.Path) -> pathlib.Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def short_labels(series_list):
+        """Only the key=value parts that differ between the series (the common ones go in the title)."""
+        parts = [s.split() for s in series_list]
+        common = set(parts[0]).intersection(*parts[1:]) if parts else set()
+        return {s: " ".join(x for x in p if x not in common) or s for s, p in zip(series_list, parts)}, common
+
     ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
     unit = result["batch_unit"]
     modeled = result["modeled_label"]
     fig, axes = plt.subplots(1, len(ops), figsize=(6.5 * len(ops), 4.8), squeeze=False)
     for ax, op in zip(axes[0], ops):
         rows = [r for r in result["rows"] if r["op"] == op]
-        for i, series in enumerate(dict.fromkeys(r["series"] for r in rows)):
+        labels, common = short_labels(list(dict.fromkeys(r["series"] for r in rows)))
+        for i, series in enumerate(labels):
             pts = sorted((r for r in rows if r["series"] == series), key=lambda r: r["batch"])
             color = f"C{i}"
             for key, style, name in (("modeled_kernel", "-o", "kernel"), ("modeled_default", "--s", "XLA default")):
                 xy = [(r["batch"], r[key]["units_per_s"]) for r in pts if "units_per_s" in r[key]]
                 if xy:
-                    ax.plot(*zip(*xy), style, color=color, label=f"{name}, {series} ({modeled})")
+                    ax.plot(*zip(*xy), style, color=color, label=f"{name}, {labels[series]}")
             roof = [(r["batch"], r["batch"] / (r["roofline"]["us"] * 1e-6)) for r in pts]
-            ax.plot(*zip(*roof), ":", color=color, alpha=0.6, label=f"{result['roofline_label']}, {series}")
+            ax.plot(*zip(*roof), ":", color=color, alpha=0.6, label=f"{result['roofline_label']}, {labels[series]}")
             if result["device"]["platform"] == "tpu":  # measured points only when they are TPU figures
                 xy = [(r["batch"], r["measured"]["kernel"]["units_per_s"]) for r in pts
                       if r["measured"] and "kernel" in r["measured"]]
                 if xy:
                     ax.plot(*zip(*xy), "x", color=color, markersize=9,
-                            label=f"kernel, {series} ({result['measured_label']})")
+                            label=f"kernel, {labels[series]} ({result['measured_label']})")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(unit)
         ax.set_ylabel(f"{unit}/s ({modeled})")
-        ax.set_title(f"{result['kernel']}: {op} — {modeled}")
+        title = f"{result['kernel']}: {op} — {modeled}"
+        if common:
+            title += "\n" + " ".join(sorted(common))
+        ax.set_title(title, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
+    # The legends hang below the axes; savefig's tight bounding box takes them in (tight_layout would shrink the axes).
+    fig.subplots_adjust(wspace=0.55)
     path = out / f"{result['kernel']}.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
