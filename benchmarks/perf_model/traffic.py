@@ -65,23 +65,31 @@ _INTERPRET_MAX_INPUT_BYTES = 1 << 20
 _INTERPRET_LOCK = threading.Lock()
 
 
+def _bind_on_cpu(eqn, invals, **param_overrides):
+  """eqn's primitive applied to concrete invals on the host CPU: its outputs as a list, or None if that fails
+  (unknown values are allowed)."""
+  try:
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = ()
+    if isinstance(bind_params, tuple):  # jax < 0.10: (subfuns, params); later: params (subfuns inside)
+      subfuns, bind_params = bind_params
+    with jax.default_device(jax.devices("cpu")[0]):
+      outs = eqn.primitive.bind(*subfuns, *invals, **dict(bind_params, **param_overrides))
+  except Exception:  # noqa: BLE001
+    return None
+  return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
 def _interpret_small_call(eqn, invals):
   """Outputs of a pallas_call whose inputs are all concrete and small (e.g. a kernel that computes another kernel's
   scalar-prefetch metadata), run in TPU interpret mode on the host; else None (unknown)."""
   if any(x is None for x in invals) or sum(np.asarray(x).nbytes for x in invals) > _INTERPRET_MAX_INPUT_BYTES:
     return None
-  try:
-    from jax.experimental.pallas import tpu as pltpu
+  from jax.experimental.pallas import tpu as pltpu
 
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns = ()
-    if isinstance(bind_params, tuple):
-      subfuns, bind_params = bind_params
-    bind_params = dict(bind_params, interpret=pltpu.InterpretParams())
-    with _INTERPRET_LOCK, jax.default_device(jax.devices("cpu")[0]):
-      return [np.asarray(x) for x in eqn.primitive.bind(*subfuns, *invals, **bind_params)]
-  except Exception:  # noqa: BLE001 - unknown values are allowed
-    return None
+  with _INTERPRET_LOCK:
+    outs = _bind_on_cpu(eqn, invals, interpret=pltpu.InterpretParams())
+    return None if outs is None else [np.asarray(x) for x in outs]
 
 
 def _walk(jaxpr, consts, args, records, warnings):
@@ -112,17 +120,7 @@ def _walk(jaxpr, consts, args, records, warnings):
       elif any(_contains_pallas(br.jaxpr) for br in eqn.params.get("branches", ()) or ()):
         warnings.append(f"pallas_call inside `{name}`: not analysed")
       elif all(x is not None for x in invals):
-        try:
-          bind_params = eqn.primitive.get_bind_params(eqn.params)
-          subfuns = ()
-          if isinstance(bind_params, tuple):  # jax < 0.10: (subfuns, params); later: params (subfuns inside)
-            subfuns, bind_params = bind_params
-          with jax.default_device(jax.devices("cpu")[0]):
-            outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-          if not eqn.primitive.multiple_results:
-            outs = [outs]
-        except Exception:  # noqa: BLE001 - unknown values are allowed
-          outs = None
+        outs = _bind_on_cpu(eqn, invals)
     if outs is None:
       outs = [None] * len(eqn.outvars)
     for v, o in zip(eqn.outvars, outs):

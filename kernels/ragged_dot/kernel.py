@@ -35,10 +35,6 @@ T_TILE, T_GROUP, T_LO, T_HI, T_FIRST, T_LAST = range(6)
 NUM_T_FIELDS = 6
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
 def transposed_visits_bound(tiles_m: int, num_local_groups: int) -> int:
     # Real visits as in the forward, plus one visit per empty group (its output block must still be zeroed).
     return tiles_m + 2 * max(num_local_groups, 1) - 1
@@ -47,7 +43,7 @@ def transposed_visits_bound(tiles_m: int, num_local_groups: int) -> int:
 def transposed_metadata(group_sizes, *, m, tm, group_offset, num_local_groups):
     """Visit list for the transposed grouped matmul: every local group in order, each over the m tiles it touches,
     an empty group once (to write its zero output). Returns (flat metadata [NUM_T_FIELDS * V + 1], count, V)."""
-    tiles_m = _cdiv(m, tm)
+    tiles_m = pl.cdiv(m, tm)
     n_local = num_local_groups
     V = transposed_visits_bound(tiles_m, n_local)
     gs, ge = group_bounds(group_sizes, m, group_offset, n_local)
@@ -216,8 +212,8 @@ def ragged_dot_forward(
     n_full = rhs.shape[1] if rhs_transposed else rhs.shape[2]
     n_out = n_full // 2 if gated else n_full
     tm, tk, tn = blocks.tm, blocks.tk, blocks.tn
-    tiles_k = _cdiv(k, tk)
-    tiles_n = _cdiv(n_out, tn)
+    tiles_k = pl.cdiv(k, tk)
+    tiles_n = pl.cdiv(n_out, tn)
     meta, nv, V = metadata.forward_metadata(
         group_sizes, m=m, tm=tm, tiles_k=tiles_k, group_offset=group_offset, num_local_groups=num_local_groups,
         rhs_group_base=rhs_group_base, rhs_groups=rhs.shape[0],
@@ -333,7 +329,7 @@ def transposed_ragged_dot(a, b, group_sizes, *, out_dtype, blocks, group_offset,
     )
     compute_dtype = jnp.promote_types(a.dtype, b.dtype)
     kernel = functools.partial(_transposed_kernel, V=V, tm=tm, compute_dtype=compute_dtype, static_grid=static_grid)
-    tiles_p, tiles_q = _cdiv(p, tp), _cdiv(q, tq)
+    tiles_p, tiles_q = pl.cdiv(p, tp), pl.cdiv(q, tq)
     cost = pl.CostEstimate(
         flops=2 * m * p * q,
         transcendentals=0,

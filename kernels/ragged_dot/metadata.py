@@ -18,10 +18,6 @@ F_TILE, F_FETCH_TILE, F_GROUP, F_KPIN, F_LO, F_HI, F_FIRST = range(7)
 NUM_FIELDS = 7
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
 def group_bounds(group_sizes, m, group_offset, num_local_groups):
     """Row range [gs, ge) of each local group, sanitized so that no index can leave [0, m].
 
@@ -44,7 +40,7 @@ def forward_visits_bound(m: int, tm: int, num_local_groups: int) -> int:
     # Local groups cover one contiguous row range, so the visits of real groups number at most
     # (tiles they cover) + (groups with rows - 1), and every other tile gets exactly one zero visit. At most m groups
     # have rows: at decode (m = tokens x top_k rows over many experts) that bound is the tighter one.
-    return _cdiv(m, tm) + max(min(num_local_groups, m), 1) - 1
+    return pl.cdiv(m, tm) + max(min(num_local_groups, m), 1) - 1
 
 
 def forward_metadata_reference(group_sizes, *, m, tm, tiles_k, group_offset, num_local_groups, rhs_group_base,
@@ -54,7 +50,7 @@ def forward_metadata_reference(group_sizes, *, m, tm, tiles_k, group_offset, num
     rhs_group_base: added to the local group index to get rhs's group index (group_offset when rhs holds every
     group, 0 when it holds only the window). The last metadata element is the visit count.
     """
-    tiles_m = _cdiv(m, tm)
+    tiles_m = pl.cdiv(m, tm)
     n_local = num_local_groups
     V = forward_visits_bound(m, tm, n_local)
     gs, ge = group_bounds(group_sizes, m, group_offset, n_local)
@@ -114,7 +110,7 @@ def _metadata_kernel(sizes_ref, offsets_ref, meta_ref, count_ref, ne_group_ref, 
                      tiles_k, n_local, num_groups, rhs_groups, V):
     # Both loops have a static trip count (groups, visit slots), so the cost is fixed and visible in the compiled
     # schedule; the loop bodies are branch-free (scalar branches cost pipeline slots on every iteration).
-    tiles_m = _cdiv(m, tm)
+    tiles_m = pl.cdiv(m, tm)
     i32 = jnp.int32
 
     offset = offsets_ref[0]  # first local group

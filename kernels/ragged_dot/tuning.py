@@ -20,6 +20,7 @@ Every entry is meant to be proven by the deviceless compile check at the benchma
 import dataclasses
 
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common import chip
@@ -68,7 +69,8 @@ def _tile_options(dim: int, cap: int, multiple: int, *, prefer_divisors: bool) -
     out = [dim] if dim <= cap else []
     # Balanced splits into 1, 2, 3, ... tiles (so a VMEM-bound choice shrinks gradually, not to one lane tile).
     balanced = sorted(
-        {max(multiple, _cdiv(_cdiv(dim, c), multiple) * multiple) for c in range(max(1, _cdiv(dim, cap)), 17)},
+        {max(multiple, pl.cdiv(pl.cdiv(dim, c), multiple) * multiple)
+         for c in range(max(1, pl.cdiv(dim, cap)), 17)},
         reverse=True,
     )
     balanced = [t for t in balanced if t <= cap and t < dim]
@@ -80,17 +82,13 @@ def _tile_options(dim: int, cap: int, multiple: int, *, prefer_divisors: bool) -
     return list(dict.fromkeys(out)) or [multiple]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _generation(info):
     g = chip.generation_name(info)
     return g if g in TM_MAX else "v6e"
 
 
 def _padded_tiles(sublane_dim: int, lane_dim: int) -> int:
-    return _cdiv(sublane_dim, 8) * 8 * _cdiv(lane_dim, 128) * 128
+    return pl.cdiv(sublane_dim, 8) * 8 * pl.cdiv(lane_dim, 128) * 128
 
 
 def stored_minor_to_major_swapped(rows: int, cols: int) -> bool:

@@ -194,7 +194,6 @@ def _backward_norm_rope(ctx, grad_q, grad_k):
 
 
 # Positions ops: the scalars after the tensors are kept as they came and passed to the backward op unchanged.
-_ROPE_SCALARS = 1 + 1 + 1 + len(SCALING_NUMBERS) + 1  # theta, rotary_dim, rope_type, numbers, truncate
 
 
 def _setup_rotary_from_positions(ctx, inputs, output):
