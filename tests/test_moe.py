@@ -1,5 +1,6 @@
-"""MoE experts_forward, JAX side, up the ladder: kernel path (route, gate/up grouped matmul with the fused epilogue,
-down grouped matmul, weighted combine) vs the dense masked reference in strict interpret mode (both weight layouts,
+"""MoE experts_forward, JAX side, up the ladder: both kernel paths — grouped (route, gate/up grouped matmul with the
+fused epilogue, down grouped matmul, weighted combine) and small-batch (touched experts over all tokens in one
+kernel) — vs the dense masked reference in strict interpret mode (both weight layouts,
 gated concatenated / interleaved and ungated experts, biases, expert-parallel sentinels, T in {1, 7, 64}, bf16 and
 f32); gradients; bad input; TPU export; deviceless compile of the whole experts_forward (v6e: every decode benchmark
 shape; v5e and v7x: the quick benchmark set) (its backward is exported here and the grouped matmul backward compiled in
@@ -15,7 +16,8 @@ import pytest
 import ladder
 from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, MOE_TOP_K, RAGGED_DOT_DECODE_TOKENS
 from tpu_kernels import jax as tk
-from tpu_kernels._pallas.moe import api
+from tpu_kernels._pallas.moe import api, touched
+from tpu_kernels._pallas.moe import tuning as moe_tuning
 from tpu_kernels._pallas.moe.reference import experts_forward_reference
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -54,6 +56,8 @@ CASES = [
     ("t64-interleaved-gelu-bf16-transposed", 64, 8, 2, 128, 128, BF16, "interleaved", True, False, "gelu_tanh", 0),
     ("t7-ungated-gelu-bias-bf16-transposed", 7, 5, 2, 128, 256, BF16, None, True, True, "gelu_tanh", 2),
     ("t7-concat-i96-unfused-f32-transposed", 7, 4, 2, 128, 96, F32, "concatenated", True, False, "silu", 0),
+    # down_proj [E, 256, 96] is stored as [E, 96, 256] (96 pads the lanes): both paths read it that way round.
+    ("t5-concat-i96-stored-swapped-bf16", 5, 6, 2, 256, 96, BF16, "concatenated", False, False, "gelu_tanh", 0),
 ]
 F32_TOL = dict(rtol=1e-5, atol=5e-5)
 
@@ -68,24 +72,69 @@ def _case_args(rand, case):
     return (x, index, w.astype(dtype), gate_up, down, gate_up_bias, down_bias), kw
 
 
+# The small-batch kernel does not take an interleaved gate/up: it runs the grouped path whatever the batch. (The
+# 96-wide intermediate, unfused on the grouped path, is fine here: its gate_up is stored with I on the sublanes.)
+GROUPED_ONLY = {"t7-interleaved-silu-bias-f32", "t64-interleaved-gelu-bf16-transposed"}
+SMALL_BATCH_KERNEL, GROUPED_KERNEL = "moe_experts_small_batch", "ragged_dot_fwd"
+
+
+@pytest.fixture(params=["grouped", "small_batch"])
+def moe_path(request, monkeypatch):
+    """Force experts_forward's path: the grouped matmuls at any batch, or the small-batch kernel at any batch with
+    the smallest legal intermediate chunks (several grid steps per expert)."""
+    if request.param == "grouped":
+        monkeypatch.setattr(moe_tuning, "SMALL_BATCH_MAX_TOKENS", {g: 0 for g in ladder.GENERATIONS})
+    else:
+        monkeypatch.setattr(moe_tuning, "SMALL_BATCH_MAX_TOKENS", {g: 1 << 20 for g in ladder.GENERATIONS})
+        monkeypatch.setattr(moe_tuning, "STEP_BYTES", 1)
+    return request.param
+
+
+def assert_path(fn, args, path):
+    """The traced program holds the kernels of `path` and not the other's."""
+    text = str(jax.make_jaxpr(fn)(*args))
+    want, other = (SMALL_BATCH_KERNEL, GROUPED_KERNEL) if path == "small_batch" else (GROUPED_KERNEL,
+                                                                                      SMALL_BATCH_KERNEL)
+    assert want in text and other not in text, f"expected the {path} path ({want}, no {other})"
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_experts_forward_matches_reference(rand, case):
+def test_experts_forward_matches_reference(rand, case, moe_path):
     args, kw = _case_args(rand, case)
     dtype = case[6]
+    fn = functools.partial(tk.experts_forward, **kw)
+    assert_path(fn, args, "grouped" if case[0] in GROUPED_ONLY else moe_path)
     out = ladder.check_against_reference(
-        jax.jit(functools.partial(tk.experts_forward, **kw)),
-        jax.jit(functools.partial(experts_forward_reference, **kw)),
+        jax.jit(fn), jax.jit(functools.partial(experts_forward_reference, **kw)),
         args, dtype=dtype, rand=rand, **(F32_TOL if dtype == F32 else {}),
     )
     assert out.shape == args[0].shape and out.dtype == dtype
-    if case[-1]:
-        # Token 0 routes every slot to sentinels: nothing contributes, not even the biases.
-        assert bool(jnp.all(out[0] == 0)), f"a token routed only to sentinels is not exactly zero ({rand})"
 
 
-def test_sentinels_contribute_nothing(rand):
+@pytest.mark.parametrize("tokens,experts,top_k,sentinels", [
+    (1, 8, 2, 0), (1, 128, 8, 0), (7, 8, 8, 5), (64, 160, 8, 100), (256, 128, 8, 300), (3, 6, 2, 6)])
+def test_touched_experts(rand, tokens, experts, top_k, sentinels):
+    """The small-batch kernel's visit list: the distinct valid ids ascending, zeros after; sentinels skipped (the
+    last case makes every id a sentinel: count 0)."""
+    index, _ = routing(rand, tokens, experts, top_k, sentinels=sentinels)
+    listed, count = ladder.run_interpreted(functools.partial(touched.touched_experts, num_experts=experts), index)
+    expected = touched.touched_experts_reference(index, experts)
+    listed, count = np.asarray(listed), int(count)
+    assert listed.shape == (experts,) and count == len(expected), (count, expected)
+    assert listed[:count].tolist() == expected
+    assert (listed[count:] == 0).all()
+
+
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+def test_touched_experts_compiles_for_tpu(generation):
+    for tokens, experts in ((1, 128), (256, 128), (16, 160), (64, 512)):
+        ladder.compile_for_tpu(touched.touched_experts, generation, ((tokens, 8), jnp.int32),
+                               label=f"touched_experts E={experts}", num_experts=experts)
+
+
+def test_sentinels_contribute_nothing(rand, moe_path):
     """Replacing some routing ids by sentinels (>= E) gives the result of dropping those slots (weight zero)."""
-    args, kw = _case_args(rand, CASES[3])
+    args, kw = _case_args(rand, CASES[1])
     x, index, w, gate_up, down, gate_up_bias, down_bias = args
     experts = gate_up.shape[0]
     drop = jnp.asarray(rand.rng.random(index.shape) < 0.4)
@@ -117,7 +166,7 @@ GRAD_CASES = [CASES[1], CASES[5]]  # f32 concatenated + biases; bf16 ungated + b
 
 
 @pytest.mark.parametrize("case", GRAD_CASES, ids=[c[0] for c in GRAD_CASES])
-def test_experts_forward_gradients(rand, case):
+def test_experts_forward_gradients(rand, case, moe_path):
     """d hidden_states, d top_k_weights, d gate_up_proj, d down_proj (and d biases) vs jax.grad of the reference."""
     args, kw = _case_args(rand, case)
     dtype = case[6]

@@ -1,10 +1,17 @@
-"""Mixture-of-Experts experts forward on the ragged dot kernels (transformers' experts interface, in JAX).
+"""Mixture-of-Experts experts forward (transformers' experts interface, in JAX), on one of two kernel paths.
 
-Route: sort the (token, slot) pairs by expert (stable, so equal experts keep token order), gather the token rows;
+Small batch (decode; up to tuning.SMALL_BATCH_MAX_TOKENS tokens, concatenated or no gate): one kernel runs every
+touched expert over all tokens and keeps each token's own experts, weighted (small_batch.py); no routing ops at all.
+Its gradient is the grouped path's.
+
+Grouped (larger batches, and interleaved gate/up). Route: sort the (token, slot) pairs by expert (stable, so equal experts keep token order), gather the token rows;
 gate/up grouped matmul with act(gate) * up fused into its epilogue (written once, width I); down grouped matmul;
 weight by the routing weights and sum each token's k rows in f32. Expert ids outside [0, num_experts) (expert-parallel
 sentinels) are sorted past the last group, so the grouped matmuls leave their rows zero and skip their work.
 """
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +19,7 @@ import numpy as np
 from ..common.interpret import interpret_eager_cpu_calls
 from ..common.validation import FLOAT_DTYPES, check_array
 from ..ragged_dot import api as ragged_dot_api
+from . import small_batch, tuning
 
 INDEX_DTYPES = (jnp.dtype(jnp.int32),)
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -108,21 +116,49 @@ def experts_forward(
     experts without a gate (gate_up_proj is then the up projection [E, I, H] and the activation applies to it).
     Biases [E, 2I] and [E, H] are optional. Returns [T, H] in hidden_states' dtype; f32 accumulation throughout.
     """
-    tokens, hidden, num_experts, _ = check_inputs(
+    tokens, hidden, num_experts, intermediate = check_inputs(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
         activation=activation, gate_layout=gate_layout, weights_transposed=weights_transposed,
     )
     top_k = top_k_index.shape[1]
     if tokens * top_k == 0:
         return jnp.zeros((tokens, hidden), hidden_states.dtype)
+    plan = tuning.plan_small_batch(
+        tokens, top_k, hidden, intermediate, gate_up_shape=gate_up_proj.shape, down_shape=down_proj.shape,
+        weights_transposed=weights_transposed, gate_layout=gate_layout, has_gate_up_bias=gate_up_bias is not None,
+        has_down_bias=down_bias is not None, hidden_dtype=hidden_states.dtype, weight_dtype=gate_up_proj.dtype,
+    )
+    layout = _Layout(activation=activation, gate_layout=gate_layout, weights_transposed=weights_transposed,
+                     intermediate=intermediate)
+    if plan is not None:
+        return _small_batch(plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                            gate_up_bias, down_bias)
+    return _grouped(layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
+                    down_bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    activation: str
+    gate_layout: str | None
+    weights_transposed: bool
+    intermediate: int
+
+
+def _grouped(layout: _Layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
+             down_bias):
+    """Route, gather, gate/up grouped matmul with the fused epilogue, down grouped matmul, weighted combine."""
+    tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[1]
+    num_experts = gate_up_proj.shape[0]
     order, group_sizes = route(top_k_index, num_experts)
     x_sorted = jnp.take(hidden_states, order // top_k, axis=0)
     h = ragged_dot_api.ragged_dot(
-        x_sorted, gate_up_proj, group_sizes, rhs_transposed=not weights_transposed, bias=gate_up_bias,
-        activation=activation, gated=gate_layout, preferred_element_type=hidden_states.dtype,
+        x_sorted, gate_up_proj, group_sizes, rhs_transposed=not layout.weights_transposed, bias=gate_up_bias,
+        activation=layout.activation, gated=layout.gate_layout, preferred_element_type=hidden_states.dtype,
     )
     y = ragged_dot_api.ragged_dot(
-        h, down_proj, group_sizes, rhs_transposed=not weights_transposed, bias=down_bias,
+        h, down_proj, group_sizes, rhs_transposed=not layout.weights_transposed, bias=down_bias,
         preferred_element_type=jnp.float32,
     )
     weights_sorted = jnp.take(top_k_weights.reshape(-1).astype(jnp.float32), order)
@@ -132,3 +168,47 @@ def experts_forward(
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
     per_slot = jnp.take(weighted, inverse, axis=0).reshape(tokens, top_k, hidden)
     return per_slot.sum(axis=1).astype(hidden_states.dtype)
+
+
+def _small_batch_forward(plan, layout: _Layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                         gate_up_bias, down_bias):
+    gate_up = jnp.swapaxes(gate_up_proj, 1, 2) if plan.swap_gate_up else gate_up_proj
+    down = jnp.swapaxes(down_proj, 1, 2) if plan.swap_down else down_proj
+    return small_batch.experts_forward_small_batch(
+        hidden_states, top_k_index, top_k_weights, gate_up, down,
+        None if gate_up_bias is None else gate_up_bias[:, None, :],
+        None if down_bias is None else down_bias[:, None, :],
+        up_streams=plan.up_streams, down_i_axis=plan.down_i_axis, tc=plan.tc, intermediate=layout.intermediate,
+        activation=layout.activation, vmem_limit_bytes=plan.vmem_limit_bytes,
+    )
+
+
+# The small-batch kernel has no backward of its own: its gradient is the grouped path's (same function, recomputed
+# in the backward pass), whose kernels have Pallas backward passes.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _small_batch(plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
+                 down_bias):
+    return _small_batch_forward(plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                gate_up_bias, down_bias)
+
+
+def _small_batch_fwd(plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
+                     down_bias):
+    out = _small_batch_forward(plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                               gate_up_bias, down_bias)
+    return out, (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
+
+
+def _small_batch_bwd(plan, layout, saved, g):
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias = saved
+
+    def grouped(hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias):
+        return _grouped(layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
+                        down_bias)
+
+    _, vjp = jax.vjp(grouped, hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
+    dx, dw, dup, ddown, dup_bias, ddown_bias = vjp(g)
+    return dx, None, dw, dup, ddown, dup_bias, ddown_bias
+
+
+_small_batch.defvjp(_small_batch_fwd, _small_batch_bwd)

@@ -1,0 +1,163 @@
+"""The whole experts forward for a small batch in one Pallas kernel: no routing, no gather, no scatter.
+
+With few tokens (decode at batch 1-16) the experts forward is a stream of expert weights from HBM, and the routing
+around the grouped matmuls (sort, gathers, inverse permutation, weighted combine: ~18 small XLA ops of ~1.2 us each)
+costs as much as a third of the weights' read time. Here every *touched* expert (touched.py lists them) runs over all
+T tokens, and a token's result is kept with its routing weight when it chose that expert:
+
+    out[t] = sum over touched e of  c[t, e] * down_e(act(gate_e(x[t])) * up_e(x[t])),  c[t, e] = sum_j w[t, j] [idx[t, j] = e]
+
+The extra MXU work (T rows per expert instead of the rows routed there) is free while T is small: each step's
+matmuls take far less time than its weight block's DMA. Rows of tokens that did not choose the expert are selected
+away (never multiplied by zero, so an overflow there cannot turn into NaN).
+
+Grid (visit, chunk): visit v is touched expert experts[v] (a dynamic grid bound: the number touched, read from SMEM);
+chunk c covers intermediate columns [c * tc, (c + 1) * tc) of that expert: the gate and up rows of the chunk and the
+matching columns of down_proj, so act(gate) * up of the chunk goes straight into the down matmul and is never
+written anywhere. Small chunks keep the first step's weight DMA (exposed: nothing to overlap it with) short. Weights
+are read in the orientation XLA stores them (ragged_dot.tuning.stored_minor_to_major_swapped); x, the routing and the
+f32 accumulator [T, H] stay in VMEM for the whole call.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ..ragged_dot.kernel import _activation, _precision
+from . import touched
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightStream:
+    """One weight operand as the kernel reads it: `array` in its stored orientation, the axis holding the
+    intermediate dimension (1: sublanes, 2: lanes) and the block offset of this stream along it (the up half of a
+    concatenated gate/up sits I / tc blocks in)."""
+
+    i_axis: int
+    block_offset: int = 0
+
+
+def _weight_spec(array_shape, stream: WeightStream, tc: int):
+    hidden_axis = 3 - stream.i_axis
+    block = [None, 0, 0]
+    block[stream.i_axis] = tc
+    block[hidden_axis] = array_shape[hidden_axis]
+
+    def index(v, c, experts_ref, count_ref):
+        idx = [experts_ref[v], 0, 0]
+        idx[stream.i_axis] = c + stream.block_offset
+        return tuple(idx)
+
+    return pl.BlockSpec(tuple(block), index)
+
+
+def _contract(a, block, a_axis, block_axis, compute_dtype):
+    return jax.lax.dot_general(
+        a.astype(compute_dtype), block.astype(compute_dtype), (((a_axis,), (block_axis,)), ((), ())),
+        preferred_element_type=jnp.float32, precision=_precision(compute_dtype),
+    )
+
+
+def _fused_kernel(
+    experts_ref, count_ref, x_ref, idx_ref, w_ref, *refs, up_streams, down_i_axis, num_up_bias, has_down_bias,
+    chunks, activation, h_dtype, compute_dtype,
+):
+    up_refs = refs[: len(up_streams)]
+    rest = refs[len(up_streams) :]
+    up_bias_refs = rest[:num_up_bias]
+    rest = rest[num_up_bias:]
+    down_ref = rest[0]
+    down_bias_ref = rest[1] if has_down_bias else None
+    out_ref, acc_ref = rest[1 + has_down_bias :]
+    v = pl.program_id(0)
+    c = pl.program_id(1)
+    e = experts_ref[v]
+    last_visit = jnp.maximum(count_ref[0], 1) - 1
+
+    @pl.when(jnp.logical_and(v == 0, c == 0))
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    chose = idx_ref[...] == e  # [T, k]
+    coefficient = jnp.sum(jnp.where(chose, w_ref[...].astype(jnp.float32), 0.0), axis=1, keepdims=True)
+    routed = jnp.max(jnp.where(chose, 1.0, 0.0), axis=1, keepdims=True) > 0.0  # [T, 1]
+
+    x = x_ref[...]
+    # x [T, H] against a block with H on the axis other than the intermediate one.
+    parts = [_contract(x, r[...], 1, 3 - s.i_axis - 1, compute_dtype) for r, s in zip(up_refs, up_streams)]
+    parts = [p + b[...].astype(jnp.float32) for p, b in zip(parts, up_bias_refs)] if num_up_bias else parts
+    h = _activation(parts[0], activation)
+    if len(parts) == 2:
+        h = h * parts[1]
+    # The grouped path writes act(gate) * up in the activations' dtype before the down matmul; so does this one.
+    h = h.astype(h_dtype)
+    y = _contract(h, down_ref[...], 1, down_i_axis - 1, compute_dtype)  # [T, H] f32
+    if has_down_bias:
+        y = y + jnp.where(c == 0, 1.0, 0.0) * down_bias_ref[...].astype(jnp.float32)  # once per expert
+    acc_ref[...] += jnp.where(routed, coefficient * y, 0.0)
+
+    @pl.when(jnp.logical_and(v == last_visit, c == chunks - 1))
+    def _():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def experts_forward_small_batch(
+    hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *, up_streams, down_i_axis,
+    tc, intermediate, activation, vmem_limit_bytes,
+):
+    """out [T, H] in hidden_states' dtype. gate_up / down are in their stored orientation, described by up_streams
+    (one WeightStream per gate/up operand: two for a concatenated gate, one without a gate) and down_i_axis; tc
+    divides `intermediate`. Biases (or None): gate_up_bias [E, 1, N], down_bias [E, 1, H]. Validated by api.py and
+    chosen by tuning.py."""
+    tokens, hidden = hidden_states.shape
+    num_experts = gate_up.shape[0]
+    experts, count = touched.touched_experts(top_k_index, num_experts)
+    chunks = intermediate // tc
+    whole = lambda shape: pl.BlockSpec(shape, lambda v, c, experts_ref, count_ref: (0,) * len(shape))
+    in_specs = [whole(hidden_states.shape), whole(top_k_index.shape), whole(top_k_weights.shape)]
+    operands = [hidden_states, top_k_index, top_k_weights]
+    for s in up_streams:
+        in_specs.append(_weight_spec(gate_up.shape, s, tc))
+        operands.append(gate_up)
+    if gate_up_bias is not None:
+        for s in up_streams:
+            in_specs.append(pl.BlockSpec(
+                (None, 1, tc), lambda v, c, experts_ref, count_ref, s=s: (experts_ref[v], 0, c + s.block_offset)))
+            operands.append(gate_up_bias)
+    in_specs.append(_weight_spec(down.shape, WeightStream(down_i_axis), tc))
+    operands.append(down)
+    if down_bias is not None:
+        in_specs.append(pl.BlockSpec((None, 1, hidden), lambda v, c, experts_ref, count_ref: (experts_ref[v], 0, 0)))
+        operands.append(down_bias)
+    compute_dtype = jnp.promote_types(hidden_states.dtype, gate_up.dtype)
+    kernel = functools.partial(
+        _fused_kernel, up_streams=tuple(up_streams), down_i_axis=down_i_axis,
+        num_up_bias=len(up_streams) if gate_up_bias is not None else 0, has_down_bias=down_bias is not None,
+        chunks=chunks, activation=activation, h_dtype=hidden_states.dtype, compute_dtype=compute_dtype,
+    )
+    touched_bound = min(num_experts, top_k_index.size)
+    weight_bytes = touched_bound * (len(up_streams) + 1) * intermediate * hidden * gate_up.dtype.itemsize
+    cost = pl.CostEstimate(
+        flops=2 * touched_bound * tokens * hidden * intermediate * (len(up_streams) + 1),
+        transcendentals=touched_bound * tokens * intermediate,
+        bytes_accessed=weight_bytes + 2 * hidden_states.size * hidden_states.dtype.itemsize,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((tokens, hidden), hidden_states.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(jnp.maximum(count, 1), chunks),
+            in_specs=in_specs,
+            out_specs=whole((tokens, hidden)),
+            scratch_shapes=[pltpu.VMEM((tokens, hidden), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=vmem_limit_bytes
+        ),
+        cost_estimate=cost,
+        name="moe_experts_small_batch",
+    )(experts, count.reshape(1), *operands)
