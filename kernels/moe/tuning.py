@@ -1,13 +1,18 @@
 """When experts_forward takes the fused small-batch kernel (small_batch.py), and with which chunk of the
 intermediate dimension; None sends a call down the grouped-matmul path.
 
-The small-batch kernel multiplies every touched expert by all T tokens, so it wins while T is small: the routing ops
-it removes cost a fixed ~20 us, and its extra MXU work grows with T. SMALL_BATCH_MAX_TOKENS is where the grouped path
-catches up (modeled v6e, benchmarks/ops/moe.py, Qwen3-30B-A3B and Gemma 4 26B-A4B shapes, random top-8 of 128).
+The small-batch kernel multiplies every touched expert by all T tokens, so it wins while that extra MXU work hides
+under the weights' DMA: the routing ops it removes cost a fixed ~20 us, and its MXU work grows with T.
+SMALL_BATCH_MAX_TOKENS is the largest decode batch where it was faster than the grouped path at both benchmark
+models (modeled, benchmarks/ops/moe.py: Qwen3-30B-A3B and Gemma 4 26B-A4B shapes, random top-8 of 128, bf16):
+v6e wins at every batch up to 256 (B = 256: 98.9 / 99.0 % of the HBM roofline vs 84.5 / 84.9 %); v5e up to 128
+(97.6 / 98.0 % vs 90.4 / 88.3 %; at 256 its slower MXU makes it lose, 82.2 / 58.2 % vs 83.2 / 80.8 %); v7x up to
+64 (at 128 it is 80.8 / 80.4 % vs 79.1 / 81.2 %: a draw).
 
 The chunk tc: the largest legal one whose weight blocks (gate, up and down columns of the chunk) stay within
-STEP_BYTES. Each grid step costs a fixed ~0.35 us besides its DMA, so blocks should be large, but the first block's
-DMA has nothing to overlap with and is paid in full, so not too large.
+STEP_BYTES. The first block's DMA has nothing to overlap with and is paid in full, so blocks should not be large;
+but narrow chunks use the MXU badly (Gemma 4's I = 704 in chunks of 88 columns: 89 % of the roofline at B = 64,
+in chunks of 176: 98 %; modeled v6e). 4 MiB gives 256-column chunks for Qwen3 (2048 hidden) and 176 for Gemma 4.
 """
 import dataclasses
 
@@ -18,7 +23,7 @@ from ..common import chip
 from ..ragged_dot import tuning as ragged_dot_tuning
 from .small_batch import WeightStream
 
-SMALL_BATCH_MAX_TOKENS = {"v5e": 64, "v6e": 256, "v7x": 256}
+SMALL_BATCH_MAX_TOKENS = {"v5e": 128, "v6e": 256, "v7x": 64}
 STEP_BYTES = 4 << 20
 VMEM_SHARE = 0.35
 F32_TEMPORARIES = 3
