@@ -125,9 +125,25 @@ def test_touched_experts(rand, tokens, experts, top_k, sentinels):
     assert (listed[count:] == 0).all()
 
 
+def test_path_choice():
+    """Decode batches take the small-batch kernel; larger batches, and more experts than its touched-expert list
+    handles, the grouped matmuls (traced only)."""
+    spec = jax.ShapeDtypeStruct
+
+    def args(tokens, experts):
+        return (spec((tokens, 128), BF16), spec((tokens, 8), jnp.int32), spec((tokens, 8), BF16),
+                spec((experts, 256, 128), BF16), spec((experts, 128, 128), BF16))
+
+    limit = moe_tuning.SMALL_BATCH_MAX_TOKENS["v6e"]
+    assert_path(api.experts_forward, args(1, 128), "small_batch")
+    assert_path(api.experts_forward, args(limit, 128), "small_batch")
+    assert_path(api.experts_forward, args(limit + 1, 128), "grouped")
+    assert_path(api.experts_forward, args(4, moe_tuning.SMALL_BATCH_MAX_EXPERTS + 1), "grouped")
+
+
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 def test_touched_experts_compiles_for_tpu(generation):
-    for tokens, experts in ((1, 128), (256, 128), (16, 160), (64, 512)):
+    for tokens, experts in ((1, 128), (256, 128), (16, 160), (64, 512), (256, moe_tuning.SMALL_BATCH_MAX_EXPERTS)):
         ladder.compile_for_tpu(touched.touched_experts, generation, ((tokens, 8), jnp.int32),
                                label=f"touched_experts E={experts}", num_experts=experts)
 

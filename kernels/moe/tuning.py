@@ -24,6 +24,8 @@ from ..ragged_dot import tuning as ragged_dot_tuning
 from .small_batch import WeightStream
 
 SMALL_BATCH_MAX_TOKENS = {"v5e": 128, "v6e": 256, "v7x": 64}
+# touched.py builds [E, E] matrices in VMEM: E = 4096 overflows v7x's scoped VMEM; 1024 compiles everywhere (test).
+SMALL_BATCH_MAX_EXPERTS = 1024
 STEP_BYTES = 4 << 20
 VMEM_SHARE = 0.35
 F32_TEMPORARIES = 3
@@ -58,6 +60,8 @@ def plan_small_batch(
     info = info or chip.current_tpu_info()
     gen = chip.generation_name(info)
     if tokens == 0 or tokens > SMALL_BATCH_MAX_TOKENS.get(gen, 8) or gate_layout not in ("concatenated", None):
+        return None
+    if gate_up_shape[0] > SMALL_BATCH_MAX_EXPERTS:
         return None
     up_axis, swap_up = _stored_i_axis(gate_up_shape, 2 if weights_transposed else 1)
     down_axis, swap_down = _stored_i_axis(down_shape, 1 if weights_transposed else 2)
