@@ -1,7 +1,8 @@
 """The whole MoE experts forward (transformers' experts interface, in JAX; its small-batch kernel at decode batches,
 the grouped matmuls beyond), against its grouped composition on XLA's `jax.lax.ragged_dot` (the default), on
 tokamax's ragged dot, and the dense masked MoE in plain JAX (`kernels/moe/reference.py`: every expert over every
-token, masked by the routing; what XLA does with no grouped kernel). Decode batches, tokens routed top-8 over 128 experts at random (benchmarks/ops/_moe.py).
+token, masked by the routing; what XLA does with no grouped kernel). Decode batches, tokens routed top-8 over 128
+experts at random (benchmarks/ops/_moe.py).
 
 Weights in transformers' layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]; bf16.
 """
