@@ -34,6 +34,7 @@ def block_regime(request, monkeypatch):
     if request.param == "small_blocks":
         monkeypatch.setattr(tuning, "TM_MAX", {g: 8 for g in tuning.TM_MAX})
         monkeypatch.setattr(tuning, "TM_MIN", 8)
+        monkeypatch.setattr(tuning, "TM_MIN_TRANSPOSED", {})
         monkeypatch.setattr(tuning, "TN_MAX", {g: 128 for g in tuning.TN_MAX})
         monkeypatch.setattr(tuning, "TK_MAX", {g: 128 for g in tuning.TK_MAX})
     return request.param
