@@ -148,6 +148,19 @@ def test_touched_experts_compiles_for_tpu(generation):
                                label=f"touched_experts E={experts}", num_experts=experts)
 
 
+def test_mixed_weight_dtypes(rand, moe_path):
+    """bf16 activations and gate/up weights with an f32 down_proj: each matmul runs in its operands' promoted dtype."""
+    x = rand.normal((6, 128), BF16)
+    index, w = routing(rand, 6, 8, 2)
+    gate_up, _, _, _ = weights(rand, 8, 128, 128, gated=True, transposed=False, bias=False, dtype=BF16)
+    _, down, _, _ = weights(rand, 8, 128, 128, gated=True, transposed=False, bias=False, dtype=F32)
+    args = (x, index, w.astype(BF16), gate_up, down, None, None)
+    fn = functools.partial(tk.experts_forward, activation="silu")
+    assert_path(fn, args, moe_path)
+    reference = functools.partial(experts_forward_reference, activation="silu")
+    ladder.check_against_reference(jax.jit(fn), jax.jit(reference), args, dtype=BF16, rand=rand)
+
+
 def test_sentinels_contribute_nothing(rand, moe_path):
     """Replacing some routing ids by sentinels (>= E) gives the result of dropping those slots (weight zero)."""
     args, kw = _case_args(rand, CASES[1])

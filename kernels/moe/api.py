@@ -4,9 +4,9 @@ Small batch (decode; up to tuning.SMALL_BATCH_MAX_TOKENS tokens, concatenated or
 touched expert over all tokens and keeps each token's own experts, weighted (small_batch.py); no routing ops at all.
 Its gradient is the grouped path's.
 
-Grouped (larger batches, and interleaved gate/up). Route: sort the (token, slot) pairs by expert (stable, so equal experts keep token order), gather the token rows;
-gate/up grouped matmul with act(gate) * up fused into its epilogue (written once, width I); down grouped matmul;
-weight by the routing weights and sum each token's k rows in f32. Expert ids outside [0, num_experts) (expert-parallel
+Grouped (larger batches, and interleaved gate/up). Route: sort the (token, slot) pairs by expert (stable, so equal
+experts keep token order), gather the token rows; gate/up grouped matmul with act(gate) * up fused into its epilogue
+(written once, width I); down grouped matmul; weight by the routing weights and sum each token's k rows in f32. Expert ids outside [0, num_experts) (expert-parallel
 sentinels) are sorted past the last group, so the grouped matmuls leave their rows zero and skip their work.
 """
 import dataclasses
@@ -127,6 +127,7 @@ def experts_forward(
         tokens, top_k, hidden, intermediate, gate_up_shape=gate_up_proj.shape, down_shape=down_proj.shape,
         weights_transposed=weights_transposed, gate_layout=gate_layout, has_gate_up_bias=gate_up_bias is not None,
         has_down_bias=down_bias is not None, hidden_dtype=hidden_states.dtype, weight_dtype=gate_up_proj.dtype,
+        down_dtype=down_proj.dtype,
     )
     layout = _Layout(activation=activation, gate_layout=gate_layout, weights_transposed=weights_transposed,
                      intermediate=intermediate)

@@ -5,7 +5,8 @@ around the grouped matmuls (sort, gathers, inverse permutation, weighted combine
 costs as much as a third of the weights' read time. Here every *touched* expert (touched.py lists them) runs over all
 T tokens, and a token's result is kept with its routing weight when it chose that expert:
 
-    out[t] = sum over touched e of  c[t, e] * down_e(act(gate_e(x[t])) * up_e(x[t])),  c[t, e] = sum_j w[t, j] [idx[t, j] = e]
+    out[t] = sum over touched e of c[t, e] * down_e(act(gate_e(x[t])) * up_e(x[t]))
+    c[t, e] = sum over j of w[t, j] [idx[t, j] = e]
 
 The extra MXU work (T rows per expert instead of the rows routed there) is free while T is small: each step's
 matmuls take far less time than its weight block's DMA. Rows of tokens that did not choose the expert are selected
@@ -63,7 +64,7 @@ def _contract(a, block, a_axis, block_axis, compute_dtype):
 
 def _fused_kernel(
     experts_ref, count_ref, x_ref, idx_ref, w_ref, *refs, up_streams, down_i_axis, num_up_bias, has_down_bias,
-    chunks, activation, h_dtype, compute_dtype,
+    chunks, activation, h_dtype, up_dtype, down_dtype,
 ):
     up_refs = refs[: len(up_streams)]
     rest = refs[len(up_streams) :]
@@ -87,14 +88,14 @@ def _fused_kernel(
 
     x = x_ref[...]
     # x [T, H] against a block with H on the axis other than the intermediate one.
-    parts = [_contract(x, r[...], 1, 3 - s.i_axis - 1, compute_dtype) for r, s in zip(up_refs, up_streams)]
+    parts = [_contract(x, r[...], 1, 3 - s.i_axis - 1, up_dtype) for r, s in zip(up_refs, up_streams)]
     parts = [p + b[...].astype(jnp.float32) for p, b in zip(parts, up_bias_refs)] if num_up_bias else parts
     h = _activation(parts[0], activation)
     if len(parts) == 2:
         h = h * parts[1]
     # The grouped path writes act(gate) * up in the activations' dtype before the down matmul; so does this one.
     h = h.astype(h_dtype)
-    y = _contract(h, down_ref[...], 1, down_i_axis - 1, compute_dtype)  # [T, H] f32
+    y = _contract(h, down_ref[...], 1, down_i_axis - 1, down_dtype)  # [T, H] f32
     if has_down_bias:
         y = y + jnp.where(c == 0, 1.0, 0.0) * down_bias_ref[...].astype(jnp.float32)  # once per expert
     acc_ref[...] += jnp.where(routed, coefficient * y, 0.0)
@@ -132,11 +133,13 @@ def experts_forward_small_batch(
     if down_bias is not None:
         in_specs.append(pl.BlockSpec((None, 1, hidden), lambda v, c, experts_ref, count_ref: (experts_ref[v], 0, 0)))
         operands.append(down_bias)
-    compute_dtype = jnp.promote_types(hidden_states.dtype, gate_up.dtype)
+    # Each matmul in its operands' promoted dtype, as the grouped path's kernels do (an f32 down_proj stays f32).
+    up_dtype = jnp.promote_types(hidden_states.dtype, gate_up.dtype)
+    down_dtype = jnp.promote_types(hidden_states.dtype, down.dtype)
     kernel = functools.partial(
         _fused_kernel, up_streams=tuple(up_streams), down_i_axis=down_i_axis,
         num_up_bias=len(up_streams) if gate_up_bias is not None else 0, has_down_bias=down_bias is not None,
-        chunks=chunks, activation=activation, h_dtype=hidden_states.dtype, compute_dtype=compute_dtype,
+        chunks=chunks, activation=activation, h_dtype=hidden_states.dtype, up_dtype=up_dtype, down_dtype=down_dtype,
     )
     touched_bound = min(num_experts, top_k_index.size)
     weight_bytes = touched_bound * (len(up_streams) + 1) * intermediate * hidden * gate_up.dtype.itemsize

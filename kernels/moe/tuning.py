@@ -54,7 +54,7 @@ def _legal(tc: int, i_axis: int, dim: int, sublanes: int) -> bool:
 
 def plan_small_batch(
     tokens: int, top_k: int, hidden: int, intermediate: int, *, gate_up_shape, down_shape, weights_transposed: bool,
-    gate_layout, has_gate_up_bias: bool, has_down_bias: bool, hidden_dtype, weight_dtype,
+    gate_layout, has_gate_up_bias: bool, has_down_bias: bool, hidden_dtype, weight_dtype, down_dtype=None,
     info: pltpu.TpuInfo | None = None,
 ) -> SmallBatchPlan | None:
     info = info or chip.current_tpu_info()
@@ -66,9 +66,10 @@ def plan_small_batch(
     up_axis, swap_up = _stored_i_axis(gate_up_shape, 2 if weights_transposed else 1)
     down_axis, swap_down = _stored_i_axis(down_shape, 1 if weights_transposed else 2)
     n_up = 2 * intermediate if gate_layout else intermediate
-    sub = ragged_dot_tuning.sublane_multiple(weight_dtype)
+    down_dtype = weight_dtype if down_dtype is None else down_dtype
+    sub = max(ragged_dot_tuning.sublane_multiple(weight_dtype), ragged_dot_tuning.sublane_multiple(down_dtype))
     streams = 2 if gate_layout else 1
-    wb = jnp.dtype(weight_dtype).itemsize
+    wb = max(jnp.dtype(weight_dtype).itemsize, jnp.dtype(down_dtype).itemsize)
     hb = jnp.dtype(hidden_dtype).itemsize
 
     def legal(tc):
