@@ -93,8 +93,9 @@ def _moe_sweep(decode_tokens, prefill_rows):
 # Each grouped matmul of the MoE (gate/up with the fused activation, down): decode batches and prefill rows.
 RAGGED_DOT = _moe_sweep(RAGGED_DOT_DECODE_TOKENS, RAGGED_DOT_PREFILL_ROWS)
 RAGGED_DOT_QUICK = _moe_sweep(RAGGED_DOT_QUICK_TOKENS, RAGGED_DOT_QUICK_ROWS)
-# The whole experts_forward (route, gate/up, down, combine): decode batches.
-MOE = _moe_sweep(RAGGED_DOT_DECODE_TOKENS, ())
+# The whole experts_forward: decode batches, and (--full only) prefill of 512 and 4096 tokens (4096 and 32768 rows).
+MOE_PREFILL_ROWS = (4096, 32768)
+MOE = _moe_sweep(RAGGED_DOT_DECODE_TOKENS, MOE_PREFILL_ROWS)
 MOE_QUICK = _moe_sweep(RAGGED_DOT_QUICK_TOKENS, ())
 
 # ---------------------------------------------------------------------------------------------------------- rotary

@@ -296,6 +296,53 @@ def test_gradients_match_reference(rand, block_regime, case):
     assert bool(jnp.all(actual[0][m - 5:] == 0)), "d lhs of rows past the groups is not exactly zero"
 
 
+# ------------------------------------------------------------------------------------------------ row scale
+# (id, M, K, N, groups, dtype, rhs_transposed, bias, activation, gated): the plain kernel, the fused epilogue, and
+# the unfused (interleaved) path, each with a per-row scale (the MoE routing weights) applied last.
+ROW_SCALE_CASES = [
+    ("plain-bias-f32", 40, 128, 256, 4, F32, True, True, None, None),
+    ("concat-gelu-bf16", 48, 128, 256, 5, BF16, False, False, "gelu_tanh", "concatenated"),
+    ("interleaved-silu-bias-f32", 40, 128, 256, 4, F32, False, True, "silu", "interleaved"),
+]
+ROW_SCALE_REGIMES = [(c, "tuned_blocks") for c in ROW_SCALE_CASES] + [(ROW_SCALE_CASES[0], "small_blocks")]
+
+
+@pytest.mark.parametrize(
+    "case,block_regime", ROW_SCALE_REGIMES, ids=[f"{c[0]}-{r}" for c, r in ROW_SCALE_REGIMES],
+    indirect=["block_regime"],
+)
+def test_row_scale_and_its_gradient(rand, block_regime, case):
+    """out[r] = row_scale[r] * (epilogue of lhs[r] @ rhs[g(r)] + bias): forward, and every gradient including
+    d row_scale, against the reference."""
+    _, m, k, n, groups, dtype, transposed, with_bias, activation, gated = case
+    kw = dict(rhs_transposed=transposed, activation=activation, gated=gated)
+    lhs = rand.normal((m, k), dtype)
+    rhs = rand.normal(rhs_shape(groups, k, n, transposed), dtype, scale=0.2)
+    bias = rand.normal((groups, n), dtype) if with_bias else None
+    scale = rand.normal((m,), F32)
+    sizes = group_sizes(rand, groups, m - 3)
+    out = ladder.check_against_reference(
+        jax.jit(lambda l, r, sz, b, sc: tk.ragged_dot(l, r, sz, bias=b, row_scale=sc, **kw)),
+        jax.jit(lambda l, r, sz, b, sc: ragged_dot_reference(l, r, sz, bias=b, row_scale=sc, **kw)),
+        (lhs, rhs, sizes, bias, scale), dtype=dtype, rand=rand, **tolerance(dtype),
+    )
+    assert bool(jnp.all(out[m - 3:] == 0)), "tail rows are not exactly zero"
+    cotangent = rand.normal(out.shape)
+    argnums = (0, 1, 3, 4) if with_bias else (0, 1, 4)
+    kernel_grad = jax.grad(lambda l, r, sz, b, sc, c: _loss(tk.ragged_dot(l, r, sz, bias=b, row_scale=sc, **kw), c),
+                           argnums=argnums)
+    ref_grad = jax.grad(
+        lambda l, r, sz, b, sc, c: _loss(ragged_dot_reference(l, r, sz, bias=b, row_scale=sc, **kw), c),
+        argnums=argnums)
+    actual = ladder.run_interpreted(jax.jit(kernel_grad), lhs, rhs, sizes, bias, scale, cotangent)
+    expected = jax.jit(ref_grad)(lhs, rhs, sizes, bias, scale, cotangent)
+    tol = dict(atol=5e-2) if dtype == BF16 else dict(rtol=1e-5, atol=2e-4)
+    names = ["d lhs", "d rhs"] + (["d bias"] if with_bias else []) + ["d row_scale"]
+    for what, a, e in zip(names, actual, expected):
+        assert a.dtype == e.dtype, f"{what}: dtype {a.dtype} != {e.dtype}"
+        ladder.assert_close(a, e, dtype=dtype, what=what, context=f"{sizes} {rand}", **tol)
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 def _good_args(rand):
     return dict(lhs=rand.normal((16, 128)), rhs=rand.normal((4, 128, 256)),
@@ -303,6 +350,9 @@ def _good_args(rand):
 
 
 BAD_INPUTS = [
+    ("row_scale length", dict(row_scale=jnp.ones((15,))), ValueError,
+     "row_scale: expected shape (16,) (lhs rows), got (15,)"),
+    ("row_scale int", dict(row_scale=jnp.ones((16,), jnp.int32)), TypeError, "row_scale: expected dtype"),
     ("negative size", dict(group_sizes=jnp.asarray([3, -1, 7, 2], jnp.int32)), ValueError,
      "group_sizes: expected sizes >= 0, got group_sizes[1] = -1"),
     ("sizes past M", dict(group_sizes=jnp.asarray([3, 9, 7, 2], jnp.int32)), ValueError,

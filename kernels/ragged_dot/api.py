@@ -17,6 +17,9 @@ num_local_groups defaults to G (no window; rhs must then hold G groups). group_o
 scalar array (shape () or (1,)); a concrete one is checked to keep the window inside [0, G); a traced one cannot be,
 and window groups outside [0, G) then contribute nothing.
 
+Row scale (for the MoE down projection): `row_scale` [M] multiplies each output row last, in the kernel's epilogue
+(the routing weight of each sorted (token, expert) row), so the weighted rows are written once.
+
 Fused epilogue (for the MoE gate/up projection): `bias` [rhs groups, N] is added per group; `activation` in
 {None, "silu", "gelu_tanh"}; with `gated="concatenated"` (gate = columns [0, N/2), up = [N/2, N)) or
 `gated="interleaved"` (gate = even columns, up = odd) the output is act(gate) * up, of width N/2, written once.
@@ -27,9 +30,9 @@ Checks that need values (negative group sizes, sizes summing past M, the window 
 those values are concrete; under jit they are traced and unchecked: the kernel then treats negative sizes as zero and
 drops rows past M, so it never reads or writes out of bounds.
 
-Differentiable in lhs, rhs and bias, including through the activation/gated epilogue (its backward recomputes the
-pre-activation with the forward kernel and differentiates the epilogue in XLA). group_sizes and group_offset get no
-gradient.
+Differentiable in lhs, rhs, bias and row_scale, including through the activation/gated epilogue (its backward
+recomputes the pre-activation with the forward kernel and differentiates the epilogue and the row scale in XLA).
+group_sizes and group_offset get no gradient.
 """
 import dataclasses
 import functools
@@ -84,7 +87,7 @@ def _check_group_offset(group_offset):
 
 def check_inputs(
     lhs, rhs, group_sizes, *, preferred_element_type, rhs_transposed, group_offset, num_local_groups, bias,
-    activation, gated,
+    activation, gated, row_scale=None,
 ):
     """Validate ragged_dot's arguments; return (config, group_offset as int or traced int32 scalar, n_out)."""
     lhs_dtype = check_array("lhs", lhs, ndim=2, dtypes=MATMUL_DTYPES)
@@ -150,6 +153,10 @@ def check_inputs(
         check_array("bias", bias, ndim=2, dtypes=MATMUL_DTYPES)
         if tuple(bias.shape) != (rhs_groups, n):
             raise ValueError(f"bias: expected shape {(rhs_groups, n)} (rhs groups, N), got {tuple(bias.shape)}")
+    if row_scale is not None:
+        check_array("row_scale", row_scale, ndim=1, dtypes=MATMUL_DTYPES)
+        if row_scale.shape[0] != m:
+            raise ValueError(f"row_scale: expected shape ({m},) (lhs rows), got {tuple(row_scale.shape)}")
     if _is_concrete(group_sizes):
         sizes = np.asarray(group_sizes)
         if (sizes < 0).any():
@@ -178,7 +185,7 @@ def _as_stored(rhs, rhs_transposed):
 
 
 def _plain_forward(lhs, rhs, bias2d, group_sizes, group_offset, *, out_dtype, rhs_transposed, n_local, rhs_global,
-                   static_grid):
+                   static_grid, row_scale=None):
     """Grouped matmul (+ bias) with no epilogue, through the forward kernel."""
     rhs, rhs_transposed = _as_stored(rhs, rhs_transposed)
     m, k = lhs.shape
@@ -191,8 +198,12 @@ def _plain_forward(lhs, rhs, bias2d, group_sizes, group_offset, *, out_dtype, rh
     return kernel.ragged_dot_forward(
         lhs, rhs, group_sizes, out_dtype=out_dtype, blocks=blocks, rhs_transposed=rhs_transposed,
         group_offset=group_offset, num_local_groups=n_local, rhs_group_base=group_offset if rhs_global else 0,
-        bias=bias, static_grid=static_grid,
+        bias=bias, static_grid=static_grid, row_scale=_scale_column(row_scale),
     )
+
+
+def _scale_column(row_scale):
+    return None if row_scale is None else row_scale.astype(jnp.float32)[:, None]
 
 
 def _fusable(gated, rhs_transposed, half_n, rhs_dtype) -> bool:
@@ -210,13 +221,13 @@ def _fusable(gated, rhs_transposed, half_n, rhs_dtype) -> bool:
     return False
 
 
-def _fused_forward(cfg: _Config, lhs, rhs, bias2d, group_sizes, group_offset):
+def _fused_forward(cfg: _Config, lhs, rhs, bias2d, row_scale, group_sizes, group_offset):
     m, k = lhs.shape
     n_full = rhs.shape[1] if cfg.rhs_transposed else rhs.shape[2]
     if cfg.gated is None and cfg.activation is None:
         return _plain_forward(
             lhs, rhs, bias2d, group_sizes, group_offset, out_dtype=cfg.out_dtype, rhs_transposed=cfg.rhs_transposed,
-            n_local=cfg.num_local_groups, rhs_global=cfg.rhs_global, static_grid=cfg.static_grid,
+            n_local=cfg.num_local_groups, rhs_global=cfg.rhs_global, static_grid=cfg.static_grid, row_scale=row_scale,
         )
     half = n_full // 2
     if not _fusable(cfg.gated, cfg.rhs_transposed, half, rhs.dtype):
@@ -224,7 +235,10 @@ def _fused_forward(cfg: _Config, lhs, rhs, bias2d, group_sizes, group_offset):
             lhs, rhs, bias2d, group_sizes, group_offset, out_dtype=jnp.float32, rhs_transposed=cfg.rhs_transposed,
             n_local=cfg.num_local_groups, rhs_global=cfg.rhs_global, static_grid=cfg.static_grid,
         )
-        return _epilogue(h, cfg).astype(cfg.out_dtype)
+        out = _epilogue(h, cfg)
+        if row_scale is not None:
+            out = out * row_scale.astype(jnp.float32)[:, None]
+        return out.astype(cfg.out_dtype)
     n_out = half if cfg.gated else n_full
     rhs_transposed = cfg.rhs_transposed
     stored, stored_transposed = _as_stored(rhs, rhs_transposed)
@@ -245,7 +259,7 @@ def _fused_forward(cfg: _Config, lhs, rhs, bias2d, group_sizes, group_offset):
         lhs, rhs, group_sizes, out_dtype=cfg.out_dtype, blocks=blocks, rhs_transposed=rhs_transposed,
         group_offset=group_offset, num_local_groups=cfg.num_local_groups,
         rhs_group_base=group_offset if cfg.rhs_global else 0, bias=bias, gated=cfg.gated,
-        activation=cfg.activation, static_grid=cfg.static_grid,
+        activation=cfg.activation, static_grid=cfg.static_grid, row_scale=_scale_column(row_scale),
     )
 
 
@@ -262,27 +276,35 @@ def _epilogue(h, cfg: _Config):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged_dot(cfg: _Config, lhs, rhs, bias2d, group_sizes, group_offset):
-    return _fused_forward(cfg, lhs, rhs, bias2d, group_sizes, group_offset)
+def _ragged_dot(cfg: _Config, lhs, rhs, bias2d, row_scale, group_sizes, group_offset):
+    return _fused_forward(cfg, lhs, rhs, bias2d, row_scale, group_sizes, group_offset)
 
 
-def _ragged_dot_fwd(cfg, lhs, rhs, bias2d, group_sizes, group_offset):
-    out = _fused_forward(cfg, lhs, rhs, bias2d, group_sizes, group_offset)
-    return out, (lhs, rhs, bias2d, group_sizes, group_offset)
+def _ragged_dot_fwd(cfg, lhs, rhs, bias2d, row_scale, group_sizes, group_offset):
+    out = _fused_forward(cfg, lhs, rhs, bias2d, row_scale, group_sizes, group_offset)
+    return out, (lhs, rhs, bias2d, row_scale, group_sizes, group_offset)
 
 
 def _ragged_dot_bwd(cfg: _Config, saved, g):
-    lhs, rhs, bias2d, group_sizes, group_offset = saved
+    lhs, rhs, bias2d, row_scale, group_sizes, group_offset = saved
     m, k = lhs.shape
     n_local = cfg.num_local_groups
-    if cfg.gated is not None or cfg.activation is not None:
-        # Recompute the pre-activation (f32) and differentiate the epilogue in XLA.
+    has_epilogue = cfg.gated is not None or cfg.activation is not None
+    d_row_scale = None
+    if has_epilogue or row_scale is not None:
+        # Recompute the pre-activation (f32); differentiate the row scale and the epilogue in XLA.
         h = _plain_forward(
             lhs, rhs, bias2d, group_sizes, group_offset, out_dtype=jnp.float32, rhs_transposed=cfg.rhs_transposed,
             n_local=n_local, rhs_global=cfg.rhs_global, static_grid=cfg.static_grid,
         )
-        _, epilogue_vjp = jax.vjp(lambda h: _epilogue(h, cfg), h)
-        (g,) = epilogue_vjp(g.astype(jnp.float32))
+        g = g.astype(jnp.float32)
+        if row_scale is not None:
+            unscaled = _epilogue(h, cfg) if has_epilogue else h
+            d_row_scale = jnp.sum(g * unscaled, axis=1).astype(row_scale.dtype)
+            g = g * row_scale.astype(jnp.float32)[:, None]
+        if has_epilogue:
+            _, epilogue_vjp = jax.vjp(lambda h: _epilogue(h, cfg), h)
+            (g,) = epilogue_vjp(g)
     # d lhs: the same grouped matmul against rhs read the other way round; rows outside the window get zero.
     dlhs = _plain_forward(
         g, rhs, None, group_sizes, group_offset, out_dtype=lhs.dtype, rhs_transposed=not cfg.rhs_transposed,
@@ -309,7 +331,7 @@ def _ragged_dot_bwd(cfg: _Config, saved, g):
         drhs = jax.lax.dynamic_update_slice(jnp.zeros(rhs.shape, rhs.dtype), drhs, (start, 0, 0))
         if dbias is not None:
             dbias = jax.lax.dynamic_update_slice(jnp.zeros(bias2d.shape, bias2d.dtype), dbias, (start, 0))
-    return dlhs, drhs, dbias, None, None
+    return dlhs, drhs, dbias, d_row_scale, None, None
 
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
@@ -328,18 +350,21 @@ def ragged_dot(
     bias: jax.Array | None = None,
     activation: str | None = None,
     gated: str | None = None,
+    row_scale: jax.Array | None = None,
     static_grid: bool = False,
 ) -> jax.Array:
     """Grouped matmul with `jax.lax.ragged_dot` semantics, an optional local group window and fused epilogue.
 
     lhs [M, K] (f32/bf16), rows sorted by group; rhs [R, K, N] or [R, N, K] (rhs_transposed) (f32/bf16), R = G or
     num_local_groups; group_sizes [G] int32. Returns [M, N] (or [M, N/2] when gated) in preferred_element_type or
-    the promoted input dtype. See the module docstring for the window, the epilogue and what is checked when.
+    the promoted input dtype. row_scale [M] (f32/bf16) multiplies each output row last. See the module docstring for
+    the window, the epilogue and what is checked when.
     `static_grid=True` sizes the kernel grid by the worst-case visit count instead of the real one (for comparison).
     """
     cfg, group_offset, n_out = check_inputs(
         lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, rhs_transposed=rhs_transposed,
         group_offset=group_offset, num_local_groups=num_local_groups, bias=bias, activation=activation, gated=gated,
+        row_scale=row_scale,
     )
     cfg = dataclasses.replace(cfg, static_grid=bool(static_grid))
     m, k = lhs.shape
@@ -354,6 +379,6 @@ def ragged_dot(
         return reference.ragged_dot_reference(
             jnp.zeros((m, 1), lhs.dtype), unit_rhs, group_sizes, preferred_element_type=cfg.out_dtype,
             rhs_transposed=rhs_transposed, group_offset=group_offset, num_local_groups=cfg.num_local_groups,
-            bias=bias, activation=activation, gated=gated,
+            bias=bias, activation=activation, gated=gated, row_scale=row_scale,
         )
-    return _ragged_dot(cfg, lhs, rhs, bias, group_sizes, group_offset)
+    return _ragged_dot(cfg, lhs, rhs, bias, row_scale, group_sizes, group_offset)

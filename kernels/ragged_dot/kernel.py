@@ -86,14 +86,15 @@ def _precision(dtype):
 
 
 def _forward_kernel(
-    meta_ref, lhs_ref, *refs, V, tm, tk, k, tiles_k, transposed, gated, activation, num_bias, compute_dtype,
-    static_grid,
+    meta_ref, lhs_ref, *refs, V, tm, tk, k, tiles_k, transposed, gated, activation, num_bias, has_row_scale,
+    compute_dtype, static_grid,
 ):
     n_rhs = 2 if gated == "concatenated" else 1
     rhs_refs = refs[:n_rhs]
     bias_refs = refs[n_rhs : n_rhs + num_bias]
-    out_ref = refs[n_rhs + num_bias]
-    acc_refs = refs[n_rhs + num_bias + 1 :]
+    scale_ref = refs[n_rhs + num_bias] if has_row_scale else None
+    out_ref = refs[n_rhs + num_bias + has_row_scale]
+    acc_refs = refs[n_rhs + num_bias + has_row_scale + 1 :]
     v = pl.program_id(1)
     kk = pl.program_id(2)
     tile = meta_ref[F_TILE * V + v]
@@ -136,6 +137,8 @@ def _forward_kernel(
             r = _activation(parts[0], activation)
         else:
             r = _activation(parts[0], activation) * parts[1]
+        if has_row_scale:
+            r = r * scale_ref[...]  # (tm, 1) f32: one factor per row (the MoE routing weight)
         start = tile * tm
         whole = jnp.logical_and(lo <= start, hi >= start + tm)
 
@@ -198,9 +201,11 @@ def ragged_dot_forward(
     bias=(),
     gated=None,
     activation=None,
+    row_scale=None,
     static_grid=False,
 ):
-    """out [M, n_out] = per-visit masked lhs @ rhs[group] (+ bias, epilogue). Arguments are validated by api.py.
+    """out [M, n_out] = per-visit masked lhs @ rhs[group] (+ bias, epilogue) (x row_scale). Arguments are validated
+    by api.py. row_scale: None or [M, 1] f32, multiplying each row's result last.
 
     rhs: [Gr, K, N] or [Gr, N, K] (rhs_transposed). gated None: n_out = N. gated "concatenated": n_out = N / 2, the
     gate is rhs columns [0, n_out) and up [n_out, N), read as two block streams of the same array (tn must divide
@@ -253,12 +258,16 @@ def ragged_dot_forward(
     for b in bias:
         in_specs.append(pl.BlockSpec((None, 1, tn), bias_map))
         operands.append(b)
+    if row_scale is not None:
+        in_specs.append(pl.BlockSpec((tm, 1), lambda n, v, kk, meta: (meta[F_TILE * V + v], 0)))
+        operands.append(row_scale)
     streams = 2 if gated else 1
     scratch = [pltpu.VMEM((tm, tn), jnp.float32) for _ in range(streams)] if tiles_k > 1 else []
     compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     kernel = functools.partial(
         _forward_kernel, V=V, tm=tm, tk=tk, k=k, tiles_k=tiles_k, transposed=rhs_transposed, gated=gated,
-        activation=activation, num_bias=len(bias), compute_dtype=compute_dtype, static_grid=static_grid,
+        activation=activation, num_bias=len(bias), has_row_scale=row_scale is not None, compute_dtype=compute_dtype,
+        static_grid=static_grid,
     )
     grid_v = V if static_grid else nv
     rhs_bytes = num_local_groups * k * n_full * rhs.dtype.itemsize

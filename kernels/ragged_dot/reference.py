@@ -40,8 +40,10 @@ def ragged_dot_reference(
     bias=None,
     activation=None,
     gated=None,
+    row_scale=None,
 ):
-    """lhs [M, K]; rhs [Gr, K, N] ([Gr, N, K] if rhs_transposed), Gr = G or num_local_groups; bias [Gr, N] or None.
+    """lhs [M, K]; rhs [Gr, K, N] ([Gr, N, K] if rhs_transposed), Gr = G or num_local_groups; bias [Gr, N] or None;
+    row_scale [M] or None multiplies each output row last.
 
     gated: None, "concatenated" (columns [0, N/2) are the gate, [N/2, N) the up projection) or "interleaved"
     (gate at even columns, up at odd ones): the output is act(gate) * up, of width N/2. Without gating, `activation`
@@ -76,5 +78,7 @@ def ragged_dot_reference(
         else:
             raise ValueError(f"gated: expected None, 'concatenated' or 'interleaved', got {gated!r}")
         res = activation_reference(gate, activation) * up
+    if row_scale is not None:
+        res = res * row_scale.astype(jnp.float32)[:, None]
     in_window = (local >= 0) & (local < n_local)
     return jnp.where(in_window[:, None], res, 0.0).astype(out_dtype)
