@@ -23,16 +23,19 @@ def kernel_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down
 
 
 def _composed(ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
-    """experts_forward's composition (route, gather, gate/up + epilogue, down, weight, combine) on `ragged_dot`."""
+    """experts_forward's grouped composition (route, gather, gate/up + epilogue, down, weight, combine) on
+    `ragged_dot`, with the same in-bounds row gathers as kernels/moe/api.py, so the comparison is of the grouped
+    matmuls (XLA's and tokamax's have no row-scale epilogue: the weighting is one XLA multiply, fused where XLA can)."""
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
     order, group_sizes = _moe.moe_api.route(top_k_index, gate_up_proj.shape[0])
-    x = jnp.take(hidden_states, order // top_k, axis=0)
+    x = hidden_states.at[order // top_k].get(mode="promise_in_bounds")
     h = _moe.gated_epilogue(ragged_dot(x, gate_up_proj, group_sizes, out_dtype=F32), activation, hidden_states.dtype)
     y = ragged_dot(h, down_proj, group_sizes, out_dtype=F32)
-    y = y * jnp.take(top_k_weights.reshape(-1).astype(F32), order)[:, None]
+    y = (y * top_k_weights.reshape(-1).astype(F32).at[order].get(mode="promise_in_bounds")[:, None])
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-    return jnp.take(y, inverse, axis=0).reshape(tokens, top_k, hidden).sum(axis=1).astype(hidden_states.dtype)
+    per_slot = y.astype(hidden_states.dtype).at[inverse].get(mode="promise_in_bounds")
+    return per_slot.reshape(tokens, top_k, hidden).astype(F32).sum(axis=1).astype(hidden_states.dtype)
 
 
 def xla_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
