@@ -27,15 +27,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..ragged_dot.kernel import _activation, _precision
+from ..ragged_dot.kernel import apply_activation, matmul_precision
 from . import touched
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightStream:
-    """One weight operand as the kernel reads it: `array` in its stored orientation, the axis holding the
-    intermediate dimension (1: sublanes, 2: lanes) and the block offset of this stream along it (the up half of a
-    concatenated gate/up sits I / tc blocks in)."""
+    """How the kernel reads one weight operand (in its stored orientation): the axis holding the intermediate
+    dimension (1: sublanes, 2: lanes) and the block offset of this stream along it (the up half of a concatenated
+    gate/up sits I / tc blocks in)."""
 
     i_axis: int
     block_offset: int = 0
@@ -58,7 +58,7 @@ def _weight_spec(array_shape, stream: WeightStream, tc: int):
 def _contract(a, block, a_axis, block_axis, compute_dtype):
     return jax.lax.dot_general(
         a.astype(compute_dtype), block.astype(compute_dtype), (((a_axis,), (block_axis,)), ((), ())),
-        preferred_element_type=jnp.float32, precision=_precision(compute_dtype),
+        preferred_element_type=jnp.float32, precision=matmul_precision(compute_dtype),
     )
 
 
@@ -90,7 +90,7 @@ def _fused_kernel(
     # x [T, H] against a block with H on the axis other than the intermediate one.
     parts = [_contract(x, r[...], 1, 3 - s.i_axis - 1, up_dtype) for r, s in zip(up_refs, up_streams)]
     parts = [p + b[...].astype(jnp.float32) for p, b in zip(parts, up_bias_refs)] if num_up_bias else parts
-    h = _activation(parts[0], activation)
+    h = apply_activation(parts[0], activation)
     if len(parts) == 2:
         h = h * parts[1]
     # The grouped path writes act(gate) * up in the activations' dtype before the down matmul; so does this one.

@@ -1,4 +1,4 @@
-"""The experts a small batch touches, as a scalar Pallas kernel: the visit list of the fused small-batch kernel.
+"""The experts a small batch touches, as a small vector Pallas kernel: the visit list of the small-batch kernel.
 
 top_k_index [T, k] -> (experts [num_experts], count): experts[:count] are the distinct ids in [0, num_experts),
 ascending; ids outside that range (expert-parallel sentinels) are skipped; slots past count hold 0, a valid block
@@ -10,7 +10,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 
 def _touched_kernel(idx_ref, experts_ref, count_ref, *, num_experts):

@@ -70,7 +70,7 @@ def transposed_metadata(group_sizes, *, m, tm, group_offset, num_local_groups):
     return meta, nv.astype(jnp.int32), V
 
 
-def _activation(x, activation):
+def apply_activation(x, activation):
     if activation is None:
         return x
     if activation == "silu":
@@ -81,7 +81,7 @@ def _activation(x, activation):
     raise ValueError(f"activation: unsupported {activation!r}")
 
 
-def _precision(dtype):
+def matmul_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
@@ -125,7 +125,7 @@ def _forward_kernel(
             w = mask_k(w.astype(compute_dtype), 1 if transposed else 0)
             outs.append(
                 jax.lax.dot_general(
-                    x, w, dims, preferred_element_type=jnp.float32, precision=_precision(compute_dtype)
+                    x, w, dims, preferred_element_type=jnp.float32, precision=matmul_precision(compute_dtype)
                 )
             )
         return outs
@@ -134,9 +134,9 @@ def _forward_kernel(
         if num_bias:
             parts = [p + b[...].astype(jnp.float32) for p, b in zip(parts, bias_refs)]
         if gated is None:
-            r = _activation(parts[0], activation)
+            r = apply_activation(parts[0], activation)
         else:
-            r = _activation(parts[0], activation) * parts[1]
+            r = apply_activation(parts[0], activation) * parts[1]
         if has_row_scale:
             r = r * scale_ref[...]  # (tm, 1) f32: one factor per row (the MoE routing weight)
         start = tile * tm
@@ -316,7 +316,7 @@ def _transposed_kernel(meta_ref, a_ref, b_ref, out_ref, acc_ref, *, V, tm, compu
         b = jnp.where(mask, b_ref[...].astype(jnp.float32), 0.0).astype(compute_dtype)
         acc_ref[...] += jax.lax.dot_general(
             a.T, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-            precision=_precision(compute_dtype),
+            precision=matmul_precision(compute_dtype),
         )
 
     @pl.when(last)
