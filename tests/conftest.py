@@ -26,7 +26,7 @@ if importlib.util.find_spec("torch") is None:
     collect_ignore_glob = ["test_*_torch.py", "test_hub_package.py", "test_benchmarks.py"]
 
 from hub import hub_root  # noqa: E402,F401  (shared fixtures)
-from ladder import COMPILE_STATS, rand  # noqa: E402,F401
+from ladder import COMPILE_STATS, moe_path, rand  # noqa: E402,F401
 
 
 def pytest_sessionfinish(session, exitstatus):

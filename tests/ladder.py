@@ -69,6 +69,23 @@ def rand():
     return RandomInputs()
 
 
+@pytest.fixture(params=["grouped", "small_batch"])
+def moe_path(request, monkeypatch):
+    """Force experts_forward's path (JAX and torch): the grouped matmuls at any batch, or the small-batch kernel at
+    any batch with the smallest legal intermediate chunks (several grid steps per expert). jit caches are cleared:
+    the path is chosen at trace time, and the torch ops keep one jitted function per shape."""
+    from tpu_kernels._pallas.moe import tuning
+
+    if request.param == "grouped":
+        monkeypatch.setattr(tuning, "SMALL_BATCH_MAX_TOKENS", {g: 0 for g in GENERATIONS})
+    else:
+        monkeypatch.setattr(tuning, "SMALL_BATCH_MAX_TOKENS", {g: 1 << 20 for g in GENERATIONS})
+        monkeypatch.setattr(tuning, "STEP_BYTES", 1)
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()
+
+
 # ---------------------------------------------------------------------------------------------------------- rung 1
 def races_found() -> bool:
     state = getattr(_interpret_state, "races", None)

@@ -78,18 +78,6 @@ GROUPED_ONLY = {"t7-interleaved-silu-bias-f32", "t64-interleaved-gelu-bf16-trans
 SMALL_BATCH_KERNEL, GROUPED_KERNEL = "moe_experts_small_batch", "ragged_dot_fwd"
 
 
-@pytest.fixture(params=["grouped", "small_batch"])
-def moe_path(request, monkeypatch):
-    """Force experts_forward's path: the grouped matmuls at any batch, or the small-batch kernel at any batch with
-    the smallest legal intermediate chunks (several grid steps per expert)."""
-    if request.param == "grouped":
-        monkeypatch.setattr(moe_tuning, "SMALL_BATCH_MAX_TOKENS", {g: 0 for g in ladder.GENERATIONS})
-    else:
-        monkeypatch.setattr(moe_tuning, "SMALL_BATCH_MAX_TOKENS", {g: 1 << 20 for g in ladder.GENERATIONS})
-        monkeypatch.setattr(moe_tuning, "STEP_BYTES", 1)
-    return request.param
-
-
 def assert_path(fn, args, path):
     """The traced program holds the kernels of `path` and not the other's."""
     text = str(jax.make_jaxpr(fn)(*args))

@@ -1,5 +1,6 @@
 """Ragged dot and MoE experts_forward, torch side: op checks, autograd, transformers' experts interface in tiny random
-Qwen3-MoE and Gemma 4 models (same logits as "eager", same greedy tokens), and bad input."""
+Qwen3-MoE and Gemma 4 models (same logits as "eager", same greedy tokens), and bad input. The experts_forward checks
+run on both of its paths (the `moe_path` fixture: grouped matmuls, small-batch kernel)."""
 import numpy as np
 import pytest
 import torch
@@ -114,7 +115,7 @@ def _dense_experts(experts, x, index, weights):
 
 @pytest.mark.parametrize("has_bias", [False, True])
 @pytest.mark.parametrize("is_transposed", [False, True])
-def test_experts_forward_matches_dense_experts_with_sentinels(rand, has_bias, is_transposed):
+def test_experts_forward_matches_dense_experts_with_sentinels(rand, has_bias, is_transposed, moe_path):
     experts = _experts_module(rand, has_bias=has_bias, is_transposed=is_transposed)
     x = _randn(rand, 9, experts.gate_up_proj.shape[2 if not is_transposed else 1])
     index, weights = _routing(rand, 9, experts.num_experts, 3, sentinels=True)
@@ -132,7 +133,7 @@ def test_experts_forward_op_checks(rand):
     ladder.check_torch_op(moe_ops.experts_forward_op, args, expected_shapes=[(6, 128)])
 
 
-def test_experts_forward_autograd_matches_eager(rand):
+def test_experts_forward_autograd_matches_eager(rand, moe_path):
     """Gradients for hidden states, routing weights and both expert weights equal those of transformers' eager."""
     experts = _experts_module(rand, has_bias=True)
     x = _randn(rand, 7, 128).requires_grad_()
@@ -161,7 +162,7 @@ def _logits(model, tokens, implementation):
 
 
 @pytest.mark.parametrize("model_name", MODELS)
-def test_model_logits_match_eager_f32(rand, model_name):
+def test_model_logits_match_eager_f32(rand, model_name, moe_path):
     model = MODELS[model_name](rand.seed)
     tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (2, 13)))
     expected = _logits(model, tokens, "eager")
@@ -171,7 +172,7 @@ def test_model_logits_match_eager_f32(rand, model_name):
 
 
 @pytest.mark.parametrize("model_name", MODELS)
-def test_model_logits_in_bf16_are_as_accurate_as_eager(rand, model_name):
+def test_model_logits_in_bf16_are_as_accurate_as_eager(rand, model_name, moe_path):
     """In bf16 two implementations round at different places, so their logits differ by bf16 noise through the whole
     model. The meaningful check: against the f32 model, our bf16 logits are no less accurate than eager's."""
     model = MODELS[model_name](rand.seed)
