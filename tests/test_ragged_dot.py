@@ -450,6 +450,12 @@ def _down(lhs, rhs, sizes):
     return api.ragged_dot(lhs, rhs, sizes, rhs_transposed=True, preferred_element_type=F32)
 
 
+def _down_weighted(lhs, rhs, sizes, scale):
+    """The down grouped matmul as experts_forward's grouped path runs it: rows scaled by their routing weights in
+    the epilogue, written in bf16."""
+    return api.ragged_dot(lhs, rhs, sizes, rhs_transposed=True, row_scale=scale, preferred_element_type=BF16)
+
+
 PREFILL = [(model, rows) for model in MOE_MODELS for rows in RAGGED_DOT_PREFILL_ROWS]
 
 
@@ -465,6 +471,8 @@ def test_prefill_grouped_matmuls_compile_for_tpu(generation, model, rows):
                            label=f"ragged_dot gate_up {model}", activation=dims["activation"])
     ladder.compile_for_tpu(_down, generation, ((rows, i), BF16), ((MOE_EXPERTS, h, i), BF16), sizes,
                            label=f"ragged_dot down {model}")
+    ladder.compile_for_tpu(_down_weighted, generation, ((rows, i), BF16), ((MOE_EXPERTS, h, i), BF16), sizes,
+                           ((rows,), F32), label=f"ragged_dot down with row scale {model}")
 
 
 def test_metadata_kernel_equals_the_jax_visit_list(rand):
