@@ -163,6 +163,16 @@ def test_sentinels_contribute_nothing(rand, moe_path):
     ladder.assert_close(out_sentinel, out_zero_weight, dtype=F32, **F32_TOL, context=repr(rand))
 
 
+def test_every_slot_a_sentinel_gives_zeros(rand, moe_path):
+    """A shard that holds none of the routed experts: the output is exactly zero, biases included."""
+    args, kw = _case_args(rand, CASES[1])
+    x, index, w, gate_up, down, gate_up_bias, down_bias = args
+    sentinels = jnp.full_like(index, gate_up.shape[0]) + jnp.asarray(rand.rng.integers(0, 5, index.shape), jnp.int32)
+    fn = jax.jit(functools.partial(tk.experts_forward, **kw))
+    out = ladder.run_interpreted(fn, x, sentinels, w, gate_up, down, gate_up_bias, down_bias)
+    assert out.shape == x.shape and bool(jnp.all(out == 0)), "sentinel-only routing produced nonzero output"
+
+
 def test_no_tokens(rand):
     x = rand.normal((0, 128), BF16)
     index, w = jnp.zeros((0, 2), jnp.int32), jnp.zeros((0, 2), BF16)
