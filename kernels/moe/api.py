@@ -125,10 +125,9 @@ def experts_forward(
     if tokens * top_k == 0:
         return jnp.zeros((tokens, hidden), hidden_states.dtype)
     plan = tuning.plan_small_batch(
-        tokens, top_k, hidden, intermediate, gate_up_shape=gate_up_proj.shape, down_shape=down_proj.shape,
+        tokens, hidden, intermediate, gate_up_shape=gate_up_proj.shape, down_shape=down_proj.shape,
         weights_transposed=weights_transposed, gate_layout=gate_layout, has_gate_up_bias=gate_up_bias is not None,
-        has_down_bias=down_bias is not None, hidden_dtype=hidden_states.dtype, weight_dtype=gate_up_proj.dtype,
-        down_dtype=down_proj.dtype,
+        hidden_dtype=hidden_states.dtype, weight_dtype=gate_up_proj.dtype, down_dtype=down_proj.dtype,
     )
     layout = _Layout(activation=activation, gate_layout=gate_layout, weights_transposed=weights_transposed,
                      intermediate=intermediate)

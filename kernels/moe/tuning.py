@@ -54,8 +54,8 @@ def _legal(tc: int, i_axis: int, dim: int, sublanes: int) -> bool:
 
 
 def plan_small_batch(
-    tokens: int, top_k: int, hidden: int, intermediate: int, *, gate_up_shape, down_shape, weights_transposed: bool,
-    gate_layout, has_gate_up_bias: bool, has_down_bias: bool, hidden_dtype, weight_dtype, down_dtype=None,
+    tokens: int, hidden: int, intermediate: int, *, gate_up_shape, down_shape, weights_transposed: bool,
+    gate_layout, has_gate_up_bias: bool, hidden_dtype, weight_dtype, down_dtype=None,
     info: pltpu.TpuInfo | None = None,
 ) -> SmallBatchPlan | None:
     info = info or chip.current_tpu_info()
@@ -92,6 +92,6 @@ def plan_small_batch(
         return None
     up_streams = (WeightStream(up_axis, 0), WeightStream(up_axis, intermediate // tc)) if gate_layout else (
         WeightStream(up_axis, 0),)
-    limit = min(int(info.vmem_capacity_bytes * 0.75), max(working_set * 3 // 2 + (2 << 20), 16 << 20))
+    limit = chip.scoped_vmem_limit(info, working_set, ragged_dot_tuning.VMEM_SLACK_BYTES)
     return SmallBatchPlan(swap_gate_up=swap_up, swap_down=swap_down, up_streams=up_streams, down_i_axis=down_axis,
                           tc=tc, vmem_limit_bytes=limit)

@@ -39,6 +39,8 @@ TM_MIN = 128
 TM_MIN_TRANSPOSED = {"v5e": 128, "v6e": 256, "v7x": 256}
 # Share of the core's VMEM the working set may use (v7x has 64 MiB per core, v5e/v6e 128 MiB).
 VMEM_SHARE = {"v5e": 0.35, "v6e": 0.35, "v7x": 0.4}
+# Scoped VMEM these kernels (and the MoE small-batch kernel) ask for beyond their working set's 50 % headroom.
+VMEM_SLACK_BYTES = 2 << 20
 # f32 (tm, tn) temporaries live in the kernel body besides the accumulator (dot result, epilogue values).
 F32_TEMPORARIES = 3
 
@@ -171,7 +173,7 @@ def choose_blocks(
 
 
 def _blocks(tm, tk, tn, ws, info):
-    limit = min(int(info.vmem_capacity_bytes * 0.75), max(ws * 3 // 2 + (2 << 20), 16 << 20))
+    limit = chip.scoped_vmem_limit(info, ws, VMEM_SLACK_BYTES)
     return RaggedDotBlocks(tm=tm, tk=tk, tn=tn, vmem_limit_bytes=limit)
 
 
@@ -199,10 +201,8 @@ def choose_transposed_blocks(
     for tp in tp_options:
         for tq in tq_options:
             if working_set(tp, tq) <= budget:
-                ws = working_set(tp, tq)
-                limit = min(int(info.vmem_capacity_bytes * 0.75), max(ws * 3 // 2 + (2 << 20), 16 << 20))
+                limit = chip.scoped_vmem_limit(info, working_set(tp, tq), VMEM_SLACK_BYTES)
                 return TransposedBlocks(tm=tm, tp=tp, tq=tq, vmem_limit_bytes=limit)
     tp, tq = tp_options[-1], tq_options[-1]
-    ws = working_set(tp, tq)
-    limit = min(int(info.vmem_capacity_bytes * 0.75), max(ws * 3 // 2 + (2 << 20), 16 << 20))
+    limit = chip.scoped_vmem_limit(info, working_set(tp, tq), VMEM_SLACK_BYTES)
     return TransposedBlocks(tm=tm, tp=tp, tq=tq, vmem_limit_bytes=limit)

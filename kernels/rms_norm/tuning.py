@@ -51,5 +51,5 @@ def choose_blocks(rows: int, hidden: int, dtype, *, streams: int, info: pltpu.Tp
     if block_rows >= rows:
         block_rows = rows  # one block covering every row: a block equal to the full dimension is always legal
     working_set = block_rows * bytes_per_row + 2 * 2 * hidden * 4  # + the (1, hidden) weight, double-buffered
-    vmem_limit = min(int(info.vmem_capacity_bytes * 0.75), max(working_set * 3 // 2, 16 << 20))
+    vmem_limit = chip.scoped_vmem_limit(info, working_set)
     return RmsNormBlocks(block_rows=block_rows, vmem_limit_bytes=vmem_limit)

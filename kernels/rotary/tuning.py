@@ -132,5 +132,5 @@ def choose_blocks(
             f"{smallest * vmem_per_token} bytes of VMEM, over the {vmem_budget} it may use on {generation}"
         )
     working_set = block_batch * block_seq * vmem_per_token
-    vmem_limit = min(int(info.vmem_capacity_bytes * 0.75), max(working_set * 3 // 2, 16 << 20))
+    vmem_limit = chip.scoped_vmem_limit(info, working_set)
     return RotaryBlocks(block_batch=block_batch, block_seq=block_seq, vmem_limit_bytes=vmem_limit)
