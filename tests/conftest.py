@@ -9,6 +9,8 @@ import pathlib
 import sys
 import types
 
+import pytest
+
 import environment
 
 environment.apply()
@@ -27,6 +29,17 @@ if importlib.util.find_spec("torch") is None:
 
 from hub import hub_root  # noqa: E402,F401  (shared fixtures)
 from ladder import COMPILE_STATS, moe_path, rand  # noqa: E402,F401
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Every failure of a test that drew random inputs names its seed, whatever assertion failed."""
+    report = yield
+    rand = getattr(item, "funcargs", {}).get("rand")
+    if report.failed and rand is not None:
+        report.sections.append(("random inputs", f"{rand!r}; replay: TPU_KERNELS_TEST_SEED={rand.seed} pytest "
+                                                 f"'{item.nodeid}'"))
+    return report
 
 
 def pytest_sessionfinish(session, exitstatus):

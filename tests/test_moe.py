@@ -182,13 +182,6 @@ def test_no_tokens(rand):
 
 
 # ------------------------------------------------------------------------------------------------ gradients
-def _loss(out, cotangent=None):
-    """<out, cotangent> with a fixed random cotangent (the same for kernel and reference)."""
-    if cotangent is None:
-        return jnp.sum(jnp.sin(out.astype(F32)))  # export / compile only
-    return jnp.sum(out.astype(F32) * cotangent)
-
-
 GRAD_CASES = [CASES[1], CASES[5]]  # f32 concatenated + biases; bf16 ungated + biases + sentinels
 
 
@@ -200,8 +193,8 @@ def test_experts_forward_gradients(rand, case, moe_path):
     has_bias = args[5] is not None
     argnums = (0, 2, 3, 4, 5, 6) if has_bias else (0, 2, 3, 4)
     cotangent = rand.normal(args[0].shape)
-    kernel_grad = jax.grad(lambda *a: _loss(tk.experts_forward(*a[:-1], **kw), a[-1]), argnums=argnums)
-    ref_grad = jax.grad(lambda *a: _loss(experts_forward_reference(*a[:-1], **kw), a[-1]), argnums=argnums)
+    kernel_grad = jax.grad(lambda *a: ladder.vjp_loss(tk.experts_forward(*a[:-1], **kw), a[-1]), argnums=argnums)
+    ref_grad = jax.grad(lambda *a: ladder.vjp_loss(experts_forward_reference(*a[:-1], **kw), a[-1]), argnums=argnums)
     actual = ladder.run_interpreted(jax.jit(kernel_grad), *args, cotangent)
     expected = jax.jit(ref_grad)(*args, cotangent)
     names = ["d hidden_states", "d top_k_weights", "d gate_up_proj", "d down_proj", "d gate_up_bias", "d down_bias"]
@@ -281,7 +274,7 @@ def test_export_for_tpu():
     ladder.export_for_tpu(api.experts_forward, *args, activation="gelu_tanh", gate_layout="interleaved")
     biases = (spec((MOE_EXPERTS, 2 * 768), BF16), spec((MOE_EXPERTS, 2048), BF16))
     ladder.export_for_tpu(api.experts_forward, *args, *biases, activation="silu")
-    grad = jax.grad(lambda *a: _loss(api.experts_forward(*a, activation="silu")), argnums=(0, 2, 3, 4))
+    grad = jax.grad(lambda *a: ladder.vjp_loss(api.experts_forward(*a, activation="silu")), argnums=(0, 2, 3, 4))
     ladder.export_for_tpu(grad, *args)
 
 

@@ -247,14 +247,6 @@ def test_fused_epilogue_matches_reference(rand, block_regime, case):
 
 
 # ------------------------------------------------------------------------------------------------ gradients
-def _loss(out, cotangent=None):
-    """<out, cotangent>: the vjp with a fixed random cotangent, the same for kernel and reference (a cotangent that
-    depends on the output, such as that of sum(sin(out)), would differ wherever the two outputs differ by an ulp)."""
-    if cotangent is None:
-        return jnp.sum(jnp.sin(out.astype(F32)))  # export / compile only
-    return jnp.sum(out.astype(F32) * cotangent)
-
-
 # (id, M, K, N, groups, dtype, rhs_transposed, bias, activation, gated, window, static_grid)
 GRAD_CASES = [
     ("f32-bias", 56, 128, 256, 5, F32, False, True, None, None, None, False),
@@ -283,9 +275,10 @@ def test_gradients_match_reference(rand, block_regime, case):
     cotangent = rand.normal((m, n // 2 if gated else n))
     argnums = (0, 1, 3) if with_bias else (0, 1)
     kernel_grad = jax.grad(
-        lambda l, r, s, b, c: _loss(tk.ragged_dot(l, r, s, bias=b, static_grid=static_grid, **kw), c),
+        lambda l, r, s, b, c: ladder.vjp_loss(tk.ragged_dot(l, r, s, bias=b, static_grid=static_grid, **kw), c),
         argnums=argnums)
-    ref_grad = jax.grad(lambda l, r, s, b, c: _loss(ragged_dot_reference(l, r, s, bias=b, **kw), c), argnums=argnums)
+    ref_grad = jax.grad(lambda l, r, s, b, c: ladder.vjp_loss(ragged_dot_reference(l, r, s, bias=b, **kw), c),
+                        argnums=argnums)
     actual = ladder.run_interpreted(jax.jit(kernel_grad), lhs, rhs, sizes, bias, cotangent)
     expected = jax.jit(ref_grad)(lhs, rhs, sizes, bias, cotangent)
     # d rhs and d bias sum over a group's rows: bf16 inputs carry their rounding into those sums.
@@ -329,10 +322,11 @@ def test_row_scale_and_its_gradient(rand, block_regime, case):
     assert bool(jnp.all(out[m - 3:] == 0)), "tail rows are not exactly zero"
     cotangent = rand.normal(out.shape)
     argnums = (0, 1, 3, 4) if with_bias else (0, 1, 4)
-    kernel_grad = jax.grad(lambda l, r, sz, b, sc, c: _loss(tk.ragged_dot(l, r, sz, bias=b, row_scale=sc, **kw), c),
-                           argnums=argnums)
+    kernel_grad = jax.grad(
+        lambda l, r, sz, b, sc, c: ladder.vjp_loss(tk.ragged_dot(l, r, sz, bias=b, row_scale=sc, **kw), c),
+        argnums=argnums)
     ref_grad = jax.grad(
-        lambda l, r, sz, b, sc, c: _loss(ragged_dot_reference(l, r, sz, bias=b, row_scale=sc, **kw), c),
+        lambda l, r, sz, b, sc, c: ladder.vjp_loss(ragged_dot_reference(l, r, sz, bias=b, row_scale=sc, **kw), c),
         argnums=argnums)
     actual = ladder.run_interpreted(jax.jit(kernel_grad), lhs, rhs, sizes, bias, scale, cotangent)
     expected = jax.jit(ref_grad)(lhs, rhs, sizes, bias, scale, cotangent)
@@ -431,7 +425,7 @@ def test_export_for_tpu():
     ladder.export_for_tpu(lambda l, r, s, o: api.ragged_dot(l, r, s, group_offset=o, num_local_groups=16),
                           lhs, spec((16, 2048, 768), BF16), sizes, spec((), jnp.int32))
     grad = jax.grad(
-        lambda l, r, s, b: _loss(api.ragged_dot(l, r, s, bias=b, rhs_transposed=True, activation="silu",
+        lambda l, r, s, b: ladder.vjp_loss(api.ragged_dot(l, r, s, bias=b, rhs_transposed=True, activation="silu",
                                                 gated="concatenated")),
         argnums=(0, 1, 3),
     )
@@ -549,10 +543,10 @@ def test_backward_compiles_for_tpu(generation, model, op, rows):
     dims = MOE_MODELS[model]
     h, i = dims["hidden"], dims["intermediate"]
     if op == "gate_up":
-        fn = lambda l, r, s: _loss(_gate_up(l, r, s, activation=dims["activation"]))  # noqa: E731
+        fn = lambda l, r, s: ladder.vjp_loss(_gate_up(l, r, s, activation=dims["activation"]))  # noqa: E731
         lhs, rhs = ((rows, h), BF16), ((MOE_EXPERTS, 2 * i, h), BF16)
     else:
-        fn = lambda l, r, s: _loss(_down(l, r, s))  # noqa: E731
+        fn = lambda l, r, s: ladder.vjp_loss(_down(l, r, s))  # noqa: E731
         lhs, rhs = ((rows, i), BF16), ((MOE_EXPERTS, h, i), BF16)
     ladder.compile_for_tpu(jax.grad(fn, argnums=(0, 1)), generation, lhs, rhs, ((MOE_EXPERTS,), jnp.int32),
                            label=f"ragged_dot {op} backward {model}")

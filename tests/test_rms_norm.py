@@ -74,22 +74,17 @@ def test_zero_rows_give_an_empty_result(rand, fn):
         assert out.shape == (0, 256) and out.dtype == jnp.bfloat16
 
 
-def _loss(out):
-    """A scalar that weighs every output element differently, so each gradient element matters."""
-    leaves = jax.tree_util.tree_leaves(out)
-    return sum(jnp.sum(jnp.sin(3.0 * leaf.astype(jnp.float32))) for leaf in leaves)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("with_weight", [True, False])
 def test_rms_norm_gradients(rand, block_regime, dtype, with_weight):
     x = rand.normal((45, 384), dtype, scale=2.0)
     weight = rand.normal((384,), dtype) if with_weight else None
     argnums = (0, 1) if with_weight else (0,)
-    kernel_grad = jax.grad(lambda x, w: _loss(tk.rms_norm(x, w, 1e-5, weight_offset=0.5)), argnums=argnums)
-    ref_grad = jax.grad(
-        lambda x, w: _loss(rms_norm_reference(x, w, 1e-5, weight_offset=0.5)), argnums=argnums
-    )
+    cot = rand.cotangents(lambda x, w: rms_norm_reference(x, w, 1e-5, weight_offset=0.5), x, weight)
+    kernel_grad = jax.grad(lambda x, w: ladder.vjp_loss(tk.rms_norm(x, w, 1e-5, weight_offset=0.5), cot),
+                           argnums=argnums)
+    ref_grad = jax.grad(lambda x, w: ladder.vjp_loss(rms_norm_reference(x, w, 1e-5, weight_offset=0.5), cot),
+                        argnums=argnums)
     actual = ladder.run_interpreted(jax.jit(kernel_grad), x, weight)
     expected = ref_grad(x, weight)
     # The weight gradient sums over every row: bf16 inputs carry their rounding into a long f32 sum.
@@ -103,15 +98,10 @@ def test_fused_add_rms_norm_gradients(rand, block_regime, dtype):
     x = rand.normal((33, 256), dtype)
     residual = rand.normal((33, 256), dtype)
     weight = rand.normal((256,), jnp.float32)
-    # Fixed random cotangents, the same for both: a cotangent computed from the output (sin of it) differs wherever
-    # the two bf16 outputs differ by an ulp, which seed 1911656045 turned into a 0.14 gap in one d x element.
-    cotangents = (rand.normal((33, 256)), rand.normal((33, 256)))
-
-    def vjp_loss(outs):
-        return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(jax.tree_util.tree_leaves(outs), cotangents))
-
-    kernel_grad = jax.grad(lambda x, r, w: vjp_loss(tk.fused_add_rms_norm(x, r, w)), argnums=(0, 1, 2))
-    ref_grad = jax.grad(lambda x, r, w: vjp_loss(fused_add_rms_norm_reference(x, r, w)), argnums=(0, 1, 2))
+    cot = rand.cotangents(fused_add_rms_norm_reference, x, residual, weight)
+    kernel_grad = jax.grad(lambda x, r, w: ladder.vjp_loss(tk.fused_add_rms_norm(x, r, w), cot), argnums=(0, 1, 2))
+    ref_grad = jax.grad(lambda x, r, w: ladder.vjp_loss(fused_add_rms_norm_reference(x, r, w), cot),
+                        argnums=(0, 1, 2))
     actual = ladder.run_interpreted(jax.jit(kernel_grad), x, residual, weight)
     expected = ref_grad(x, residual, weight)
     for name, a, e in zip(["d x", "d residual", "d weight"], actual, expected):
@@ -167,7 +157,8 @@ def test_export_for_tpu(dtype):
     ladder.export_for_tpu(api.rms_norm, x, None)
     ladder.export_for_tpu(api.fused_add_rms_norm, x, x, w)
     ladder.export_for_tpu(api.rms_norm_backward, x, x, w)
-    ladder.export_for_tpu(jax.grad(lambda x, r, w: _loss(api.fused_add_rms_norm(x, r, w)), argnums=(0, 1, 2)), x, x, w)
+    grad = jax.grad(lambda x, r, w: ladder.vjp_loss(api.fused_add_rms_norm(x, r, w)), argnums=(0, 1, 2))
+    ladder.export_for_tpu(grad, x, x, w)
 
 
 BENCH_TOKENS = list(RMS_NORM_TOKENS)  # the benchmark shapes, declared once in benchmarks/shapes.py

@@ -29,11 +29,6 @@ def _shapes(layout, batch, seq, hq, hk, head_dim):
     return (batch, seq, hq, head_dim), (batch, seq, hk, head_dim)
 
 
-def _loss(out):
-    """A scalar that weighs every output element differently, so each gradient element matters."""
-    return sum(jnp.sum(jnp.sin(3.0 * leaf.astype(jnp.float32))) for leaf in jax.tree_util.tree_leaves(out))
-
-
 # (id, layout, batch, seq, q heads, k heads, head_dim, rotary_dim, interleaved, dtype, cos dtype, cos batch)
 CASES = [
     ("qwen3-like", "bhsd", 2, 24, 4, 2, 128, 128, False, BF16, BF16, 1),
@@ -87,8 +82,10 @@ def test_apply_rotary_gradients(rand, case):
     args = (rand.normal(q_shape, dtype), rand.normal(k_shape, dtype), rand.normal((cos_batch, seq, rotary_dim), cos_dtype),
             rand.normal((cos_batch, seq, rotary_dim), cos_dtype))
     kw = dict(interleaved=interleaved, layout=layout)
-    kernel_grad = jax.grad(lambda *a: _loss(tk.apply_rotary(*a, **kw)), argnums=(0, 1, 2, 3))
-    ref_grad = jax.grad(lambda *a: _loss(reference.apply_rotary_reference(*a, **kw)), argnums=(0, 1, 2, 3))
+    cot = rand.cotangents(lambda *a: reference.apply_rotary_reference(*a, **kw), *args)
+    kernel_grad = jax.grad(lambda *a: ladder.vjp_loss(tk.apply_rotary(*a, **kw), cot), argnums=(0, 1, 2, 3))
+    ref_grad = jax.grad(lambda *a: ladder.vjp_loss(reference.apply_rotary_reference(*a, **kw), cot),
+                        argnums=(0, 1, 2, 3))
     actual = ladder.run_interpreted(jax.jit(kernel_grad), *args)
     expected = ref_grad(*args)
     # cos/sin gradients sum over heads (and the shared batch): a bf16 input carries its rounding into that sum.
@@ -142,8 +139,10 @@ def test_rms_norm_rope_gradients(rand, dtype):
     qw, kw_ = rand.normal((128,), dtype), rand.normal((128,), dtype)
     cos, sin = rand.normal((1, 16, 128), dtype), rand.normal((1, 16, 128), dtype)
     args = (q, k, qw, kw_, cos, sin)
-    kernel_grad = jax.grad(lambda *a: _loss(tk.rms_norm_rope(*a, eps=1e-5)), argnums=tuple(range(6)))
-    ref_grad = jax.grad(lambda *a: _loss(reference.rms_norm_rope_reference(*a, eps=1e-5)), argnums=tuple(range(6)))
+    cot = rand.cotangents(lambda *a: reference.rms_norm_rope_reference(*a, eps=1e-5), *args)
+    kernel_grad = jax.grad(lambda *a: ladder.vjp_loss(tk.rms_norm_rope(*a, eps=1e-5), cot), argnums=tuple(range(6)))
+    ref_grad = jax.grad(lambda *a: ladder.vjp_loss(reference.rms_norm_rope_reference(*a, eps=1e-5), cot),
+                        argnums=tuple(range(6)))
     actual = ladder.run_interpreted(jax.jit(kernel_grad), *args)
     expected = ref_grad(*args)
     for name, a, e in zip(["d q", "d k", "d q_weight", "d k_weight", "d cos", "d sin"], actual, expected):
@@ -198,11 +197,15 @@ def test_from_positions_layouts_norm_and_gradients(rand, layout, interleaved, dt
             q, k, qw, kw_, cos, sin, eps=1e-6, interleaved=interleaved, layout=layout),
         (q, k, qw, kw_, positions), dtype=dtype, rand=rand, names=["q", "k"],
     )
-    grad = jax.grad(lambda q, k: _loss(tk.apply_rotary_from_positions(q, k, positions, **opts)), argnums=(0, 1))
-    ref = jax.grad(lambda q, k: _loss(reference.apply_rotary_reference(
-        q, k, cos, sin, interleaved=interleaved, layout=layout)), argnums=(0, 1))
-    for a, e in zip(ladder.run_interpreted(jax.jit(grad), q, k), ref(q, k)):
-        ladder.assert_close(a, e, dtype=dtype, atol=5e-2 if dtype == BF16 else 1e-4)
+    def rotated(q, k):
+        return reference.apply_rotary_reference(q, k, cos, sin, interleaved=interleaved, layout=layout)
+
+    cot = rand.cotangents(rotated, q, k)
+    grad = jax.grad(lambda q, k: ladder.vjp_loss(tk.apply_rotary_from_positions(q, k, positions, **opts), cot),
+                    argnums=(0, 1))
+    ref = jax.grad(lambda q, k: ladder.vjp_loss(rotated(q, k), cot), argnums=(0, 1))
+    for name, a, e in zip(["d q", "d k"], ladder.run_interpreted(jax.jit(grad), q, k), ref(q, k)):
+        ladder.assert_close(a, e, dtype=dtype, atol=5e-2 if dtype == BF16 else 1e-4, what=name, context=repr(rand))
 
 
 # ------------------------------------------------------------------------------------------------------ bad input
@@ -314,8 +317,8 @@ def test_export_for_tpu():
     ladder.export_for_tpu(api.apply_rotary_backward, q, k, cos, cos, interleaved=True)
     ladder.export_for_tpu(api.rms_norm_rope, q, k, w, w, cos, cos)
     ladder.export_for_tpu(api.apply_rotary_from_positions, q, k, pos, theta=1e6)
-    ladder.export_for_tpu(jax.grad(lambda q, k, w, c: _loss(api.rms_norm_rope(q, k, w, w, c, c)), argnums=(0, 1, 2)),
-                          q, k, w, cos)
+    grad = jax.grad(lambda q, k, w, c: ladder.vjp_loss(api.rms_norm_rope(q, k, w, w, c, c)), argnums=(0, 1, 2))
+    ladder.export_for_tpu(grad, q, k, w, cos)
 
 
 # The benchmark shapes, declared once in benchmarks/shapes.py: (name, q heads, kv heads, head_dim, rotary_dim), and
