@@ -208,6 +208,62 @@ def test_from_positions_layouts_norm_and_gradients(rand, layout, interleaved, dt
         ladder.assert_close(a, e, dtype=dtype, atol=5e-2 if dtype == BF16 else 1e-4, what=name, context=repr(rand))
 
 
+# How the kernel reads positions and packs cos/sin (kernel.PositionsLayout): each case forces a token block and asserts
+# the layout it reached, so a tuning change cannot silently stop covering one.
+# (id, layout, batch, seq, positions rows, head_dim, rotary_dim, interleaved, norm, dtype, block_seq, mode, packing)
+POSITION_LAYOUTS = [
+    ("row-blocks-rows-ragged", "bhsd", 1, 320, 1, 128, None, False, True, BF16, 128, "row_blocks", "rows"),
+    ("row-chunks-decode", "bhsd", 256, 1, 256, 128, None, False, True, BF16, 32, "row_chunks", "none"),
+    ("row-chunks-lanes-decode", "bshd", 128, 1, 128, 256, None, False, False, F32, 64, "row_chunks", "lanes"),
+    ("row-blocks-interleaved", "bshd", 2, 256, 1, 128, None, True, False, F32, 128, "row_blocks", "none"),
+    ("row-blocks-lanes-whole-seq", "bhsd", 2, 128, 1, 256, None, False, True, F32, 128, "row_blocks", "lanes"),
+    ("column-rows-per-sequence", "bshd", 2, 256, 2, 128, None, False, True, F32, 128, "column", "rows"),
+    ("column-partial-rotary", "bhsd", 1, 48, 1, 128, 64, False, False, F32, 16, "column", "none"),
+    ("column-decode-ragged", "bhsd", 200, 1, 200, 128, None, False, False, F32, 32, "column", "none"),
+    ("row-blocks-rows-proportional", "bhsd", 1, 256, 1, 512, 128, False, True, BF16, 128, "row_blocks", "rows"),
+]
+
+
+@pytest.mark.parametrize("case", POSITION_LAYOUTS, ids=[c[0] for c in POSITION_LAYOUTS])
+def test_positions_layouts_and_cos_sin_packing(rand, monkeypatch, case):
+    _, layout, batch, seq, rows, head_dim, rotary_dim, interleaved, norm, dtype, ts, mode, packing = case
+    kernel = api.kernel
+    seen = []
+
+    def recording_layout(*args, **kwargs):
+        seen.append(original_layout(*args, **kwargs))
+        return seen[-1]
+
+    def forced_blocks(**kwargs):
+        blocks = original_blocks(**kwargs)
+        return tuning.RotaryBlocks(block_batch=1, block_seq=ts, vmem_limit_bytes=blocks.vmem_limit_bytes)
+
+    original_layout, original_blocks = kernel.positions_layout, tuning.choose_blocks
+    monkeypatch.setattr(kernel, "positions_layout", recording_layout)
+    monkeypatch.setattr(tuning, "choose_blocks", forced_blocks)
+    q_shape, k_shape = _shapes(layout, batch, seq, 4, 2, head_dim)
+    q, k = rand.normal(q_shape, dtype), rand.normal(k_shape, dtype)
+    qw, kw_ = rand.normal((head_dim,), F32), rand.normal((head_dim,), F32)
+    positions = rand.integers(0, 40000, (rows, seq) if seq > 1 else (rows, 1))
+    opts = dict(theta=1e4, interleaved=interleaved, rotary_dim=rotary_dim)
+    cos, sin = api.rope_cos_sin(positions, head_dim=head_dim, **opts)
+    ref_kw = dict(interleaved=interleaved, layout=layout)
+    if norm:
+        ladder.check_against_reference(
+            lambda *a: tk.rms_norm_rope_from_positions(*a, eps=1e-6, layout=layout, **opts),
+            lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(q, k, qw, kw_, cos, sin, eps=1e-6, **ref_kw),
+            (q, k, qw, kw_, positions), dtype=dtype, rand=rand, names=["q", "k"],
+            **(dict(rtol=1e-4, atol=1e-3) if dtype == F32 else {}),
+        )
+    else:
+        ladder.check_against_reference(
+            lambda q, k, p: tk.apply_rotary_from_positions(q, k, p, layout=layout, **opts),
+            lambda q, k, p: reference.apply_rotary_reference(q, k, cos, sin, **ref_kw),
+            (q, k, positions), dtype=dtype, rand=rand, rtol=1e-4, atol=1e-4, names=["q", "k"],
+        )
+    assert seen and {(s.mode, s.packing) for s in seen} == {(mode, packing)}, f"layouts reached: {seen}"
+
+
 # ------------------------------------------------------------------------------------------------------ bad input
 def _base(r):
     return dict(q=r.normal((2, 4, 8, 128)), k=r.normal((2, 2, 8, 128)), cos=r.normal((1, 8, 128)),

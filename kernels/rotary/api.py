@@ -253,7 +253,7 @@ def _position_tables(positions, inv_freq, interleaved, head_dim):
     inv = np.repeat(inv_freq, 2) if interleaved else np.concatenate([inv_freq, inv_freq])
     width = _table_width(len(inv), head_dim)
     inv = np.pad(inv, (0, width - len(inv))).astype(np.float32)
-    return positions.reshape(positions.shape + (1,)), jnp.asarray(inv.reshape(1, width))
+    return positions, jnp.asarray(inv.reshape(1, width))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -261,8 +261,8 @@ def _rope_positions(xs, ws, positions, cfg, inv_freq):
     live = [i for i, x in enumerate(xs) if x.size]
     result = list(xs)
     if live:
-        pos3d, inv = _position_tables(positions, np.asarray(inv_freq, np.float32), cfg.interleaved, xs[live[0]].shape[3])
-        outs = _run([xs[i] for i in live], [ws[i] for i in live] if cfg.norm else [], pos3d, inv, cfg)
+        pos, inv = _position_tables(positions, np.asarray(inv_freq, np.float32), cfg.interleaved, xs[live[0]].shape[3])
+        outs = _run([xs[i] for i in live], [ws[i] for i in live] if cfg.norm else [], pos, inv, cfg)
         for i, out in zip(live, outs):
             result[i] = out
     return tuple(result)

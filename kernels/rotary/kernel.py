@@ -44,6 +44,41 @@ class RopeConfig:
     weight_offset: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class PositionsLayout:
+    """How the kernel reads positions [Bp, Sp] (Sp = S, or 1 for one position shared by every token).
+
+    mode: "row_blocks": lane-major blocks (1, 1, ts) of the row (Bp = 1, ts % 128 == 0);
+          "row_chunks": the whole row (1, 1, S), fetched once (Bp = 1, S % 128 == 0, ts divides 128);
+          "column": a [Bp, Sp, 1] copy made by XLA, (b, ts, 1) blocks: per-sequence positions and ragged sizes.
+    packing: "none", "lanes" or "rows" (see _cos_sin).
+    """
+
+    mode: str
+    packing: str
+    block_seq: int
+
+
+def positions_layout(positions_shape, *, seq: int, cfg: RopeConfig, width: int, blocks: RotaryBlocks):
+    """The PositionsLayout for positions of `positions_shape`, x of `seq` tokens per sequence and a `width`-lane
+    table (the inverse frequencies as the API builds them: [f, f] when not interleaved and rotary_dim == width)."""
+    rows, row_len = positions_shape
+    ts = blocks.block_seq
+    mode = "column"
+    if rows == 1 and row_len == seq > 1:
+        if ts % 128 == 0:
+            mode = "row_blocks"
+        elif ts < seq and 128 % ts == 0 and seq % 128 == 0:
+            mode = "row_chunks"
+    packing = "none"
+    if not cfg.interleaved and cfg.rotary_dim == width:
+        if (width // 2) % 128 == 0:
+            packing = "lanes"
+        elif width == 128 and ts % 128 == 0 and (rows == 1 or blocks.block_batch == 1) and row_len == seq:
+            packing = "rows"
+    return PositionsLayout(mode=mode, packing=packing, block_seq=ts)
+
+
 def _pairs(width, cfg: RopeConfig):
     """(lane ids (1, W), first (1, W): lane j is the first of its pair, partner ids (1, W), roll shift)."""
     lane2d = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
@@ -124,18 +159,75 @@ def _mean_square(x, in_dtype):
     return ms.reshape(x.shape)
 
 
-def _kernel(*refs, n, cfg: RopeConfig):
+def _positions_column(table_a, layout: PositionsLayout):
+    """This step's positions as f32 (b, ts, 1): token on sublanes, as the angles broadcast over lanes.
+
+    XLA keeps a row of positions lane-major in HBM; a (ts, 1) column block of it costs an XLA relayout copy before
+    the kernel (1.26 us at 256 decode tokens, modeled v6e), so rows are read as they lie and moved to sublanes
+    here (positions < 2**24 are exact in f32)."""
+    if layout.mode == "column":  # table_a: (b, ts, 1) int32
+        return table_a[...].astype(jnp.float32)
+    ts = layout.block_seq
+    if layout.mode == "row_blocks":  # table_a: (1, 1, ts), ts % 128 == 0: one (8, 128) transpose per 128 tokens
+        row = table_a[0].astype(jnp.float32)
+        return jnp.transpose(jnp.broadcast_to(row, (8, ts)))[None, :, 0:1]
+    # "row_chunks": table_a is the whole row (1, 1, S), S % 128 == 0, ts divides 128: from the 128-token chunk holding
+    # this step's tokens, token t's position is the one lane of its sublane-broadcast row that a diagonal mask
+    # keeps, summed across lanes (exact: one nonzero term). Modeled v6e this costs 7-28 cycles a step where a
+    # transpose of the chunk into scratch cost 116-200.
+    start = pl.program_id(1) * ts
+    chunk = table_a[0, :, pl.ds(pl.multiple_of(start // 128 * 128, 128), 128)].astype(jnp.float32)  # (1, 128)
+    token = jax.lax.broadcasted_iota(jnp.int32, (ts, 128), 0) + start % 128
+    lane = jax.lax.broadcasted_iota(jnp.int32, (ts, 128), 1)
+    picked = jnp.where(token == lane, jnp.broadcast_to(chunk, (ts, 128)), 0.0)
+    return jnp.sum(picked, axis=-1, keepdims=True)[None]
+
+
+def _cos_sin(pos, inv, cfg: RopeConfig, packing: str):
+    """cos/sin (b, ts, W) f32 of the angles pos * inv (the f32 product transformers forms), for pos (b, ts, 1) and
+    the inverse frequencies inv (1, W).
+
+    Without interleaving, a fully rotating table repeats its frequencies in its two halves, so half the angles are
+    distinct and the transcendentals (the bulk of the kernel's compute at head_dim 128) run on half the vregs:
+      "lanes" (W/2 a multiple of 128): the first W/2 lanes, then both halves as whole vregs;
+      "rows" (W = 128, b = 1, ts % 128 == 0): tokens t and t + ts/2 share a row (lanes < 64 and >= 64), then one
+      lane rotation by 64 and two selects give each token its [f, f] row (modeled v6e, Qwen3 prefill: -217 cycles
+      a 128-token step; at 32-token decode steps the unpacking costs more than it saves: +44-116).
+    Every angle is the same f32 product either way.
+    """
+    if packing == "lanes":
+        half = inv.shape[-1] // 2
+        angle = pos * inv[:, :half][None]
+        c, s = jnp.cos(angle), jnp.sin(angle)
+        cos, sin = jnp.concatenate([c, c], axis=-1), jnp.concatenate([s, s], axis=-1)
+    elif packing == "rows":
+        p = pos[0]
+        half = p.shape[0] // 2
+        low_lanes = jax.lax.broadcasted_iota(jnp.int32, (1, 128), 1) < 64
+        angle = jnp.where(low_lanes, p[:half], p[half:]) * inv
+
+        def unpack(t):  # (ts/2, 128) packed -> (1, ts, 128): tokens [0, ts/2) from lanes < 64, the rest from >= 64
+            swapped = pltpu.roll(t, 64, 1)
+            return jnp.concatenate([jnp.where(low_lanes, t, swapped), jnp.where(low_lanes, swapped, t)], axis=0)[None]
+
+        cos, sin = unpack(jnp.cos(angle)), unpack(jnp.sin(angle))
+    else:
+        angle = pos * inv[None]
+        cos, sin = jnp.cos(angle), jnp.sin(angle)
+    if cfg.attention_scaling != 1.0:
+        cos, sin = cos * cfg.attention_scaling, sin * cfg.attention_scaling
+    return cos, sin
+
+
+def _kernel(*refs, n, cfg: RopeConfig, positions: PositionsLayout | None):
     x_refs = refs[:n]
     table_a, table_b = refs[n], refs[n + 1]
     w_refs = refs[n + 2 : 2 * n + 2] if cfg.norm else ()
     out_refs = refs[len(refs) - n :]
 
     if cfg.from_positions:
-        # table_a: positions (b, ts, 1) int32; table_b: inverse frequencies (1, W) f32.
-        angle = table_a[...].astype(jnp.float32) * table_b[...][None]  # (b, ts, W), the f32 product transformers forms
-        cos, sin = jnp.cos(angle), jnp.sin(angle)
-        if cfg.attention_scaling != 1.0:
-            cos, sin = cos * cfg.attention_scaling, sin * cfg.attention_scaling
+        # table_a: positions (see PositionsLayout); table_b: inverse frequencies (1, W) f32.
+        cos, sin = _cos_sin(_positions_column(table_a, positions), table_b[...], cfg, positions.packing)
     else:
         cos, sin = table_a[...].astype(jnp.float32), table_b[...].astype(jnp.float32)
     width = cos.shape[-1]
@@ -172,7 +264,8 @@ def rope(xs, table_a, table_b, weights, *, cfg: RopeConfig, blocks: RotaryBlocks
     """Rotate every array of `xs` (same B, S, D; any head count) with one pallas_call.
 
     xs: 4D arrays in the layout cfg.seq_major says. Tables: cos/sin [Bc, S, W] (Bc in {1, B}), or, with
-    cfg.from_positions, positions [Bp, S, 1] int32 and inverse frequencies [1, W] f32; a table with one position
+    cfg.from_positions, positions [Bp, S] int32 (Bp in {1, B}) and inverse frequencies [1, W] f32 (repeating in
+    its halves when not interleaved and rotary_dim == W, as the API builds them); a table with one position
     (S = 1) serves every token. weights: per x its norm weight when cfg.norm, (D // 128, 128) or (1, D) (whichever
     is a bitcast of the caller's [D] in XLA's layouts: no copy), else (). Returns a list of outputs like xs.
     """
@@ -197,8 +290,19 @@ def rope(xs, table_a, table_b, weights, *, cfg: RopeConfig, blocks: RotaryBlocks
     def fixed_spec(t):
         return pl.BlockSpec(t.shape, lambda i, j: (0,) * t.ndim)  # same block every step: fetched once
 
+    positions = None
     if cfg.from_positions:
-        table_specs = [per_token_spec(table_a), fixed_spec(table_b)]
+        positions = positions_layout(table_a.shape, seq=seq, cfg=cfg, width=table_b.shape[-1], blocks=blocks)
+        if positions.mode == "column":
+            table_a = table_a.reshape(table_a.shape + (1,))
+            pos_spec = per_token_spec(table_a)
+        else:  # [1, S] -> [1, 1, S] is a bitcast
+            table_a = table_a.reshape(1, 1, table_a.shape[1])
+            if positions.mode == "row_blocks":
+                pos_spec = pl.BlockSpec((1, 1, ts), lambda i, j: (0, 0, j))
+            else:
+                pos_spec = fixed_spec(table_a)
+        table_specs = [pos_spec, fixed_spec(table_b)]
     else:
         table_specs = [per_token_spec(table_a), per_token_spec(table_b)]
     in_specs = [x_spec(x) for x in xs] + table_specs + ([fixed_spec(w) for w in weights] if cfg.norm else [])
@@ -215,7 +319,7 @@ def rope(xs, table_a, table_b, weights, *, cfg: RopeConfig, blocks: RotaryBlocks
         + table_b.size * table_b.dtype.itemsize,
     )
     outs = pl.pallas_call(
-        functools.partial(_kernel, n=n, cfg=cfg),
+        functools.partial(_kernel, n=n, cfg=cfg, positions=positions),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs],
         grid=grid,
         in_specs=in_specs,

@@ -40,7 +40,7 @@ MIN_BLOCK_BYTES = 256 << 10
 # their share shrinks with the step count (and v7x's two TensorCores split the grid). The kernels on cos/sin tables
 # are HBM-bound (since the norm's row sums moved to the MXU): 32 steps (Qwen3 prefill S=2048: 64-token blocks; fused
 # norm + rope 83.9 -> 88.4 % of the roofline, modeled v6e). With cos/sin computed from positions the kernel is
-# compute-bound at head_dim 128 and the per-step cost matters more: 16 steps (76.0 % vs 73.7 % with 32).
+# compute-bound at head_dim 128 and the per-step cost matters more: 16 steps (81.7 % vs 73.6 % with 32).
 MIN_STEPS = 32
 MIN_STEPS_FROM_POSITIONS = 16
 # Live f32 copies of a head slab inside the kernel body (upcast x, the partner lanes, the rotated result, ...).
