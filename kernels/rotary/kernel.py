@@ -44,13 +44,19 @@ class RopeConfig:
     weight_offset: float = 0.0
 
 
+# Rows up to this many positions are read whole by "row_select" when they are not a multiple of 128 (each step then
+# selects over all of them: ceil(S / 128) vregs per 8 tokens).
+ROW_SELECT_MAX_TOKENS = 512
+
+
 @dataclasses.dataclass(frozen=True)
 class PositionsLayout:
     """How the kernel reads positions [Bp, Sp] (Sp = S, or 1 for one position shared by every token).
 
     mode: "row_blocks": lane-major blocks (1, 1, ts) of the row (Bp = 1, ts % 128 == 0);
-          "row_chunks": the whole row (1, 1, S), fetched once (Bp = 1, S % 128 == 0, ts divides 128);
-          "column": a [Bp, Sp, 1] copy made by XLA, (b, ts, 1) blocks: per-sequence positions and ragged sizes.
+          "row_select": the whole row (1, 1, S), fetched once (Bp = 1; S % 128 == 0 with ts dividing 128, or
+          S <= ROW_SELECT_MAX_TOKENS: every decode batch up to that);
+          "column": a [Bp, Sp, 1] copy made by XLA, (b, ts, 1) blocks: per-sequence positions, long ragged rows.
     packing: "none", "lanes" or "rows" (see _cos_sin).
     """
 
@@ -68,8 +74,8 @@ def positions_layout(positions_shape, *, seq: int, cfg: RopeConfig, width: int, 
     if rows == 1 and row_len == seq > 1:
         if ts % 128 == 0:
             mode = "row_blocks"
-        elif ts < seq and 128 % ts == 0 and seq % 128 == 0:
-            mode = "row_chunks"
+        elif (128 % ts == 0 and seq % 128 == 0) or seq <= ROW_SELECT_MAX_TOKENS:
+            mode = "row_select"
     packing = "none"
     if not cfg.interleaved and cfg.rotary_dim == width:
         if (width // 2) % 128 == 0:
@@ -171,15 +177,21 @@ def _positions_column(table_a, layout: PositionsLayout):
     if layout.mode == "row_blocks":  # table_a: (1, 1, ts), ts % 128 == 0: one (8, 128) transpose per 128 tokens
         row = table_a[0].astype(jnp.float32)
         return jnp.transpose(jnp.broadcast_to(row, (8, ts)))[None, :, 0:1]
-    # "row_chunks": table_a is the whole row (1, 1, S), S % 128 == 0, ts divides 128: from the 128-token chunk holding
-    # this step's tokens, token t's position is the one lane of its sublane-broadcast row that a diagonal mask
-    # keeps, summed across lanes (exact: one nonzero term). Modeled v6e this costs 7-28 cycles a step where a
-    # transpose of the chunk into scratch cost 116-200.
+    # "row_select": table_a is the whole row (1, 1, S). Token t's position is the one lane of its sublane-broadcast
+    # row that a diagonal mask keeps, summed across lanes (exact: one nonzero term); the window is the 128-token chunk
+    # holding this step's tokens when S is a multiple of 128 that ts divides, else the whole (short) row. Modeled v6e
+    # this costs 7-28 cycles a step where a transpose of the chunk into scratch cost 116-200.
     start = pl.program_id(1) * ts
-    chunk = table_a[0, :, pl.ds(pl.multiple_of(start // 128 * 128, 128), 128)].astype(jnp.float32)  # (1, 128)
-    token = jax.lax.broadcasted_iota(jnp.int32, (ts, 128), 0) + start % 128
-    lane = jax.lax.broadcasted_iota(jnp.int32, (ts, 128), 1)
-    picked = jnp.where(token == lane, jnp.broadcast_to(chunk, (ts, 128)), 0.0)
+    row_length = table_a.shape[-1]
+    if row_length % 128 == 0 and 128 % ts == 0:
+        window = table_a[0, :, pl.ds(pl.multiple_of(start // 128 * 128, 128), 128)]
+        offset = start % 128
+    else:
+        window, offset = table_a[0], start
+    shape = (ts, window.shape[-1])
+    token = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + offset
+    lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    picked = jnp.where(token == lane, jnp.broadcast_to(window.astype(jnp.float32), shape), 0.0)
     return jnp.sum(picked, axis=-1, keepdims=True)[None]
 
 
