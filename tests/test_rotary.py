@@ -226,11 +226,11 @@ POSITION_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("case", POSITION_LAYOUTS, ids=[c[0] for c in POSITION_LAYOUTS])
-def test_positions_layouts_and_cos_sin_packing(rand, monkeypatch, case):
-    _, layout, batch, seq, rows, head_dim, rotary_dim, interleaved, norm, dtype, ts, mode, packing = case
-    kernel = api.kernel
-    seen = []
+def _force_positions_blocks(monkeypatch, block_seq):
+    """Token blocks of block_seq (one sequence each) for the next kernel calls; returns the PositionsLayouts they
+    reach (appended as each call traces)."""
+    kernel, seen = api.kernel, []
+    original_layout, original_blocks = kernel.positions_layout, tuning.choose_blocks
 
     def recording_layout(*args, **kwargs):
         seen.append(original_layout(*args, **kwargs))
@@ -238,32 +238,60 @@ def test_positions_layouts_and_cos_sin_packing(rand, monkeypatch, case):
 
     def forced_blocks(**kwargs):
         blocks = original_blocks(**kwargs)
-        return tuning.RotaryBlocks(block_batch=1, block_seq=ts, vmem_limit_bytes=blocks.vmem_limit_bytes)
+        return tuning.RotaryBlocks(block_batch=1, block_seq=block_seq, vmem_limit_bytes=blocks.vmem_limit_bytes)
 
-    original_layout, original_blocks = kernel.positions_layout, tuning.choose_blocks
     monkeypatch.setattr(kernel, "positions_layout", recording_layout)
     monkeypatch.setattr(tuning, "choose_blocks", forced_blocks)
+    return seen
+
+
+def _position_layout_op(norm, layout, rotary_dim, interleaved):
+    opts = dict(theta=1e4, interleaved=interleaved, rotary_dim=rotary_dim, layout=layout)
+    if norm:
+        return lambda q, k, qw, kw_, p: api.rms_norm_rope_from_positions(q, k, qw, kw_, p, eps=1e-6, **opts)
+    return lambda q, k, p: api.apply_rotary_from_positions(q, k, p, **opts)
+
+
+@pytest.mark.parametrize("case", POSITION_LAYOUTS, ids=[c[0] for c in POSITION_LAYOUTS])
+def test_positions_layouts_and_cos_sin_packing(rand, monkeypatch, case):
+    _, layout, batch, seq, rows, head_dim, rotary_dim, interleaved, norm, dtype, ts, mode, packing = case
+    seen = _force_positions_blocks(monkeypatch, ts)
     q_shape, k_shape = _shapes(layout, batch, seq, 4, 2, head_dim)
     q, k = rand.normal(q_shape, dtype), rand.normal(k_shape, dtype)
     qw, kw_ = rand.normal((head_dim,), F32), rand.normal((head_dim,), F32)
     positions = rand.integers(0, 40000, (rows, seq) if seq > 1 else (rows, 1))
-    opts = dict(theta=1e4, interleaved=interleaved, rotary_dim=rotary_dim)
-    cos, sin = api.rope_cos_sin(positions, head_dim=head_dim, **opts)
+    cos, sin = api.rope_cos_sin(positions, head_dim=head_dim, theta=1e4, interleaved=interleaved,
+                                rotary_dim=rotary_dim)
     ref_kw = dict(interleaved=interleaved, layout=layout)
+    op = _position_layout_op(norm, layout, rotary_dim, interleaved)
     if norm:
         ladder.check_against_reference(
-            lambda *a: tk.rms_norm_rope_from_positions(*a, eps=1e-6, layout=layout, **opts),
-            lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(q, k, qw, kw_, cos, sin, eps=1e-6, **ref_kw),
+            op, lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(q, k, qw, kw_, cos, sin, eps=1e-6, **ref_kw),
             (q, k, qw, kw_, positions), dtype=dtype, rand=rand, names=["q", "k"],
             **(dict(rtol=1e-4, atol=1e-3) if dtype == F32 else {}),
         )
     else:
         ladder.check_against_reference(
-            lambda q, k, p: tk.apply_rotary_from_positions(q, k, p, layout=layout, **opts),
-            lambda q, k, p: reference.apply_rotary_reference(q, k, cos, sin, **ref_kw),
+            op, lambda q, k, p: reference.apply_rotary_reference(q, k, cos, sin, **ref_kw),
             (q, k, positions), dtype=dtype, rand=rand, rtol=1e-4, atol=1e-4, names=["q", "k"],
         )
     assert seen and {(s.mode, s.packing) for s in seen} == {(mode, packing)}, f"layouts reached: {seen}"
+
+
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+def test_positions_layouts_compile_for_tpu(monkeypatch, generation):
+    """Rung 3 for every positions layout and cos/sin packing (row transposes, lane selects, packed rows), each at
+    its forced block, on every generation."""
+    for _, layout, batch, seq, rows, head_dim, rotary_dim, interleaved, norm, dtype, ts, mode, packing in \
+            POSITION_LAYOUTS:
+        seen = _force_positions_blocks(monkeypatch, ts)
+        q_shape, k_shape = _shapes(layout, batch, seq, 4, 2, head_dim)
+        args = [(q_shape, dtype), (k_shape, dtype)] + ([((head_dim,), F32)] * 2 if norm else [])
+        args.append(((rows, seq) if seq > 1 else (rows, 1), jnp.int32))
+        ladder.compile_for_tpu(_position_layout_op(norm, layout, rotary_dim, interleaved), generation, *args,
+                               label=f"positions {mode}/{packing}")
+        assert {(s.mode, s.packing) for s in seen} == {(mode, packing)}, f"layouts reached: {seen}"
+        monkeypatch.undo()
 
 
 # ------------------------------------------------------------------------------------------------------ bad input
