@@ -245,6 +245,32 @@ def test_bundle_parser_on_a_synthetic_schedule():
   assert not gridless.has_loop and gridless.body == 16 + 14 * 9, gridless.body
 
 
+def test_bundle_parser_finds_the_guard_after_a_fetch_once_branch():
+  """A fixed block (fetched on the first step only) puts a small conditional DMA region before the pipeline guard;
+  the guard is still the branch that skips the body, so fill/drain iterations cost only what lies outside it."""
+  exit_test = 0x30  # body: 0x1 .. 0x35 (the back-edge and its 4 delay slots included), 53 bundles
+  text = "\n".join([
+      "     0   :  { %1 = vsyncpa [#allocation4], 0 }",
+      "   0x1 LB: > { %2 = sadd.s32 1, %s1 }",
+      "   0x2   : > { %3 = sbr.rel (%p1) target bundleno = 8 (0x8), region = 5 }",
+      "   0x3   :  {}", "   0x4   :  {}", "   0x5   :  {}", "   0x6   :  {}",
+      "   0x7   : > { %4 = dma.hbm_to_vmem [thread:$0] %s5, 16, %s6, [#allocation12] }",
+      f"   0x8 PF: > {{ %5 = sbr.rel (%p2) target bundleno = {exit_test} ({hex(exit_test)}), region = 7 }}",
+      "   0x9   :  {}", "   0xa   :  {}", "   0xb   :  {}", "   0xc   :  {}",
+      *[f"  {hex(a):>5}   : > {{ %{a + 10} = vmul.f32 %v1, %v2 }}" for a in range(0xd, exit_test)],
+      f"  {hex(exit_test)} PF: > {{ %p3 = scmp.ge.s32.totalorder %s2, 18 /* loop exit test */ }}",
+      f"  {hex(exit_test + 1)}   : > {{ %6 = sbr.rel (!%p3) target bundleno = 1 (0x1), region = 9 }}",
+      *[f"  {hex(exit_test + 2 + i)}   :  {{}}" for i in range(4)],
+      f"  {hex(exit_test + 6)}   :  {{ %7 = vsyncpa [#allocation4], 1 }}",
+  ])
+  s = perf_bundles.analyze(perf_bundles.parse_bundles(text))
+  guard_skips = exit_test - (0x8 + 1 + 4)
+  assert s.trip_count == 18 and s.body == 53, (s.trip_count, s.body)
+  assert s.guard is not None and s.guard.branch_addr == 0x8 and s.guard.skipped == guard_skips, s.guard
+  assert len(s.conds) == 1 and s.conds[0].branch_addr == 0x2 and s.conds[0].skipped == 1
+  assert s.fill_cycles() == 53 - guard_skips
+
+
 def test_bundle_parser_marks_a_run_time_loop_bound_as_dynamic():
   """A grid sized from scalar prefetch compares against a register: no static trip count, the caller supplies it."""
   text = "\n".join([

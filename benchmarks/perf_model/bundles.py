@@ -217,16 +217,15 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
   regions = [Region(s, t, max(0, t - (s + 1 + delay)), False) for s, t in fwd]
   guard = None
   if outer is not None and regions:
-    r0 = regions[0]
-    others = regions[1:]
-    if others and all(r0.branch_addr < r.branch_addr and r.target <= r0.target for r in others):
-      r0.encloses_all = True
-      guard, regions = r0, others
-    elif not others:
-      # A single forward branch: guard if it skips most of the body, else a pl.when.
-      if r0.skipped > 0.5 * (end - start):
-        r0.encloses_all = True
-        guard, regions = r0, []
+    # The guard is the branch that skips most of the body; it need not come first: a block fetched once (a fixed
+    # BlockSpec: norm weights, a table) puts its conditional DMA issue before it. Regions inside it are pl.when
+    # bodies; regions before it run on fill/drain iterations too.
+    largest = max(regions, key=lambda r: r.skipped)
+    others = [r for r in regions if r is not largest]
+    encloses = all(largest.branch_addr < r.branch_addr and r.target <= largest.target for r in others)
+    if largest.skipped > 0.5 * (end - start) or (others and largest is regions[0] and encloses):
+      largest.encloses_all = encloses
+      guard, regions = largest, others
   body = end - start
   for t, e, itrip in inner:
     body += (e - t) * (itrip - 1)
