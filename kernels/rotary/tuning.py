@@ -39,8 +39,8 @@ MIN_BLOCK_BYTES = 256 << 10
 # Aim for at least this many grid steps when the data allows: the first read and the last write are exposed, so
 # their share shrinks with the step count (and v7x's two TensorCores split the grid). The kernels on cos/sin tables
 # are HBM-bound (since the norm's row sums moved to the MXU): 32 steps (Qwen3 prefill S=2048: 64-token blocks; fused
-# norm + rope 83.9 -> 88.4 % of the roofline, modeled v6e). With cos/sin computed from positions the kernel is
-# compute-bound at head_dim 128 and the per-step cost matters more: 16 steps (81.7 % vs 73.6 % with 32).
+# norm + rope 92.7 % of the roofline vs 91.5 % with 16 and 82.3 % with 64, modeled v6e). With cos/sin computed from
+# positions a step does more compute and its fixed cost matters more: 16 steps (90.1 % vs 79.4 % with 32).
 MIN_STEPS = 32
 MIN_STEPS_FROM_POSITIONS = 16
 # Live f32 copies of a head slab inside the kernel body (upcast x, the partner lanes, the rotated result, ...).
