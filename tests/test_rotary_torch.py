@@ -69,9 +69,9 @@ def test_torch_autograd_matches_torch_reference(rand):
                   sin=(1, 6, 128))
     inputs = {name: _randn(rand, *shape, requires_grad=True) for name, shape in shapes.items()}
     out_q, out_k = tpu_kernels.rms_norm_rope(*inputs.values(), 1e-6, weight_offset=0.5)
-    weights = torch.linspace(-1, 2, 128)
-    loss = (out_q * weights).sin().sum() + out_k.cos().sum()
-    grads = torch.autograd.grad(loss, tuple(inputs.values()))
+    # Fixed random cotangents, the same for both sides (a loss like sum(sin(out)) makes them depend on the output).
+    d_q, d_k = _randn(rand, *shapes["q"]), _randn(rand, *shapes["k"])
+    grads = torch.autograd.grad((out_q * d_q).sum() + (out_k * d_k).sum(), tuple(inputs.values()))
 
     ref = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
 
@@ -80,8 +80,7 @@ def test_torch_autograd_matches_torch_reference(rand):
 
     ref_q = _torch_rope(norm(ref["q"], ref["q_weight"]), ref["cos"], ref["sin"])
     ref_k = _torch_rope(norm(ref["k"], ref["k_weight"]), ref["cos"], ref["sin"])
-    ref_loss = (ref_q * weights).sin().sum() + ref_k.cos().sum()
-    expected = torch.autograd.grad(ref_loss, tuple(ref.values()))
+    expected = torch.autograd.grad((ref_q * d_q).sum() + (ref_k * d_k).sum(), tuple(ref.values()))
     for name, a, e in zip(inputs, grads, expected):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=2e-4, msg=lambda m: f"d {name}: {m} ({rand})")
 
@@ -157,8 +156,8 @@ def test_torch_from_positions_matches_torch_reference_with_autograd(rand):
         positions.numpy(), head_dim=128, theta=5e5, scaling=LLAMA3))
     out_q, out_k = rotary_ops.rms_norm_rope_from_positions(*inputs.values(), positions, theta=5e5, eps=1e-6,
                                                            weight_offset=0.5, scaling=LLAMA3)
-    weights = torch.linspace(-1, 2, 128)
-    grads = torch.autograd.grad((out_q * weights).sin().sum() + out_k.cos().sum(), tuple(inputs.values()))
+    d_q, d_k = _randn(rand, *shapes["q"]), _randn(rand, *shapes["k"])  # fixed cotangents, the same for both sides
+    grads = torch.autograd.grad((out_q * d_q).sum() + (out_k * d_k).sum(), tuple(inputs.values()))
 
     ref = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
 
@@ -167,7 +166,7 @@ def test_torch_from_positions_matches_torch_reference_with_autograd(rand):
 
     ref_q, ref_k = (_torch_rope(norm(ref[x], ref[w]), cos, sin) for x, w in (("q", "q_weight"), ("k", "k_weight")))
     torch.testing.assert_close(out_q, ref_q, rtol=1e-4, atol=1e-4, msg=lambda m: f"q: {m} ({rand})")
-    expected = torch.autograd.grad((ref_q * weights).sin().sum() + ref_k.cos().sum(), tuple(ref.values()))
+    expected = torch.autograd.grad((ref_q * d_q).sum() + (ref_k * d_k).sum(), tuple(ref.values()))
     for name, a, e in zip(inputs, grads, expected):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=2e-4, msg=lambda m: f"d {name}: {m} ({rand})")
 
