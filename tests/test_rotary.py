@@ -403,6 +403,13 @@ def test_export_for_tpu():
     ladder.export_for_tpu(api.apply_rotary_backward, q, k, cos, cos, interleaved=True)
     ladder.export_for_tpu(api.rms_norm_rope, q, k, w, w, cos, cos)
     ladder.export_for_tpu(api.apply_rotary_from_positions, q, k, pos, theta=1e6)
+    # Shared positions rows, read lane-major: a decode batch (row select) and a prefill (128-token row blocks).
+    dq, dk = jax.ShapeDtypeStruct((256, 32, 1, 128), BF16), jax.ShapeDtypeStruct((256, 4, 1, 128), BF16)
+    ladder.export_for_tpu(api.rms_norm_rope_from_positions, dq, dk, w, w, jax.ShapeDtypeStruct((256, 1), jnp.int32),
+                          theta=1e6)
+    pq, pk = jax.ShapeDtypeStruct((1, 32, 2048, 128), BF16), jax.ShapeDtypeStruct((1, 4, 2048, 128), BF16)
+    ladder.export_for_tpu(api.rms_norm_rope_from_positions, pq, pk, w, w, jax.ShapeDtypeStruct((1, 2048), jnp.int32),
+                          theta=1e6)
     grad = jax.grad(lambda q, k, w, c: ladder.vjp_loss(api.rms_norm_rope(q, k, w, w, c, c)), argnums=(0, 1, 2))
     ladder.export_for_tpu(grad, q, k, w, cos)
 

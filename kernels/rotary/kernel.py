@@ -4,8 +4,9 @@ One pallas_call rotates q and k (any head counts) together, so the per-token cos
 once for all heads of both. Layouts, as seen by the kernel:
   seq_major ("bshd"): x [B, S, H, D], block (block_batch, block_seq, H, D): each token's heads form a (H, D) tile;
   head_major ("bhsd"): x [B, H, S, D], block (block_batch, H, block_seq, D): each head is a (block_seq, D) slab.
-Tables are per token: cos/sin [Bc, S, W] (Bc = 1 broadcasts over the batch) or positions [Bp, S, 1] with the
-inverse frequencies [1, W]; a table block is (block_batch or 1, block_seq, W), broadcast over heads in the kernel.
+Tables are per token: cos/sin [Bc, S, W] (Bc = 1 broadcasts over the batch), a block (block_batch or 1, block_seq,
+W) broadcast over heads in the kernel; or positions [Bp, S] with the inverse frequencies [1, W], read as
+PositionsLayout says (lane-major rows where XLA stores them so) and turned into cos/sin in the kernel.
 
 The rotation works on the last (lane) axis of width W (the head dim, or the first W lanes when only an aligned
 prefix rotates). rotate_half pairs lane j with j + r/2 (j < r/2); the interleaved (GPT-J) convention pairs 2i with
@@ -181,13 +182,17 @@ def _positions_column(table_a, layout: PositionsLayout):
     # row that a diagonal mask keeps, summed across lanes (exact: one nonzero term); the window is the 128-token chunk
     # holding this step's tokens when S is a multiple of 128 that ts divides, else the whole (short) row. Modeled v6e
     # this costs 7-28 cycles a step where a transpose of the chunk into scratch cost 116-200.
-    start = pl.program_id(1) * ts
+    step = pl.program_id(1)
     row_length = table_a.shape[-1]
     if row_length % 128 == 0 and 128 % ts == 0:
-        window = table_a[0, :, pl.ds(pl.multiple_of(start // 128 * 128, 128), 128)]
-        offset = start % 128
+        # 128 // ts steps per chunk, a power of two: shifts and masks, as integer `//` and `%` of a traced value
+        # lower through a TPU-info query that fails when exporting on a CPU host (what rung 2 does).
+        steps_per_chunk = 128 // ts
+        chunk = jax.lax.shift_right_logical(step, steps_per_chunk.bit_length() - 1)
+        window = table_a[0, :, pl.ds(pl.multiple_of(chunk * 128, 128), 128)]
+        offset = jnp.bitwise_and(step, steps_per_chunk - 1) * ts
     else:
-        window, offset = table_a[0], start
+        window, offset = table_a[0], step * ts
     shape = (ts, window.shape[-1])
     token = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + offset
     lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
@@ -325,7 +330,8 @@ def rope(xs, table_a, table_b, weights, *, cfg: RopeConfig, blocks: RotaryBlocks
     tokens = batch * seq
     cost = pl.CostEstimate(
         flops=(10 if cfg.norm else 6) * elements,
-        transcendentals=(2 * tokens * width if cfg.from_positions else 0) + (tokens * n if cfg.norm else 0),
+        transcendentals=(2 * tokens * width // (1 if positions is None or positions.packing == "none" else 2)
+                         if cfg.from_positions else 0) + (tokens * n if cfg.norm else 0),
         bytes_accessed=2 * sum(x.size * x.dtype.itemsize for x in xs)
         + table_a.size * table_a.dtype.itemsize
         + table_b.size * table_b.dtype.itemsize,
