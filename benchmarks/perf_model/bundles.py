@@ -109,7 +109,6 @@ class Region:
   branch_addr: int
   target: int
   skipped: int           # bundles not executed when the branch is taken
-  encloses_all: bool     # the pipeline guard (skips the kernel body on fill/drain iterations)
 
 
 @dataclasses.dataclass
@@ -214,7 +213,7 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
   def in_inner(a):
     return any(t <= a < e for t, e, _ in inner)
   fwd = [(s, t) for s, t, _ in branches if start <= s < t <= end and not in_inner(s)]
-  regions = [Region(s, t, max(0, t - (s + 1 + delay)), False) for s, t in fwd]
+  regions = [Region(s, t, max(0, t - (s + 1 + delay))) for s, t in fwd]
   guard = None
   if outer is not None and regions:
     # The guard is the branch that skips most of the body; it need not come first: a block fetched once (a fixed
@@ -224,7 +223,6 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
     others = [r for r in regions if r is not largest]
     encloses = all(largest.branch_addr < r.branch_addr and r.target <= largest.target for r in others)
     if largest.skipped > 0.5 * (end - start) or (others and largest is regions[0] and encloses):
-      largest.encloses_all = encloses
       guard, regions = largest, others
   body = end - start
   for t, e, itrip in inner:
