@@ -208,6 +208,79 @@ def test_from_positions_layouts_norm_and_gradients(rand, layout, interleaved, dt
         ladder.assert_close(a, e, dtype=dtype, atol=5e-2 if dtype == BF16 else 1e-4, what=name, context=repr(rand))
 
 
+# Token-major blocks (bshd, and every decode batch) take their per-token factor rows by broadcast loads from VMEM up to
+# kernel.BROADCAST_LOAD_MAX_TOKENS tokens a block, in registers above it: both paths, forced, on the cases that
+# stress them (blocks of several sequences with their own or a shared table, a lane-aligned rotary prefix, q's row
+# sums on the MXU, ragged multi-step grids).
+# (id, op, layout, batch, seq, q heads, k heads, head_dim, rotary_dim, dtype, small blocks)
+FACTOR_ROW_CASES = [
+    ("apply-per-sequence-table", "apply", "bshd", 3, 9, 2, 4, 128, 128, F32, False),
+    ("norm-partial-prefix", "norm", "bshd", 2, 5, 2, 1, 512, 128, BF16, False),
+    ("positions-decode-mxu", "positions", "bhsd", 6, 1, 8, 2, 128, 128, BF16, False),
+    ("positions-ragged-steps", "positions", "bshd", 1, 40, 4, 2, 256, 256, F32, True),
+]
+
+
+@pytest.mark.parametrize("factor_rows", ["broadcast_loads", "in_registers"])
+@pytest.mark.parametrize("case", FACTOR_ROW_CASES, ids=[c[0] for c in FACTOR_ROW_CASES])
+def test_token_major_factor_rows(rand, monkeypatch, case, factor_rows):
+    _, op, layout, batch, seq, hq, hk, head_dim, rotary_dim, dtype, small_blocks = case
+    kernel, seen = api.kernel, []
+    monkeypatch.setattr(kernel, "BROADCAST_LOAD_MAX_TOKENS", 1 << 20 if factor_rows == "broadcast_loads" else 0)
+    original = kernel.uses_broadcast_loads
+    monkeypatch.setattr(kernel, "uses_broadcast_loads", lambda *a: seen.append(original(*a)) or seen[-1])
+    if small_blocks:
+        monkeypatch.setattr(tuning, "TARGET_BLOCK_BYTES", {g: 1 for g in tuning.TARGET_BLOCK_BYTES})
+        monkeypatch.setattr(tuning, "MIN_BLOCK_BYTES", 1)
+    jax.clear_caches()  # the path is chosen at trace time
+    q_shape, k_shape = _shapes(layout, batch, seq, hq, hk, head_dim)
+    q, k = rand.normal(q_shape, dtype, scale=2.0, offset=0.5), rand.normal(k_shape, dtype)
+    qw, kw_ = rand.normal((head_dim,), dtype), rand.normal((head_dim,), F32)
+    positions = rand.integers(0, 40000, (batch, seq) if seq == 1 else (1, seq))
+    cos, sin = api.rope_cos_sin(positions, head_dim=head_dim, theta=1e4, rotary_dim=rotary_dim)
+    ref_kw = dict(layout=layout)
+    tol = dict(rtol=1e-4, atol=1e-3) if dtype == F32 else {}
+    if op == "apply":
+        cos, sin = rand.normal((batch, seq, rotary_dim), dtype), rand.normal((batch, seq, rotary_dim), dtype)
+        ladder.check_against_reference(
+            lambda q, k, c, s: tk.apply_rotary(q, k, c, s, layout=layout),
+            lambda q, k, c, s: reference.apply_rotary_reference(q, k, c, s, **ref_kw),
+            (q, k, cos, sin), dtype=dtype, rand=rand, names=["q", "k"], **tol)
+    elif op == "norm":
+        cos, sin = cos.astype(dtype), sin.astype(dtype)
+        ladder.check_against_reference(
+            lambda *a: tk.rms_norm_rope(*a, eps=1e-6, layout=layout),
+            lambda *a: reference.rms_norm_rope_reference(*a, eps=1e-6, **ref_kw),
+            (q, k, qw, kw_, cos, sin), dtype=dtype, rand=rand, names=["q", "k"])
+    else:
+        ladder.check_against_reference(
+            lambda *a: tk.rms_norm_rope_from_positions(*a, eps=1e-6, theta=1e4, rotary_dim=rotary_dim, layout=layout),
+            lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(q, k, qw, kw_, cos, sin, eps=1e-6, **ref_kw),
+            (q, k, qw, kw_, positions), dtype=dtype, rand=rand, names=["q", "k"], **tol)
+    jax.clear_caches()
+    assert seen and set(seen) == {factor_rows == "broadcast_loads"}, f"broadcast loads used: {seen}"
+
+
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+def test_token_major_factor_rows_compile_for_tpu(monkeypatch, generation):
+    """Rung 3 for both factor-row paths: Qwen3's fused norm + rope from positions in bshd at prefill (128-token
+    blocks: the unrolled broadcast-load body at its benchmark size) and at a 256-token decode batch."""
+    kernel, seen = api.kernel, []
+    original = kernel.uses_broadcast_loads
+    monkeypatch.setattr(kernel, "uses_broadcast_loads", lambda *a: seen.append(original(*a)) or seen[-1])
+    w, op = ((128,), BF16), lambda q, k, w, p: api.rms_norm_rope_from_positions(q, k, w, w, p, theta=1e6, layout="bshd")
+    for limit in (kernel.BROADCAST_LOAD_MAX_TOKENS, 0):
+        monkeypatch.setattr(kernel, "BROADCAST_LOAD_MAX_TOKENS", limit)
+        for batch, seq in ((1, 2048), (256, 1)):
+            jax.clear_caches()
+            seen.clear()
+            q, k = ((batch, seq, 32, 128), BF16), ((batch, seq, 4, 128), BF16)
+            ladder.compile_for_tpu(op, generation, q, k, w, ((batch, seq) if seq > 1 else (batch, 1), jnp.int32),
+                                   label=f"factor rows {'broadcast loads' if limit else 'in registers'}")
+            assert seen == [bool(limit)], f"broadcast loads used at {(batch, seq)} with limit {limit}: {seen}"
+    jax.clear_caches()
+
+
 # How the kernel reads positions and packs cos/sin (kernel.PositionsLayout): each case forces a token block and asserts
 # the layout it reached, so a tuning change cannot silently stop covering one.
 # (id, layout, batch, seq, positions rows, head_dim, rotary_dim, interleaved, norm, dtype, block_seq, mode, packing)

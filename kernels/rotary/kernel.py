@@ -45,6 +45,10 @@ class RopeConfig:
     weight_offset: float = 0.0
 
 
+# Token-major (seq_major) blocks of at most this many tokens read their per-token factor rows by broadcast loads
+# (the body is unrolled per token: 256 tokens is Qwen3's long-prefill block; larger blocks only come with few heads).
+BROADCAST_LOAD_MAX_TOKENS = 256
+
 # Rows up to this many positions are read whole by "row_select" when they are not a multiple of 128 (each step then
 # selects over all of them: ceil(S / 128) vregs per 8 tokens).
 ROW_SELECT_MAX_TOKENS = 512
@@ -84,6 +88,12 @@ def positions_layout(positions_shape, *, seq: int, cfg: RopeConfig, width: int, 
         elif width == 128 and ts % 128 == 0 and (rows == 1 or blocks.block_batch == 1) and row_len == seq:
             packing = "rows"
     return PositionsLayout(mode=mode, packing=packing, block_seq=ts)
+
+
+def uses_broadcast_loads(cfg: RopeConfig, blocks: RotaryBlocks) -> bool:
+    """Whether token-major blocks take their per-token factor rows by broadcast loads (see _kernel). The body is then
+    unrolled per token, so very long blocks keep the in-register broadcast."""
+    return cfg.seq_major and blocks.block_batch * blocks.block_seq <= BROADCAST_LOAD_MAX_TOKENS
 
 
 def _pairs(width, cfg: RopeConfig):
@@ -236,11 +246,32 @@ def _cos_sin(pos, inv, cfg: RopeConfig, packing: str):
     return cos, sin
 
 
-def _kernel(*refs, n, cfg: RopeConfig, positions: PositionsLayout | None):
+def _normed_rotation(x, a, b, w, scale, cfg: RopeConfig):
+    """The output (f32, full head width) for f32 x (..., D): x rotated by the lane factors a, b (broadcastable to x's
+    first `width` lanes; the norm weight folded in), then times the norm's scale; lanes past the table width pass
+    through (times w and the scale under the norm)."""
+    width = a.shape[-1]
+    head = x[..., :width]
+    if not cfg.norm:
+        rotated = _rotate(head, a, b, cfg)
+    else:
+        rotated = _rotate(head, a, b, cfg, passthrough=head * w[:, :width])
+        rotated = rotated * (scale if scale.shape[-1] == 1 else scale[..., :width])
+    if width == x.shape[-1]:
+        return rotated
+    # An aligned prefix of the lanes rotates (width % 128 == 0); the rest is copied (normalised).
+    rest = x[..., width:]
+    if cfg.norm:
+        rest = rest * w[:, width:] * (scale if scale.shape[-1] == 1 else scale[..., width:])
+    return jnp.concatenate([rotated, rest], axis=-1)
+
+
+def _kernel(*refs, n, cfg: RopeConfig, positions: PositionsLayout | None, broadcast_loads: bool):
     x_refs = refs[:n]
     table_a, table_b = refs[n], refs[n + 1]
     w_refs = refs[n + 2 : 2 * n + 2] if cfg.norm else ()
-    out_refs = refs[len(refs) - n :]
+    factor_ref = refs[-1] if broadcast_loads else None
+    out_refs = refs[len(refs) - n - (1 if broadcast_loads else 0) : len(refs) - (1 if broadcast_loads else 0)]
 
     if cfg.from_positions:
         # table_a: positions (see PositionsLayout); table_b: inverse frequencies (1, W) f32.
@@ -249,32 +280,43 @@ def _kernel(*refs, n, cfg: RopeConfig, positions: PositionsLayout | None):
         cos, sin = table_a[...].astype(jnp.float32), table_b[...].astype(jnp.float32)
     width = cos.shape[-1]
 
-    def over_heads(t):  # per-token rows broadcast over heads: (b, ts, 1, W) in bshd, (b, 1, ts, W) in bhsd
-        return t[:, :, None, :] if cfg.seq_major else t[:, None, :, :]
+    # Norm weights (1, D) f32, offset included ((D // 128, 128) in VMEM). Each x has its own lane factors under the
+    # norm (its weight is folded in); without it one pair serves every x.
+    weights = [w_ref[...].astype(jnp.float32).reshape(1, -1) + cfg.weight_offset for w_ref in w_refs]
+    factor_sets = [_lane_factors(cos, sin, w[:, :width], cfg) for w in weights] if cfg.norm else [
+        _lane_factors(cos, sin, None, cfg)]
+    if broadcast_loads:
+        # seq_major: each token's (H, D) tile needs its own factor rows on every sublane. Broadcasting a row of a
+        # value costs a sublane permute per vreg column (XLU); parked in VMEM, the rows come back by sublane-
+        # broadcast loads (stride 0), which the otherwise lightly used load slots absorb (modeled v6e, decode at
+        # 256 tokens: Qwen3 958 -> 888 cycles a step, Gemma 4 full 946 -> 816).
+        for f, (a, b) in enumerate(factor_sets):
+            factor_ref[2 * f] = jnp.broadcast_to(a, factor_ref.shape[1:])
+            factor_ref[2 * f + 1] = jnp.broadcast_to(b, factor_ref.shape[1:])
 
-    if not cfg.norm:
-        a, b = (over_heads(t) for t in _lane_factors(cos, sin, None, cfg))
     for i in range(n):
         x_in = x_refs[i][...]
         x = x_in.astype(jnp.float32)
-        head_dim = x.shape[-1]
-        out_ref = out_refs[i]
-        if cfg.norm:
-            scale = jax.lax.rsqrt(_mean_square(x, x_in.dtype) + cfg.eps)
-            w = w_refs[i][...].astype(jnp.float32).reshape(1, head_dim) + cfg.weight_offset  # (D // 128, 128) in
-            a, b = (over_heads(t) for t in _lane_factors(cos, sin, w[:, :width], cfg))
-            rotated = _rotate(x[..., :width], a, b, cfg, passthrough=x[..., :width] * w[:, :width])
-            rotated = rotated * (scale if scale.shape[-1] == 1 else scale[..., :width])
+        scale = jax.lax.rsqrt(_mean_square(x, x_in.dtype) + cfg.eps) if cfg.norm else None
+        w = weights[i] if cfg.norm else None
+        f = i if cfg.norm else 0
+        if broadcast_loads:
+            heads = x.shape[2]
+
+            def token_factor(ref_index, bi, t):
+                return jnp.broadcast_to(factor_ref[ref_index, bi, pl.ds(t, 1), :], (heads, width))
+
+            out = jnp.stack([
+                jnp.stack([
+                    _normed_rotation(x[bi, t], token_factor(2 * f, bi, t), token_factor(2 * f + 1, bi, t), w,
+                                     None if scale is None else scale[bi, t], cfg)
+                    for t in range(x.shape[1])])
+                for bi in range(x.shape[0])])
         else:
-            rotated = _rotate(x[..., :width], a, b, cfg)
-        if width == head_dim:
-            out_ref[...] = rotated.astype(out_ref.dtype)
-        else:  # an aligned prefix of the lanes rotates (width % 128 == 0); the rest is copied (normalised)
-            out_ref[:, :, :, :width] = rotated.astype(out_ref.dtype)
-            rest = x[..., width:]
-            if cfg.norm:
-                rest = rest * w[:, width:] * (scale if scale.shape[-1] == 1 else scale[..., width:])
-            out_ref[:, :, :, width:] = rest.astype(out_ref.dtype)
+            # Per-token rows broadcast over heads: (b, ts, 1, W) in bshd, (b, 1, ts, W) in bhsd.
+            a, b = (t[:, :, None, :] if cfg.seq_major else t[:, None, :, :] for t in factor_sets[f])
+            out = _normed_rotation(x, a, b, w, scale, cfg)
+        out_refs[i][...] = out.astype(out_refs[i].dtype)
 
 
 def rope(xs, table_a, table_b, weights, *, cfg: RopeConfig, blocks: RotaryBlocks):
@@ -336,10 +378,13 @@ def rope(xs, table_a, table_b, weights, *, cfg: RopeConfig, blocks: RotaryBlocks
         + table_a.size * table_a.dtype.itemsize
         + table_b.size * table_b.dtype.itemsize,
     )
+    broadcast_loads = uses_broadcast_loads(cfg, blocks)
+    factor_sets = n if cfg.norm else 1
     outs = pl.pallas_call(
-        functools.partial(_kernel, n=n, cfg=cfg, positions=positions),
+        functools.partial(_kernel, n=n, cfg=cfg, positions=positions, broadcast_loads=broadcast_loads),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs],
         grid=grid,
+        scratch_shapes=[pltpu.VMEM((2 * factor_sets, bb, ts, width), jnp.float32)] if broadcast_loads else [],
         in_specs=in_specs,
         out_specs=[x_spec(x) for x in xs],
         compiler_params=pltpu.CompilerParams(

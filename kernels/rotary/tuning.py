@@ -104,6 +104,8 @@ def choose_blocks(
         + sum(2 * _round_up(table_width, 128) * jnp.dtype(d).itemsize for d in table_dtypes)
         + F32_TEMPORARIES * max(heads) * lanes * 4
     )
+    if seq_major:  # the kernel parks two f32 factor rows per token for each array in VMEM scratch
+        vmem_per_token += 2 * len(heads) * _round_up(table_width, 128) * 4
     vmem_budget = int(info.vmem_capacity_bytes * VMEM_SHARE)
     tokens_by_vmem = vmem_budget // vmem_per_token
     total = batch * seq
