@@ -344,8 +344,10 @@ def _on_positions(q, k, weights, positions, *, theta, rotary_dim, scaling, inter
         check_norm_weights(q, k, *weights)
         ws = weights[:1] if k is None else weights
     shape = _check_qk(q, k, layout)
+    nonzero = np.flatnonzero(np.asarray(inv_freq))
+    angle_lanes = max(128, -(-(int(nonzero[-1]) + 1 if nonzero.size else 0) // 128) * 128)
     cfg = _config(shape, r, interleaved, transpose=backward, from_positions=True, attention_scaling=attention_scaling,
-                  **cfg_kw)
+                  angle_lanes=angle_lanes, **cfg_kw)
     inv = tuple(float(f) for f in inv_freq)
     return _call(lambda xs, ws, p: _rope_positions(xs, ws, p, cfg, inv), q, k, ws, shape, positions)
 

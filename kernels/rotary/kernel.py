@@ -40,6 +40,9 @@ class RopeConfig:
     transpose: bool = False  # apply the transpose rotation (the gradient)
     from_positions: bool = False  # tables are positions + inverse frequencies, not cos/sin
     attention_scaling: float = 1.0  # cos and sin are scaled by this (yarn); positions mode only
+    # positions mode: lanes [0, angle_lanes) of the distinct frequencies hold every nonzero one (a multiple of 128;
+    # None: all). Past them the angle is 0 (proportional rope's zero tail): cos 1 and sin 0 without transcendentals.
+    angle_lanes: int | None = None
     norm: bool = False  # per-head RMSNorm over D before the rotation
     eps: float = 1e-6
     weight_offset: float = 0.0
@@ -216,7 +219,8 @@ def _cos_sin(pos, inv, cfg: RopeConfig, packing: str):
 
     Without interleaving, a fully rotating table repeats its frequencies in its two halves, so half the angles are
     distinct and the transcendentals (the bulk of the kernel's compute at head_dim 128) run on half the vregs:
-      "lanes" (W/2 a multiple of 128): the first W/2 lanes, then both halves as whole vregs;
+      "lanes" (W/2 a multiple of 128): the first W/2 lanes (only the first cfg.angle_lanes of them when the rest
+      have frequency 0), then both halves as whole vregs;
       "rows" (W = 128, b = 1, ts % 128 == 0): tokens t and t + ts/2 share a row (lanes < 64 and >= 64), then one
       lane rotation by 64 and two selects give each token its [f, f] row (modeled v6e, Qwen3 prefill: -217 cycles
       a 128-token step; at 32-token decode steps the unpacking costs more than it saves: +44-116).
@@ -224,8 +228,13 @@ def _cos_sin(pos, inv, cfg: RopeConfig, packing: str):
     """
     if packing == "lanes":
         half = inv.shape[-1] // 2
-        angle = pos * inv[:, :half][None]
+        live = min(half, cfg.angle_lanes or half)
+        angle = pos * inv[:, :live][None]
         c, s = jnp.cos(angle), jnp.sin(angle)
+        if live < half:  # zero frequencies: the angle is exactly 0 there
+            tail = c.shape[:-1] + (half - live,)
+            c = jnp.concatenate([c, jnp.ones(tail, c.dtype)], axis=-1)
+            s = jnp.concatenate([s, jnp.zeros(tail, s.dtype)], axis=-1)
         cos, sin = jnp.concatenate([c, c], axis=-1), jnp.concatenate([s, s], axis=-1)
     elif packing == "rows":
         p = pos[0]
