@@ -15,8 +15,9 @@ S=2048, 16 steps of 128 tokens for Qwen3-30B-A3B (32 + 4 heads x 128) and 32 ste
 heads x 256, 16 + 2 x 512) beat the previous 2 MiB blocks (10-13 steps): apply_rotary 86 -> 90 % of the HBM
 roofline, fused norm + rope 70 -> 78 % (Qwen3) and 82 -> 86 % (Gemma 4 sliding); at S=32768 the same blocks are at
 94-99 %. Later, with the norm's row sums on the MXU, Qwen3 at S=2048 takes 32 steps of 64 tokens (see MIN_STEPS).
-Decode (one position per sequence; the api runs B sequences of one token as one sequence of B tokens): 32-token
-blocks (2-8 steps) are within 2 % of the best block at every batch, while 1-step or 8-token blocks lose 10-30 %.
+Decode (one position per sequence; the api runs B sequences of one token as one sequence of B tokens): at most 4
+steps of up to half the target (see SMALL_PROBLEM_STEPS), never below the MIN_BLOCK_BYTES floor; 1-step grids and
+8-token blocks lose 10-30 %.
 """
 import dataclasses
 import math
@@ -43,6 +44,15 @@ MIN_BLOCK_BYTES = 256 << 10
 # positions a step does more compute and its fixed cost matters more: 16 steps (90.1 % vs 79.4 % with 32).
 MIN_STEPS = 32
 MIN_STEPS_FROM_POSITIONS = 16
+# Small problems (at most SMALL_PROBLEM_STEPS blocks of the target size: every decode batch up to 256 tokens, no
+# prefill at the benchmark shapes): MIN_STEPS would cut them into blocks of the MIN_BLOCK_BYTES floor, and each step
+# has its fixed cost. Since the per-token factor rows come by broadcast loads, fewer, larger blocks model faster: at
+# least SMALL_MIN_STEPS steps (the first read and last write stay exposed) of up to SMALL_TARGET_SHARE of the target.
+# Modeled v6e at 256 decode tokens: fused norm + rope from positions Qwen3 5.58 -> 5.36 us (64-token blocks), Gemma 4
+# sliding 6.35 -> 5.40, full 8.31 -> 7.68 (32); within +-0.08 us elsewhere, unchanged below 64 tokens and on v5e.
+SMALL_PROBLEM_STEPS = 8
+SMALL_MIN_STEPS = 4
+SMALL_TARGET_SHARE = 0.5
 # Live f32 copies of a head slab inside the kernel body (upcast x, the partner lanes, the rotated result, ...).
 F32_TEMPORARIES = 4
 VMEM_SHARE = 0.5
@@ -114,8 +124,13 @@ def choose_blocks(
         target_bytes = max(target_bytes, min(2 * target_bytes, LONG_BLOCK_MAX_BYTES))
     target = target_bytes // in_bytes_per_token
     floor = max(1, MIN_BLOCK_BYTES // in_bytes_per_token)
-    min_steps = MIN_STEPS_FROM_POSITIONS if from_positions else MIN_STEPS
-    tokens = _nearest_power_of_two(max(1, min(target, max(floor, math.ceil(total / min_steps)))))
+    if total * in_bytes_per_token <= SMALL_PROBLEM_STEPS * target_bytes:  # see SMALL_PROBLEM_STEPS
+        small_target = max(floor, int(target_bytes * SMALL_TARGET_SHARE) // in_bytes_per_token)
+        tokens = min(small_target, max(floor, math.ceil(total / SMALL_MIN_STEPS)))
+    else:
+        min_steps = MIN_STEPS_FROM_POSITIONS if from_positions else MIN_STEPS
+        tokens = min(target, max(floor, math.ceil(total / min_steps)))
+    tokens = _nearest_power_of_two(max(1, tokens))
     tokens = max(min(tokens, tokens_by_vmem), 1)
 
     # Split the token budget into (block_batch, block_seq).
