@@ -321,6 +321,7 @@ def test_token_major_factor_rows_compile_for_tpu(monkeypatch, generation):
 POSITION_LAYOUTS = [
     ("row-blocks-rows-ragged", "bhsd", 1, 320, 1, 128, None, False, True, BF16, 128, "row_blocks", "rows"),
     ("row-select-chunks-decode", "bhsd", 256, 1, 256, 128, None, False, True, BF16, 32, "row_select", "none"),
+    ("row-select-rows-decode", "bhsd", 256, 1, 256, 128, None, False, True, BF16, 64, "row_select", "rows"),
     ("row-select-lanes-decode", "bshd", 128, 1, 128, 256, None, False, False, F32, 64, "row_select", "lanes"),
     ("row-blocks-interleaved", "bshd", 2, 256, 1, 128, None, True, False, F32, 128, "row_blocks", "none"),
     ("row-blocks-lanes-whole-seq", "bhsd", 2, 128, 1, 256, None, False, True, F32, 128, "row_blocks", "lanes"),
@@ -328,7 +329,7 @@ POSITION_LAYOUTS = [
     ("row-select-partial-rotary", "bhsd", 1, 48, 1, 128, 64, False, False, F32, 16, "row_select", "none"),
     ("row-select-decode-ragged", "bhsd", 200, 1, 200, 128, None, False, False, F32, 32, "row_select", "none"),
     ("row-select-decode-one-step", "bshd", 8, 1, 8, 256, None, True, True, BF16, 8, "row_select", "none"),
-    ("column-long-ragged", "bshd", 1, 600, 1, 128, None, False, False, F32, 64, "column", "none"),
+    ("column-long-ragged", "bshd", 1, 600, 1, 128, None, False, False, F32, 32, "column", "none"),
     ("row-blocks-rows-proportional", "bhsd", 1, 256, 1, 512, 128, False, True, BF16, 128, "row_blocks", "rows"),
 ]
 

@@ -52,6 +52,10 @@ class RopeConfig:
 # (the body is unrolled per token: 256 tokens is Qwen3's long-prefill block; larger blocks only come with few heads).
 BROADCAST_LOAD_MAX_TOKENS = 256
 
+# "rows" packing of cos/sin (see _cos_sin) from blocks of this many tokens (a multiple of it): modeled v6e, Qwen3
+# decode at 256 tokens in 64-token blocks 1523 -> 1434 cycles a step; at 32-token blocks it costs more than it saves.
+ROWS_PACKING_MIN_TOKENS = 64
+
 # Rows up to this many positions are read whole by "row_select" when they are not a multiple of 128 (each step then
 # selects over all of them: ceil(S / 128) vregs per 8 tokens).
 ROW_SELECT_MAX_TOKENS = 512
@@ -88,7 +92,8 @@ def positions_layout(positions_shape, *, seq: int, cfg: RopeConfig, width: int, 
     if not cfg.interleaved and cfg.rotary_dim == width:
         if (width // 2) % 128 == 0:
             packing = "lanes"
-        elif width == 128 and ts % 128 == 0 and (rows == 1 or blocks.block_batch == 1) and row_len == seq:
+        elif (width == 128 and ts % ROWS_PACKING_MIN_TOKENS == 0 and (rows == 1 or blocks.block_batch == 1)
+              and row_len == seq):
             packing = "rows"
     return PositionsLayout(mode=mode, packing=packing, block_seq=ts)
 
@@ -221,9 +226,9 @@ def _cos_sin(pos, inv, cfg: RopeConfig, packing: str):
     distinct and the transcendentals (the bulk of the kernel's compute at head_dim 128) run on half the vregs:
       "lanes" (W/2 a multiple of 128): the first W/2 lanes (only the first cfg.angle_lanes of them when the rest
       have frequency 0), then both halves as whole vregs;
-      "rows" (W = 128, b = 1, ts % 128 == 0): tokens t and t + ts/2 share a row (lanes < 64 and >= 64), then one
-      lane rotation by 64 and two selects give each token its [f, f] row (modeled v6e, Qwen3 prefill: -217 cycles
-      a 128-token step; at 32-token decode steps the unpacking costs more than it saves: +44-116).
+      "rows" (W = 128, b = 1, ts a multiple of ROWS_PACKING_MIN_TOKENS): tokens t and t + ts/2 share a row (lanes
+      < 64 and >= 64), then one lane rotation by 64 and two selects give each token its [f, f] row (modeled v6e,
+      Qwen3 prefill: -217 cycles a 128-token step; at 32-token decode steps the unpacking costs more than it saves).
     Every angle is the same f32 product either way.
     """
     if packing == "lanes":
