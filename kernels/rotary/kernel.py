@@ -393,12 +393,12 @@ def rope(xs, table_a, table_b, weights, *, cfg: RopeConfig, blocks: RotaryBlocks
         + table_b.size * table_b.dtype.itemsize,
     )
     broadcast_loads = uses_broadcast_loads(cfg, blocks)
-    factor_sets = n if cfg.norm else 1
+    n_factor_sets = n if cfg.norm else 1  # (a, b) per x under the norm (its weight folded in), else one shared pair
     outs = pl.pallas_call(
         functools.partial(_kernel, n=n, cfg=cfg, positions=positions, broadcast_loads=broadcast_loads),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs],
         grid=grid,
-        scratch_shapes=[pltpu.VMEM((2 * factor_sets, bb, ts, width), jnp.float32)] if broadcast_loads else [],
+        scratch_shapes=[pltpu.VMEM((2 * n_factor_sets, bb, ts, width), jnp.float32)] if broadcast_loads else [],
         in_specs=in_specs,
         out_specs=[x_spec(x) for x in xs],
         compiler_params=pltpu.CompilerParams(
