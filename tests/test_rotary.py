@@ -183,7 +183,7 @@ def test_apply_rotary_from_positions_matches_reference(rand, case):
     )
 
 
-@pytest.mark.parametrize("factor,angle_lanes", [(0.25, 128), (0.5, 128), (0.75, 256)])
+@pytest.mark.parametrize("factor,angle_lanes", [(0.25, 128), (0.75, 256)])
 def test_proportional_zero_frequencies_skip_transcendentals(rand, monkeypatch, factor, angle_lanes):
     """Gemma 4's full layers (head_dim 512, proportional partial rotary): frequencies past partial_rotary_factor are 0,
     so the kernel evaluates cos/sin only on the lanes that hold a nonzero one (cos 1, sin 0 past them); decode and
@@ -210,6 +210,8 @@ def test_proportional_zero_frequencies_skip_transcendentals(rand, monkeypatch, f
             (q, k, positions), dtype=F32, rand=rand, names=["q", "k"], **tol)
     jax.clear_caches()
     assert seen and set(seen) == {("lanes", angle_lanes, 512)}, f"(packing, angle lanes, table width): {seen}"
+    if factor != 0.25:
+        return
     for generation in ladder.GENERATIONS:  # rung 3, Gemma 4 full's decode batch
         ladder.compile_for_tpu(
             lambda q, k, w, p: api.rms_norm_rope_from_positions(q, k, w, w, p, **opts), generation,
@@ -323,9 +325,9 @@ POSITION_LAYOUTS = [
     ("row-select-chunks-decode", "bhsd", 256, 1, 256, 128, None, False, True, BF16, 32, "row_select", "none"),
     ("row-select-rows-decode", "bhsd", 256, 1, 256, 128, None, False, True, BF16, 64, "row_select", "rows"),
     ("row-select-lanes-decode", "bshd", 128, 1, 128, 256, None, False, False, F32, 64, "row_select", "lanes"),
-    ("row-blocks-interleaved", "bshd", 2, 256, 1, 128, None, True, False, F32, 128, "row_blocks", "none"),
+    ("row-blocks-interleaved", "bshd", 1, 256, 1, 128, None, True, False, F32, 128, "row_blocks", "none"),
     ("row-blocks-lanes-whole-seq", "bhsd", 2, 128, 1, 256, None, False, True, F32, 128, "row_blocks", "lanes"),
-    ("column-rows-per-sequence", "bshd", 2, 256, 2, 128, None, False, True, F32, 128, "column", "rows"),
+    ("column-rows-per-sequence", "bshd", 2, 128, 2, 128, None, False, True, F32, 128, "column", "rows"),
     ("row-select-partial-rotary", "bhsd", 1, 48, 1, 128, 64, False, False, F32, 16, "row_select", "none"),
     ("row-select-decode-ragged", "bhsd", 200, 1, 200, 128, None, False, False, F32, 32, "row_select", "none"),
     ("row-select-decode-one-step", "bshd", 8, 1, 8, 256, None, True, True, BF16, 8, "row_select", "none"),

@@ -49,8 +49,12 @@ class RopeConfig:
 
 
 # Token-major (seq_major) blocks of at most this many tokens read their per-token factor rows by broadcast loads
-# (the body is unrolled per token: 256 tokens is Qwen3's long-prefill block; larger blocks only come with few heads).
+# (the body is unrolled over the block's tokens: 256 is Qwen3's long-prefill block; larger ones come with few heads).
 BROADCAST_LOAD_MAX_TOKENS = 256
+
+# ... processed in groups of tokens whose factor rows take at most this many vregs (one vreg a token costs no more
+# in the model, but unrolling per token multiplied the kernel's size, its compile and its interpret-mode time).
+GROUP_FACTOR_VREGS = 8
 
 # "rows" packing of cos/sin (see _cos_sin) from blocks of this many tokens (a multiple of it): modeled v6e, Qwen3
 # decode at 256 tokens in 64-token blocks 1523 -> 1434 cycles a step; at 32-token blocks it costs more than it saves.
@@ -317,15 +321,22 @@ def _kernel(*refs, n, cfg: RopeConfig, positions: PositionsLayout | None, broadc
         if broadcast_loads:
             heads = x.shape[2]
 
-            def token_factor(ref_index, bi, t):
-                return jnp.broadcast_to(factor_ref[ref_index, bi, pl.ds(t, 1), :], (heads, width))
+            # Tokens in groups whose factor rows fill at most GROUP_FACTOR_VREGS vregs (a token's: ceil(H / 8)
+            # sublane groups x W / 128 lanes), so the rows stay in registers between their load and their use.
+            tokens = x.shape[1]
+            group = max(1, min(tokens, GROUP_FACTOR_VREGS // (-(-heads // 8) * -(-width // 128))))
 
-            out = jnp.stack([
-                jnp.stack([
-                    _normed_rotation(x[bi, t], token_factor(2 * f, bi, t), token_factor(2 * f + 1, bi, t), w,
-                                     None if scale is None else scale[bi, t], cfg)
-                    for t in range(x.shape[1])])
-                for bi in range(x.shape[0])])
+            def factor_rows(ref_index, bi, t0, t1):  # (t1 - t0, H, W)
+                return jnp.stack([jnp.broadcast_to(factor_ref[ref_index, bi, pl.ds(t, 1), :], (heads, width))
+                                  for t in range(t0, t1)])
+
+            def rotated_group(bi, t0):
+                t1 = min(t0 + group, tokens)
+                a, b = factor_rows(2 * f, bi, t0, t1), factor_rows(2 * f + 1, bi, t0, t1)
+                return _normed_rotation(x[bi, t0:t1], a, b, w, None if scale is None else scale[bi, t0:t1], cfg)
+
+            out = jnp.stack([jnp.concatenate([rotated_group(bi, t0) for t0 in range(0, tokens, group)])
+                             for bi in range(x.shape[0])])
         else:
             # Per-token rows broadcast over heads: (b, ts, 1, W) in bshd, (b, 1, ts, W) in bhsd.
             a, b = (t[:, :, None, :] if cfg.seq_major else t[:, None, :, :] for t in factor_sets[f])
