@@ -261,10 +261,9 @@ FACTOR_ROW_CASES = [
 @pytest.mark.parametrize("case", FACTOR_ROW_CASES, ids=[c[0] for c in FACTOR_ROW_CASES])
 def test_token_major_factor_rows(rand, monkeypatch, case, factor_rows):
     _, op, layout, batch, seq, hq, hk, head_dim, rotary_dim, dtype, small_blocks = case
-    kernel, seen = api.kernel, []
+    kernel = api.kernel
     monkeypatch.setattr(kernel, "BROADCAST_LOAD_MAX_TOKENS", 1 << 20 if factor_rows == "broadcast_loads" else 0)
-    original = kernel.uses_broadcast_loads
-    monkeypatch.setattr(kernel, "uses_broadcast_loads", lambda *a: seen.append(original(*a)) or seen[-1])
+    seen = _record_results(monkeypatch, kernel, "uses_broadcast_loads")
     if small_blocks:
         monkeypatch.setattr(tuning, "TARGET_BLOCK_BYTES", {g: 1 for g in tuning.TARGET_BLOCK_BYTES})
         monkeypatch.setattr(tuning, "MIN_BLOCK_BYTES", 1)
@@ -301,9 +300,8 @@ def test_token_major_factor_rows(rand, monkeypatch, case, factor_rows):
 def test_token_major_factor_rows_compile_for_tpu(monkeypatch, generation):
     """Rung 3 for both factor-row paths: Qwen3's fused norm + rope from positions in bshd at prefill (128-token
     blocks: the unrolled broadcast-load body at its benchmark size) and at a 256-token decode batch."""
-    kernel, seen = api.kernel, []
-    original = kernel.uses_broadcast_loads
-    monkeypatch.setattr(kernel, "uses_broadcast_loads", lambda *a: seen.append(original(*a)) or seen[-1])
+    kernel = api.kernel
+    seen = _record_results(monkeypatch, kernel, "uses_broadcast_loads")
     w, op = ((128,), BF16), lambda q, k, w, p: api.rms_norm_rope_from_positions(q, k, w, w, p, theta=1e6, layout="bshd")
     for limit in (kernel.BROADCAST_LOAD_MAX_TOKENS, 0):
         monkeypatch.setattr(kernel, "BROADCAST_LOAD_MAX_TOKENS", limit)
@@ -339,19 +337,25 @@ POSITION_LAYOUTS = [
 def _force_positions_blocks(monkeypatch, block_seq):
     """Token blocks of block_seq (one sequence each) for the next kernel calls; returns the PositionsLayouts they
     reach (appended as each call traces)."""
-    kernel, seen = api.kernel, []
-    original_layout, original_blocks = kernel.positions_layout, tuning.choose_blocks
-
-    def recording_layout(*args, **kwargs):
-        seen.append(original_layout(*args, **kwargs))
-        return seen[-1]
+    original_blocks = tuning.choose_blocks
 
     def forced_blocks(**kwargs):
         blocks = original_blocks(**kwargs)
         return tuning.RotaryBlocks(block_batch=1, block_seq=block_seq, vmem_limit_bytes=blocks.vmem_limit_bytes)
 
-    monkeypatch.setattr(kernel, "positions_layout", recording_layout)
     monkeypatch.setattr(tuning, "choose_blocks", forced_blocks)
+    return _record_results(monkeypatch, api.kernel, "positions_layout")
+
+
+def _record_results(monkeypatch, module, name):
+    """Wrap module.name for this test; returns the list of its results, appended as each call traces."""
+    seen, original = [], getattr(module, name)
+
+    def recording(*args, **kwargs):
+        seen.append(original(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(module, name, recording)
     return seen
 
 
