@@ -2,12 +2,13 @@
 #   make test    the whole verification ladder (rungs 1-4) on this machine, no TPU needed
 #   make bench   benchmark tables (measured on a TPU when present, modeled, roofline); add BENCH_ARGS=--full
 #   make build   the Hub package: build/torch-tpu/ and build/torch-cpu/
+#   make lint    ruff format --check and ruff check (configured in pyproject.toml); make test runs it first
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: venv test bench build clean
+.PHONY: venv test bench build lint clean
 
 venv: $(STAMP)
 
@@ -17,11 +18,15 @@ $(STAMP): pyproject.toml scripts/requirements.py
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+lint: venv
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+
 build: venv
 	$(PY) scripts/build_hub.py
 
 # The main suite, and beside it (second core) the JAX-only tests under Python 3.12 + jax 0.12 (scripts/jax_compat.sh).
-test: build
+test: lint build
 	@mkdir -p build; scripts/jax_compat.sh -q $(PYTEST_ARGS) > build/jax012-tests.log 2>&1 & compat=$$!; \
 	$(PY) -m pytest $(PYTEST_ARGS); main=$$?; \
 	wait $$compat; compat_rc=$$?; \

@@ -2,6 +2,7 @@
 
 Run by `python -m benchmarks` (through pytest.main), or directly: `pytest benchmarks/test_rms_norm.py [--bench-full]`.
 """
+
 from benchmarks import device as _device
 
 _device.prepare_environment()  # before jax is imported
@@ -12,8 +13,12 @@ from benchmarks import measured  # noqa: E402
 
 
 def pytest_addoption(parser):
-    parser.addoption("--bench-full", action="store_true", default=False,
-                     help="on a CPU, also time the mid-size shapes (interpret mode; slow)")
+    parser.addoption(
+        "--bench-full",
+        action="store_true",
+        default=False,
+        help="on a CPU, also time the mid-size shapes (interpret mode; slow)",
+    )
 
 
 @pytest.fixture(scope="session")

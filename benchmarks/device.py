@@ -8,6 +8,7 @@ are timed (interpret mode simulates every DMA); the others show "—".
 `prepare_environment()` must run before jax (or torch) is imported: without a TPU it applies the project's
 deviceless settings (tests/environment.py), with one it leaves jax free to find the TPU.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,10 +49,10 @@ def prepare_environment() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Device:
-    platform: str          # "tpu" or "cpu" (jax's platform of the default device)
-    kind: str              # jax's device_kind
-    kernel_label: str      # label of measured kernel rows: "measured <device_kind>" or "cpu interpret"
-    default_label: str     # label of measured default-implementation rows
+    platform: str  # "tpu" or "cpu" (jax's platform of the default device)
+    kind: str  # jax's device_kind
+    kernel_label: str  # label of measured kernel rows: "measured <device_kind>" or "cpu interpret"
+    default_label: str  # label of measured default-implementation rows
 
     @property
     def is_tpu(self) -> bool:

@@ -4,6 +4,7 @@
 Every figure carries its label: "measured <device>" (or "cpu interpret" / "cpu XLA", never a TPU figure),
 "modeled <gen>" or "roofline <gen>".
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,20 +52,39 @@ def _measured_entry(stats: dict, case: _suite.Case, units: int, hbm_bytes: int):
     entry = {}
     for impl, s in timed.items():
         t = s["median_s"]
-        entry[impl] = {"label": s["label"], "us": _us(t), "rounds": s["rounds"], "stddev_us": _us(s["stddev_s"]),
-                       "units_per_s": units / t, "gbps": hbm_bytes / t / 1e9}
+        entry[impl] = {
+            "label": s["label"],
+            "us": _us(t),
+            "rounds": s["rounds"],
+            "stddev_us": _us(s["stddev_s"]),
+            "units_per_s": units / t,
+            "gbps": hbm_bytes / t / 1e9,
+        }
     return entry
 
 
 def _modeled_entry(model):
     if isinstance(model, Exception):
         return {"error": f"{type(model).__name__}: {model}"}
-    out = {"label": model.label, "us": model.modeled_us, "warnings": list(model.warnings),
-           "xla_ops_us": sum(x.modeled_s for x in model.xla_ops) * 1e6}
+    out = {
+        "label": model.label,
+        "us": model.modeled_us,
+        "warnings": list(model.warnings),
+        "xla_ops_us": sum(x.modeled_s for x in model.xla_ops) * 1e6,
+    }
     if model.kernels:
-        out["kernels"] = [{"name": k.kernel_name, "grid": list(k.grid), "bound": k.bound, "hbm_bytes": k.hbm_bytes,
-                           "compute_us": k.compute_s * 1e6, "hbm_us": k.hbm_s * 1e6, "us": k.modeled_s * 1e6}
-                          for k in model.kernels]
+        out["kernels"] = [
+            {
+                "name": k.kernel_name,
+                "grid": list(k.grid),
+                "bound": k.bound,
+                "hbm_bytes": k.hbm_bytes,
+                "compute_us": k.compute_s * 1e6,
+                "hbm_us": k.hbm_s * 1e6,
+                "us": k.modeled_s * 1e6,
+            }
+            for k in model.kernels
+        ]
     return out
 
 
@@ -77,17 +97,31 @@ def build_row(case: _suite.Case, chip, models: dict, stats: dict, batch_unit: st
     baselines = {}
     for impl, why_not in op.impls(shape).items():
         if impl.startswith(_suite.BASELINE_PREFIX):
-            name = impl[len(_suite.BASELINE_PREFIX):]
+            name = impl[len(_suite.BASELINE_PREFIX) :]
             baselines[name] = {"na": why_not} if why_not else _modeled_entry(models[(case.id, impl)])
     row = {
-        "op": op.name, "case": case.id, "shape": shape.as_dict(), "shape_id": shape.id, "series": shape.series,
-        "batch": shape.batch, "batch_unit": batch_unit, "hbm_bytes": hbm_bytes, "mxu_flops": flops,
-        "roofline": {"label": f"roofline {chip.gen}", "us": _us(roof_s),
-                     "bound": roofline.bound(hbm_bytes, flops, chip)},
-        "modeled_kernel": kernel, "modeled_default": default, "default_name": op.default_name,
-        "modeled_baselines": baselines, "speedups": {},
-        "mxu_fraction": None,   # matmul flops / bf16 peak / modeled kernel time
-        "efficiency": None, "speedup": None,
+        "op": op.name,
+        "case": case.id,
+        "shape": shape.as_dict(),
+        "shape_id": shape.id,
+        "series": shape.series,
+        "batch": shape.batch,
+        "batch_unit": batch_unit,
+        "hbm_bytes": hbm_bytes,
+        "mxu_flops": flops,
+        "roofline": {
+            "label": f"roofline {chip.gen}",
+            "us": _us(roof_s),
+            "bound": roofline.bound(hbm_bytes, flops, chip),
+        },
+        "modeled_kernel": kernel,
+        "modeled_default": default,
+        "default_name": op.default_name,
+        "modeled_baselines": baselines,
+        "speedups": {},
+        "mxu_fraction": None,  # matmul flops / bf16 peak / modeled kernel time
+        "efficiency": None,
+        "speedup": None,
         "measured": _measured_entry(stats, case, shape.batch, hbm_bytes),
     }
     # A kernel the model could not match to a pallas_call (XLA's own Mosaic kernels, e.g. lax.ragged_dot on TPU, or
@@ -95,8 +129,7 @@ def build_row(case: _suite.Case, chip, models: dict, stats: dict, batch_unit: st
     # implementation is floored at the op's roofline (as if it moved the minimum bytes at full bandwidth), a
     # lower bound that favours it.
     for entry in (default, *baselines.values()):
-        if "us" in entry and any(k["hbm_bytes"] == 0 for k in entry.get("kernels", [])) \
-                and entry["us"] < _us(roof_s):
+        if "us" in entry and any(k["hbm_bytes"] == 0 for k in entry.get("kernels", [])) and entry["us"] < _us(roof_s):
             entry["unfloored_us"], entry["us"] = entry["us"], _us(roof_s)
             entry["floored_at_roofline"] = True
     for entry in (kernel, default, *baselines.values()):
@@ -120,20 +153,26 @@ def check_targets(targets: _suite.Targets, rows: list[dict]) -> list[dict]:
         sel = [r for r in rows if r["batch"] >= targets.min_efficiency_from_batch]
         worst = min(sel, key=lambda r: r["efficiency"] if r["efficiency"] is not None else -1.0, default=None)
         eff = None if worst is None else worst["efficiency"]
-        out.append({
-            "target": f"efficiency >= {targets.min_efficiency:.0%} of the roofline at "
-                      f"{rows[0]['batch_unit'] if rows else 'batch'} >= {targets.min_efficiency_from_batch}",
-            "source": targets.source, "met": eff is not None and eff >= targets.min_efficiency,
-            "worst": None if worst is None else {"case": worst["case"], "efficiency": eff},
-        })
+        out.append(
+            {
+                "target": f"efficiency >= {targets.min_efficiency:.0%} of the roofline at "
+                f"{rows[0]['batch_unit'] if rows else 'batch'} >= {targets.min_efficiency_from_batch}",
+                "source": targets.source,
+                "met": eff is not None and eff >= targets.min_efficiency,
+                "worst": None if worst is None else {"case": worst["case"], "efficiency": eff},
+            }
+        )
     if targets.beats_default:
         worst = min(rows, key=lambda r: r["speedup"] if r["speedup"] is not None else -1.0, default=None)
         speedup = None if worst is None else worst["speedup"]
-        out.append({
-            "target": "faster than the default implementation at every shape", "source": targets.source,
-            "met": speedup is not None and speedup > 1.0,
-            "worst": None if worst is None else {"case": worst["case"], "speedup": speedup},
-        })
+        out.append(
+            {
+                "target": "faster than the default implementation at every shape",
+                "source": targets.source,
+                "met": speedup is not None and speedup > 1.0,
+                "worst": None if worst is None else {"case": worst["case"], "speedup": speedup},
+            }
+        )
     if targets.custom is not None:
         out += targets.custom(rows)
     return out
@@ -157,8 +196,13 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
         if bar is not None:
             bar.set_description(f"{kernel}: measuring ({dev.kernel_label})")
         stats, measure_error = measured.run(
-            kernel, timed, json_path=config.out / f"{kernel}.pytest-benchmark.json",
-            log_path=config.out / f"{kernel}.pytest.log", full=config.full, bar=bar)
+            kernel,
+            timed,
+            json_path=config.out / f"{kernel}.pytest-benchmark.json",
+            log_path=config.out / f"{kernel}.pytest.log",
+            full=config.full,
+            bar=bar,
+        )
     if bar is not None:
         bar.set_description(f"{kernel}: modeling ({chip.gen})")
     models = modeled.run(cases, chip.gen, bar=bar, workers=config.workers)

@@ -9,6 +9,7 @@ Functions handed to the performance model are pickled by reference, so they must
 subprocess can import by name: the benchmark ops modules (`benchmarks/ops/*.py`) import the kernels through this
 module at import time, which registers the synthetic package in that process too.
 """
+
 import importlib
 import importlib.machinery
 import importlib.util

@@ -5,6 +5,7 @@ pytest-benchmark's `benchmark` fixture. `run()` runs a suite in this process thr
 `--benchmark-json` and reads the timings back from that JSON. Which cases a suite times is decided here (`plan`),
 so `python -m benchmarks` and a direct `pytest benchmarks/test_<kernel>.py` time the same cases.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,7 @@ from . import suite as _suite
 IMPLS = _suite.IMPLS
 HERE = pathlib.Path(__file__).resolve().parent
 # pytest-benchmark rounds (each one call, after one warm-up call that also compiles) per device.
-ROUNDS = {"tpu": (20, 10), "cpu": (3, 1)}          # (rounds, iterations per round)
+ROUNDS = {"tpu": (20, 10), "cpu": (3, 1)}  # (rounds, iterations per round)
 
 _PLANNED: dict[str, list[_suite.Case]] = {}
 
@@ -37,8 +38,9 @@ def _arrays(case: _suite.Case, seed: int = 0):
     if case.op.arrays is not None:
         return case.op.arrays(case.shape, seed)
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda s: jax.numpy.asarray(rng.standard_normal(s.shape, np.float32), s.dtype),
-                        case.op.specs(case.shape))
+    return jax.tree.map(
+        lambda s: jax.numpy.asarray(rng.standard_normal(s.shape, np.float32), s.dtype), case.op.specs(case.shape)
+    )
 
 
 def time_case(benchmark, case: _suite.Case, impl: str, dev: _device.Device) -> None:
@@ -59,8 +61,12 @@ def time_case(benchmark, case: _suite.Case, impl: str, dev: _device.Device) -> N
     call()  # compile outside the timed rounds
     rounds, iterations = ROUNDS["tpu" if dev.is_tpu else "cpu"]
     benchmark.extra_info.update(
-        case_id=case.id, impl=impl, label=dev.kernel_label if impl == "kernel" else dev.default_label,
-        device_kind=dev.kind, batch=case.shape.batch, hbm_bytes=case.op.hbm_bytes(case.shape),
+        case_id=case.id,
+        impl=impl,
+        label=dev.kernel_label if impl == "kernel" else dev.default_label,
+        device_kind=dev.kind,
+        batch=case.shape.batch,
+        hbm_bytes=case.op.hbm_bytes(case.shape),
     )
     benchmark.pedantic(call, rounds=rounds, iterations=iterations, warmup_rounds=1)
 
@@ -76,8 +82,9 @@ class _Progress:
             self.bar.update(1)
 
 
-def run(kernel: str, cases: list[_suite.Case], *, json_path: pathlib.Path, log_path: pathlib.Path,
-        full: bool, bar=None) -> tuple[dict, str | None]:
+def run(
+    kernel: str, cases: list[_suite.Case], *, json_path: pathlib.Path, log_path: pathlib.Path, full: bool, bar=None
+) -> tuple[dict, str | None]:
     """Time `cases` of `kernel` through its pytest-benchmark suite. Returns ({(case id, impl): stats}, error).
 
     pytest's own output goes to `log_path`; timings in seconds come from pytest-benchmark's JSON at `json_path`.
@@ -91,8 +98,15 @@ def run(kernel: str, cases: list[_suite.Case], *, json_path: pathlib.Path, log_p
         return {}, f"no pytest-benchmark suite {test_file.name}"
     json_path.unlink(missing_ok=True)
     _PLANNED[kernel] = list(cases)
-    args = [str(test_file), f"--benchmark-json={json_path}", "-p", "no:cacheprovider", "-q",
-            "--rootdir", str(HERE.parent)] + (["--bench-full"] if full else [])
+    args = [
+        str(test_file),
+        f"--benchmark-json={json_path}",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "--rootdir",
+        str(HERE.parent),
+    ] + (["--bench-full"] if full else [])
     try:
         with open(log_path, "w") as log, contextlib.redirect_stdout(log):
             code = pytest.main(args, plugins=[_Progress(bar)])
@@ -105,7 +119,11 @@ def run(kernel: str, cases: list[_suite.Case], *, json_path: pathlib.Path, log_p
     for b in json.loads(json_path.read_text())["benchmarks"]:
         info, s = b["extra_info"], b["stats"]
         stats[(info["case_id"], info["impl"])] = {
-            "label": info["label"], "median_s": s["median"], "mean_s": s["mean"], "min_s": s["min"],
-            "stddev_s": s["stddev"], "rounds": s["rounds"],
+            "label": info["label"],
+            "median_s": s["median"],
+            "mean_s": s["mean"],
+            "min_s": s["min"],
+            "stddev_s": s["stddev"],
+            "rounds": s["rounds"],
         }
     return stats, error

@@ -6,6 +6,7 @@ compile is ~3-5 s here, most of it the subprocess's start: importing jax and loa
 pool of `workers` (default 2: one chunk's host-side traffic analysis, which evaluates the routing/metadata on the
 CPU, overlaps another's compile subprocess).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,7 +15,7 @@ from . import perf_model
 from . import suite as _suite
 
 IMPLS = _suite.IMPLS
-CHUNK = 12   # functions per compile subprocess (a progress step each chunk; bounds a crash's loss)
+CHUNK = 12  # functions per compile subprocess (a progress step each chunk; bounds a crash's loss)
 
 
 def _item(case: _suite.Case, impl: str):
@@ -27,7 +28,7 @@ def run(cases: list[_suite.Case], gen: str, *, bar=None, workers: int | None = N
     """{(case id, impl): ProgramModel, or the Exception that modeling raised}, for every impl that applies."""
     workers = workers or 2
     keys = [(c, impl) for c in cases for impl, why_not in c.op.impls(c.shape).items() if why_not is None]
-    chunks = [keys[i:i + CHUNK] for i in range(0, len(keys), CHUNK)]
+    chunks = [keys[i : i + CHUNK] for i in range(0, len(keys), CHUNK)]
     results = {}
 
     def model_chunk(chunk):

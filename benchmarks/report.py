@@ -3,6 +3,7 @@
 Column headers and chart labels carry every figure's label: "measured <device>" / "cpu interpret", "modeled <gen>",
 "roofline <gen>".
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,15 @@ def columns(result: dict, rows: list[dict] | None = None) -> list[str]:
     gen = result["generation"]
     default_name = (rows[0].get("default_name") if rows else None) or "XLA default"
     default = "default" if default_name == "XLA default" else default_name
-    head = ["shape", f"{result['measured_label']} µs", f"modeled {gen} µs kernel", f"roofline {gen} µs",
-            "efficiency", f"modeled {gen} µs {default}", "speedup" if default == "default" else f"vs {default}"]
+    head = [
+        "shape",
+        f"{result['measured_label']} µs",
+        f"modeled {gen} µs kernel",
+        f"roofline {gen} µs",
+        "efficiency",
+        f"modeled {gen} µs {default}",
+        "speedup" if default == "default" else f"vs {default}",
+    ]
     for name in _baseline_names(rows or []):
         head += [f"modeled {gen} µs {name}", f"vs {name}"]
     return head + [f"GB/s modeled {gen}"]
@@ -84,31 +92,51 @@ def format_table(result: dict) -> str:
     for op, rows in table_rows(result):
         head = columns(result, [r for r in result["rows"] if r["op"] == op])
         widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
-        fmt_row = lambda cells: "| " + " | ".join(  # noqa: E731
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+        def fmt_row(cells, widths=widths):
+            aligned = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+            return "| " + " | ".join(aligned) + " |"
+
         sep = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
         lines += [f"\n{result['kernel']} / {op} ({', '.join(dtypes)})", fmt_row(head), sep]
         lines += [fmt_row(r) for r in rows]
-    na = sorted({f"{name}: {b['na']}" for r in result["rows"]
-                 for name, b in r.get("modeled_baselines", {}).items() if "na" in b})
+    na = sorted(
+        {
+            f"{name}: {b['na']}"
+            for r in result["rows"]
+            for name, b in r.get("modeled_baselines", {}).items()
+            if "na" in b
+        }
+    )
     lines += [f"n/a = {reason}" for reason in na]
     lines += _extra_measured_lines(result)
     for t in result["targets"]:
         worst = t["worst"] or {}
         detail = t.get("detail") or ", ".join(
-            f"{k} {v:.1%}" if k == "efficiency" else f"{k} {v:.2f}x" if k == "speedup" else
-            f"{k}: {v}" for k, v in worst.items() if k != "case")
-        lines.append(f"target ({t['source']}, {result['modeled_label']}): {t['target']}: "
-                     f"{'MET' if t['met'] else 'NOT MET'} (worst: {worst.get('case', DASH)}, {detail})")
+            f"{k} {v:.1%}" if k == "efficiency" else f"{k} {v:.2f}x" if k == "speedup" else f"{k}: {v}"
+            for k, v in worst.items()
+            if k != "case"
+        )
+        lines.append(
+            f"target ({t['source']}, {result['modeled_label']}): {t['target']}: "
+            f"{'MET' if t['met'] else 'NOT MET'} (worst: {worst.get('case', DASH)}, {detail})"
+        )
     if result.get("measure_error"):
         lines.append(f"measurement: {result['measure_error']}")
     if not result["device"]["platform"] == "tpu":
-        lines.append(f"measured: {result['measured_label']} = the Pallas kernel in TPU interpret mode on this CPU "
-                     f"({result['device']['kind']}); not a TPU figure. {DASH} = not timed on a CPU "
-                     "(--full times more).")
-    warned = sorted({w for r in result["rows"]
-                     for e in (r["modeled_kernel"], r["modeled_default"], *r.get("modeled_baselines", {}).values())
-                     for w in e.get("warnings", [])})
+        lines.append(
+            f"measured: {result['measured_label']} = the Pallas kernel in TPU interpret mode on this CPU "
+            f"({result['device']['kind']}); not a TPU figure. {DASH} = not timed on a CPU "
+            "(--full times more)."
+        )
+    warned = sorted(
+        {
+            w
+            for r in result["rows"]
+            for e in (r["modeled_kernel"], r["modeled_default"], *r.get("modeled_baselines", {}).values())
+            for w in e.get("warnings", [])
+        }
+    )
     lines += [f"model warning: {w}" for w in warned]
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
@@ -120,8 +148,10 @@ def _extra_measured_lines(result: dict) -> list[str]:
     for r in result["rows"]:
         extra = {k: v for k, v in (r["measured"] or {}).items() if k not in ("kernel", "default")}
         if extra:
-            lines.append(f"{r['op']} {r['shape_id']}: " + ", ".join(
-                f"{k} {v['us']:,.1f} µs ({v['label']})" for k, v in sorted(extra.items())))
+            lines.append(
+                f"{r['op']} {r['shape_id']}: "
+                + ", ".join(f"{k} {v['us']:,.1f} µs ({v['label']})" for k, v in sorted(extra.items()))
+            )
     return lines
 
 
@@ -161,11 +191,19 @@ def write_chart(result: dict, out: pathlib.Path) -> pathlib.Path:
             roof = [(r["batch"], r["batch"] / (r["roofline"]["us"] * 1e-6)) for r in pts]
             ax.plot(*zip(*roof), ":", color=color, alpha=0.6, label=f"{result['roofline_label']}, {labels[series]}")
             if result["device"]["platform"] == "tpu":  # measured points only when they are TPU figures
-                xy = [(r["batch"], r["measured"]["kernel"]["units_per_s"]) for r in pts
-                      if r["measured"] and "kernel" in r["measured"]]
+                xy = [
+                    (r["batch"], r["measured"]["kernel"]["units_per_s"])
+                    for r in pts
+                    if r["measured"] and "kernel" in r["measured"]
+                ]
                 if xy:
-                    ax.plot(*zip(*xy), "x", color=color, markersize=9,
-                            label=f"kernel, {labels[series]} ({result['measured_label']})")
+                    ax.plot(
+                        *zip(*xy),
+                        "x",
+                        color=color,
+                        markersize=9,
+                        label=f"kernel, {labels[series]} ({result['measured_label']})",
+                    )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(unit)

@@ -11,6 +11,7 @@ below with `sweep(...)` and list them in `SHAPES`.
 
 This module imports nothing but the standard library, so tests and subprocesses can import it cheaply.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +20,7 @@ import itertools
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    batch_name: str                  # "tokens", "batch", ...
+    batch_name: str  # "tokens", "batch", ...
     batch: int
     params: tuple[tuple[str, int | str], ...] = ()
     dtype: str = "bfloat16"
@@ -74,8 +75,8 @@ MOE_MODELS = {
     "gemma4-26b-a4b": {"hidden": 2816, "intermediate": 704, "activation": "gelu_tanh"},
 }
 MOE_EXPERTS, MOE_TOP_K = 128, 8
-RAGGED_DOT_DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)   # decode batch B: B * top_k rows
-RAGGED_DOT_PREFILL_ROWS = (4096, 32768, 131072)                 # prefill: M rows of the grouped matmul (M / top_k tokens)
+RAGGED_DOT_DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode batch B: B * top_k rows
+RAGGED_DOT_PREFILL_ROWS = (4096, 32768, 131072)  # prefill: M rows of the grouped matmul (M / top_k tokens)
 # `python -m benchmarks` without --full models this subset (keeps `make bench` short); --full models everything.
 RAGGED_DOT_QUICK_TOKENS = (1, 8, 64, 256)
 RAGGED_DOT_QUICK_ROWS = (4096,)

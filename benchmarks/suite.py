@@ -9,13 +9,14 @@ targets its issue holds it to. `benchmarks/test_<kernel>.py` is its pytest-bench
 Every function handed to the performance model is compiled in a subprocess and pickled by reference: `kernel` and
 `default` must be module-level functions of the ops module (or functools.partials of them).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import importlib
 import pkgutil
-from typing import Callable
+from collections.abc import Callable
 
 from . import ops as _ops_package
 from .shapes import Shape
@@ -29,26 +30,27 @@ BASELINE_PREFIX = "baseline:"
 @dataclasses.dataclass(frozen=True)
 class Baseline:
     """Another implementation of the op to compare against (modeled, compiled in the same run)."""
-    name: str                                  # column label, e.g. "tokamax"
-    fn: Callable                               # module-level function, same arguments as the kernel
-    unsupported: Callable[[Shape], str | None] = lambda shape: None   # why it does not apply to a shape, or None
+
+    name: str  # column label, e.g. "tokamax"
+    fn: Callable  # module-level function, same arguments as the kernel
+    unsupported: Callable[[Shape], str | None] = lambda shape: None  # why it does not apply to a shape, or None
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    name: str                                  # e.g. "rms_norm", "fused_add_rms_norm"
-    kernel: Callable                           # the Pallas path (module-level function)
-    default: Callable                          # the default implementation: plain JAX, compiled by XLA
-    specs: Callable[[Shape], tuple]            # shape -> argument ShapeDtypeStructs
-    hbm_bytes: Callable[[Shape], int]          # bytes one call must move between HBM and the core, at least
-    mxu_flops: Callable[[Shape], int] = lambda shape: 0   # matmul flops (0 for memory-bound kernels)
-    arrays: Callable | None = None             # (shape, seed) -> concrete arguments; default: random normal specs
-    model_args: Callable | None = None         # shape -> arguments for the model when specs are not enough
-                                               # (e.g. concrete group sizes for ragged dot)
+    name: str  # e.g. "rms_norm", "fused_add_rms_norm"
+    kernel: Callable  # the Pallas path (module-level function)
+    default: Callable  # the default implementation: plain JAX, compiled by XLA
+    specs: Callable[[Shape], tuple]  # shape -> argument ShapeDtypeStructs
+    hbm_bytes: Callable[[Shape], int]  # bytes one call must move between HBM and the core, at least
+    mxu_flops: Callable[[Shape], int] = lambda shape: 0  # matmul flops (0 for memory-bound kernels)
+    arrays: Callable | None = None  # (shape, seed) -> concrete arguments; default: random normal specs
+    model_args: Callable | None = None  # shape -> arguments for the model when specs are not enough
+    # (e.g. concrete group sizes for ragged dot)
     default_name: str = "XLA default"
     baselines: tuple[Baseline, ...] = ()
-    static: Callable[[Shape], dict] | None = None   # shape -> static keyword arguments bound (functools.partial)
-                                                    # to kernel, default and baselines (e.g. the activation)
+    static: Callable[[Shape], dict] | None = None  # shape -> static keyword arguments bound (functools.partial)
+    # to kernel, default and baselines (e.g. the activation)
 
     def impls(self, shape: Shape) -> dict[str, str | None]:
         """{impl: None if it applies to `shape`, else the reason it does not}: kernel, default, then baselines."""
@@ -71,11 +73,12 @@ class Op:
 @dataclasses.dataclass(frozen=True)
 class Targets:
     """Performance targets checked on the modeled figures (None / False: not checked)."""
-    source: str = ""                           # where the target comes from, e.g. "issue 3 item 5"
-    min_efficiency: float | None = None        # roofline / modeled kernel time, at least ...
-    min_efficiency_from_batch: int = 0         # ... for shapes with batch >= this
-    beats_default: bool = False                # modeled kernel time < modeled default time at every shape
-    custom: Callable[[list], list] | None = None   # rows -> more target dicts (see harness.check_targets)
+
+    source: str = ""  # where the target comes from, e.g. "issue 3 item 5"
+    min_efficiency: float | None = None  # roofline / modeled kernel time, at least ...
+    min_efficiency_from_batch: int = 0  # ... for shapes with batch >= this
+    beats_default: bool = False  # modeled kernel time < modeled default time at every shape
+    custom: Callable[[list], list] | None = None  # rows -> more target dicts (see harness.check_targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +97,8 @@ class Suite:
     ops: tuple[Op, ...]
     shapes: tuple[Shape, ...]
     targets: Targets = Targets()
-    batch_unit: str = "tokens"                 # what the throughput counts: tokens/s
-    quick_shapes: tuple[Shape, ...] | None = None   # modeled without --full (None: every shape)
+    batch_unit: str = "tokens"  # what the throughput counts: tokens/s
+    quick_shapes: tuple[Shape, ...] | None = None  # modeled without --full (None: every shape)
 
     def cases(self, shapes: tuple[Shape, ...] | None = None) -> list[Case]:
         return [Case(op, shape) for op in self.ops for shape in (self.shapes if shapes is None else shapes)]

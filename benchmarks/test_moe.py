@@ -3,6 +3,7 @@
 On a TPU host only, `test_transformers_experts` also times transformers' default experts path on the `tpu` device
 against our torch `experts_forward` (benchmarks/torch_moe.py); on a CPU it is skipped before torch is imported.
 """
+
 import pytest
 
 from benchmarks import measured

@@ -1,4 +1,5 @@
 """Ragged dot (MoE grouped matmuls) timings with pytest-benchmark: kernel and XLA ragged_dot (see conftest.py)."""
+
 from benchmarks import measured
 
 KERNEL = "ragged_dot"

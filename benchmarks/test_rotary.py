@@ -1,4 +1,5 @@
 """Rotary timings with pytest-benchmark: every planned case, kernel and default implementation (see conftest.py)."""
+
 from benchmarks import measured
 
 KERNEL = "rotary"

@@ -8,6 +8,7 @@ intermediate and activation; Gemma 4's experts compute the same function), with 
     ("grouped_mm", i.e. aten::_grouped_mm, which TorchTPU lowers to XLA's ragged dot; "eager" if it cannot dispatch);
   - "torch experts_forward": tpu_kernels.experts_forward(module, ...) (the torch custom op over our JAX kernels).
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -25,9 +26,13 @@ def _experts_module(shape, torch):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    config = Qwen3MoeConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["intermediate"],
-                            num_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
-                            hidden_act=_ACT[shape["activation"]])
+    config = Qwen3MoeConfig(
+        hidden_size=shape["hidden"],
+        moe_intermediate_size=shape["intermediate"],
+        num_experts=shape["experts"],
+        num_experts_per_tok=shape["top_k"],
+        hidden_act=_ACT[shape["activation"]],
+    )
     config._experts_implementation = "grouped_mm"
     module = Qwen3MoeExperts(config)
     gen = torch.Generator().manual_seed(0)
@@ -51,13 +56,15 @@ def time_case(benchmark, case, torch_impl: str, dev) -> None:
     idx = torch.from_numpy(np.asarray(index, np.int64)).to("tpu")
     w = torch.from_numpy(np.asarray(weights)).to("tpu", torch.bfloat16)
     if torch_impl == "transformers default":
+
         def run():
             try:
                 return module(x, idx, w)
             except (ValueError, ImportError, RuntimeError, NotImplementedError):
-                module.config._experts_implementation = "eager"   # grouped_mm cannot dispatch here
+                module.config._experts_implementation = "eager"  # grouped_mm cannot dispatch here
                 return module(x, idx, w)
     else:
+
         def run():
             return tpu_kernels.experts_forward(module, x, idx, w)
 
@@ -68,9 +75,14 @@ def time_case(benchmark, case, torch_impl: str, dev) -> None:
 
     call()  # compile outside the timed rounds
     benchmark.extra_info.update(
-        case_id=case.id, impl=f"torch: {torch_impl}", label=f"measured {dev.kind} (torch, tpu device)",
-        device_kind=dev.kind, batch=shape.batch, hbm_bytes=case.op.hbm_bytes(shape),
-        experts_implementation=module.config._experts_implementation if torch_impl != "torch experts_forward"
+        case_id=case.id,
+        impl=f"torch: {torch_impl}",
+        label=f"measured {dev.kind} (torch, tpu device)",
+        device_kind=dev.kind,
+        batch=shape.batch,
+        hbm_bytes=case.op.hbm_bytes(shape),
+        experts_implementation=module.config._experts_implementation
+        if torch_impl != "torch experts_forward"
         else "tpu_kernels.experts_forward",
     )
     benchmark.pedantic(call, rounds=20, iterations=1, warmup_rounds=1)

@@ -17,6 +17,7 @@ variant root (`build/torch-tpu/__init__.py`, `build/torch-tpu/metadata.json`), a
 
 Importable: `build(out_dir)` returns the written variants; tests build into a tmp dir with it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -77,9 +78,7 @@ def read_config(build_toml: Path = BUILD_TOML) -> Config:
 
 
 def _ignore(directory: str, names: list[str]) -> set[str]:
-    return {
-        n for n in names if n in _IGNORED_DIRS or n.startswith(".") or Path(n).suffix in _IGNORED_SUFFIXES
-    }
+    return {n for n in names if n in _IGNORED_DIRS or n.startswith(".") or Path(n).suffix in _IGNORED_SUFFIXES}
 
 
 def _files(package: Path) -> list[Path]:
@@ -164,8 +163,9 @@ def _write_ops(package: Path, namespace: str) -> None:
     ops.write_text(text.replace(DEV_NAMESPACE, namespace), encoding="utf-8")
 
 
-def build(out_dir: Path | str = ROOT / "build", *, package_dir: Path | str | None = None,
-          build_toml: Path | str = BUILD_TOML) -> list[Variant]:
+def build(
+    out_dir: Path | str = ROOT / "build", *, package_dir: Path | str | None = None, build_toml: Path | str = BUILD_TOML
+) -> list[Variant]:
     """Write `<out_dir>/torch-<backend>/` for every backend in build.toml, replacing old variants; return them.
 
     `package_dir` defaults to `torch-ext/<python name>/`; symlinks in it (`_pallas`) are copied as real files.

@@ -3,6 +3,7 @@
 Usage: python scripts/requirements.py [extra ...]   the main stack plus extras (test, bench)
        python scripts/requirements.py --jax-compat  the Python 3.12 / jax 0.12 compatibility environment
 """
+
 import pathlib
 import sys
 import tomllib

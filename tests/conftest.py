@@ -3,15 +3,15 @@
 pytest puts tests/ on sys.path (rootdir conftest, "prepend" import mode), which is how `environment`, `hub` and
 `ladder`, the shared test harness, are imported here and by the test modules.
 """
+
 import importlib.util
 import json
 import pathlib
 import sys
 import types
 
-import pytest
-
 import environment
+import pytest
 
 environment.apply()
 
@@ -28,7 +28,8 @@ if importlib.util.find_spec("torch") is None:
     collect_ignore_glob = ["test_*_torch.py", "test_hub_package.py", "test_benchmarks.py"]
 
 from hub import hub_root  # noqa: E402,F401  (shared fixtures)
-from ladder import COMPILE_STATS, moe_path, rand  # noqa: E402,F401
+from ladder import COMPILE_STATS, moe_path  # noqa: E402,F401
+from ladder import rand as rand  # noqa: E402  (the fixture)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -37,8 +38,9 @@ def pytest_runtest_makereport(item, call):
     report = yield
     rand = getattr(item, "funcargs", {}).get("rand")
     if report.failed and rand is not None:
-        report.sections.append(("random inputs", f"{rand!r}; replay: TPU_KERNELS_TEST_SEED={rand.seed} pytest "
-                                                 f"'{item.nodeid}'"))
+        report.sections.append(
+            ("random inputs", f"{rand!r}; replay: TPU_KERNELS_TEST_SEED={rand.seed} pytest '{item.nodeid}'")
+        )
     return report
 
 

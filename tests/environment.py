@@ -3,6 +3,7 @@
 libtpu reads these when it loads, so they must be in place before the first `import jax` / `import torch` (torch
 auto-loads torch_tpu, which loads libtpu). See shared/reference/TPU.md, rung 3.
 """
+
 import os
 
 DEVICELESS_ENV = {

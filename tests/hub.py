@@ -1,4 +1,5 @@
 """The Hub build as the tests use it: scripts/build_hub.py, and a fresh build in a temporary repo-like folder."""
+
 import importlib.util
 import sys
 from pathlib import Path

@@ -8,6 +8,7 @@ Rung 2  export_for_tpu: jax.export for the TPU platform, what TorchTPU's jax_op 
 Rung 3  compile_for_tpu: deviceless compile for v5e / v6e / v7x through libtpu: Mosaic lowering, layouts, VMEM fit.
 Torch   check_torch_op: torch.library.opcheck, FakeTensorMode and meta shapes, torch.compile(fullgraph=True).
 """
+
 import functools
 import os
 import secrets

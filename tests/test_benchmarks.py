@@ -1,10 +1,11 @@
 """The benchmark harness end to end on one tiny shape: pytest-benchmark timing, the performance model for kernel and
 default, roofline, targets, table, JSON and PNG, and the labels (a CPU interpret timing is never a TPU figure;
 modeled figures say "modeled <gen>")."""
+
 import json
 import types
-import numpy as np
 
+import numpy as np
 import pytest
 
 from benchmarks import device, harness, report, shapes, suite
@@ -76,11 +77,28 @@ def test_cpu_rows_outside_the_timed_sizes_show_a_dash():
     cpu = device.Device("cpu", "cpu", device.CPU_INTERPRET, device.CPU_XLA)
     big = [c for c in suite.get("rms_norm").cases() if not cpu.times(c.op.hbm_bytes(c.shape), full=False)]
     assert big and all(c.shape.batch >= 512 for c in big)
-    row = {"op": "rms_norm", "case": "x", "shape": {"tokens": 32768, "hidden": 4096, "dtype": "bfloat16"},
-           "batch": 32768, "measured": None, "roofline": {"us": 1.0}, "efficiency": 0.5, "speedup": 2.0,
-           "modeled_kernel": {"label": "modeled v6e", "us": 2.0, "gbps": 1.0}, "modeled_default": {"us": 4.0}}
-    result = {"kernel": "rms_norm", "generation": "v6e", "measured_label": "cpu interpret", "rows": [row],
-              "targets": [], "device": cpu.as_dict(), "notes": [], "modeled_label": "modeled v6e"}
+    row = {
+        "op": "rms_norm",
+        "case": "x",
+        "shape": {"tokens": 32768, "hidden": 4096, "dtype": "bfloat16"},
+        "batch": 32768,
+        "measured": None,
+        "roofline": {"us": 1.0},
+        "efficiency": 0.5,
+        "speedup": 2.0,
+        "modeled_kernel": {"label": "modeled v6e", "us": 2.0, "gbps": 1.0},
+        "modeled_default": {"us": 4.0},
+    }
+    result = {
+        "kernel": "rms_norm",
+        "generation": "v6e",
+        "measured_label": "cpu interpret",
+        "rows": [row],
+        "targets": [],
+        "device": cpu.as_dict(),
+        "notes": [],
+        "modeled_label": "modeled v6e",
+    }
     ((_, (cells,)),) = report.table_rows(result)
     assert cells[1] == report.DASH
 
@@ -91,12 +109,25 @@ def test_shapes_are_declared_once():
     assert tuple(test_rms_norm.BENCH_TOKENS) == shapes.RMS_NORM_TOKENS == (1, 8, 64, 512, 4096, 32768)
     assert tuple(test_rms_norm.BENCH_HIDDENS) == shapes.RMS_NORM_HIDDENS == (2048, 4096)
     assert {(s["tokens"], s["hidden"]) for s in suite.get("rms_norm").shapes} == {
-        (t, h) for t in shapes.RMS_NORM_TOKENS for h in shapes.RMS_NORM_HIDDENS}
+        (t, h) for t in shapes.RMS_NORM_TOKENS for h in shapes.RMS_NORM_HIDDENS
+    }
     assert all(s.batch * s["top_k"] for s in shapes.RAGGED_DOT)
 
 
-TINY_MOE = shapes.Shape("tokens", 8, (("phase", "decode"), ("model", "tiny"), ("experts", 8), ("top_k", 2),
-                                      ("hidden", 256), ("intermediate", 128), ("activation", "silu")), "bfloat16")
+TINY_MOE = shapes.Shape(
+    "tokens",
+    8,
+    (
+        ("phase", "decode"),
+        ("model", "tiny"),
+        ("experts", 8),
+        ("top_k", 2),
+        ("hidden", 256),
+        ("intermediate", 128),
+        ("activation", "silu"),
+    ),
+    "bfloat16",
+)
 
 
 @pytest.fixture(scope="module")
@@ -140,11 +171,11 @@ def test_moe_routing_is_random_not_balanced():
     from benchmarks.ops import _moe
 
     index, weights = _moe.routing(64, 128, 8)
-    assert index.shape == (64, 8) and all(len(set(r)) == 8 for r in index.tolist())   # distinct experts per token
+    assert index.shape == (64, 8) and all(len(set(r)) == 8 for r in index.tolist())  # distinct experts per token
     assert np.allclose(weights.sum(axis=1), 1.0)
     sizes = np.bincount(index.reshape(-1), minlength=128)
-    assert sizes.sum() == 512 and sizes.max() > sizes.min() + 2   # not balanced by construction
-    assert (_moe.routing(64, 128, 8)[0] == index).all()            # fixed seed
+    assert sizes.sum() == 512 and sizes.max() > sizes.min() + 2  # not balanced by construction
+    assert (_moe.routing(64, 128, 8)[0] == index).all()  # fixed seed
 
 
 def test_moe_shapes():
@@ -157,15 +188,27 @@ def test_moe_shapes():
 
 
 # One tiny rotary shape (issue 5 item 6): decode, 8 sequences of one token, Qwen3's rope parameters at few heads.
-TINY_ROTARY = shapes.Shape("tokens", 8, (("model", "qwen3-30b-a3b"), ("phase", "decode"), ("q_heads", 4),
-                                         ("kv_heads", 2), ("head_dim", 128), ("rotary_dim", 128)), "bfloat16")
+TINY_ROTARY = shapes.Shape(
+    "tokens",
+    8,
+    (
+        ("model", "qwen3-30b-a3b"),
+        ("phase", "decode"),
+        ("q_heads", 4),
+        ("kv_heads", 2),
+        ("head_dim", 128),
+        ("rotary_dim", 128),
+    ),
+    "bfloat16",
+)
 
 
 def test_rotary_suite_end_to_end(tmp_path):
     from benchmarks.ops import rotary
 
-    result = harness.run_kernel("rotary", harness.Config(gen="v6e", out=tmp_path), dev=device.detect(),
-                                shapes=[TINY_ROTARY])
+    result = harness.run_kernel(
+        "rotary", harness.Config(gen="v6e", out=tmp_path), dev=device.detect(), shapes=[TINY_ROTARY]
+    )
     assert [r["op"] for r in result["rows"]] == ["apply_rotary", "rms_norm_rope", "rms_norm_rope_from_positions"]
     for row in result["rows"]:
         assert row["modeled_kernel"]["us"] > 0 and row["modeled_default"]["us"] > 0
@@ -175,8 +218,11 @@ def test_rotary_suite_end_to_end(tmp_path):
         assert row["measured"]["kernel"]["us"] > 0 and row["measured"]["default"]["us"] > 0
     # q and k in and out, plus the per-token tables (cos and sin) or positions, plus the norm weights
     qk = 2 * 8 * (4 + 2) * 128 * 2
-    assert [r["hbm_bytes"] for r in result["rows"]] == [qk + 2 * 8 * 128 * 2, qk + 2 * 8 * 128 * 2 + 2 * 128 * 2,
-                                                        qk + 8 * 4 + 2 * 128 * 2]
+    assert [r["hbm_bytes"] for r in result["rows"]] == [
+        qk + 2 * 8 * 128 * 2,
+        qk + 2 * 8 * 128 * 2 + 2 * 128 * 2,
+        qk + 8 * 4 + 2 * 128 * 2,
+    ]
     # No shape of >= 64 tokens here: only the fused-vs-unfused target applies (the efficiency one is not checked).
     (target,) = result["targets"]
     assert target["source"] == rotary.SOURCE and "1.5x the unfused XLA path" in target["target"]

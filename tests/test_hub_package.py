@@ -7,9 +7,9 @@ state of build/. Everything that imports torch + TorchTPU runs in two subprocess
 is, a CPU host; one where the TPU backend is detected because `torch.backends.tpu` is present), started in parallel
 once per module, each printing a JSON report that the tests below check one property at a time.
 """
+
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -18,9 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import environment
+import pytest
 from hub import REPO_ID, build_hub
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,8 +49,15 @@ def test_build_toml_is_valid_kernel_builder_config():
 def test_variants_are_complete_self_contained_packages(variants):
     for backend, path in variants.items():
         assert (path / "__init__.py").is_file(), "the kernels library imports <variant>/__init__.py"
-        for rel in ("_ops.py", "jax.py", "layers.py", "rms_norm_ops.py", "_pallas/rms_norm/api.py",
-                    "_pallas/rms_norm/kernel.py", "_pallas/common/interpret.py"):
+        for rel in (
+            "_ops.py",
+            "jax.py",
+            "layers.py",
+            "rms_norm_ops.py",
+            "_pallas/rms_norm/api.py",
+            "_pallas/rms_norm/kernel.py",
+            "_pallas/common/interpret.py",
+        ):
             assert (path / rel).is_file(), f"{backend}: {rel} missing"
         links = [p for p in path.rglob("*") if p.is_symlink()]
         assert not links, f"{backend}: symlinks left in the package (JAX sources must be real files): {links}"
@@ -107,13 +113,19 @@ def test_all_imports_of_own_code_are_relative(variants):
 
 @pytest.mark.parametrize(
     "statement",
-    ["import tpu_kernels.rms_norm", "from tpu_kernels import layers", "from _pallas.rms_norm import api",
-     "from kernels.rms_norm import api", "import importlib\nimportlib.import_module('tpu_kernels.jax')"],
+    [
+        "import tpu_kernels.rms_norm",
+        "from tpu_kernels import layers",
+        "from _pallas.rms_norm import api",
+        "from kernels.rms_norm import api",
+        "import importlib\nimportlib.import_module('tpu_kernels.jax')",
+    ],
 )
 def test_build_fails_on_absolute_import(tmp_path, statement):
     package = tmp_path / "tpu_kernels"
-    shutil.copytree(ROOT / "torch-ext" / "tpu_kernels", package, symlinks=False,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "torch-ext" / "tpu_kernels", package, symlinks=False, ignore=shutil.ignore_patterns("__pycache__")
+    )
     with open(package / "layers.py", "a") as f:
         f.write("\n" + statement + "\n")
     with pytest.raises(build_hub.BuildError, match=r"relative imports only(.|\n)*layers\.py:\d+"):
@@ -131,7 +143,7 @@ def test_absolute_imports_of_third_party_libraries_are_allowed(tmp_path):
 # --------------------------------------------------------------------------------------------------------------
 # Loading through the kernels library, in subprocesses.
 
-_PROBE = r'''
+_PROBE = r"""
 import json, socket, sys, types
 from pathlib import Path
 
@@ -218,7 +230,7 @@ if mode == "cpu":
     report["compile_events_after_call"] = len(EVENTS)  # the detector's positive control
 report["network_attempts_total"] = list(ATTEMPTS)
 print("REPORT " + json.dumps(report))
-''' % {"ops": EXPECTED_OPS}
+""" % {"ops": EXPECTED_OPS}  # noqa: UP031  (the probe is a script full of braces)
 
 
 @pytest.fixture(scope="module")
@@ -231,8 +243,14 @@ def reports(hub_root, tmp_path_factory) -> dict[str, dict]:
     env.update(SUBPROCESS_ENV)
     env["LOCAL_KERNELS"] = f"{REPO_ID}={hub_root}"
     procs = {
-        mode: subprocess.Popen([sys.executable, str(script), mode, str(hub_root)], cwd=work, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        mode: subprocess.Popen(
+            [sys.executable, str(script), mode, str(hub_root)],
+            cwd=work,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for mode in ("cpu", "tpu")
     }
     out = {}
@@ -240,7 +258,7 @@ def reports(hub_root, tmp_path_factory) -> dict[str, dict]:
         stdout, stderr = proc.communicate(timeout=300)
         lines = [line for line in stdout.splitlines() if line.startswith("REPORT ")]
         assert proc.returncode == 0 and lines, f"probe ({mode}) failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
-        out[mode] = json.loads(lines[-1][len("REPORT "):])
+        out[mode] = json.loads(lines[-1][len("REPORT ") :])
     return out
 
 

@@ -6,14 +6,15 @@ f32); gradients; bad input; TPU export; deviceless compile of the whole experts_
 shape; v5e and v7x: the quick benchmark set) (its backward is exported here and the grouped matmul backward compiled in
 test_ragged_dot.py). The torch side (transformers' experts interface, tiny models) is
 tests/test_moe_torch.py."""
+
 import functools
 
 import jax
 import jax.numpy as jnp
+import ladder
 import numpy as np
 import pytest
 
-import ladder
 from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, MOE_TOP_K, RAGGED_DOT_DECODE_TOKENS
 from tpu_kernels import jax as tk
 from tpu_kernels._pallas.moe import api, touched
@@ -40,8 +41,9 @@ def weights(rand, experts, hidden, intermediate, *, gated, transposed, bias, dty
     """transformers' layout [E, 2I, H] / [E, H, I] (applied as x @ W.T), or [E, H, 2I] / [E, I, H] transposed."""
     up = 2 * intermediate if gated else intermediate
     gate_up = rand.normal((experts, hidden, up) if transposed else (experts, up, hidden), dtype, scale=0.1)
-    down = rand.normal((experts, intermediate, hidden) if transposed else (experts, hidden, intermediate), dtype,
-                       scale=0.1)
+    down = rand.normal(
+        (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate), dtype, scale=0.1
+    )
     gate_up_bias = rand.normal((experts, up), dtype, scale=0.5) if bias else None
     down_bias = rand.normal((experts, hidden), dtype, scale=0.5) if bias else None
     return gate_up, down, gate_up_bias, down_bias
@@ -67,7 +69,8 @@ def _case_args(rand, case):
     x = rand.normal((tokens, hidden), dtype)
     index, w = routing(rand, tokens, experts, top_k, sentinels=sentinels)
     gate_up, down, gate_up_bias, down_bias = weights(
-        rand, experts, hidden, inter, gated=layout is not None, transposed=transposed, bias=bias, dtype=dtype)
+        rand, experts, hidden, inter, gated=layout is not None, transposed=transposed, bias=bias, dtype=dtype
+    )
     kw = dict(activation=activation, gate_layout=layout, weights_transposed=transposed)
     return (x, index, w.astype(dtype), gate_up, down, gate_up_bias, down_bias), kw
 
@@ -81,8 +84,9 @@ SMALL_BATCH_KERNEL, GROUPED_KERNEL = "moe_experts_small_batch", "ragged_dot_fwd"
 def assert_path(fn, args, path):
     """The traced program holds the kernels of `path` and not the other's."""
     text = str(jax.make_jaxpr(fn)(*args))
-    want, other = (SMALL_BATCH_KERNEL, GROUPED_KERNEL) if path == "small_batch" else (GROUPED_KERNEL,
-                                                                                      SMALL_BATCH_KERNEL)
+    want, other = (
+        (SMALL_BATCH_KERNEL, GROUPED_KERNEL) if path == "small_batch" else (GROUPED_KERNEL, SMALL_BATCH_KERNEL)
+    )
     assert want in text and other not in text, f"expected the {path} path ({want}, no {other})"
 
 
@@ -93,14 +97,20 @@ def test_experts_forward_matches_reference(rand, case, moe_path):
     fn = functools.partial(tk.experts_forward, **kw)
     assert_path(fn, args, "grouped" if case[0] in GROUPED_ONLY else moe_path)
     out = ladder.check_against_reference(
-        jax.jit(fn), jax.jit(functools.partial(experts_forward_reference, **kw)),
-        args, dtype=dtype, rand=rand, **(F32_TOL if dtype == F32 else {}),
+        jax.jit(fn),
+        jax.jit(functools.partial(experts_forward_reference, **kw)),
+        args,
+        dtype=dtype,
+        rand=rand,
+        **(F32_TOL if dtype == F32 else {}),
     )
     assert out.shape == args[0].shape and out.dtype == dtype
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,sentinels", [
-    (1, 8, 2, 0), (1, 128, 8, 0), (7, 8, 8, 5), (64, 160, 8, 100), (256, 128, 8, 300), (3, 6, 2, 6)])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,sentinels",
+    [(1, 8, 2, 0), (1, 128, 8, 0), (7, 8, 8, 5), (64, 160, 8, 100), (256, 128, 8, 300), (3, 6, 2, 6)],
+)
 def test_touched_experts(rand, tokens, experts, top_k, sentinels):
     """The small-batch kernel's visit list: the distinct valid ids ascending, zeros after; sentinels skipped (the
     last case makes every id a sentinel: count 0)."""
@@ -119,8 +129,13 @@ def test_path_choice():
     spec = jax.ShapeDtypeStruct
 
     def args(tokens, experts):
-        return (spec((tokens, 128), BF16), spec((tokens, 8), jnp.int32), spec((tokens, 8), BF16),
-                spec((experts, 256, 128), BF16), spec((experts, 128, 128), BF16))
+        return (
+            spec((tokens, 128), BF16),
+            spec((tokens, 8), jnp.int32),
+            spec((tokens, 8), BF16),
+            spec((experts, 256, 128), BF16),
+            spec((experts, 128, 128), BF16),
+        )
 
     limit = moe_tuning.SMALL_BATCH_MAX_TOKENS["v6e"]
     assert_path(api.experts_forward, args(1, 128), "small_batch")
@@ -132,8 +147,13 @@ def test_path_choice():
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 def test_touched_experts_compiles_for_tpu(generation):
     for tokens, experts in ((1, 128), (256, 128), (16, 160), (64, 512), (256, moe_tuning.SMALL_BATCH_MAX_EXPERTS)):
-        ladder.compile_for_tpu(touched.touched_experts, generation, ((tokens, 8), jnp.int32),
-                               label=f"touched_experts E={experts}", num_experts=experts)
+        ladder.compile_for_tpu(
+            touched.touched_experts,
+            generation,
+            ((tokens, 8), jnp.int32),
+            label=f"touched_experts E={experts}",
+            num_experts=experts,
+        )
 
 
 def test_mixed_weight_dtypes(rand, moe_path):
@@ -208,40 +228,93 @@ def test_experts_forward_gradients(rand, case, moe_path):
 
 # ------------------------------------------------------------------------------------------------ bad input
 def _good(rand):
-    gate_up, down, gate_up_bias, down_bias = weights(rand, 4, 128, 64, gated=True, transposed=False, bias=True,
-                                                     dtype=F32)
+    gate_up, down, gate_up_bias, down_bias = weights(
+        rand, 4, 128, 64, gated=True, transposed=False, bias=True, dtype=F32
+    )
     index, w = routing(rand, 5, 4, 2)
-    return dict(hidden_states=rand.normal((5, 128)), top_k_index=index, top_k_weights=w, gate_up_proj=gate_up,
-                down_proj=down, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    return dict(
+        hidden_states=rand.normal((5, 128)),
+        top_k_index=index,
+        top_k_weights=w,
+        gate_up_proj=gate_up,
+        down_proj=down,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+    )
 
 
 BAD_INPUTS = [
-    ("negative routing id", dict(top_k_index=jnp.asarray([[0, 1], [2, -1], [0, 3], [1, 2], [3, 0]], jnp.int32)),
-     ValueError, "top_k_index: expected expert ids >= 0 (ids >= num_experts = 4 are expert-parallel sentinels), "
-                 "got top_k_index[1, 1] = -1"),
+    (
+        "negative routing id",
+        dict(top_k_index=jnp.asarray([[0, 1], [2, -1], [0, 3], [1, 2], [3, 0]], jnp.int32)),
+        ValueError,
+        "top_k_index: expected expert ids >= 0 (ids >= num_experts = 4 are expert-parallel sentinels), "
+        "got top_k_index[1, 1] = -1",
+    ),
     ("routing ids float", dict(top_k_index=jnp.zeros((5, 2))), TypeError, "top_k_index: expected dtype"),
-    ("routing ids int64", dict(top_k_index=np.zeros((5, 2), np.int64)), TypeError,
-     "top_k_index: expected dtype in (int32), got int64"),
-    ("routing shapes differ", dict(top_k_weights=jnp.ones((5, 3))), ValueError,
-     "top_k_index / top_k_weights: expected the same shape [T=5, k]"),
-    ("routing tokens", dict(top_k_index=jnp.zeros((4, 2), jnp.int32), top_k_weights=jnp.ones((4, 2))), ValueError,
-     "top_k_index / top_k_weights: expected the same shape [T=5, k]"),
-    ("hidden_states int", dict(hidden_states=jnp.zeros((5, 128), jnp.int32)), TypeError,
-     "hidden_states: expected dtype"),
-    ("hidden_states rank", dict(hidden_states=jnp.zeros((1, 5, 128))), ValueError,
-     "hidden_states: expected 2 dimensions"),
+    (
+        "routing ids int64",
+        dict(top_k_index=np.zeros((5, 2), np.int64)),
+        TypeError,
+        "top_k_index: expected dtype in (int32), got int64",
+    ),
+    (
+        "routing shapes differ",
+        dict(top_k_weights=jnp.ones((5, 3))),
+        ValueError,
+        "top_k_index / top_k_weights: expected the same shape [T=5, k]",
+    ),
+    (
+        "routing tokens",
+        dict(top_k_index=jnp.zeros((4, 2), jnp.int32), top_k_weights=jnp.ones((4, 2))),
+        ValueError,
+        "top_k_index / top_k_weights: expected the same shape [T=5, k]",
+    ),
+    (
+        "hidden_states int",
+        dict(hidden_states=jnp.zeros((5, 128), jnp.int32)),
+        TypeError,
+        "hidden_states: expected dtype",
+    ),
+    (
+        "hidden_states rank",
+        dict(hidden_states=jnp.zeros((1, 5, 128))),
+        ValueError,
+        "hidden_states: expected 2 dimensions",
+    ),
     ("top_k_weights int", dict(top_k_weights=jnp.ones((5, 2), jnp.int32)), TypeError, "top_k_weights: expected dtype"),
-    ("gate_up_proj hidden", dict(gate_up_proj=jnp.zeros((4, 128, 96))), ValueError,
-     "gate_up_proj: expected layout [E, N, H] with H = 128 (hidden_states' size), got shape (4, 128, 96)"),
+    (
+        "gate_up_proj hidden",
+        dict(gate_up_proj=jnp.zeros((4, 128, 96))),
+        ValueError,
+        "gate_up_proj: expected layout [E, N, H] with H = 128 (hidden_states' size), got shape (4, 128, 96)",
+    ),
     ("gate_up_proj rank", dict(gate_up_proj=jnp.zeros((128, 128))), ValueError, "gate_up_proj: expected 3 dimensions"),
-    ("gate_up_proj odd", dict(gate_up_proj=jnp.zeros((4, 127, 128))), ValueError,
-     "gate_up_proj: a gated layout needs an even 2*I, got 127"),
-    ("down_proj shape", dict(down_proj=jnp.zeros((4, 128, 32))), ValueError,
-     "down_proj: expected shape (4, 128, 64), got (4, 128, 32)"),
-    ("down_proj experts", dict(down_proj=jnp.zeros((3, 128, 64))), ValueError, "down_proj: expected shape (4, 128, 64)"),
+    (
+        "gate_up_proj odd",
+        dict(gate_up_proj=jnp.zeros((4, 127, 128))),
+        ValueError,
+        "gate_up_proj: a gated layout needs an even 2*I, got 127",
+    ),
+    (
+        "down_proj shape",
+        dict(down_proj=jnp.zeros((4, 128, 32))),
+        ValueError,
+        "down_proj: expected shape (4, 128, 64), got (4, 128, 32)",
+    ),
+    (
+        "down_proj experts",
+        dict(down_proj=jnp.zeros((3, 128, 64))),
+        ValueError,
+        "down_proj: expected shape (4, 128, 64)",
+    ),
     ("down_proj int", dict(down_proj=jnp.zeros((4, 128, 64), jnp.int32)), TypeError, "down_proj: expected dtype"),
-    ("gate_up_bias shape", dict(gate_up_bias=jnp.zeros((4, 64))), ValueError,
-     "gate_up_bias: expected shape (4, 128), got (4, 64)"),
+    (
+        "gate_up_bias shape",
+        dict(gate_up_bias=jnp.zeros((4, 64))),
+        ValueError,
+        "gate_up_bias: expected shape (4, 128), got (4, 64)",
+    ),
     ("down_bias shape", dict(down_bias=jnp.zeros((5, 128))), ValueError, "down_bias: expected shape (4, 128)"),
     ("activation", dict(activation="relu"), ValueError, "activation: expected one of ('silu', 'gelu_tanh')"),
     ("gate_layout", dict(gate_layout="stacked"), ValueError, "gate_layout: expected one of"),
@@ -263,8 +336,13 @@ def test_bad_input_is_a_clear_error(rand, case):
 def _decode_specs(model, tokens, dtype=BF16):
     dims = MOE_MODELS[model]
     h, i = dims["hidden"], dims["intermediate"]
-    return [((tokens, h), dtype), ((tokens, MOE_TOP_K), jnp.int32), ((tokens, MOE_TOP_K), dtype),
-            ((MOE_EXPERTS, 2 * i, h), dtype), ((MOE_EXPERTS, h, i), dtype)]
+    return [
+        ((tokens, h), dtype),
+        ((tokens, MOE_TOP_K), jnp.int32),
+        ((tokens, MOE_TOP_K), dtype),
+        ((MOE_EXPERTS, 2 * i, h), dtype),
+        ((MOE_EXPERTS, h, i), dtype),
+    ]
 
 
 def test_export_for_tpu():
@@ -280,13 +358,23 @@ def test_export_for_tpu():
 
 # ------------------------------------------------------------------------------------------------ rung 3
 # Every decode benchmark shape on every generation (about a second each).
-DECODE = [(generation, model, tokens) for generation in ladder.GENERATIONS for model in MOE_MODELS
-          for tokens in RAGGED_DOT_DECODE_TOKENS]
+DECODE = [
+    (generation, model, tokens)
+    for generation in ladder.GENERATIONS
+    for model in MOE_MODELS
+    for tokens in RAGGED_DOT_DECODE_TOKENS
+]
 
 
 @pytest.mark.parametrize("generation,model,tokens", DECODE, ids=[f"{g}-{m}-B={t}" for g, m, t in DECODE])
 def test_experts_forward_compiles_for_tpu(generation, model, tokens):
     """The whole experts_forward (route, gate/up with the fused activation, down, combine: one program holding both
     grouped matmuls) at every decode benchmark shape: top-8 of 128 experts, bf16, transformers' weight layout."""
-    ladder.compile_for_tpu(api.experts_forward, generation, *_decode_specs(model, tokens), min_kernels=2,
-                           label=f"experts_forward {model}", activation=MOE_MODELS[model]["activation"])
+    ladder.compile_for_tpu(
+        api.experts_forward,
+        generation,
+        *_decode_specs(model, tokens),
+        min_kernels=2,
+        label=f"experts_forward {model}",
+        activation=MOE_MODELS[model]["activation"],
+    )

@@ -1,12 +1,13 @@
 """Ragged dot and MoE experts_forward, torch side: op checks, autograd, transformers' experts interface in tiny random
 Qwen3-MoE and Gemma 4 models (same logits as "eager", same greedy tokens), and bad input. The experts_forward checks
 run on both of its paths (the `moe_path` fixture: grouped matmuls, small-batch kernel)."""
-import numpy as np
-import pytest
-import torch
 
 import ladder
+import numpy as np
+import pytest
 import tiny_models
+import torch
+
 import tpu_kernels
 from tpu_kernels import moe_ops
 
@@ -38,7 +39,7 @@ def _torch_ragged_dot(lhs, rhs, group_sizes, rhs_transposed):
     start = 0
     for g, size in enumerate(group_sizes.tolist()):
         w = rhs[g].float().T if rhs_transposed else rhs[g].float()
-        out[start:start + size] = lhs[start:start + size].float() @ w
+        out[start : start + size] = lhs[start : start + size].float() @ w
         start += size
     return out.to(torch.promote_types(lhs.dtype, rhs.dtype))
 
@@ -77,9 +78,11 @@ def _experts_module(rand, *, has_bias=False, is_transposed=False, dtype=torch.fl
         e, n, h = experts.gate_up_proj.shape
         i = experts.down_proj.shape[2]
         experts.gate_up_proj = torch.nn.Parameter(
-            _randn(rand, e, h, n, scale=0.1) if is_transposed else _randn(rand, e, n, h, scale=0.1))
+            _randn(rand, e, h, n, scale=0.1) if is_transposed else _randn(rand, e, n, h, scale=0.1)
+        )
         experts.down_proj = torch.nn.Parameter(
-            _randn(rand, e, i, h, scale=0.1) if is_transposed else _randn(rand, e, h, i, scale=0.1))
+            _randn(rand, e, i, h, scale=0.1) if is_transposed else _randn(rand, e, h, i, scale=0.1)
+        )
         if has_bias:
             experts.gate_up_proj_bias = torch.nn.Parameter(_randn(rand, e, n, scale=0.1))
             experts.down_proj_bias = torch.nn.Parameter(_randn(rand, e, h, scale=0.1))
@@ -128,8 +131,18 @@ def test_experts_forward_op_checks(rand):
     experts = _experts_module(rand, has_bias=True)
     x = _randn(rand, 6, 128)
     index, weights = _routing(rand, 6, experts.num_experts, 2)
-    args = (x, index.int(), weights, experts.gate_up_proj.detach(), experts.down_proj.detach(),
-            experts.gate_up_proj_bias.detach(), experts.down_proj_bias.detach(), "silu", "concatenated", False)
+    args = (
+        x,
+        index.int(),
+        weights,
+        experts.gate_up_proj.detach(),
+        experts.down_proj.detach(),
+        experts.gate_up_proj_bias.detach(),
+        experts.down_proj_bias.detach(),
+        "silu",
+        "concatenated",
+        False,
+    )
     ladder.check_torch_op(moe_ops.experts_forward_op, args, expected_shapes=[(6, 128)])
 
 
@@ -199,8 +212,9 @@ def test_greedy_generation_gives_the_same_tokens(rand, model_name):
     for implementation in ("eager", EXPERTS_IMPLEMENTATION):
         model.set_experts_implementation(implementation)
         with torch.no_grad():
-            generated[implementation] = model.generate(prompt, max_new_tokens=8, do_sample=False,
-                                                       attention_mask=torch.ones_like(prompt))
+            generated[implementation] = model.generate(
+                prompt, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(prompt)
+            )
     assert torch.equal(generated["eager"], generated[EXPERTS_IMPLEMENTATION])
 
 

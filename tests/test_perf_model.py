@@ -10,12 +10,16 @@ import os
 import pathlib
 import sys
 
-for _k, _v in {"JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost",
-               "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}.items():
-  os.environ.setdefault(_k, _v)
+for _k, _v in {
+    "JAX_PLATFORMS": "cpu",
+    "TPU_SKIP_MDS_QUERY": "1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}.items():
+    os.environ.setdefault(_k, _v)
 _ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
+    sys.path.insert(0, _ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -32,291 +36,335 @@ GENS = ("v5e", "v6e", "v7x")
 
 # ------------------------------------------------------------------ kernels under test
 
+
 def _copy_kernel(x_ref, o_ref):
-  o_ref[...] = x_ref[...]
+    o_ref[...] = x_ref[...]
 
 
 def pallas_copy(x, block_rows=512):
-  """HBM -> VMEM -> HBM copy, one row block per grid step."""
-  rows, cols = x.shape
-  spec = pl.BlockSpec((block_rows, cols), lambda i: (i, 0))
-  return pl.pallas_call(_copy_kernel, grid=(rows // block_rows,), in_specs=[spec], out_specs=spec,
-                        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    """HBM -> VMEM -> HBM copy, one row block per grid step."""
+    rows, cols = x.shape
+    spec = pl.BlockSpec((block_rows, cols), lambda i: (i, 0))
+    return pl.pallas_call(
+        _copy_kernel,
+        grid=(rows // block_rows,),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(x)
 
 
 def _matmul_kernel(a_ref, b_ref, o_ref, acc_ref):
-  @pl.when(pl.program_id(2) == 0)
-  def _():
-    acc_ref[...] = jnp.zeros_like(acc_ref)
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  acc_ref[...] += jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
+    acc_ref[...] += jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
 
-  @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
-  def _():
-    o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
 def pallas_matmul(a, b, bm=1024, bk=512, bn=1024):
-  m, k = a.shape
-  _, n = b.shape
-  return pl.pallas_call(
-      _matmul_kernel, grid=(m // bm, n // bn, k // bk),
-      in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-                pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
-      out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((m, n), a.dtype),
-      scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary"),
-          vmem_limit_bytes=48 * 1024 * 1024),
-  )(a, b)
+    m, k = a.shape
+    _, n = b.shape
+    return pl.pallas_call(
+        _matmul_kernel,
+        grid=(m // bm, n // bn, k // bk),
+        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)), pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m, n), a.dtype),
+        scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=48 * 1024 * 1024
+        ),
+    )(a, b)
 
 
 def xla_dot(a, b):
-  return jnp.dot(a, b)
+    return jnp.dot(a, b)
 
 
 def _gather_rows_kernel(idx_ref, x_ref, o_ref):
-  o_ref[...] = x_ref[...]
+    o_ref[...] = x_ref[...]
 
 
 def pallas_gather_rows(idx, x, block_rows=256):
-  """Scalar-prefetched row-block gather: block i of the output is block idx[i] of x."""
-  cols = x.shape[1]
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1, grid=(idx.shape[0],),
-      in_specs=[pl.BlockSpec((block_rows, cols), lambda i, idx_ref: (idx_ref[i], 0))],
-      out_specs=pl.BlockSpec((block_rows, cols), lambda i, idx_ref: (i, 0)))
-  return pl.pallas_call(_gather_rows_kernel, grid_spec=grid_spec,
-                        out_shape=jax.ShapeDtypeStruct((idx.shape[0] * block_rows, cols), x.dtype))(idx, x)
+    """Scalar-prefetched row-block gather: block i of the output is block idx[i] of x."""
+    cols = x.shape[1]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(idx.shape[0],),
+        in_specs=[pl.BlockSpec((block_rows, cols), lambda i, idx_ref: (idx_ref[i], 0))],
+        out_specs=pl.BlockSpec((block_rows, cols), lambda i, idx_ref: (i, 0)),
+    )
+    return pl.pallas_call(
+        _gather_rows_kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((idx.shape[0] * block_rows, cols), x.dtype),
+    )(idx, x)
 
 
 def pallas_copy_tuned_by_chip(x):
-  """A copy whose block size depends on the chip it is traced for (as the project's tuning tables do)."""
-  try:
-    v5e = pltpu.get_tpu_info().chip_version == pltpu.ChipVersion.TPU_V5E
-  except (ValueError, RuntimeError):  # no TPU to ask: the host default
-    v5e = False
-  return pallas_copy(x, block_rows=256 if v5e else 512)
+    """A copy whose block size depends on the chip it is traced for (as the project's tuning tables do)."""
+    try:
+        v5e = pltpu.get_tpu_info().chip_version == pltpu.ChipVersion.TPU_V5E
+    except (ValueError, RuntimeError):  # no TPU to ask: the host default
+        v5e = False
+    return pallas_copy(x, block_rows=256 if v5e else 512)
 
 
 def _sds(shape, dtype):
-  return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 # ------------------------------------------------------------------ tests
 
+
 @pytest.mark.parametrize("gen", GENS)
 def test_copy_256mib_is_modeled_at_hbm_bandwidth(gen):
-  x = _sds((65536, 1024), jnp.float32)  # 256 MiB
-  m = perf_model.model_function(pallas_copy, (x,), gen=gen)
-  assert m.label == f"modeled {gen}"
-  (k,) = m.kernels
-  assert k.label == f"modeled {gen}"
-  assert k.hbm_bytes == 2 * 256 * 2**20
-  assert k.steps == 128 and k.trip_count == 130
-  ideal = k.hbm_bytes / perf_model.get_chip(gen).hbm_bytes_per_s
-  assert k.bound == "hbm"
-  assert abs(m.modeled_s / ideal - 1) < 0.05, (m.modeled_s, ideal)
+    x = _sds((65536, 1024), jnp.float32)  # 256 MiB
+    m = perf_model.model_function(pallas_copy, (x,), gen=gen)
+    assert m.label == f"modeled {gen}"
+    (k,) = m.kernels
+    assert k.label == f"modeled {gen}"
+    assert k.hbm_bytes == 2 * 256 * 2**20
+    assert k.steps == 128 and k.trip_count == 130
+    ideal = k.hbm_bytes / perf_model.get_chip(gen).hbm_bytes_per_s
+    assert k.bound == "hbm"
+    assert abs(m.modeled_s / ideal - 1) < 0.05, (m.modeled_s, ideal)
 
 
 @functools.cache
 def _xla_dot_model(gen):
-  a = _sds((8192, 8192), jnp.bfloat16)
-  return perf_model.model_function(xla_dot, (a, a), gen=gen)
+    a = _sds((8192, 8192), jnp.bfloat16)
+    return perf_model.model_function(xla_dot, (a, a), gen=gen)
 
 
 @pytest.mark.parametrize("gen", GENS)
 def test_matmul_8192_within_30pct_of_xla_estimate(gen):
-  a = _sds((8192, 8192), jnp.bfloat16)
-  m = perf_model.model_function(pallas_matmul, (a, a), gen=gen)
-  (k,) = m.kernels
-  assert k.steps == 8 * 8 * 16
-  flops = 2 * 8192**3
-  assert abs(k.dot_flops / flops - 1) < 1e-6
-  assert abs(k.mxu_flops / flops - 1) < 0.01   # vmatmul count x MXU tile == logical flops
-  assert k.bound == "compute"
-  ref = _xla_dot_model(gen)
-  assert not ref.kernels and ref.xla_ops
-  ratio = m.modeled_s / ref.modeled_s          # XLA's estimated_cycles / the same clock
-  assert 0.7 < ratio < 1.3, ratio
-  # ... and not faster than the MXU peak.
-  assert m.modeled_s > flops / perf_model.get_chip(gen).bf16_flops_per_s
+    a = _sds((8192, 8192), jnp.bfloat16)
+    m = perf_model.model_function(pallas_matmul, (a, a), gen=gen)
+    (k,) = m.kernels
+    assert k.steps == 8 * 8 * 16
+    flops = 2 * 8192**3
+    assert abs(k.dot_flops / flops - 1) < 1e-6
+    assert abs(k.mxu_flops / flops - 1) < 0.01  # vmatmul count x MXU tile == logical flops
+    assert k.bound == "compute"
+    ref = _xla_dot_model(gen)
+    assert not ref.kernels and ref.xla_ops
+    ratio = m.modeled_s / ref.modeled_s  # XLA's estimated_cycles / the same clock
+    assert 0.7 < ratio < 1.3, ratio
+    # ... and not faster than the MXU peak.
+    assert m.modeled_s > flops / perf_model.get_chip(gen).bf16_flops_per_s
 
 
 def _poly_kernel(x_ref, o_ref):
-  y = x_ref[...]
-  for _ in range(8):  # VPU work proportional to the block size
-    y = y * 1.0001 + 0.5
-  o_ref[...] = y
+    y = x_ref[...]
+    for _ in range(8):  # VPU work proportional to the block size
+        y = y * 1.0001 + 0.5
+    o_ref[...] = y
 
 
 def pallas_poly(x, block_rows):
-  spec = pl.BlockSpec((block_rows, x.shape[1]), lambda i: (i, 0))
-  return pl.pallas_call(_poly_kernel, grid=(x.shape[0] // block_rows,), in_specs=[spec],
-                        out_specs=spec, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    spec = pl.BlockSpec((block_rows, x.shape[1]), lambda i: (i, 0))
+    return pl.pallas_call(
+        _poly_kernel,
+        grid=(x.shape[0] // block_rows,),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(x)
 
 
 @pytest.mark.parametrize("gen", ["v6e"])
 def test_doubling_work_per_step_doubles_compute_time(gen):
-  times = []
-  for block_rows in (256, 512):
-    x = _sds((8 * block_rows, 1024), jnp.float32)   # same grid (8,), twice the work per step
-    (k,) = perf_model.model_function(functools.partial(pallas_poly, block_rows=block_rows), (x,),
-                                     gen=gen).kernels
-    assert k.grid == (8,)
-    times.append(k.compute_s)
-  assert abs(times[1] / times[0] - 2) < 0.2, times
+    times = []
+    for block_rows in (256, 512):
+        x = _sds((8 * block_rows, 1024), jnp.float32)  # same grid (8,), twice the work per step
+        (k,) = perf_model.model_function(functools.partial(pallas_poly, block_rows=block_rows), (x,), gen=gen).kernels
+        assert k.grid == (8,)
+        times.append(k.compute_s)
+    assert abs(times[1] / times[0] - 2) < 0.2, times
 
 
 def test_doubling_matmul_rows_per_step_doubles_compute_time():
-  times = []
-  for bm in (1024, 2048):
-    a = _sds((2 * bm, 2048), jnp.bfloat16)
-    b = _sds((2048, 2048), jnp.bfloat16)
-    f = functools.partial(pallas_matmul, bm=bm, bk=512, bn=1024)
-    (k,) = perf_model.model_function(f, (a, b), gen="v6e").kernels
-    assert k.grid == (2, 2, 4)
-    times.append(k.compute_s)
-  assert abs(times[1] / times[0] - 2) < 0.2, times
+    times = []
+    for bm in (1024, 2048):
+        a = _sds((2 * bm, 2048), jnp.bfloat16)
+        b = _sds((2048, 2048), jnp.bfloat16)
+        f = functools.partial(pallas_matmul, bm=bm, bk=512, bn=1024)
+        (k,) = perf_model.model_function(f, (a, b), gen="v6e").kernels
+        assert k.grid == (2, 2, 4)
+        times.append(k.compute_s)
+    assert abs(times[1] / times[0] - 2) < 0.2, times
 
 
 def test_scalar_prefetch_traffic_skips_repeated_blocks():
-  """Concrete scalar-prefetch values drive the byte count: a repeated block is fetched once."""
-  x = jnp.zeros((4096, 512), jnp.float32)            # 16 blocks of 256 x 512 f32 = 512 KiB
-  idx = jnp.array([0, 0, 0, 3, 3, 5, 5, 5], jnp.int32)  # 3 distinct runs
-  m = perf_model.model_function(pallas_gather_rows, (idx, x), gen="v6e")
-  (k,) = m.kernels
-  blk = 256 * 512 * 4
-  assert k.hbm_bytes_in == 3 * blk
-  assert k.hbm_bytes_out == 8 * blk
+    """Concrete scalar-prefetch values drive the byte count: a repeated block is fetched once."""
+    x = jnp.zeros((4096, 512), jnp.float32)  # 16 blocks of 256 x 512 f32 = 512 KiB
+    idx = jnp.array([0, 0, 0, 3, 3, 5, 5, 5], jnp.int32)  # 3 distinct runs
+    m = perf_model.model_function(pallas_gather_rows, (idx, x), gen="v6e")
+    (k,) = m.kernels
+    blk = 256 * 512 * 4
+    assert k.hbm_bytes_in == 3 * blk
+    assert k.hbm_bytes_out == 8 * blk
 
 
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
 def test_traffic_is_counted_for_the_blocks_of_the_generation_compiled_for(gen):
-  """The host-side trace sees the target generation's chip, so grid and bytes match the compiled kernel."""
-  m = perf_model.model_function(pallas_copy_tuned_by_chip, (_sds((4096, 1024), jnp.float32),), gen=gen)
-  (k,) = m.kernels
-  steps = 16 if gen == "v5e" else 8
-  assert k.steps == steps and k.trip_count == steps + 2, (k.steps, k.trip_count)
-  assert not m.warnings, m.warnings
+    """The host-side trace sees the target generation's chip, so grid and bytes match the compiled kernel."""
+    m = perf_model.model_function(pallas_copy_tuned_by_chip, (_sds((4096, 1024), jnp.float32),), gen=gen)
+    (k,) = m.kernels
+    steps = 16 if gen == "v5e" else 8
+    assert k.steps == steps and k.trip_count == steps + 2, (k.steps, k.trip_count)
+    assert not m.warnings, m.warnings
 
 
 def routing_like_program(ids, x):
-  """Sort, gather and scatter (what MoE routing runs around its kernels), then a Pallas kernel."""
-  order = jnp.argsort(ids, stable=True)
-  rows = jnp.take(x, order, axis=0)
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  return jnp.take(pallas_copy(rows, block_rows=8), inverse, axis=0)
+    """Sort, gather and scatter (what MoE routing runs around its kernels), then a Pallas kernel."""
+    order = jnp.argsort(ids, stable=True)
+    rows = jnp.take(x, order, axis=0)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return jnp.take(pallas_copy(rows, block_rows=8), inverse, axis=0)
 
 
 def test_gathers_and_scatters_are_charged_not_counted_as_zero():
-  """XLA would offload these to the SparseCore, where they carry no estimate (and break compiled.as_text(), which
-  hides every other op's estimate): the model keeps them on the TensorCore so each XLA op is estimated."""
-  m = perf_model.model_function(routing_like_program, (_sds((8192,), jnp.int32), _sds((8192, 256), jnp.float32)),
-                                gen="v6e")
-  assert len(m.kernels) == 1
-  names = [x.name for x in m.xla_ops]
-  assert len(names) >= 3, names
-  assert all(x.estimated_cycles > 0 for x in m.xla_ops)
-  assert not [w for w in m.warnings if "estimate" in w or "as_text" in w], m.warnings
+    """XLA would offload these to the SparseCore, where they carry no estimate (and break compiled.as_text(), which
+    hides every other op's estimate): the model keeps them on the TensorCore so each XLA op is estimated."""
+    m = perf_model.model_function(
+        routing_like_program, (_sds((8192,), jnp.int32), _sds((8192, 256), jnp.float32)), gen="v6e"
+    )
+    assert len(m.kernels) == 1
+    names = [x.name for x in m.xla_ops]
+    assert len(names) >= 3, names
+    assert all(x.estimated_cycles > 0 for x in m.xla_ops)
+    assert not [w for w in m.warnings if "estimate" in w or "as_text" in w], m.warnings
 
 
 def test_bundle_parser_on_a_synthetic_schedule():
-  text = "\n".join([
-      "     0   :  { %1 = vsyncpa [#allocation4], 0 }",
-      "   0x1 LB: > { %2 = sadd.s32 1, %s1 }",
-      "   0x2   : > { %3 = sbr.rel (%p1) target bundleno = 9 (0x9), region = 5 }",
-      "   0x3   :  {}", "   0x4   :  {}", "   0x5   :  {}", "   0x6   :  {}",
-      "   0x7   : > { %4 = vmatmul.mubr.bf16.gmra.mxu0 %v1 }",
-      "   0x8   : > { %5 = vst [vmem:[#allocation3] sm:$0xff] %v2 }",
-      "   0x9 PF: > { %p2 = scmp.ge.s32.totalorder %s2, 10 /* loop exit test */ }",
-      "   0xa   : > { %6 = sbr.rel (!%p2) target bundleno = 1 (0x1), region = 9 }",
-      "   0xb   :  {}", "   0xc   :  {}", "   0xd   :  {}", "   0xe   :  {}",
-      "   0xf   :  { %7 = vsyncpa [#allocation4], 1 }",
-  ])
-  s = perf_bundles.analyze(perf_bundles.parse_bundles(text))
-  assert (s.prologue, s.epilogue, s.body, s.trip_count, s.delay_slots) == (1, 1, 14, 10, 4)
-  assert s.guard is None and len(s.conds) == 1 and s.conds[0].skipped == 2
-  assert s.step_cycles([True]) == 12 and len(s.mxu_ops_in([True])) == 0
-  # The same schedule in a kernel with no grid (e.g. scalar fori_loops): the loop is an inner loop of the single
-  # step, its 14 bundles (with the delay slots) run 10 times, the rest once.
-  gridless = perf_bundles.analyze(perf_bundles.parse_bundles(text), has_grid=False)
-  assert not gridless.has_loop and gridless.body == 16 + 14 * 9, gridless.body
+    text = "\n".join(
+        [
+            "     0   :  { %1 = vsyncpa [#allocation4], 0 }",
+            "   0x1 LB: > { %2 = sadd.s32 1, %s1 }",
+            "   0x2   : > { %3 = sbr.rel (%p1) target bundleno = 9 (0x9), region = 5 }",
+            "   0x3   :  {}",
+            "   0x4   :  {}",
+            "   0x5   :  {}",
+            "   0x6   :  {}",
+            "   0x7   : > { %4 = vmatmul.mubr.bf16.gmra.mxu0 %v1 }",
+            "   0x8   : > { %5 = vst [vmem:[#allocation3] sm:$0xff] %v2 }",
+            "   0x9 PF: > { %p2 = scmp.ge.s32.totalorder %s2, 10 /* loop exit test */ }",
+            "   0xa   : > { %6 = sbr.rel (!%p2) target bundleno = 1 (0x1), region = 9 }",
+            "   0xb   :  {}",
+            "   0xc   :  {}",
+            "   0xd   :  {}",
+            "   0xe   :  {}",
+            "   0xf   :  { %7 = vsyncpa [#allocation4], 1 }",
+        ]
+    )
+    s = perf_bundles.analyze(perf_bundles.parse_bundles(text))
+    assert (s.prologue, s.epilogue, s.body, s.trip_count, s.delay_slots) == (1, 1, 14, 10, 4)
+    assert s.guard is None and len(s.conds) == 1 and s.conds[0].skipped == 2
+    assert s.step_cycles([True]) == 12 and len(s.mxu_ops_in([True])) == 0
+    # The same schedule in a kernel with no grid (e.g. scalar fori_loops): the loop is an inner loop of the single
+    # step, its 14 bundles (with the delay slots) run 10 times, the rest once.
+    gridless = perf_bundles.analyze(perf_bundles.parse_bundles(text), has_grid=False)
+    assert not gridless.has_loop and gridless.body == 16 + 14 * 9, gridless.body
 
 
 def test_bundle_parser_finds_the_guard_after_a_fetch_once_branch():
-  """A fixed block (fetched on the first step only) puts a small conditional DMA region before the pipeline guard;
-  the guard is still the branch that skips the body, so fill/drain iterations cost only what lies outside it."""
-  exit_test = 0x30  # body: 0x1 .. 0x35 (the back-edge and its 4 delay slots included), 53 bundles
-  text = "\n".join([
-      "     0   :  { %1 = vsyncpa [#allocation4], 0 }",
-      "   0x1 LB: > { %2 = sadd.s32 1, %s1 }",
-      "   0x2   : > { %3 = sbr.rel (%p1) target bundleno = 8 (0x8), region = 5 }",
-      "   0x3   :  {}", "   0x4   :  {}", "   0x5   :  {}", "   0x6   :  {}",
-      "   0x7   : > { %4 = dma.hbm_to_vmem [thread:$0] %s5, 16, %s6, [#allocation12] }",
-      f"   0x8 PF: > {{ %5 = sbr.rel (%p2) target bundleno = {exit_test} ({hex(exit_test)}), region = 7 }}",
-      "   0x9   :  {}", "   0xa   :  {}", "   0xb   :  {}", "   0xc   :  {}",
-      *[f"  {hex(a):>5}   : > {{ %{a + 10} = vmul.f32 %v1, %v2 }}" for a in range(0xd, exit_test)],
-      f"  {hex(exit_test)} PF: > {{ %p3 = scmp.ge.s32.totalorder %s2, 18 /* loop exit test */ }}",
-      f"  {hex(exit_test + 1)}   : > {{ %6 = sbr.rel (!%p3) target bundleno = 1 (0x1), region = 9 }}",
-      *[f"  {hex(exit_test + 2 + i)}   :  {{}}" for i in range(4)],
-      f"  {hex(exit_test + 6)}   :  {{ %7 = vsyncpa [#allocation4], 1 }}",
-  ])
-  s = perf_bundles.analyze(perf_bundles.parse_bundles(text))
-  guard_skips = exit_test - (0x8 + 1 + 4)
-  assert s.trip_count == 18 and s.body == 53, (s.trip_count, s.body)
-  assert s.guard is not None and s.guard.branch_addr == 0x8 and s.guard.skipped == guard_skips, s.guard
-  assert len(s.conds) == 1 and s.conds[0].branch_addr == 0x2 and s.conds[0].skipped == 1
-  assert s.fill_cycles() == 53 - guard_skips
+    """A fixed block (fetched on the first step only) puts a small conditional DMA region before the pipeline guard;
+    the guard is still the branch that skips the body, so fill/drain iterations cost only what lies outside it."""
+    exit_test = 0x30  # body: 0x1 .. 0x35 (the back-edge and its 4 delay slots included), 53 bundles
+    text = "\n".join(
+        [
+            "     0   :  { %1 = vsyncpa [#allocation4], 0 }",
+            "   0x1 LB: > { %2 = sadd.s32 1, %s1 }",
+            "   0x2   : > { %3 = sbr.rel (%p1) target bundleno = 8 (0x8), region = 5 }",
+            "   0x3   :  {}",
+            "   0x4   :  {}",
+            "   0x5   :  {}",
+            "   0x6   :  {}",
+            "   0x7   : > { %4 = dma.hbm_to_vmem [thread:$0] %s5, 16, %s6, [#allocation12] }",
+            f"   0x8 PF: > {{ %5 = sbr.rel (%p2) target bundleno = {exit_test} ({hex(exit_test)}), region = 7 }}",
+            "   0x9   :  {}",
+            "   0xa   :  {}",
+            "   0xb   :  {}",
+            "   0xc   :  {}",
+            *[f"  {hex(a):>5}   : > {{ %{a + 10} = vmul.f32 %v1, %v2 }}" for a in range(0xD, exit_test)],
+            f"  {hex(exit_test)} PF: > {{ %p3 = scmp.ge.s32.totalorder %s2, 18 /* loop exit test */ }}",
+            f"  {hex(exit_test + 1)}   : > {{ %6 = sbr.rel (!%p3) target bundleno = 1 (0x1), region = 9 }}",
+            *[f"  {hex(exit_test + 2 + i)}   :  {{}}" for i in range(4)],
+            f"  {hex(exit_test + 6)}   :  {{ %7 = vsyncpa [#allocation4], 1 }}",
+        ]
+    )
+    s = perf_bundles.analyze(perf_bundles.parse_bundles(text))
+    guard_skips = exit_test - (0x8 + 1 + 4)
+    assert s.trip_count == 18 and s.body == 53, (s.trip_count, s.body)
+    assert s.guard is not None and s.guard.branch_addr == 0x8 and s.guard.skipped == guard_skips, s.guard
+    assert len(s.conds) == 1 and s.conds[0].branch_addr == 0x2 and s.conds[0].skipped == 1
+    assert s.fill_cycles() == 53 - guard_skips
 
 
 def test_bundle_parser_marks_a_run_time_loop_bound_as_dynamic():
-  """A grid sized from scalar prefetch compares against a register: no static trip count, the caller supplies it."""
-  text = "\n".join([
-      "     0   :  { %1 = vsyncpa [#allocation4], 0 }",
-      "   0x1 LB: > { %2 = sadd.s32 1, %s1 }",
-      "   0x2   : > { %4 = vmatmul.mubr.bf16.gmra.mxu0 %v1 }",
-      "   0x3 PF: > { %p2 = scmp.ge.s32.totalorder %s2, %s9 /* loop exit test */ }",
-      "   0x4   : > { %6 = sbr.rel (!%p2) target bundleno = 1 (0x1), region = 9 }",
-      "   0x5   :  {}", "   0x6   :  {}", "   0x7   :  {}", "   0x8   :  {}",
-      "   0x9   :  { %7 = vsyncpa [#allocation4], 1 }",
-  ])
-  s = perf_bundles.analyze(perf_bundles.parse_bundles(text))
-  assert s.has_loop and not s.trip_count_static and not s.warnings
-  assert (s.prologue, s.epilogue, s.body) == (1, 1, 8)
+    """A grid sized from scalar prefetch compares against a register: no static trip count, the caller supplies it."""
+    text = "\n".join(
+        [
+            "     0   :  { %1 = vsyncpa [#allocation4], 0 }",
+            "   0x1 LB: > { %2 = sadd.s32 1, %s1 }",
+            "   0x2   : > { %4 = vmatmul.mubr.bf16.gmra.mxu0 %v1 }",
+            "   0x3 PF: > { %p2 = scmp.ge.s32.totalorder %s2, %s9 /* loop exit test */ }",
+            "   0x4   : > { %6 = sbr.rel (!%p2) target bundleno = 1 (0x1), region = 9 }",
+            "   0x5   :  {}",
+            "   0x6   :  {}",
+            "   0x7   :  {}",
+            "   0x8   :  {}",
+            "   0x9   :  { %7 = vsyncpa [#allocation4], 1 }",
+        ]
+    )
+    s = perf_bundles.analyze(perf_bundles.parse_bundles(text))
+    assert s.has_loop and not s.trip_count_static and not s.warnings
+    assert (s.prologue, s.epilogue, s.body) == (1, 1, 8)
 
 
 def test_chip_parameters_come_from_jax_and_clock_is_derived():
-  for gen in GENS:
-    c = perf_model.get_chip(gen)
-    assert c.mxu_flops_per_cycle * c.clock_hz == pytest.approx(c.bf16_flops_per_s)
-  assert perf_model.get_chip("v5e").clock_hz == pytest.approx(1.503e9, rel=1e-3)
-  assert perf_model.get_chip("v6e").clock_hz == pytest.approx(1.755e9, rel=1e-3)
-  assert perf_model.get_chip("v7x").clock_hz == pytest.approx(2.203e9, rel=1e-3)
+    for gen in GENS:
+        c = perf_model.get_chip(gen)
+        assert c.mxu_flops_per_cycle * c.clock_hz == pytest.approx(c.bf16_flops_per_s)
+    assert perf_model.get_chip("v5e").clock_hz == pytest.approx(1.503e9, rel=1e-3)
+    assert perf_model.get_chip("v6e").clock_hz == pytest.approx(1.755e9, rel=1e-3)
+    assert perf_model.get_chip("v7x").clock_hz == pytest.approx(2.203e9, rel=1e-3)
 
 
 def not_compilable(x):
-  raise ValueError("this function does not trace")
+    raise ValueError("this function does not trace")
 
 
 def test_model_functions_batches_compiles_in_one_subprocess_and_matches_model_function():
-  """perf_model.model_functions compiles several programs in one subprocess: the same figures as one
-  model_function each, a failing item does not lose the others, and each program's kernels come from its own
-  dumps. Concrete group-size-like operands beside ShapeDtypeStructs still drive the scalar-prefetch traffic."""
-  x = _sds((4096, 1024), jnp.float32)
-  idx = jnp.arange(8, dtype=jnp.int32) % 4            # concrete, beside an abstract matrix
-  rows = _sds((1024, 1024), jnp.float32)
-  items = [(pallas_copy, (x,)), (not_compilable, (x,)), (xla_dot, (_sds((512, 512), jnp.bfloat16),) * 2),
-           (pallas_gather_rows, (idx, rows)), (functools.partial(pallas_copy, block_rows=256), (x,))]
-  models = perf_model.model_functions(items, gen="v6e")
-  assert isinstance(models[1], Exception)
-  copy, dot, gather, copy256 = models[0], models[2], models[3], models[4]
-  single = perf_model.model_function(pallas_copy, (x,), gen="v6e")
-  assert copy.modeled_s == pytest.approx(single.modeled_s, rel=1e-6)
-  assert [k.steps for k in copy.kernels] == [8] and [k.steps for k in copy256.kernels] == [16]
-  assert not dot.kernels and dot.xla_ops
-  concrete = perf_model.model_function(pallas_gather_rows, (np.asarray(idx), np.zeros(rows.shape, np.float32)),
-                                      gen="v6e")
-  # idx = 0,1,2,3,0,1,2,3: every step fetches a new block (8 in, 8 out)
-  assert gather.kernels[0].hbm_bytes == concrete.kernels[0].hbm_bytes == 16 * 256 * 1024 * 4
+    """perf_model.model_functions compiles several programs in one subprocess: the same figures as one
+    model_function each, a failing item does not lose the others, and each program's kernels come from its own
+    dumps. Concrete group-size-like operands beside ShapeDtypeStructs still drive the scalar-prefetch traffic."""
+    x = _sds((4096, 1024), jnp.float32)
+    idx = jnp.arange(8, dtype=jnp.int32) % 4  # concrete, beside an abstract matrix
+    rows = _sds((1024, 1024), jnp.float32)
+    items = [
+        (pallas_copy, (x,)),
+        (not_compilable, (x,)),
+        (xla_dot, (_sds((512, 512), jnp.bfloat16),) * 2),
+        (pallas_gather_rows, (idx, rows)),
+        (functools.partial(pallas_copy, block_rows=256), (x,)),
+    ]
+    models = perf_model.model_functions(items, gen="v6e")
+    assert isinstance(models[1], Exception)
+    copy, dot, gather, copy256 = models[0], models[2], models[3], models[4]
+    single = perf_model.model_function(pallas_copy, (x,), gen="v6e")
+    assert copy.modeled_s == pytest.approx(single.modeled_s, rel=1e-6)
+    assert [k.steps for k in copy.kernels] == [8] and [k.steps for k in copy256.kernels] == [16]
+    assert not dot.kernels and dot.xla_ops
+    concrete = perf_model.model_function(
+        pallas_gather_rows, (np.asarray(idx), np.zeros(rows.shape, np.float32)), gen="v6e"
+    )
+    # idx = 0,1,2,3,0,1,2,3: every step fetches a new block (8 in, 8 out)
+    assert gather.kernels[0].hbm_bytes == concrete.kernels[0].hbm_bytes == 16 * 256 * 1024 * 4

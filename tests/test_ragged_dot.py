@@ -7,15 +7,16 @@ test_moe.py) and of the backward.
 
 Every interpret run is jitted (one XLA compile per shape instead of one per eager op), and shapes stay small: the
 simulator costs about a second per call on this machine."""
+
 import functools
 import re
 
 import jax
 import jax.numpy as jnp
+import ladder
 import numpy as np
 import pytest
 
-import ladder
 from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, RAGGED_DOT_PREFILL_ROWS
 from tpu_kernels import jax as tk
 from tpu_kernels._pallas.ragged_dot import api, metadata, tuning
@@ -90,9 +91,7 @@ CASES = [
 ]
 # These run again with tiny blocks (multi-tile grids, masked partial k block, partial n block).
 SMALL_BLOCK_CASES = ("m64-k200-bf16-to-f32", "m129-n200-f32")
-REGIME_CASES = [(c, "tuned_blocks") for c in CASES] + [
-    (c, "small_blocks") for c in CASES if c[0] in SMALL_BLOCK_CASES
-]
+REGIME_CASES = [(c, "tuned_blocks") for c in CASES] + [(c, "small_blocks") for c in CASES if c[0] in SMALL_BLOCK_CASES]
 
 
 @pytest.mark.parametrize(
@@ -110,8 +109,9 @@ def test_ragged_dot_matches_reference_and_lax(rand, block_regime, case):
     )
     assert out.shape == (m, n) and out.dtype == out_dtype
     expected = lax_ragged_dot(lhs, rhs, sizes, rhs_transposed=transposed, out_dtype=out_dtype)
-    ladder.assert_close(out, expected, dtype=out_dtype, what="vs lax.ragged_dot", context=f"{sizes} {rand}",
-                        **tolerance(out_dtype))
+    ladder.assert_close(
+        out, expected, dtype=out_dtype, what="vs lax.ragged_dot", context=f"{sizes} {rand}", **tolerance(out_dtype)
+    )
     assert bool(jnp.all(out[fill:] == 0)), f"rows past sum(group_sizes) = {fill} are not exactly zero ({rand})"
 
 
@@ -131,9 +131,13 @@ def _special_sizes(kind, groups, m):
 
 
 # (layout, static_grid): the grid sized by the real visit count, or by the worst case with surplus steps skipped.
-SPECIAL = [("one-group-holds-every-row", False), ("first-group-holds-every-row", True),
-           ("last-group-holds-every-row", False), ("every-group-empty", True),
-           ("alternate-empty-and-single-rows", True)]
+SPECIAL = [
+    ("one-group-holds-every-row", False),
+    ("first-group-holds-every-row", True),
+    ("last-group-holds-every-row", False),
+    ("every-group-empty", True),
+    ("alternate-empty-and-single-rows", True),
+]
 
 
 @pytest.mark.parametrize("kind,static_grid", SPECIAL, ids=[f"{k}-{'static' if s else 'dynamic'}" for k, s in SPECIAL])
@@ -145,8 +149,14 @@ def test_special_group_layouts(rand, kind, static_grid):
     out = ladder.check_against_reference(
         kernel_fn(**kw), reference_fn(rhs_transposed=True), (lhs, rhs, sizes), dtype=F32, rand=rand, **F32_TOL
     )
-    ladder.assert_close(out, lax_ragged_dot(lhs, rhs, sizes, rhs_transposed=True, out_dtype=F32), dtype=F32,
-                        what="vs lax.ragged_dot", context=repr(rand), **F32_TOL)
+    ladder.assert_close(
+        out,
+        lax_ragged_dot(lhs, rhs, sizes, rhs_transposed=True, out_dtype=F32),
+        dtype=F32,
+        what="vs lax.ragged_dot",
+        context=repr(rand),
+        **F32_TOL,
+    )
     fill = int(sizes.sum())
     assert bool(jnp.all(out[fill:] == 0)), f"{kind}: rows past the groups are not exactly zero"
 
@@ -175,14 +185,17 @@ def test_local_group_window(rand, rhs_holds, offset_kind):
     m, k, n, groups, offset, n_local = 72, 128, 128, 7, 2, 3
     lhs = rand.normal((m, k), BF16)
     full_rhs = rand.normal((groups, k, n), BF16)
-    rhs = full_rhs[offset:offset + n_local] if rhs_holds == "window" else full_rhs
+    rhs = full_rhs[offset : offset + n_local] if rhs_holds == "window" else full_rhs
     sizes = group_sizes(rand, groups, 66)
     kw = dict(num_local_groups=n_local)
     group_offset = offset if offset_kind == "int" else jnp.asarray([offset], jnp.int32)
     # A traced offset (as inside shard_map) reaches the kernel as a jit argument, not a constant.
     kernel = jax.jit(lambda l, r, s, o: tk.ragged_dot(l, r, s, group_offset=o, **kw))
-    out = ladder.run_interpreted(kernel, lhs, rhs, sizes, group_offset) if offset_kind == "traced" else (
-        ladder.run_interpreted(kernel_fn(group_offset=offset, **kw), lhs, rhs, sizes))
+    out = (
+        ladder.run_interpreted(kernel, lhs, rhs, sizes, group_offset)
+        if offset_kind == "traced"
+        else (ladder.run_interpreted(kernel_fn(group_offset=offset, **kw), lhs, rhs, sizes))
+    )
     expected = reference_fn(group_offset=offset, **kw)(lhs, rhs, sizes)
     ladder.assert_close(out, expected, dtype=BF16, context=f"{sizes} {rand}")
     ends = np.cumsum(np.asarray(sizes))
@@ -190,7 +203,8 @@ def test_local_group_window(rand, rhs_holds, offset_kind):
     full = lax_ragged_dot(lhs, full_rhs, sizes, rhs_transposed=False, out_dtype=BF16)
     ladder.assert_close(out[lo:hi], full[lo:hi], dtype=BF16, what="window rows vs lax.ragged_dot", context=repr(rand))
     assert bool(jnp.all(out[:lo] == 0)) and bool(jnp.all(out[hi:] == 0)), (
-        f"rows outside the window [{lo}, {hi}) are not exactly zero ({sizes}, {rand})")
+        f"rows outside the window [{lo}, {hi}) are not exactly zero ({sizes}, {rand})"
+    )
 
 
 # ------------------------------------------------------------------------------------------ fused epilogue
@@ -230,7 +244,9 @@ EPILOGUE_REGIMES = [(c, "tuned_blocks") for c in EPILOGUE_CASES] + [
 
 
 @pytest.mark.parametrize(
-    "case,block_regime", EPILOGUE_REGIMES, ids=[f"{c[0]}-{r}" for c, r in EPILOGUE_REGIMES],
+    "case,block_regime",
+    EPILOGUE_REGIMES,
+    ids=[f"{c[0]}-{r}" for c, r in EPILOGUE_REGIMES],
     indirect=["block_regime"],
 )
 def test_fused_epilogue_matches_reference(rand, block_regime, case):
@@ -239,11 +255,14 @@ def test_fused_epilogue_matches_reference(rand, block_regime, case):
     out = ladder.check_against_reference(
         jax.jit(lambda l, r, s, b: tk.ragged_dot(l, r, s, bias=b, **kw)),
         jax.jit(lambda l, r, s, b: ragged_dot_reference(l, r, s, bias=b, **kw)),
-        (lhs, rhs, sizes, bias), dtype=dtype, rand=rand, **tolerance(dtype),
+        (lhs, rhs, sizes, bias),
+        dtype=dtype,
+        rand=rand,
+        **tolerance(dtype),
     )
     n = case[3]
     assert out.shape == (lhs.shape[0], n // 2 if kw["gated"] else n)
-    assert bool(jnp.all(out[lhs.shape[0] - 3:] == 0)), "tail rows are not exactly zero"
+    assert bool(jnp.all(out[lhs.shape[0] - 3 :] == 0)), "tail rows are not exactly zero"
 
 
 # ------------------------------------------------------------------------------------------------ gradients
@@ -276,9 +295,11 @@ def test_gradients_match_reference(rand, block_regime, case):
     argnums = (0, 1, 3) if with_bias else (0, 1)
     kernel_grad = jax.grad(
         lambda l, r, s, b, c: ladder.vjp_loss(tk.ragged_dot(l, r, s, bias=b, static_grid=static_grid, **kw), c),
-        argnums=argnums)
-    ref_grad = jax.grad(lambda l, r, s, b, c: ladder.vjp_loss(ragged_dot_reference(l, r, s, bias=b, **kw), c),
-                        argnums=argnums)
+        argnums=argnums,
+    )
+    ref_grad = jax.grad(
+        lambda l, r, s, b, c: ladder.vjp_loss(ragged_dot_reference(l, r, s, bias=b, **kw), c), argnums=argnums
+    )
     actual = ladder.run_interpreted(jax.jit(kernel_grad), lhs, rhs, sizes, bias, cotangent)
     expected = jax.jit(ref_grad)(lhs, rhs, sizes, bias, cotangent)
     # d rhs and d bias sum over a group's rows: bf16 inputs carry their rounding into those sums.
@@ -286,7 +307,7 @@ def test_gradients_match_reference(rand, block_regime, case):
     for what, a, e in zip(["d lhs", "d rhs", "d bias"], actual, expected):
         assert a.dtype == e.dtype, f"{what}: dtype {a.dtype} != {e.dtype}"
         ladder.assert_close(a, e, dtype=dtype, what=what, context=f"{sizes} {rand}", **tol)
-    assert bool(jnp.all(actual[0][m - 5:] == 0)), "d lhs of rows past the groups is not exactly zero"
+    assert bool(jnp.all(actual[0][m - 5 :] == 0)), "d lhs of rows past the groups is not exactly zero"
 
 
 # ------------------------------------------------------------------------------------------------ row scale
@@ -301,7 +322,9 @@ ROW_SCALE_REGIMES = [(c, "tuned_blocks") for c in ROW_SCALE_CASES] + [(ROW_SCALE
 
 
 @pytest.mark.parametrize(
-    "case,block_regime", ROW_SCALE_REGIMES, ids=[f"{c[0]}-{r}" for c, r in ROW_SCALE_REGIMES],
+    "case,block_regime",
+    ROW_SCALE_REGIMES,
+    ids=[f"{c[0]}-{r}" for c, r in ROW_SCALE_REGIMES],
     indirect=["block_regime"],
 )
 def test_row_scale_and_its_gradient(rand, block_regime, case):
@@ -317,17 +340,22 @@ def test_row_scale_and_its_gradient(rand, block_regime, case):
     out = ladder.check_against_reference(
         jax.jit(lambda l, r, sz, b, sc: tk.ragged_dot(l, r, sz, bias=b, row_scale=sc, **kw)),
         jax.jit(lambda l, r, sz, b, sc: ragged_dot_reference(l, r, sz, bias=b, row_scale=sc, **kw)),
-        (lhs, rhs, sizes, bias, scale), dtype=dtype, rand=rand, **tolerance(dtype),
+        (lhs, rhs, sizes, bias, scale),
+        dtype=dtype,
+        rand=rand,
+        **tolerance(dtype),
     )
-    assert bool(jnp.all(out[m - 3:] == 0)), "tail rows are not exactly zero"
+    assert bool(jnp.all(out[m - 3 :] == 0)), "tail rows are not exactly zero"
     cotangent = rand.normal(out.shape)
     argnums = (0, 1, 3, 4) if with_bias else (0, 1, 4)
     kernel_grad = jax.grad(
         lambda l, r, sz, b, sc, c: ladder.vjp_loss(tk.ragged_dot(l, r, sz, bias=b, row_scale=sc, **kw), c),
-        argnums=argnums)
+        argnums=argnums,
+    )
     ref_grad = jax.grad(
         lambda l, r, sz, b, sc, c: ladder.vjp_loss(ragged_dot_reference(l, r, sz, bias=b, row_scale=sc, **kw), c),
-        argnums=argnums)
+        argnums=argnums,
+    )
     actual = ladder.run_interpreted(jax.jit(kernel_grad), lhs, rhs, sizes, bias, scale, cotangent)
     expected = jax.jit(ref_grad)(lhs, rhs, sizes, bias, scale, cotangent)
     tol = dict(atol=5e-2) if dtype == BF16 else dict(rtol=1e-5, atol=2e-4)
@@ -339,54 +367,111 @@ def test_row_scale_and_its_gradient(rand, block_regime, case):
 
 # ------------------------------------------------------------------------------------------------ bad input
 def _good_args(rand):
-    return dict(lhs=rand.normal((16, 128)), rhs=rand.normal((4, 128, 256)),
-                group_sizes=jnp.asarray([3, 0, 7, 2], jnp.int32))
+    return dict(
+        lhs=rand.normal((16, 128)), rhs=rand.normal((4, 128, 256)), group_sizes=jnp.asarray([3, 0, 7, 2], jnp.int32)
+    )
 
 
 BAD_INPUTS = [
-    ("row_scale length", dict(row_scale=jnp.ones((15,))), ValueError,
-     "row_scale: expected shape (16,) (lhs rows), got (15,)"),
+    (
+        "row_scale length",
+        dict(row_scale=jnp.ones((15,))),
+        ValueError,
+        "row_scale: expected shape (16,) (lhs rows), got (15,)",
+    ),
     ("row_scale int", dict(row_scale=jnp.ones((16,), jnp.int32)), TypeError, "row_scale: expected dtype"),
-    ("negative size", dict(group_sizes=jnp.asarray([3, -1, 7, 2], jnp.int32)), ValueError,
-     "group_sizes: expected sizes >= 0, got group_sizes[1] = -1"),
-    ("sizes past M", dict(group_sizes=jnp.asarray([3, 9, 7, 2], jnp.int32)), ValueError,
-     "group_sizes: the sizes sum to 21, more than lhs's 16 rows"),
+    (
+        "negative size",
+        dict(group_sizes=jnp.asarray([3, -1, 7, 2], jnp.int32)),
+        ValueError,
+        "group_sizes: expected sizes >= 0, got group_sizes[1] = -1",
+    ),
+    (
+        "sizes past M",
+        dict(group_sizes=jnp.asarray([3, 9, 7, 2], jnp.int32)),
+        ValueError,
+        "group_sizes: the sizes sum to 21, more than lhs's 16 rows",
+    ),
     ("contraction mismatch", dict(rhs=jnp.zeros((4, 64, 256))), ValueError, "rhs: contraction dimension 64"),
-    ("contraction mismatch transposed", dict(rhs=jnp.zeros((4, 128, 256)), rhs_transposed=True), ValueError,
-     "rhs: contraction dimension 256 of rhs (4, 128, 256) (layout [G, N, K] (rhs_transposed=True))"),
+    (
+        "contraction mismatch transposed",
+        dict(rhs=jnp.zeros((4, 128, 256)), rhs_transposed=True),
+        ValueError,
+        "rhs: contraction dimension 256 of rhs (4, 128, 256) (layout [G, N, K] (rhs_transposed=True))",
+    ),
     ("lhs int", dict(lhs=jnp.zeros((16, 128), jnp.int32)), TypeError, "lhs: expected dtype"),
     ("lhs float16", dict(lhs=jnp.zeros((16, 128), F16)), TypeError, "lhs: expected dtype"),
     ("rhs int", dict(rhs=jnp.zeros((4, 128, 256), jnp.int8)), TypeError, "rhs: expected dtype"),
-    ("group_sizes float", dict(group_sizes=jnp.asarray([3.0, 0, 7, 2])), TypeError,
-     "group_sizes: expected dtype in (int32), got float32"),
-    ("group_sizes int64", dict(group_sizes=np.asarray([3, 0, 7, 2], np.int64)), TypeError,
-     "group_sizes: expected dtype in (int32), got int64"),
+    (
+        "group_sizes float",
+        dict(group_sizes=jnp.asarray([3.0, 0, 7, 2])),
+        TypeError,
+        "group_sizes: expected dtype in (int32), got float32",
+    ),
+    (
+        "group_sizes int64",
+        dict(group_sizes=np.asarray([3, 0, 7, 2], np.int64)),
+        TypeError,
+        "group_sizes: expected dtype in (int32), got int64",
+    ),
     ("lhs rank 3", dict(lhs=jnp.zeros((2, 8, 128))), ValueError, "lhs: expected 2 dimensions"),
     ("rhs rank 2", dict(rhs=jnp.zeros((128, 256))), ValueError, "rhs: expected 3 dimensions"),
-    ("group_sizes rank 2", dict(group_sizes=jnp.zeros((1, 4), jnp.int32)), ValueError,
-     "group_sizes: expected 1 dimensions"),
+    (
+        "group_sizes rank 2",
+        dict(group_sizes=jnp.zeros((1, 4), jnp.int32)),
+        ValueError,
+        "group_sizes: expected 1 dimensions",
+    ),
     ("lhs a list", dict(lhs=[[1.0]]), TypeError, "lhs: expected a jax array, got list"),
     ("rhs groups", dict(rhs=jnp.zeros((3, 128, 256))), ValueError, "rhs: expected 4 groups (len(group_sizes))"),
-    ("window too many groups", dict(num_local_groups=5), ValueError,
-     "num_local_groups: expected 0 <= num_local_groups <= 4"),
-    ("window past the end", dict(rhs=jnp.zeros((2, 128, 256)), num_local_groups=2, group_offset=3), ValueError,
-     "group_offset: the window [group_offset, group_offset + num_local_groups) = [3, 5)"),
-    ("window negative offset", dict(rhs=jnp.zeros((2, 128, 256)), num_local_groups=2, group_offset=-1), ValueError,
-     "group_offset: the window"),
-    ("window rhs groups", dict(rhs=jnp.zeros((3, 128, 256)), num_local_groups=2, group_offset=1), ValueError,
-     "rhs: expected 2 groups (the local window, num_local_groups) or 4"),
+    (
+        "window too many groups",
+        dict(num_local_groups=5),
+        ValueError,
+        "num_local_groups: expected 0 <= num_local_groups <= 4",
+    ),
+    (
+        "window past the end",
+        dict(rhs=jnp.zeros((2, 128, 256)), num_local_groups=2, group_offset=3),
+        ValueError,
+        "group_offset: the window [group_offset, group_offset + num_local_groups) = [3, 5)",
+    ),
+    (
+        "window negative offset",
+        dict(rhs=jnp.zeros((2, 128, 256)), num_local_groups=2, group_offset=-1),
+        ValueError,
+        "group_offset: the window",
+    ),
+    (
+        "window rhs groups",
+        dict(rhs=jnp.zeros((3, 128, 256)), num_local_groups=2, group_offset=1),
+        ValueError,
+        "rhs: expected 2 groups (the local window, num_local_groups) or 4",
+    ),
     ("window offset float", dict(group_offset=1.0), TypeError, "group_offset: expected an int"),
-    ("window offset shape", dict(group_offset=jnp.zeros((2,), jnp.int32)), ValueError,
-     "group_offset: expected shape () or (1,)"),
+    (
+        "window offset shape",
+        dict(group_offset=jnp.zeros((2,), jnp.int32)),
+        ValueError,
+        "group_offset: expected shape () or (1,)",
+    ),
     ("window count float", dict(num_local_groups=2.0), TypeError, "num_local_groups: expected an int"),
     ("activation", dict(activation="relu"), ValueError, "activation: expected one of"),
     ("gated", dict(gated="split", activation="silu"), ValueError, "gated: expected one of"),
-    ("gated odd N", dict(rhs=jnp.zeros((4, 128, 255)), gated="concatenated"), ValueError,
-     "rhs: gated='concatenated' needs an even number of output columns N, got N = 255"),
+    (
+        "gated odd N",
+        dict(rhs=jnp.zeros((4, 128, 255)), gated="concatenated"),
+        ValueError,
+        "rhs: gated='concatenated' needs an even number of output columns N, got N = 255",
+    ),
     ("bias shape", dict(bias=jnp.zeros((4, 128))), ValueError, "bias: expected shape (4, 256)"),
     ("bias int", dict(bias=jnp.zeros((4, 256), jnp.int32)), TypeError, "bias: expected dtype"),
-    ("preferred_element_type int", dict(preferred_element_type=jnp.int32), TypeError,
-     "preferred_element_type: expected one of"),
+    (
+        "preferred_element_type int",
+        dict(preferred_element_type=jnp.int32),
+        TypeError,
+        "preferred_element_type: expected one of",
+    ),
     ("rhs_transposed not bool", dict(rhs_transposed="yes"), TypeError, "rhs_transposed: expected a bool"),
 ]
 
@@ -418,15 +503,30 @@ def test_export_for_tpu():
     rhs_t = spec((128, 1536, 2048), BF16)
     ladder.export_for_tpu(api.ragged_dot, lhs, spec((128, 2048, 768), BF16), sizes)
     ladder.export_for_tpu(api.ragged_dot, lhs, rhs_t, sizes, rhs_transposed=True, preferred_element_type=F32)
-    ladder.export_for_tpu(api.ragged_dot, lhs, rhs_t, sizes, rhs_transposed=True, activation="silu",
-                          gated="concatenated", preferred_element_type=BF16)
-    ladder.export_for_tpu(api.ragged_dot, lhs, rhs_t, sizes, rhs_transposed=True, activation="gelu_tanh",
-                          gated="interleaved")
-    ladder.export_for_tpu(lambda l, r, s, o: api.ragged_dot(l, r, s, group_offset=o, num_local_groups=16),
-                          lhs, spec((16, 2048, 768), BF16), sizes, spec((), jnp.int32))
+    ladder.export_for_tpu(
+        api.ragged_dot,
+        lhs,
+        rhs_t,
+        sizes,
+        rhs_transposed=True,
+        activation="silu",
+        gated="concatenated",
+        preferred_element_type=BF16,
+    )
+    ladder.export_for_tpu(
+        api.ragged_dot, lhs, rhs_t, sizes, rhs_transposed=True, activation="gelu_tanh", gated="interleaved"
+    )
+    ladder.export_for_tpu(
+        lambda l, r, s, o: api.ragged_dot(l, r, s, group_offset=o, num_local_groups=16),
+        lhs,
+        spec((16, 2048, 768), BF16),
+        sizes,
+        spec((), jnp.int32),
+    )
     grad = jax.grad(
-        lambda l, r, s, b: ladder.vjp_loss(api.ragged_dot(l, r, s, bias=b, rhs_transposed=True, activation="silu",
-                                                gated="concatenated")),
+        lambda l, r, s, b: ladder.vjp_loss(
+            api.ragged_dot(l, r, s, bias=b, rhs_transposed=True, activation="silu", gated="concatenated")
+        ),
         argnums=(0, 1, 3),
     )
     ladder.export_for_tpu(grad, lhs, rhs_t, sizes, spec((128, 1536), BF16))
@@ -435,8 +535,9 @@ def test_export_for_tpu():
 # ------------------------------------------------------------------------------------------------ rung 3
 def _gate_up(lhs, rhs, sizes, *, activation):
     """The MoE gate/up grouped matmul as benchmarked: transformers' [E, 2I, H] weights, act(gate) * up fused."""
-    return api.ragged_dot(lhs, rhs, sizes, rhs_transposed=True, activation=activation, gated="concatenated",
-                          preferred_element_type=BF16)
+    return api.ragged_dot(
+        lhs, rhs, sizes, rhs_transposed=True, activation=activation, gated="concatenated", preferred_element_type=BF16
+    )
 
 
 def _down(lhs, rhs, sizes):
@@ -461,12 +562,27 @@ def test_prefill_grouped_matmuls_compile_for_tpu(generation, model, rows):
     dims = MOE_MODELS[model]
     h, i = dims["hidden"], dims["intermediate"]
     sizes = ((MOE_EXPERTS,), jnp.int32)
-    ladder.compile_for_tpu(_gate_up, generation, ((rows, h), BF16), ((MOE_EXPERTS, 2 * i, h), BF16), sizes,
-                           label=f"ragged_dot gate_up {model}", activation=dims["activation"])
-    ladder.compile_for_tpu(_down, generation, ((rows, i), BF16), ((MOE_EXPERTS, h, i), BF16), sizes,
-                           label=f"ragged_dot down {model}")
-    ladder.compile_for_tpu(_down_weighted, generation, ((rows, i), BF16), ((MOE_EXPERTS, h, i), BF16), sizes,
-                           ((rows,), F32), label=f"ragged_dot down with row scale {model}")
+    ladder.compile_for_tpu(
+        _gate_up,
+        generation,
+        ((rows, h), BF16),
+        ((MOE_EXPERTS, 2 * i, h), BF16),
+        sizes,
+        label=f"ragged_dot gate_up {model}",
+        activation=dims["activation"],
+    )
+    ladder.compile_for_tpu(
+        _down, generation, ((rows, i), BF16), ((MOE_EXPERTS, h, i), BF16), sizes, label=f"ragged_dot down {model}"
+    )
+    ladder.compile_for_tpu(
+        _down_weighted,
+        generation,
+        ((rows, i), BF16),
+        ((MOE_EXPERTS, h, i), BF16),
+        sizes,
+        ((rows,), F32),
+        label=f"ragged_dot down with row scale {model}",
+    )
 
 
 def test_metadata_kernel_equals_the_jax_visit_list(rand):
@@ -480,9 +596,15 @@ def test_metadata_kernel_equals_the_jax_visit_list(rand):
             sizes[:] = 0
         n_local = int(rand.rng.integers(1, groups + 1))
         offset = int(rand.rng.integers(0, groups - n_local + 1))
-        kwargs = dict(m=m, tm=int(rand.rng.choice([8, 16, 32])), tiles_k=int(rand.rng.integers(1, 4)),
-                      group_offset=offset, num_local_groups=n_local,
-                      rhs_group_base=offset if rand.rng.random() < 0.5 else 0, rhs_groups=groups)
+        kwargs = dict(
+            m=m,
+            tm=int(rand.rng.choice([8, 16, 32])),
+            tiles_k=int(rand.rng.integers(1, 4)),
+            group_offset=offset,
+            num_local_groups=n_local,
+            rhs_group_base=offset if rand.rng.random() < 0.5 else 0,
+            rhs_groups=groups,
+        )
         sizes = jnp.asarray(sizes, jnp.int32)
         expected, expected_count, _ = metadata.forward_metadata_reference(sizes, **kwargs)
         actual, count = ladder.run_interpreted(lambda s: metadata.forward_metadata(s, **kwargs)[:2], sizes)
@@ -517,7 +639,9 @@ def test_weights_stored_swapped_are_not_copied():
         compiled = jax.jit(_down).lower(*[ladder.tpu_spec("v6e", *sd) for sd in shapes]).compile()
     text = compiled.as_text()
     assert "tpu_custom_call" in text
-    copies = [line for line in text.splitlines() if " copy(" in line and ("[8,256,200]" in line or "[8,200,256]" in line)]
+    copies = [
+        line for line in text.splitlines() if " copy(" in line and ("[8,256,200]" in line or "[8,200,256]" in line)
+    ]
     assert not copies, copies
 
 
@@ -529,7 +653,11 @@ def test_weights_stored_swapped_give_the_same_result(rand):
     assert tuning.stored_minor_to_major_swapped(256, 200)
     ladder.check_against_reference(
         functools.partial(api.ragged_dot, rhs_transposed=True),
-        functools.partial(ragged_dot_reference, rhs_transposed=True), (lhs, rhs, sizes), dtype=F32, rand=rand)
+        functools.partial(ragged_dot_reference, rhs_transposed=True),
+        (lhs, rhs, sizes),
+        dtype=F32,
+        rand=rand,
+    )
 
 
 # The backward: d lhs through the forward kernel, d rhs through the transposed grouped matmul, the epilogue
@@ -548,5 +676,11 @@ def test_backward_compiles_for_tpu(generation, model, op, rows):
     else:
         fn = lambda l, r, s: ladder.vjp_loss(_down(l, r, s))  # noqa: E731
         lhs, rhs = ((rows, i), BF16), ((MOE_EXPERTS, h, i), BF16)
-    ladder.compile_for_tpu(jax.grad(fn, argnums=(0, 1)), generation, lhs, rhs, ((MOE_EXPERTS,), jnp.int32),
-                           label=f"ragged_dot {op} backward {model}")
+    ladder.compile_for_tpu(
+        jax.grad(fn, argnums=(0, 1)),
+        generation,
+        lhs,
+        rhs,
+        ((MOE_EXPERTS,), jnp.int32),
+        label=f"ragged_dot {op} backward {model}",
+    )

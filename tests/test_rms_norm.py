@@ -1,10 +1,11 @@
 """RMSNorm, JAX side, up the ladder: reference vs kernel (interpret mode), gradients, bad input, TPU export,
 deviceless compile for v5e / v6e / v7x at every benchmark shape."""
+
 import jax
 import jax.numpy as jnp
+import ladder
 import pytest
 
-import ladder
 from benchmarks.shapes import RMS_NORM_HIDDENS, RMS_NORM_TOKENS
 from tpu_kernels import jax as tk
 from tpu_kernels._pallas.rms_norm import api, tuning
@@ -81,16 +82,19 @@ def test_rms_norm_gradients(rand, block_regime, dtype, with_weight):
     weight = rand.normal((384,), dtype) if with_weight else None
     argnums = (0, 1) if with_weight else (0,)
     cot = rand.cotangents(lambda x, w: rms_norm_reference(x, w, 1e-5, weight_offset=0.5), x, weight)
-    kernel_grad = jax.grad(lambda x, w: ladder.vjp_loss(tk.rms_norm(x, w, 1e-5, weight_offset=0.5), cot),
-                           argnums=argnums)
-    ref_grad = jax.grad(lambda x, w: ladder.vjp_loss(rms_norm_reference(x, w, 1e-5, weight_offset=0.5), cot),
-                        argnums=argnums)
+    kernel_grad = jax.grad(
+        lambda x, w: ladder.vjp_loss(tk.rms_norm(x, w, 1e-5, weight_offset=0.5), cot), argnums=argnums
+    )
+    ref_grad = jax.grad(
+        lambda x, w: ladder.vjp_loss(rms_norm_reference(x, w, 1e-5, weight_offset=0.5), cot), argnums=argnums
+    )
     actual = ladder.run_interpreted(jax.jit(kernel_grad), x, weight)
     expected = ref_grad(x, weight)
     # The weight gradient sums over every row: bf16 inputs carry their rounding into a long f32 sum.
     for name, a, e in zip(["d x", "d weight"], actual, expected):
-        ladder.assert_close(a, e, dtype=dtype, atol=5e-2 if dtype == jnp.bfloat16 else 1e-4, what=name,
-                            context=repr(rand))
+        ladder.assert_close(
+            a, e, dtype=dtype, atol=5e-2 if dtype == jnp.bfloat16 else 1e-4, what=name, context=repr(rand)
+        )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
@@ -100,13 +104,13 @@ def test_fused_add_rms_norm_gradients(rand, block_regime, dtype):
     weight = rand.normal((256,), jnp.float32)
     cot = rand.cotangents(fused_add_rms_norm_reference, x, residual, weight)
     kernel_grad = jax.grad(lambda x, r, w: ladder.vjp_loss(tk.fused_add_rms_norm(x, r, w), cot), argnums=(0, 1, 2))
-    ref_grad = jax.grad(lambda x, r, w: ladder.vjp_loss(fused_add_rms_norm_reference(x, r, w), cot),
-                        argnums=(0, 1, 2))
+    ref_grad = jax.grad(lambda x, r, w: ladder.vjp_loss(fused_add_rms_norm_reference(x, r, w), cot), argnums=(0, 1, 2))
     actual = ladder.run_interpreted(jax.jit(kernel_grad), x, residual, weight)
     expected = ref_grad(x, residual, weight)
     for name, a, e in zip(["d x", "d residual", "d weight"], actual, expected):
-        ladder.assert_close(a, e, dtype=dtype, atol=5e-2 if dtype == jnp.bfloat16 else 1e-4, what=name,
-                            context=repr(rand))
+        ladder.assert_close(
+            a, e, dtype=dtype, atol=5e-2 if dtype == jnp.bfloat16 else 1e-4, what=name, context=repr(rand)
+        )
 
 
 # ------------------------------------------------------------------------------------------------------ bad input
@@ -125,7 +129,12 @@ BAD_INPUTS = [
     ("eps array", lambda r: dict(eps=jnp.float32(1e-6)), TypeError, "eps: expected a Python float"),
     ("offset nan", lambda r: dict(weight_offset=float("nan")), ValueError, "weight_offset: expected a finite"),
     ("residual shape", lambda r: dict(residual=r.normal((4, 64))), ValueError, "residual: expected the shape of x"),
-    ("residual dtype", lambda r: dict(residual=r.normal((4, 128), jnp.bfloat16)), TypeError, "residual: expected dtype"),
+    (
+        "residual dtype",
+        lambda r: dict(residual=r.normal((4, 128), jnp.bfloat16)),
+        TypeError,
+        "residual: expected dtype",
+    ),
 ]
 
 
@@ -188,7 +197,12 @@ def test_compiles_for_tpu_across_sizes_and_backward(generation, shape, dtype):
     ladder.compile_for_tpu(api.rms_norm, generation, x, None, label="rms_norm_no_weight")
     ladder.compile_for_tpu(api.rms_norm_backward, generation, x, x, w, label="rms_norm_backward")
     ladder.compile_for_tpu(
-        lambda g, s, gs, w: api.rms_norm_backward(g, s, w, grad_sum=gs), generation, x, x, x, w,
+        lambda g, s, gs, w: api.rms_norm_backward(g, s, w, grad_sum=gs),
+        generation,
+        x,
+        x,
+        x,
+        w,
         label="fused_add_rms_norm_backward",
     )
 

@@ -1,10 +1,11 @@
 """RMSNorm, torch side: the custom ops (opcheck, fake/meta shapes, torch.compile), autograd against torch's own
 autograd of the formula, torch-only bad input, and the kernelize layer in a tiny random Qwen3 model."""
-import pytest
-import torch
 
 import ladder
+import pytest
 import tiny_models
+import torch
+
 import tpu_kernels
 from tpu_kernels import rms_norm_ops as rms_norm_module
 
@@ -50,8 +51,12 @@ def test_torch_rms_norm_matches_reference(rand, dtype):
     x, weight = _randn(rand, 3, 7, 320, dtype=dtype), _randn(rand, 320, dtype=dtype)
     out = tpu_kernels.rms_norm(x, weight, 1e-6, weight_offset=1.0)
     assert out.dtype == dtype and out.shape == x.shape
-    ladder.assert_close(out.float().numpy(), _torch_reference(x, weight, 1e-6, 1.0).float().numpy(),
-                        dtype=ladder.jnp.dtype(str(dtype).removeprefix("torch.")), context=repr(rand))
+    ladder.assert_close(
+        out.float().numpy(),
+        _torch_reference(x, weight, 1e-6, 1.0).float().numpy(),
+        dtype=ladder.jnp.dtype(str(dtype).removeprefix("torch.")),
+        context=repr(rand),
+    )
 
 
 def test_torch_autograd_matches_torch_reference(rand):

@@ -1,12 +1,13 @@
 """Rotary embeddings, JAX side, up the ladder: reference vs kernel (interpret mode) for apply_rotary, its backward,
 fused per-head RMSNorm + RoPE and cos/sin from positions; gradients; bad input; TPU export; deviceless compile for
 v5e / v6e / v7x at the benchmark shapes (Qwen3-30B-A3B and Gemma 4 attention, decode and prefill)."""
+
 import jax
 import jax.numpy as jnp
+import ladder
 import numpy as np
 import pytest
 
-import ladder
 from benchmarks.shapes import ROTARY_DECODE_BATCHES, ROTARY_MODELS, ROTARY_PREFILL_SEQS
 from tpu_kernels import jax as tk
 from tpu_kernels._pallas.rotary import api, frequencies, reference, tuning
@@ -54,12 +55,18 @@ def test_apply_rotary_matches_reference(rand, block_regime, case):
     _, layout, batch, seq, hq, hk, head_dim, rotary_dim, interleaved, dtype, cos_dtype, cos_batch = case
     q_shape, k_shape = _shapes(layout, batch, seq, hq, hk, head_dim)
     q, k = rand.normal(q_shape, dtype, scale=2.0), rand.normal(k_shape, dtype)
-    cos, sin = rand.normal((cos_batch, seq, rotary_dim), cos_dtype), rand.normal((cos_batch, seq, rotary_dim), cos_dtype)
+    cos, sin = (
+        rand.normal((cos_batch, seq, rotary_dim), cos_dtype),
+        rand.normal((cos_batch, seq, rotary_dim), cos_dtype),
+    )
     kw = dict(interleaved=interleaved, layout=layout)
     ladder.check_against_reference(
         lambda q, k, c, s: tk.apply_rotary(q, k, c, s, **kw),
         jax.jit(lambda q, k, c, s: reference.apply_rotary_reference(q, k, c, s, **kw)),
-        (q, k, cos, sin), dtype=dtype, rand=rand, names=["q", "k"],
+        (q, k, cos, sin),
+        dtype=dtype,
+        rand=rand,
+        names=["q", "k"],
     )
 
 
@@ -79,13 +86,18 @@ def test_transformers_tables_rotate_as_the_formula(rand):
 def test_apply_rotary_gradients(rand, case):
     _, layout, batch, seq, hq, hk, head_dim, rotary_dim, interleaved, dtype, cos_dtype, cos_batch = case
     q_shape, k_shape = _shapes(layout, batch, seq, hq, hk, head_dim)
-    args = (rand.normal(q_shape, dtype), rand.normal(k_shape, dtype), rand.normal((cos_batch, seq, rotary_dim), cos_dtype),
-            rand.normal((cos_batch, seq, rotary_dim), cos_dtype))
+    args = (
+        rand.normal(q_shape, dtype),
+        rand.normal(k_shape, dtype),
+        rand.normal((cos_batch, seq, rotary_dim), cos_dtype),
+        rand.normal((cos_batch, seq, rotary_dim), cos_dtype),
+    )
     kw = dict(interleaved=interleaved, layout=layout)
     cot = rand.cotangents(lambda *a: reference.apply_rotary_reference(*a, **kw), *args)
     kernel_grad = jax.grad(lambda *a: ladder.vjp_loss(tk.apply_rotary(*a, **kw), cot), argnums=(0, 1, 2, 3))
-    ref_grad = jax.grad(lambda *a: ladder.vjp_loss(reference.apply_rotary_reference(*a, **kw), cot),
-                        argnums=(0, 1, 2, 3))
+    ref_grad = jax.grad(
+        lambda *a: ladder.vjp_loss(reference.apply_rotary_reference(*a, **kw), cot), argnums=(0, 1, 2, 3)
+    )
     actual = ladder.run_interpreted(jax.jit(kernel_grad), *args)
     expected = ref_grad(*args)
     # cos/sin gradients sum over heads (and the shared batch): a bf16 input carries its rounding into that sum.
@@ -129,7 +141,10 @@ def test_rms_norm_rope_matches_reference(rand, case):
     ladder.check_against_reference(
         lambda *a: tk.rms_norm_rope(*a, **kw),
         jax.jit(lambda *a: reference.rms_norm_rope_reference(*a, **kw)),
-        (q, k, qw, kw_, cos, sin), dtype=dtype, rand=rand, names=["q", "k"],
+        (q, k, qw, kw_, cos, sin),
+        dtype=dtype,
+        rand=rand,
+        names=["q", "k"],
     )
 
 
@@ -141,8 +156,9 @@ def test_rms_norm_rope_gradients(rand, dtype):
     args = (q, k, qw, kw_, cos, sin)
     cot = rand.cotangents(lambda *a: reference.rms_norm_rope_reference(*a, eps=1e-5), *args)
     kernel_grad = jax.grad(lambda *a: ladder.vjp_loss(tk.rms_norm_rope(*a, eps=1e-5), cot), argnums=tuple(range(6)))
-    ref_grad = jax.grad(lambda *a: ladder.vjp_loss(reference.rms_norm_rope_reference(*a, eps=1e-5), cot),
-                        argnums=tuple(range(6)))
+    ref_grad = jax.grad(
+        lambda *a: ladder.vjp_loss(reference.rms_norm_rope_reference(*a, eps=1e-5), cot), argnums=tuple(range(6))
+    )
     actual = ladder.run_interpreted(jax.jit(kernel_grad), *args)
     expected = ref_grad(*args)
     for name, a, e in zip(["d q", "d k", "d q_weight", "d k_weight", "d cos", "d sin"], actual, expected):
@@ -151,17 +167,30 @@ def test_rms_norm_rope_gradients(rand, dtype):
             # A sum over every token and head of terms up to ~100: f32 rounding in a different summation order is
             # relative to the terms, not to a small (cancelled) sum (seed 2787238278: 4e-4 off at 1.26, terms ~69).
             atol += 2e-5 * float(jnp.max(jnp.abs(e)))
-        ladder.assert_close(a, e, dtype=dtype, atol=atol, rtol=5e-2 if dtype == BF16 else 1e-4, what=name,
-                            context=repr(rand))
+        ladder.assert_close(
+            a, e, dtype=dtype, atol=atol, rtol=5e-2 if dtype == BF16 else 1e-4, what=name, context=repr(rand)
+        )
 
 
 # --------------------------------------------------------------------------------------------- cos/sin in-kernel
 SCALINGS = [
     ("default", None, 128),
-    ("llama3", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}, 128),
-    ("yarn-partial", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048, "beta_fast": 16},
-     64),
+    (
+        "llama3",
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        128,
+    ),
+    (
+        "yarn-partial",
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048, "beta_fast": 16},
+        64,
+    ),
     ("proportional", {"rope_type": "proportional", "partial_rotary_factor": 0.25}, None),
 ]
 
@@ -179,7 +208,12 @@ def test_apply_rotary_from_positions_matches_reference(rand, case):
     ladder.check_against_reference(
         lambda q, k, p: tk.apply_rotary_from_positions(q, k, p, **kw),
         lambda q, k, p: reference.apply_rotary_reference(q, k, cos, sin),
-        (q, k, positions), dtype=F32, rand=rand, rtol=1e-4, atol=1e-4, names=["q", "k"],
+        (q, k, positions),
+        dtype=F32,
+        rand=rand,
+        rtol=1e-4,
+        atol=1e-4,
+        names=["q", "k"],
     )
 
 
@@ -190,8 +224,13 @@ def test_proportional_zero_frequencies_skip_transcendentals(rand, monkeypatch, f
     prefill, fused norm and plain rope, against the reference on XLA's tables, and the lanes it evaluated."""
     kernel, seen = api.kernel, []
     original = kernel._cos_sin
-    monkeypatch.setattr(kernel, "_cos_sin", lambda pos, inv, cfg, packing: seen.append(
-        (packing, cfg.angle_lanes, inv.shape[-1])) or original(pos, inv, cfg, packing))
+    monkeypatch.setattr(
+        kernel,
+        "_cos_sin",
+        lambda pos, inv, cfg, packing: (
+            seen.append((packing, cfg.angle_lanes, inv.shape[-1])) or original(pos, inv, cfg, packing)
+        ),
+    )
     jax.clear_caches()
     opts = dict(theta=1e6, scaling={"rope_type": "proportional", "partial_rotary_factor": factor})
     for batch, seq in ((12, 1), (1, 40)):
@@ -203,20 +242,35 @@ def test_proportional_zero_frequencies_skip_transcendentals(rand, monkeypatch, f
         ladder.check_against_reference(
             lambda *a: tk.rms_norm_rope_from_positions(*a, eps=1e-6, **opts),
             lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(q, k, qw, kw_, cos, sin, eps=1e-6),
-            (q, k, qw, kw_, positions), dtype=F32, rand=rand, names=["q", "k"], **tol)
+            (q, k, qw, kw_, positions),
+            dtype=F32,
+            rand=rand,
+            names=["q", "k"],
+            **tol,
+        )
         ladder.check_against_reference(
             lambda q, k, p: tk.apply_rotary_from_positions(q, k, p, **opts),
             lambda q, k, p: reference.apply_rotary_reference(q, k, cos, sin),
-            (q, k, positions), dtype=F32, rand=rand, names=["q", "k"], **tol)
+            (q, k, positions),
+            dtype=F32,
+            rand=rand,
+            names=["q", "k"],
+            **tol,
+        )
     jax.clear_caches()
     assert seen and set(seen) == {("lanes", angle_lanes, 512)}, f"(packing, angle lanes, table width): {seen}"
     if factor != 0.25:
         return
     for generation in ladder.GENERATIONS:  # rung 3, Gemma 4 full's decode batch
         ladder.compile_for_tpu(
-            lambda q, k, w, p: api.rms_norm_rope_from_positions(q, k, w, w, p, **opts), generation,
-            ((256, 16, 1, 512), BF16), ((256, 2, 1, 512), BF16), ((512,), BF16), ((256, 1), jnp.int32),
-            label="proportional zero-frequency tail")
+            lambda q, k, w, p: api.rms_norm_rope_from_positions(q, k, w, w, p, **opts),
+            generation,
+            ((256, 16, 1, 512), BF16),
+            ((256, 2, 1, 512), BF16),
+            ((512,), BF16),
+            ((256, 1), jnp.int32),
+            label="proportional zero-frequency tail",
+        )
 
 
 @pytest.mark.parametrize("layout,interleaved,dtype", [("bshd", True, BF16)])
@@ -230,15 +284,21 @@ def test_from_positions_layouts_norm_and_gradients(rand, layout, interleaved, dt
     ladder.check_against_reference(
         lambda *a: tk.rms_norm_rope_from_positions(*a, eps=1e-6, **opts),
         lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(
-            q, k, qw, kw_, cos, sin, eps=1e-6, interleaved=interleaved, layout=layout),
-        (q, k, qw, kw_, positions), dtype=dtype, rand=rand, names=["q", "k"],
+            q, k, qw, kw_, cos, sin, eps=1e-6, interleaved=interleaved, layout=layout
+        ),
+        (q, k, qw, kw_, positions),
+        dtype=dtype,
+        rand=rand,
+        names=["q", "k"],
     )
+
     def rotated(q, k):
         return reference.apply_rotary_reference(q, k, cos, sin, interleaved=interleaved, layout=layout)
 
     cot = rand.cotangents(rotated, q, k)
-    grad = jax.grad(lambda q, k: ladder.vjp_loss(tk.apply_rotary_from_positions(q, k, positions, **opts), cot),
-                    argnums=(0, 1))
+    grad = jax.grad(
+        lambda q, k: ladder.vjp_loss(tk.apply_rotary_from_positions(q, k, positions, **opts), cot), argnums=(0, 1)
+    )
     ref = jax.grad(lambda q, k: ladder.vjp_loss(rotated(q, k), cot), argnums=(0, 1))
     for name, a, e in zip(["d q", "d k"], ladder.run_interpreted(jax.jit(grad), q, k), ref(q, k)):
         ladder.assert_close(a, e, dtype=dtype, atol=5e-2 if dtype == BF16 else 1e-4, what=name, context=repr(rand))
@@ -280,18 +340,32 @@ def test_token_major_factor_rows(rand, monkeypatch, case, factor_rows):
         ladder.check_against_reference(
             lambda q, k, c, s: tk.apply_rotary(q, k, c, s, layout=layout),
             lambda q, k, c, s: reference.apply_rotary_reference(q, k, c, s, **ref_kw),
-            (q, k, cos, sin), dtype=dtype, rand=rand, names=["q", "k"], **tol)
+            (q, k, cos, sin),
+            dtype=dtype,
+            rand=rand,
+            names=["q", "k"],
+            **tol,
+        )
     elif op == "norm":
         cos, sin = cos.astype(dtype), sin.astype(dtype)
         ladder.check_against_reference(
             lambda *a: tk.rms_norm_rope(*a, eps=1e-6, layout=layout),
             lambda *a: reference.rms_norm_rope_reference(*a, eps=1e-6, **ref_kw),
-            (q, k, qw, kw_, cos, sin), dtype=dtype, rand=rand, names=["q", "k"])
+            (q, k, qw, kw_, cos, sin),
+            dtype=dtype,
+            rand=rand,
+            names=["q", "k"],
+        )
     else:
         ladder.check_against_reference(
             lambda *a: tk.rms_norm_rope_from_positions(*a, eps=1e-6, theta=1e4, rotary_dim=rotary_dim, layout=layout),
             lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(q, k, qw, kw_, cos, sin, eps=1e-6, **ref_kw),
-            (q, k, qw, kw_, positions), dtype=dtype, rand=rand, names=["q", "k"], **tol)
+            (q, k, qw, kw_, positions),
+            dtype=dtype,
+            rand=rand,
+            names=["q", "k"],
+            **tol,
+        )
     jax.clear_caches()
     assert seen and set(seen) == {factor_rows == "broadcast_loads"}, f"broadcast loads used: {seen}"
 
@@ -309,8 +383,15 @@ def test_token_major_factor_rows_compile_for_tpu(monkeypatch, generation):
             jax.clear_caches()
             seen.clear()
             q, k = ((batch, seq, 32, 128), BF16), ((batch, seq, 4, 128), BF16)
-            ladder.compile_for_tpu(op, generation, q, k, w, ((batch, seq) if seq > 1 else (batch, 1), jnp.int32),
-                                   label=f"factor rows {'broadcast loads' if limit else 'in registers'}")
+            ladder.compile_for_tpu(
+                op,
+                generation,
+                q,
+                k,
+                w,
+                ((batch, seq) if seq > 1 else (batch, 1), jnp.int32),
+                label=f"factor rows {'broadcast loads' if limit else 'in registers'}",
+            )
             assert seen == [bool(limit)], f"broadcast loads used at {(batch, seq)} with limit {limit}: {seen}"
     jax.clear_caches()
 
@@ -374,20 +455,29 @@ def test_positions_layouts_and_cos_sin_packing(rand, monkeypatch, case):
     q, k = rand.normal(q_shape, dtype), rand.normal(k_shape, dtype)
     qw, kw_ = rand.normal((head_dim,), F32), rand.normal((head_dim,), F32)
     positions = rand.integers(0, 40000, (rows, seq) if seq > 1 else (rows, 1))
-    cos, sin = api.rope_cos_sin(positions, head_dim=head_dim, theta=1e4, interleaved=interleaved,
-                                rotary_dim=rotary_dim)
+    cos, sin = api.rope_cos_sin(positions, head_dim=head_dim, theta=1e4, interleaved=interleaved, rotary_dim=rotary_dim)
     ref_kw = dict(interleaved=interleaved, layout=layout)
     op = _position_layout_op(norm, layout, rotary_dim, interleaved)
     if norm:
         ladder.check_against_reference(
-            op, lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(q, k, qw, kw_, cos, sin, eps=1e-6, **ref_kw),
-            (q, k, qw, kw_, positions), dtype=dtype, rand=rand, names=["q", "k"],
+            op,
+            lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(q, k, qw, kw_, cos, sin, eps=1e-6, **ref_kw),
+            (q, k, qw, kw_, positions),
+            dtype=dtype,
+            rand=rand,
+            names=["q", "k"],
             **(dict(rtol=1e-4, atol=1e-3) if dtype == F32 else {}),
         )
     else:
         ladder.check_against_reference(
-            op, lambda q, k, p: reference.apply_rotary_reference(q, k, cos, sin, **ref_kw),
-            (q, k, positions), dtype=dtype, rand=rand, rtol=1e-4, atol=1e-4, names=["q", "k"],
+            op,
+            lambda q, k, p: reference.apply_rotary_reference(q, k, cos, sin, **ref_kw),
+            (q, k, positions),
+            dtype=dtype,
+            rand=rand,
+            rtol=1e-4,
+            atol=1e-4,
+            names=["q", "k"],
         )
     assert seen and {(s.mode, s.packing) for s in seen} == {(mode, packing)}, f"layouts reached: {seen}"
 
@@ -396,22 +486,40 @@ def test_positions_layouts_and_cos_sin_packing(rand, monkeypatch, case):
 def test_positions_layouts_compile_for_tpu(monkeypatch, generation):
     """Rung 3 for every positions layout and cos/sin packing (row transposes, lane selects, packed rows), each at
     its forced block, on every generation."""
-    for _, layout, batch, seq, rows, head_dim, rotary_dim, interleaved, norm, dtype, ts, mode, packing in \
-            POSITION_LAYOUTS:
+    for (
+        _,
+        layout,
+        batch,
+        seq,
+        rows,
+        head_dim,
+        rotary_dim,
+        interleaved,
+        norm,
+        dtype,
+        ts,
+        mode,
+        packing,
+    ) in POSITION_LAYOUTS:
         seen = _force_positions_blocks(monkeypatch, ts)
         q_shape, k_shape = _shapes(layout, batch, seq, 4, 2, head_dim)
         args = [(q_shape, dtype), (k_shape, dtype)] + ([((head_dim,), F32)] * 2 if norm else [])
         args.append(((rows, seq) if seq > 1 else (rows, 1), jnp.int32))
-        ladder.compile_for_tpu(_position_layout_op(norm, layout, rotary_dim, interleaved), generation, *args,
-                               label=f"positions {mode}/{packing}")
+        ladder.compile_for_tpu(
+            _position_layout_op(norm, layout, rotary_dim, interleaved),
+            generation,
+            *args,
+            label=f"positions {mode}/{packing}",
+        )
         assert {(s.mode, s.packing) for s in seen} == {(mode, packing)}, f"layouts reached: {seen}"
         monkeypatch.undo()
 
 
 # ------------------------------------------------------------------------------------------------------ bad input
 def _base(r):
-    return dict(q=r.normal((2, 4, 8, 128)), k=r.normal((2, 2, 8, 128)), cos=r.normal((1, 8, 128)),
-                sin=r.normal((1, 8, 128)))
+    return dict(
+        q=r.normal((2, 4, 8, 128)), k=r.normal((2, 2, 8, 128)), cos=r.normal((1, 8, 128)), sin=r.normal((1, 8, 128))
+    )
 
 
 BAD_INPUTS = [
@@ -422,15 +530,31 @@ BAD_INPUTS = [
     ("k dtype", lambda r: dict(k=r.normal((2, 2, 8, 128), BF16)), TypeError, "k: expected dtype"),
     ("k seq", lambda r: dict(k=r.normal((2, 2, 9, 128))), ValueError, "k: expected the batch, seq and head_dim of q"),
     ("k head_dim", lambda r: dict(k=r.normal((2, 2, 8, 64))), ValueError, "k: expected the batch, seq and head_dim"),
-    ("odd rotary dim", lambda r: dict(cos=r.normal((1, 8, 65)), sin=r.normal((1, 8, 65))), ValueError,
-     "rotary_dim (cos.shape[-1]): expected an even number > 0"),
-    ("rotary_dim > head_dim", lambda r: dict(cos=r.normal((1, 8, 256)), sin=r.normal((1, 8, 256))), ValueError,
-     "rotary_dim (cos.shape[-1]): expected at most head_dim = 128, got 256"),
+    (
+        "odd rotary dim",
+        lambda r: dict(cos=r.normal((1, 8, 65)), sin=r.normal((1, 8, 65))),
+        ValueError,
+        "rotary_dim (cos.shape[-1]): expected an even number > 0",
+    ),
+    (
+        "rotary_dim > head_dim",
+        lambda r: dict(cos=r.normal((1, 8, 256)), sin=r.normal((1, 8, 256))),
+        ValueError,
+        "rotary_dim (cos.shape[-1]): expected at most head_dim = 128, got 256",
+    ),
     ("rotary_dim != cos", lambda r: dict(rotary_dim=64), ValueError, "rotary_dim: expected the width of cos and sin"),
-    ("cos seq mismatch", lambda r: dict(cos=r.normal((1, 7, 128)), sin=r.normal((1, 7, 128))), ValueError,
-     "cos: expected shape (2 or 1, 8, rotary_dim)"),
-    ("cos batch mismatch", lambda r: dict(cos=r.normal((3, 8, 128)), sin=r.normal((3, 8, 128))), ValueError,
-     "cos: expected shape (2 or 1, 8, rotary_dim)"),
+    (
+        "cos seq mismatch",
+        lambda r: dict(cos=r.normal((1, 7, 128)), sin=r.normal((1, 7, 128))),
+        ValueError,
+        "cos: expected shape (2 or 1, 8, rotary_dim)",
+    ),
+    (
+        "cos batch mismatch",
+        lambda r: dict(cos=r.normal((3, 8, 128)), sin=r.normal((3, 8, 128))),
+        ValueError,
+        "cos: expected shape (2 or 1, 8, rotary_dim)",
+    ),
     ("cos rank", lambda r: dict(cos=r.normal((8, 128))), ValueError, "cos: expected 3 dimensions"),
     ("sin shape", lambda r: dict(sin=r.normal((1, 8, 64))), ValueError, "sin: expected the shape of cos (1, 8, 128)"),
     ("sin dtype", lambda r: dict(sin=r.normal((1, 8, 128), BF16)), TypeError, "sin: expected dtype"),
@@ -470,23 +594,47 @@ def test_bad_norm_input_is_a_clear_error(rand, case):
 
 
 BAD_POSITION_INPUTS = [
-    ("positions beyond float32's exact range", lambda r: dict(positions=jnp.full((2, 8), 1 << 24, jnp.int32)),
-     ValueError, "positions: expected values in [0, 16777216)"),
-    ("negative positions", lambda r: dict(positions=jnp.full((1, 8), -1, jnp.int32)), ValueError,
-     "positions: expected values in [0, 16777216)"),
+    (
+        "positions beyond float32's exact range",
+        lambda r: dict(positions=jnp.full((2, 8), 1 << 24, jnp.int32)),
+        ValueError,
+        "positions: expected values in [0, 16777216)",
+    ),
+    (
+        "negative positions",
+        lambda r: dict(positions=jnp.full((1, 8), -1, jnp.int32)),
+        ValueError,
+        "positions: expected values in [0, 16777216)",
+    ),
     ("positions float", lambda r: dict(positions=r.normal((2, 8))), TypeError, "positions: expected dtype in (int32)"),
-    ("positions shape", lambda r: dict(positions=r.integers(0, 9, (2, 9))), ValueError,
-     "positions: expected shape (2 or 1, 8)"),
+    (
+        "positions shape",
+        lambda r: dict(positions=r.integers(0, 9, (2, 9))),
+        ValueError,
+        "positions: expected shape (2 or 1, 8)",
+    ),
     ("odd rotary_dim", lambda r: dict(rotary_dim=63), ValueError, "rotary_dim: expected an even number > 0"),
     ("rotary_dim > head_dim", lambda r: dict(rotary_dim=130), ValueError, "rotary_dim: expected at most head_dim"),
     ("theta", lambda r: dict(theta=float("nan")), ValueError, "theta: expected a finite number"),
     ("scaling type", lambda r: dict(scaling={"rope_type": "longrope"}), ValueError, "scaling['rope_type']"),
-    ("scaling missing key", lambda r: dict(scaling={"rope_type": "llama3", "factor": 8.0}), ValueError,
-     "scaling: rope_type 'llama3' needs"),
-    ("scaling unknown key", lambda r: dict(scaling={"rope_type": "linear", "factor": 2.0, "beta": 1}), ValueError,
-     "unexpected key(s) ['beta']"),
-    ("scaling factor", lambda r: dict(scaling={"rope_type": "linear", "factor": -2.0}), ValueError,
-     "scaling['factor']: expected a number > 0"),
+    (
+        "scaling missing key",
+        lambda r: dict(scaling={"rope_type": "llama3", "factor": 8.0}),
+        ValueError,
+        "scaling: rope_type 'llama3' needs",
+    ),
+    (
+        "scaling unknown key",
+        lambda r: dict(scaling={"rope_type": "linear", "factor": 2.0, "beta": 1}),
+        ValueError,
+        "unexpected key(s) ['beta']",
+    ),
+    (
+        "scaling factor",
+        lambda r: dict(scaling={"rope_type": "linear", "factor": -2.0}),
+        ValueError,
+        "scaling['factor']: expected a number > 0",
+    ),
 ]
 
 
@@ -519,11 +667,13 @@ def test_export_for_tpu():
     ladder.export_for_tpu(api.apply_rotary_from_positions, q, k, pos, theta=1e6)
     # Shared positions rows, read lane-major: a decode batch (row select) and a prefill (128-token row blocks).
     dq, dk = jax.ShapeDtypeStruct((256, 32, 1, 128), BF16), jax.ShapeDtypeStruct((256, 4, 1, 128), BF16)
-    ladder.export_for_tpu(api.rms_norm_rope_from_positions, dq, dk, w, w, jax.ShapeDtypeStruct((256, 1), jnp.int32),
-                          theta=1e6)
+    ladder.export_for_tpu(
+        api.rms_norm_rope_from_positions, dq, dk, w, w, jax.ShapeDtypeStruct((256, 1), jnp.int32), theta=1e6
+    )
     pq, pk = jax.ShapeDtypeStruct((1, 32, 2048, 128), BF16), jax.ShapeDtypeStruct((1, 4, 2048, 128), BF16)
-    ladder.export_for_tpu(api.rms_norm_rope_from_positions, pq, pk, w, w, jax.ShapeDtypeStruct((1, 2048), jnp.int32),
-                          theta=1e6)
+    ladder.export_for_tpu(
+        api.rms_norm_rope_from_positions, pq, pk, w, w, jax.ShapeDtypeStruct((1, 2048), jnp.int32), theta=1e6
+    )
     grad = jax.grad(lambda q, k, w, c: ladder.vjp_loss(api.rms_norm_rope(q, k, w, w, c, c)), argnums=(0, 1, 2))
     ladder.export_for_tpu(grad, q, k, w, cos)
 
@@ -555,27 +705,54 @@ def test_compiles_for_tpu_at_benchmark_shapes(generation, model):
             ladder.compile_for_tpu(api.rms_norm_rope, generation, q, k, w, w, table, table, label="rms_norm_rope")
             ladder.compile_for_tpu(
                 lambda q, k, w, p: api.rms_norm_rope_from_positions(q, k, w, w, p, theta=1e6, rotary_dim=rotary_dim),
-                generation, q, k, w, pos, label="rms_norm_rope_from_positions",
+                generation,
+                q,
+                k,
+                w,
+                pos,
+                label="rms_norm_rope_from_positions",
             )
 
 
 @pytest.mark.parametrize("generation", ["v6e"])
 def test_compiles_for_tpu_other_variants(generation):
     """Layouts, dtypes and conventions beyond the benchmark's: bshd, f32, interleaved, padded partial rotary,
-    head_dim 64, the backward and yarn from positions. (The gradient of the fused op is exported in test_export_for_tpu.)"""
+    head_dim 64, the backward and yarn from positions.
+
+    (The gradient of the fused op is exported in test_export_for_tpu.)"""
     bshd_q, bshd_k = ((4, 512, 32, 128), BF16), ((4, 512, 4, 128), BF16)
     table = ((4, 512, 128), F32)
-    ladder.compile_for_tpu(functools_partial(api.apply_rotary, layout="bshd", interleaved=True), generation,
-                           bshd_q, bshd_k, table, table, label="apply_rotary_bshd_interleaved")
+    ladder.compile_for_tpu(
+        functools_partial(api.apply_rotary, layout="bshd", interleaved=True),
+        generation,
+        bshd_q,
+        bshd_k,
+        table,
+        table,
+        label="apply_rotary_bshd_interleaved",
+    )
     q64, k64, t64 = ((2, 16, 256, 64), F32), ((2, 16, 256, 64), F32), ((1, 256, 32), F32)
     ladder.compile_for_tpu(api.apply_rotary, generation, q64, k64, t64, t64, label="apply_rotary_d64_partial")
-    ladder.compile_for_tpu(api.apply_rotary_backward, generation, bshd_q, bshd_k, table, table,
-                           label="apply_rotary_backward", layout="bshd")
-    q, k, t, w = ((8, 32, 256, 128), BF16), ((8, 4, 256, 128), BF16), ((1, 256, 128), BF16), ((128,), BF16)
+    ladder.compile_for_tpu(
+        api.apply_rotary_backward,
+        generation,
+        bshd_q,
+        bshd_k,
+        table,
+        table,
+        label="apply_rotary_backward",
+        layout="bshd",
+    )
+    q, k = ((8, 32, 256, 128), BF16), ((8, 4, 256, 128), BF16)
     ladder.compile_for_tpu(
         lambda q, k, p: api.apply_rotary_from_positions(
-            q, k, p, theta=5e5, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}),
-        generation, q, k, ((8, 256), jnp.int32), label="apply_rotary_from_positions_yarn",
+            q, k, p, theta=5e5, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+        ),
+        generation,
+        q,
+        k,
+        ((8, 256), jnp.int32),
+        label="apply_rotary_from_positions_yarn",
     )
 
 
@@ -590,8 +767,15 @@ def test_tuning_follows_the_traced_generation():
         with jax.default_device(ladder.tpu_device(generation)):
             info = api.chip.current_tpu_info()
         blocks[generation] = tuning.choose_blocks(
-            batch=1, seq=32768, heads=(32, 4), head_dim=128, dtype=BF16, table_width=128, table_dtypes=(BF16, BF16),
-            seq_major=False, info=info,
+            batch=1,
+            seq=32768,
+            heads=(32, 4),
+            head_dim=128,
+            dtype=BF16,
+            table_width=128,
+            table_dtypes=(BF16, BF16),
+            seq_major=False,
+            info=info,
         ).block_seq
     assert blocks["v5e"] < blocks["v6e"], blocks
 

@@ -1,11 +1,12 @@
 """Rotary embeddings, torch side: the custom ops (opcheck, fake/meta shapes, torch.compile), autograd against torch's
 own autograd of the formula, torch-side bad input, the inverse frequencies against transformers' rope init functions,
 and the `rotary_pos_emb` kernelize layer in a tiny random Qwen3 model."""
+
+import ladder
 import numpy as np
 import pytest
 import torch
 
-import ladder
 import tpu_kernels
 from tpu_kernels import rotary_ops
 from tpu_kernels._pallas.rotary import frequencies
@@ -32,23 +33,30 @@ def _torch_rope(x, cos, sin, head_axis=1):
 def test_apply_rotary_op_checks(rand):
     q, k = _randn(rand, 2, 4, 8, 128, requires_grad=True), _randn(rand, 2, 2, 8, 128, requires_grad=True)
     cos, sin = _randn(rand, 1, 8, 128, requires_grad=True), _randn(rand, 1, 8, 128)
-    ladder.check_torch_op(rotary_ops.apply_rotary_op, (q, k, cos, sin, False, "bhsd"),
-                          expected_shapes=[(2, 4, 8, 128), (2, 2, 8, 128)])
+    ladder.check_torch_op(
+        rotary_ops.apply_rotary_op, (q, k, cos, sin, False, "bhsd"), expected_shapes=[(2, 4, 8, 128), (2, 2, 8, 128)]
+    )
 
 
 def test_apply_rotary_backward_op_checks(rand):
     gq, gk = _randn(rand, 2, 8, 4, 128), _randn(rand, 2, 8, 1, 128)
     cos, sin = _randn(rand, 2, 8, 64), _randn(rand, 2, 8, 64)
-    ladder.check_torch_op(rotary_ops.apply_rotary_backward_op, (gq, gk, cos, sin, True, "bshd"),
-                          expected_shapes=[(2, 8, 4, 128), (2, 8, 1, 128)])
+    ladder.check_torch_op(
+        rotary_ops.apply_rotary_backward_op,
+        (gq, gk, cos, sin, True, "bshd"),
+        expected_shapes=[(2, 8, 4, 128), (2, 8, 1, 128)],
+    )
 
 
 def test_rms_norm_rope_op_checks(rand):
     q, k = _randn(rand, 1, 2, 8, 128, requires_grad=True), _randn(rand, 1, 1, 8, 128, requires_grad=True)
     qw, kw = _randn(rand, 128, requires_grad=True), _randn(rand, 128)
     cos, sin = _randn(rand, 1, 8, 128), _randn(rand, 1, 8, 128)
-    ladder.check_torch_op(rotary_ops.rms_norm_rope_op, (q, k, qw, kw, cos, sin, 1e-6, 0.0, False, "bhsd"),
-                          expected_shapes=[(1, 2, 8, 128), (1, 1, 8, 128)])
+    ladder.check_torch_op(
+        rotary_ops.rms_norm_rope_op,
+        (q, k, qw, kw, cos, sin, 1e-6, 0.0, False, "bhsd"),
+        expected_shapes=[(1, 2, 8, 128), (1, 1, 8, 128)],
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -59,14 +67,16 @@ def test_torch_apply_rotary_matches_reference(rand, dtype):
     assert out_q.dtype == dtype and out_q.shape == q.shape and out_k.shape == k.shape
     jdtype = ladder.jnp.dtype(str(dtype).removeprefix("torch."))
     for out, x in ((out_q, q), (out_k, k)):
-        ladder.assert_close(out.float().numpy(), _torch_rope(x, cos, sin, head_axis=2).float().numpy(), dtype=jdtype,
-                            context=repr(rand))
+        ladder.assert_close(
+            out.float().numpy(), _torch_rope(x, cos, sin, head_axis=2).float().numpy(), dtype=jdtype, context=repr(rand)
+        )
 
 
 def test_torch_autograd_matches_torch_reference(rand):
     """The fused norm + rope: d q, d k (transpose rotation + RMSNorm backward kernels), d weights, d cos, d sin."""
-    shapes = dict(q=(2, 3, 6, 128), k=(2, 1, 6, 128), q_weight=(128,), k_weight=(128,), cos=(1, 6, 128),
-                  sin=(1, 6, 128))
+    shapes = dict(
+        q=(2, 3, 6, 128), k=(2, 1, 6, 128), q_weight=(128,), k_weight=(128,), cos=(1, 6, 128), sin=(1, 6, 128)
+    )
     inputs = {name: _randn(rand, *shape, requires_grad=True) for name, shape in shapes.items()}
     out_q, out_k = tpu_kernels.rms_norm_rope(*inputs.values(), 1e-6, weight_offset=0.5)
     # Fixed random cotangents, the same for both sides (a loss like sum(sin(out)) makes them depend on the output).
@@ -106,14 +116,18 @@ def test_torch_bad_input(rand):
         tpu_kernels.rms_norm_rope(q, k, _randn(rand, 128), _randn(rand, 64), cos, cos)
     # Meta tensors take the same checks.
     with pytest.raises(ValueError, match="k: expected the batch, seq and head_dim of q"):
-        tpu_kernels.apply_rotary(q.to("meta"), torch.empty(2, 2, 9, 128, device="meta"), cos.to("meta"),
-                                 cos.to("meta"))
+        tpu_kernels.apply_rotary(q.to("meta"), torch.empty(2, 2, 9, 128, device="meta"), cos.to("meta"), cos.to("meta"))
 
 
 # ------------------------------------------------------------------------------------------ cos/sin from positions
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 16}
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def _positions(rand, *shape, high=40000):
@@ -123,8 +137,11 @@ def _positions(rand, *shape, high=40000):
 def test_apply_rotary_from_positions_op_checks(rand):
     q, k = _randn(rand, 2, 4, 8, 128, requires_grad=True), _randn(rand, 2, 2, 8, 128, requires_grad=True)
     scalars = (1e6, 0, *rotary_ops.scaling_to_scalars(YARN))
-    ladder.check_torch_op(rotary_ops.apply_rotary_from_positions_op, (q, k, _positions(rand, 2, 8), *scalars,
-                          False, "bhsd"), expected_shapes=[(2, 4, 8, 128), (2, 2, 8, 128)])
+    ladder.check_torch_op(
+        rotary_ops.apply_rotary_from_positions_op,
+        (q, k, _positions(rand, 2, 8), *scalars, False, "bhsd"),
+        expected_shapes=[(2, 4, 8, 128), (2, 2, 8, 128)],
+    )
 
 
 def test_rms_norm_rope_from_positions_op_checks(rand):
@@ -132,16 +149,28 @@ def test_rms_norm_rope_from_positions_op_checks(rand):
     qw, kw = _randn(rand, 128, requires_grad=True), _randn(rand, 128)
     theta, rotary_dim, *rest = (1e4, 64, *rotary_ops.scaling_to_scalars(None))
     args = (q, k, qw, kw, _positions(rand, 1, 8), theta, 1e-6, 0.0, rotary_dim, *rest, True, "bshd")
-    ladder.check_torch_op(rotary_ops.rms_norm_rope_from_positions_op, args,
-                          expected_shapes=[(1, 8, 2, 128), (1, 8, 1, 128)])
+    ladder.check_torch_op(
+        rotary_ops.rms_norm_rope_from_positions_op, args, expected_shapes=[(1, 8, 2, 128), (1, 8, 1, 128)]
+    )
 
 
 def test_scaling_scalars_round_trip():
     """The rope parameters survive the trip through the ops' scalar arguments."""
-    for scaling in (None, YARN, LLAMA3, {"rope_type": "linear", "factor": 2.0},
-                    {"rope_type": "proportional", "partial_rotary_factor": 0.25},
-                    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
-                     "mscale_all_dim": 0.5, "truncate": False}):
+    for scaling in (
+        None,
+        YARN,
+        LLAMA3,
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "proportional", "partial_rotary_factor": 0.25},
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+            "truncate": False,
+        },
+    ):
         rope_type, *numbers, truncate = rotary_ops.scaling_to_scalars(scaling)
         assert rotary_ops.scaling_from_scalars(rope_type, numbers, truncate) == scaling
 
@@ -152,10 +181,13 @@ def test_torch_from_positions_matches_torch_reference_with_autograd(rand):
     shapes = dict(q=(2, 3, 6, 128), k=(2, 1, 6, 128), q_weight=(128,), k_weight=(128,))
     inputs = {name: _randn(rand, *shape, requires_grad=True) for name, shape in shapes.items()}
     positions = _positions(rand, 2, 6, high=20000)
-    cos, sin = (torch.from_numpy(np.array(t)) for t in rotary_ops.api.rope_cos_sin(
-        positions.numpy(), head_dim=128, theta=5e5, scaling=LLAMA3))
-    out_q, out_k = rotary_ops.rms_norm_rope_from_positions(*inputs.values(), positions, theta=5e5, eps=1e-6,
-                                                           weight_offset=0.5, scaling=LLAMA3)
+    cos, sin = (
+        torch.from_numpy(np.array(t))
+        for t in rotary_ops.api.rope_cos_sin(positions.numpy(), head_dim=128, theta=5e5, scaling=LLAMA3)
+    )
+    out_q, out_k = rotary_ops.rms_norm_rope_from_positions(
+        *inputs.values(), positions, theta=5e5, eps=1e-6, weight_offset=0.5, scaling=LLAMA3
+    )
     d_q, d_k = _randn(rand, *shapes["q"]), _randn(rand, *shapes["k"])  # fixed cotangents, the same for both sides
     grads = torch.autograd.grad((out_q * d_q).sum() + (out_k * d_k).sum(), tuple(inputs.values()))
 
@@ -173,8 +205,12 @@ def test_torch_from_positions_matches_torch_reference_with_autograd(rand):
     q = _randn(rand, 2, 6, 3, 128, dtype=torch.bfloat16)
     out, none = rotary_ops.apply_rotary_from_positions(q, None, positions, theta=5e5, scaling=LLAMA3, layout="bshd")
     assert none is None and out.dtype == torch.bfloat16
-    ladder.assert_close(out.float().numpy(), _torch_rope(q, cos, sin, head_axis=2).float().numpy(),
-                        dtype=ladder.jnp.dtype("bfloat16"), context=repr(rand))
+    ladder.assert_close(
+        out.float().numpy(),
+        _torch_rope(q, cos, sin, head_axis=2).float().numpy(),
+        dtype=ladder.jnp.dtype("bfloat16"),
+        context=repr(rand),
+    )
 
 
 def test_torch_from_positions_bad_input(rand):
@@ -184,11 +220,13 @@ def test_torch_from_positions_bad_input(rand):
     with pytest.raises(TypeError, match="positions: expected dtype"):
         rotary_ops.apply_rotary_from_positions(q, k, torch.zeros(2, 8), theta=1e4)
     with pytest.raises(ValueError, match="scaling: rope_type 'llama3' needs"):
-        rotary_ops.apply_rotary_from_positions(q, k, _positions(rand, 2, 8), theta=1e4,
-                                               scaling={"rope_type": "llama3", "factor": 8.0})
+        rotary_ops.apply_rotary_from_positions(
+            q, k, _positions(rand, 2, 8), theta=1e4, scaling={"rope_type": "llama3", "factor": 8.0}
+        )
     with pytest.raises(ValueError, match=r"k_weight: expected shape \(128,\)"):
-        rotary_ops.rms_norm_rope_from_positions(q, k, _randn(rand, 128), _randn(rand, 64), _positions(rand, 1, 8),
-                                                theta=1e4)
+        rotary_ops.rms_norm_rope_from_positions(
+            q, k, _randn(rand, 128), _randn(rand, 64), _positions(rand, 1, 8), theta=1e4
+        )
 
 
 # ------------------------------------------------------------------------------- frequencies vs transformers
@@ -198,17 +236,42 @@ def _rope_config(rope_parameters, head_dim=128, partial_rotary_factor=None):
     params = {"rope_theta": 5e5, **rope_parameters}
     if partial_rotary_factor is not None:
         params["partial_rotary_factor"] = partial_rotary_factor
-    return LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim, rope_parameters=params,
-                       max_position_embeddings=131072)
+    return LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        rope_parameters=params,
+        max_position_embeddings=131072,
+    )
 
 
 TRANSFORMERS_ROPES = [
     ("linear", {"rope_type": "linear", "factor": 4.0}, None),
-    ("llama3", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}, None),
+    (
+        "llama3",
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        None,
+    ),
     ("yarn", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}, None),
-    ("yarn-mscale", {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
-                     "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2}, None),
+    (
+        "yarn-mscale",
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+            "beta_fast": 16,
+            "beta_slow": 2,
+        },
+        None,
+    ),
     ("yarn-partial", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048}, 0.5),
     ("proportional", {"rope_type": "proportional"}, 0.25),
 ]
@@ -231,9 +294,10 @@ def test_inverse_frequencies_match_transformers(case):
 
 # ------------------------------------------------------------------------------------------- kernelize a model
 def test_layer_passes_kernels_layer_validation():
-    from kernels import use_kernel_forward_from_hub
     from kernels.layer.layer import _validate_layer
     from transformers.models.qwen3 import modeling_qwen3
+
+    from kernels import use_kernel_forward_from_hub
 
     hub_function = use_kernel_forward_from_hub("rotary_pos_emb")(modeling_qwen3.apply_rotary_pos_emb)
     _validate_layer(check_cls=type(hub_function), cls=tpu_kernels.layers.RotaryPosEmb, repo="tpu-kernels")
@@ -245,8 +309,9 @@ def _make_qwen3_rope_kernelizable(monkeypatch):
     `@use_kernelized_func(apply_rotary_pos_emb)` on Qwen3Attention into no-ops unless kernels >= 0.18.2 (not
     released). Apply them the way those decorators would, for this test only: the function becomes a hub function
     module (kernel_layer_name "rotary_pos_emb") that Qwen3Attention calls and registers in its `_kernel_funcs`."""
-    from kernels import use_kernel_forward_from_hub, use_kernelized_func
     from transformers.models.qwen3 import modeling_qwen3
+
+    from kernels import use_kernel_forward_from_hub, use_kernelized_func
 
     original = modeling_qwen3.apply_rotary_pos_emb
     if getattr(original, "kernel_layer_name", None) == "rotary_pos_emb":
@@ -263,8 +328,16 @@ def _tiny_qwen3(seed):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=211, hidden_size=256, intermediate_size=160, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=128, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        vocab_size=211,
+        hidden_size=256,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )
     torch.manual_seed(seed)
@@ -299,9 +372,19 @@ def test_gemma4_with_the_rotary_kernel_gives_the_same_logits(rand, monkeypatch):
     from transformers.models.gemma4 import modeling_gemma4
 
     config = Gemma4TextConfig(
-        vocab_size=211, hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=128, global_head_dim=256, layer_types=["sliding_attention", "full_attention"],
-        sliding_window=8, vocab_size_per_layer_input=211, hidden_size_per_layer_input=16, max_position_embeddings=64,
+        vocab_size=211,
+        hidden_size=128,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        global_head_dim=256,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+        vocab_size_per_layer_input=211,
+        hidden_size_per_layer_input=16,
+        max_position_embeddings=64,
     )
     torch.manual_seed(rand.seed)
     model = modeling_gemma4.Gemma4ForCausalLM(config).eval()

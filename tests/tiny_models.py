@@ -2,6 +2,7 @@
 
 Norm weights are drawn around 1 instead of the all-ones init, so a kernel that ignored them would be caught.
 """
+
 import torch
 
 VOCAB = 211
@@ -19,11 +20,21 @@ def randomize_norm_weights(model, seed):
 def qwen3(seed, **overrides):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**{
-        "vocab_size": VOCAB, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 64,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, **overrides,
-    })
+    config = Qwen3Config(
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": 96,
+            "intermediate_size": 160,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            **overrides,
+        }
+    )
     torch.manual_seed(seed)
     return randomize_norm_weights(Qwen3ForCausalLM(config).eval(), seed)
 
@@ -32,12 +43,24 @@ def qwen3_moe(seed, **overrides):
     """Qwen3-MoE's architecture (SiLU experts, renormalized top-k), 8 experts, top-2, every layer MoE."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(**{
-        "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 192, "moe_intermediate_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 64,
-        "tie_word_embeddings": False, **overrides,
-    })
+    config = Qwen3MoeConfig(
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": 128,
+            "intermediate_size": 192,
+            "moe_intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": False,
+            **overrides,
+        }
+    )
     torch.manual_seed(seed)
     return randomize_norm_weights(Qwen3MoeForCausalLM(config).eval(), seed)
 
@@ -49,12 +72,24 @@ def gemma4(seed, *, moe=False, **overrides):
     from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
     moe_args = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 64}
-    config = Gemma4TextConfig(**{
-        "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 160, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128, "global_head_dim": 256,
-        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
-        "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16, "max_position_embeddings": 64,
-        **(moe_args if moe else {}), **overrides,
-    })
+    config = Gemma4TextConfig(
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": 128,
+            "intermediate_size": 160,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 128,
+            "global_head_dim": 256,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 8,
+            "vocab_size_per_layer_input": VOCAB,
+            "hidden_size_per_layer_input": 16,
+            "max_position_embeddings": 64,
+            **(moe_args if moe else {}),
+            **overrides,
+        }
+    )
     torch.manual_seed(seed)
     return randomize_norm_weights(Gemma4ForCausalLM(config).eval(), seed)

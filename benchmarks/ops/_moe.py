@@ -3,6 +3,7 @@
 Routing: each token picks `top_k` distinct experts uniformly at random (numpy, fixed seed) — not balanced by
 construction, so group sizes vary (and at small batches most experts get no rows) as in real decode.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,11 +23,13 @@ SEED = 0
 BF16 = jnp.bfloat16
 # lax.ragged_dot_general dimension numbers for rhs [G, N, K] (transformers' [E, out, in]), contracting K.
 TRANS_RHS = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-TOKAMAX_MIN_DIM = 128   # tokamax's Mosaic TPU ragged dot needs every non-group dimension >= 128
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+TOKAMAX_MIN_DIM = 128  # tokamax's Mosaic TPU ragged dot needs every non-group dimension >= 128
 
 
 # ----------------------------------------------------------------------------------------------------- routing
+
 
 def tokens_of(shape) -> int:
     """Tokens of a shape: the decode batch, or prefill rows / top_k."""
@@ -42,7 +45,7 @@ def routing(tokens: int, experts: int, top_k: int, seed: int = SEED):
     """(top_k_index int32 [T, k], top_k_weights float32 [T, k] renormalised): uniform random distinct experts."""
     rng = np.random.default_rng(seed)
     index = np.empty((tokens, top_k), np.int32)
-    for start in range(0, tokens, 4096):   # argsort of uniform keys = a uniform random permutation per row
+    for start in range(0, tokens, 4096):  # argsort of uniform keys = a uniform random permutation per row
         stop = min(tokens, start + 4096)
         index[start:stop] = np.argsort(rng.random((stop - start, experts)), axis=1)[:, :top_k]
     weights = rng.random((tokens, top_k)).astype(np.float32) + 0.1
@@ -74,6 +77,7 @@ def experts_touched(shape) -> int:
 
 # ------------------------------------------------------------------------------------------- baselines (pieces)
 
+
 def xla_ragged_dot(lhs, rhs, group_sizes, *, out_dtype):
     """XLA's ragged dot on rhs [G, N, K] (f32 accumulation)."""
     return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, TRANS_RHS, preferred_element_type=out_dtype)
@@ -81,14 +85,15 @@ def xla_ragged_dot(lhs, rhs, group_sizes, *, out_dtype):
 
 def tokamax_ragged_dot(lhs, rhs, group_sizes, *, out_dtype):
     """tokamax's Pallas Mosaic TPU ragged dot on rhs [G, N, K] (imported lazily: benchmarks-only dependency)."""
-    from absl import flags   # tokamax reads absl flags; never let absl parse the benchmark's own command line
+    from absl import flags  # tokamax reads absl flags; never let absl parse the benchmark's own command line
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
     import tokamax
 
-    return tokamax.ragged_dot_general(lhs, rhs, group_sizes, TRANS_RHS, preferred_element_type=out_dtype,
-                                      implementation="mosaic")
+    return tokamax.ragged_dot_general(
+        lhs, rhs, group_sizes, TRANS_RHS, preferred_element_type=out_dtype, implementation="mosaic"
+    )
 
 
 def gated_epilogue(h, activation, out_dtype):
@@ -100,8 +105,10 @@ def gated_epilogue(h, activation, out_dtype):
 def tokamax_unsupported(shape) -> str | None:
     """Why tokamax's ragged dot does not apply to a shape (None when it does)."""
     if rows_of(shape) < TOKAMAX_MIN_DIM:
-        return (f"tokamax's Mosaic TPU ragged dot needs every non-group dimension >= {TOKAMAX_MIN_DIM} "
-                f"(M = tokens x top_k < {TOKAMAX_MIN_DIM})")
+        return (
+            f"tokamax's Mosaic TPU ragged dot needs every non-group dimension >= {TOKAMAX_MIN_DIM} "
+            f"(M = tokens x top_k < {TOKAMAX_MIN_DIM})"
+        )
     return None
 
 
@@ -135,36 +142,59 @@ def custom_targets(rows: list[dict], *, baselines=("tokamax",)) -> list[dict]:
         eff = worst["efficiency"]
         ok = eff is not None and eff >= DECODE_MIN_EFFICIENCY
         need = None if eff is None else worst["roofline"]["us"] / DECODE_MIN_EFFICIENCY
-        detail = ("no modeled time" if eff is None else
-                  f"efficiency {eff:.1%}" + ("" if ok else
-                                            f", {DECODE_MIN_EFFICIENCY - eff:.1%} points short: modeled "
-                                            f"{worst['modeled_kernel']['us']:,.1f} µs vs <= {need:,.1f} µs needed"))
+        detail = (
+            "no modeled time"
+            if eff is None
+            else f"efficiency {eff:.1%}"
+            + (
+                ""
+                if ok
+                else f", {DECODE_MIN_EFFICIENCY - eff:.1%} points short: modeled "
+                f"{worst['modeled_kernel']['us']:,.1f} µs vs <= {need:,.1f} µs needed"
+            )
+        )
         n_short = sum(1 for r in decode if (r["efficiency"] or 0) < DECODE_MIN_EFFICIENCY)
         if n_short:
             detail += f"; {n_short} of {len(decode)} decode shapes short"
-        out.append({"target": f"decode (B <= {DECODE_MAX_BATCH}) >= {DECODE_MIN_EFFICIENCY:.0%} of the HBM roofline "
-                              "(expert weights touched + activations)",
-                    "source": SOURCE, "met": ok, "worst": {"case": _case(worst)}, "detail": detail})
+        out.append(
+            {
+                "target": f"decode (B <= {DECODE_MAX_BATCH}) >= {DECODE_MIN_EFFICIENCY:.0%} of the HBM roofline "
+                "(expert weights touched + activations)",
+                "source": SOURCE,
+                "met": ok,
+                "worst": {"case": _case(worst)},
+                "detail": detail,
+            }
+        )
     prefill = [r for r in rows if r["shape"].get("phase") == "prefill"]
     if prefill:
         worst = min(prefill, key=lambda r: r["mxu_fraction"] if r["mxu_fraction"] is not None else -1.0)
         frac = worst["mxu_fraction"]
         ok = frac is not None and frac >= PREFILL_MIN_MXU
-        cap = None   # an HBM-bound shape: the MXU is at most (flops / peak) / (HBM bytes / bandwidth) busy
+        cap = None  # an HBM-bound shape: the MXU is at most (flops / peak) / (HBM bytes / bandwidth) busy
         if frac is not None and worst["roofline"]["bound"] == "hbm":
             cap = frac * worst["modeled_kernel"]["us"] / worst["roofline"]["us"]
         detail = "no modeled time" if frac is None else f"MXU {frac:.1%} of peak"
         if frac is not None and not ok:
             detail += f", {PREFILL_MIN_MXU - frac:.1%} points short"
             if cap is not None:
-                detail += (f" (HBM-bound shape: even at the HBM roofline the MXU would be at most {cap:.1%} busy; "
-                           f"its efficiency vs the roofline is {worst['efficiency']:.1%})")
+                detail += (
+                    f" (HBM-bound shape: even at the HBM roofline the MXU would be at most {cap:.1%} busy; "
+                    f"its efficiency vs the roofline is {worst['efficiency']:.1%})"
+                )
         compute_bound = [r for r in prefill if r["roofline"]["bound"] == "compute"]
         if compute_bound:
             w2 = min(compute_bound, key=lambda r: r["mxu_fraction"] or -1.0)
             detail += f"; compute-bound prefill shapes: worst MXU {w2['mxu_fraction'] or 0:.1%} ({_case(w2)})"
-        out.append({"target": f"prefill >= {PREFILL_MIN_MXU:.0%} of MXU peak", "source": SOURCE, "met": ok,
-                    "worst": {"case": _case(worst)}, "detail": detail})
+        out.append(
+            {
+                "target": f"prefill >= {PREFILL_MIN_MXU:.0%} of MXU peak",
+                "source": SOURCE,
+                "met": ok,
+                "worst": {"case": _case(worst)},
+                "detail": detail,
+            }
+        )
     for name in baselines:
         comparable = [r for r in rows if name in r.get("speedups", {})]
         if not comparable:
@@ -173,6 +203,13 @@ def custom_targets(rows: list[dict], *, baselines=("tokamax",)) -> list[dict]:
         s = worst["speedups"][name]
         slower = sum(1 for r in comparable if r["speedups"][name] < 1.0)
         detail = f"speedup {s:.2f}x" + (f"; slower at {slower} of {len(comparable)} shapes" if slower else "")
-        out.append({"target": f"at least as fast as {name} wherever it applies", "source": SOURCE, "met": s >= 1.0,
-                    "worst": {"case": _case(worst)}, "detail": detail})
+        out.append(
+            {
+                "target": f"at least as fast as {name} wherever it applies",
+                "source": SOURCE,
+                "met": s >= 1.0,
+                "worst": {"case": _case(worst)},
+                "detail": detail,
+            }
+        )
     return out

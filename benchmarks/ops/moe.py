@@ -6,6 +6,7 @@ experts at random (benchmarks/ops/_moe.py).
 
 Weights in transformers' layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]; bf16.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +19,16 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 
 def kernel_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
-    return _moe.moe_api.experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                        activation=activation, gate_layout="concatenated", weights_transposed=False)
+    return _moe.moe_api.experts_forward(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        activation=activation,
+        gate_layout="concatenated",
+        weights_transposed=False,
+    )
 
 
 def _composed(ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
@@ -32,20 +41,22 @@ def _composed(ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_pro
     x = hidden_states.at[order // top_k].get(mode="promise_in_bounds")
     h = _moe.gated_epilogue(ragged_dot(x, gate_up_proj, group_sizes, out_dtype=F32), activation, hidden_states.dtype)
     y = ragged_dot(h, down_proj, group_sizes, out_dtype=F32)
-    y = (y * top_k_weights.reshape(-1).astype(F32).at[order].get(mode="promise_in_bounds")[:, None])
+    y = y * top_k_weights.reshape(-1).astype(F32).at[order].get(mode="promise_in_bounds")[:, None]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
     per_slot = y.astype(hidden_states.dtype).at[inverse].get(mode="promise_in_bounds")
     return per_slot.reshape(tokens, top_k, hidden).astype(F32).sum(axis=1).astype(hidden_states.dtype)
 
 
 def xla_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
-    return _composed(_moe.xla_ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                     activation)
+    return _composed(
+        _moe.xla_ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation
+    )
 
 
 def tokamax_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
-    return _composed(_moe.tokamax_ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                     activation)
+    return _composed(
+        _moe.tokamax_ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation
+    )
 
 
 def dense_masked_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
@@ -57,10 +68,13 @@ def dense_masked_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj
     num_experts = gate_up_proj.shape[0]
     h = jnp.einsum("th,enh->etn", hidden_states, gate_up_proj, preferred_element_type=F32)
     act = _moe.gated_epilogue(h.reshape(-1, h.shape[-1]), activation, hidden_states.dtype).reshape(
-        num_experts, hidden_states.shape[0], -1)
+        num_experts, hidden_states.shape[0], -1
+    )
     y = jnp.einsum("eti,ehi->eth", act, down_proj, preferred_element_type=F32)
-    coefficient = jnp.sum(jnp.where(top_k_index[None] == jnp.arange(num_experts)[:, None, None],
-                                    top_k_weights[None].astype(F32), 0.0), axis=-1)          # [E, T]
+    coefficient = jnp.sum(
+        jnp.where(top_k_index[None] == jnp.arange(num_experts)[:, None, None], top_k_weights[None].astype(F32), 0.0),
+        axis=-1,
+    )  # [E, T]
     return jnp.einsum("et,eth->th", coefficient, y).astype(hidden_states.dtype)
 
 
@@ -71,8 +85,12 @@ def _weights_specs(s):
 
 def _specs(s):
     t, k = _moe.tokens_of(s), s["top_k"]
-    return (jax.ShapeDtypeStruct((t, s["hidden"]), BF16), jax.ShapeDtypeStruct((t, k), jnp.int32),
-            jax.ShapeDtypeStruct((t, k), F32), *_weights_specs(s))
+    return (
+        jax.ShapeDtypeStruct((t, s["hidden"]), BF16),
+        jax.ShapeDtypeStruct((t, k), jnp.int32),
+        jax.ShapeDtypeStruct((t, k), F32),
+        *_weights_specs(s),
+    )
 
 
 def _model_args(s):
@@ -108,13 +126,24 @@ def _tokamax_unsupported(s):
 
 SUITE = Suite(
     kernel="moe",
-    ops=(Op(
-        name="experts_forward", kernel=kernel_experts, default=xla_experts, specs=_specs, model_args=_model_args,
-        arrays=_arrays, hbm_bytes=_hbm_bytes, mxu_flops=_flops, default_name="XLA ragged_dot",
-        baselines=(Baseline("tokamax", tokamax_experts, _tokamax_unsupported),
-                   Baseline("dense masked", dense_masked_experts)),
-        static=lambda s: {"activation": s["activation"]},
-    ),),
+    ops=(
+        Op(
+            name="experts_forward",
+            kernel=kernel_experts,
+            default=xla_experts,
+            specs=_specs,
+            model_args=_model_args,
+            arrays=_arrays,
+            hbm_bytes=_hbm_bytes,
+            mxu_flops=_flops,
+            default_name="XLA ragged_dot",
+            baselines=(
+                Baseline("tokamax", tokamax_experts, _tokamax_unsupported),
+                Baseline("dense masked", dense_masked_experts),
+            ),
+            static=lambda s: {"activation": s["activation"]},
+        ),
+    ),
     shapes=shapes.MOE,
     quick_shapes=shapes.MOE_QUICK,
     targets=Targets(source=_moe.SOURCE, beats_default=True, custom=_moe.custom_targets),

@@ -6,6 +6,7 @@ layout). gate/up: lhs [M, H] bf16 x [E, 2I, H] -> act(gate) * up [M, I] bf16; th
 in f32 and the epilogue in XLA (neither fuses a gated epilogue). down: [M, I] bf16 x [E, H, I] -> [M, H] f32, as
 experts_forward uses it.
 """
+
 import functools
 
 import jax
@@ -20,8 +21,15 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 
 def kernel_gate_up(lhs, rhs, group_sizes, *, activation):
-    return _moe.ragged_dot_api.ragged_dot(lhs, rhs, group_sizes, rhs_transposed=True, activation=activation,
-                                          gated="concatenated", preferred_element_type=BF16)
+    return _moe.ragged_dot_api.ragged_dot(
+        lhs,
+        rhs,
+        group_sizes,
+        rhs_transposed=True,
+        activation=activation,
+        gated="concatenated",
+        preferred_element_type=BF16,
+    )
 
 
 def xla_gate_up(lhs, rhs, group_sizes, *, activation):
@@ -52,8 +60,11 @@ def _dims(op, s):
 
 def _specs(op, s):
     k, n, _, _ = _dims(op, s)
-    return (jax.ShapeDtypeStruct((_moe.rows_of(s), k), BF16), jax.ShapeDtypeStruct((s["experts"], n, k), BF16),
-            jax.ShapeDtypeStruct((s["experts"],), jnp.int32))
+    return (
+        jax.ShapeDtypeStruct((_moe.rows_of(s), k), BF16),
+        jax.ShapeDtypeStruct((s["experts"], n, k), BF16),
+        jax.ShapeDtypeStruct((s["experts"],), jnp.int32),
+    )
 
 
 def _model_args(op, s):
@@ -88,10 +99,14 @@ def _tokamax_unsupported(s):
 
 def _op(name, kernel, default, tokamax):
     return Op(
-        name=name, kernel=kernel, default=default,
-        specs=functools.partial(_specs, name), model_args=functools.partial(_model_args, name),
+        name=name,
+        kernel=kernel,
+        default=default,
+        specs=functools.partial(_specs, name),
+        model_args=functools.partial(_model_args, name),
         arrays=functools.partial(_arrays, name),
-        hbm_bytes=functools.partial(_hbm_bytes, name), mxu_flops=functools.partial(_flops, name),
+        hbm_bytes=functools.partial(_hbm_bytes, name),
+        mxu_flops=functools.partial(_flops, name),
         default_name="XLA ragged_dot",
         baselines=(Baseline("tokamax", tokamax, _tokamax_unsupported),),
         static=lambda s: {"activation": s["activation"]},
@@ -100,8 +115,10 @@ def _op(name, kernel, default, tokamax):
 
 SUITE = Suite(
     kernel="ragged_dot",
-    ops=(_op("gate_up", kernel_gate_up, xla_gate_up, tokamax_gate_up),
-         _op("down", kernel_down, xla_down, tokamax_down)),
+    ops=(
+        _op("gate_up", kernel_gate_up, xla_gate_up, tokamax_gate_up),
+        _op("down", kernel_down, xla_down, tokamax_down),
+    ),
     shapes=shapes.RAGGED_DOT,
     quick_shapes=shapes.RAGGED_DOT_QUICK,
     targets=Targets(source=_moe.SOURCE, beats_default=True, custom=_moe.custom_targets),

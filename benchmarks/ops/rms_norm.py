@@ -1,4 +1,5 @@
 """RMSNorm and fused residual-add + RMSNorm against the plain JAX path XLA compiles (the references)."""
+
 import jax
 import jax.numpy as jnp
 
@@ -60,7 +61,5 @@ SUITE = Suite(
         ),
     ),
     shapes=shapes.RMS_NORM,
-    targets=Targets(
-        source="issue 3 item 5", min_efficiency=0.85, min_efficiency_from_batch=4096, beats_default=True
-    ),
+    targets=Targets(source="issue 3 item 5", min_efficiency=0.85, min_efficiency_from_batch=4096, beats_default=True),
 )

@@ -12,6 +12,7 @@ trailing three quarters are zero), which is why rotary_dim = head_dim there.
 Targets (issue 5 item 6), on the modeled v6e figures: >= 85 % of the HBM roofline at >= 64 tokens for every op, and
 the fused norm + rope ops >= 1.5x the unfused XLA path at every shape.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,8 +40,10 @@ ROPE = {
 # to 64 tokens are also timed in interpret mode, ~1 s a call); --full models every shape. Gemma 4 at one token is
 # left to --full: launch-bound like Qwen3's.
 QUICK_TOKENS = {
-    ("qwen3-30b-a3b", "decode"): (1, 64, 256), ("qwen3-30b-a3b", "prefill"): (2048,),
-    ("gemma4-sliding", "decode"): (64, 256), ("gemma4-sliding", "prefill"): (2048,),
+    ("qwen3-30b-a3b", "decode"): (1, 64, 256),
+    ("qwen3-30b-a3b", "prefill"): (2048,),
+    ("gemma4-sliding", "decode"): (64, 256),
+    ("gemma4-sliding", "prefill"): (2048,),
 }
 QUICK = tuple(s for s in shapes.ROTARY if s.batch in QUICK_TOKENS.get((s["model"], s["phase"]), ()))
 
@@ -69,7 +72,7 @@ def kernel_rms_norm_rope_from_positions(q, k, q_weight, k_weight, positions, *, 
 def default_rms_norm_rope_from_positions(q, k, q_weight, k_weight, positions, *, model):
     """XLA builds the cos/sin tables from the positions (transformers' rotary embedding), then norm and rope."""
     cos, sin = api.rope_cos_sin(positions, head_dim=q.shape[-1], **ROPE[model])
-    cos, sin = cos.astype(q.dtype), sin.astype(q.dtype)   # transformers rounds its tables to the model dtype
+    cos, sin = cos.astype(q.dtype), sin.astype(q.dtype)  # transformers rounds its tables to the model dtype
     return reference.rms_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps=EPS)
 
 
@@ -82,8 +85,10 @@ def _batch_seq(s):
 def _qk(s):
     b, seq, _ = _batch_seq(s)
     dt = jnp.dtype(s.dtype)
-    return (jax.ShapeDtypeStruct((b, s["q_heads"], seq, s["head_dim"]), dt),
-            jax.ShapeDtypeStruct((b, s["kv_heads"], seq, s["head_dim"]), dt))
+    return (
+        jax.ShapeDtypeStruct((b, s["q_heads"], seq, s["head_dim"]), dt),
+        jax.ShapeDtypeStruct((b, s["kv_heads"], seq, s["head_dim"]), dt),
+    )
 
 
 def _table(s):
@@ -150,8 +155,11 @@ def _target(rows, *, name, key, threshold, fmt, limit, gap_unit=""):
     elif ok:
         detail = f"{key} {fmt(value)}"
     else:
-        detail = (f"{key} {fmt(value)}, {fmt(threshold - value)}{gap_unit} short: modeled {worst['modeled_kernel']['us']:,.2f} µs "
-                  f"vs <= {limit(worst):,.2f} µs needed; {len(short)} of {len(rows)} shapes short")
+        detail = (
+            f"{key} {fmt(value)}, {fmt(threshold - value)}{gap_unit} short: "
+            f"modeled {worst['modeled_kernel']['us']:,.2f} µs "
+            f"vs <= {limit(worst):,.2f} µs needed; {len(short)} of {len(rows)} shapes short"
+        )
     return {"target": name, "source": SOURCE, "met": ok, "worst": {"case": _case(worst)}, "detail": detail}
 
 
@@ -160,16 +168,29 @@ def custom_targets(rows: list[dict]) -> list[dict]:
     out = []
     sel = [r for r in rows if r["batch"] >= MIN_EFFICIENCY_FROM]
     if sel:
-        out.append(_target(
-            sel, name=f"efficiency >= {MIN_EFFICIENCY:.0%} of the HBM roofline at tokens >= {MIN_EFFICIENCY_FROM}",
-            key="efficiency", threshold=MIN_EFFICIENCY, fmt=lambda v: f"{v:.1%}", gap_unit=" points",
-            limit=lambda r: r["roofline"]["us"] / MIN_EFFICIENCY))
+        out.append(
+            _target(
+                sel,
+                name=f"efficiency >= {MIN_EFFICIENCY:.0%} of the HBM roofline at tokens >= {MIN_EFFICIENCY_FROM}",
+                key="efficiency",
+                threshold=MIN_EFFICIENCY,
+                fmt=lambda v: f"{v:.1%}",
+                gap_unit=" points",
+                limit=lambda r: r["roofline"]["us"] / MIN_EFFICIENCY,
+            )
+        )
     fused = [r for r in rows if r["op"] in FUSED_OPS]
     if fused:
-        out.append(_target(
-            fused, name=f"fused norm + rope >= {MIN_FUSED_SPEEDUP}x the unfused XLA path at every shape",
-            key="speedup", threshold=MIN_FUSED_SPEEDUP, fmt=lambda v: f"{v:.2f}x",
-            limit=lambda r: r["modeled_default"]["us"] / MIN_FUSED_SPEEDUP))
+        out.append(
+            _target(
+                fused,
+                name=f"fused norm + rope >= {MIN_FUSED_SPEEDUP}x the unfused XLA path at every shape",
+                key="speedup",
+                threshold=MIN_FUSED_SPEEDUP,
+                fmt=lambda v: f"{v:.2f}x",
+                limit=lambda r: r["modeled_default"]["us"] / MIN_FUSED_SPEEDUP,
+            )
+        )
     return out
 
 
@@ -185,7 +206,7 @@ SUITE = Suite(
             kernel=kernel_apply_rotary,
             default=default_apply_rotary,
             specs=_tables_specs,
-            hbm_bytes=lambda s: _qk_bytes(s) + 2 * _nbytes(_table(s)),   # + cos and sin read once
+            hbm_bytes=lambda s: _qk_bytes(s) + 2 * _nbytes(_table(s)),  # + cos and sin read once
             static=_static,
             default_name="XLA (reference rope)",
         ),

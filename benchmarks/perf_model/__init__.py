@@ -9,9 +9,27 @@ See README.md in this directory for the method, calibration and limitations.
 """
 
 from .chips import GENERATIONS, Chip, get_chip
-from .model import (KernelModel, ProgramModel, XlaOpModel, compile_deviceless, compile_deviceless_many,
-                    model_function, model_functions, xla_op_estimates)
+from .model import (
+    KernelModel,
+    ProgramModel,
+    XlaOpModel,
+    compile_deviceless,
+    compile_deviceless_many,
+    model_function,
+    model_functions,
+    xla_op_estimates,
+)
 
-__all__ = ["GENERATIONS", "Chip", "get_chip", "KernelModel", "ProgramModel", "XlaOpModel",
-           "compile_deviceless",
-           "compile_deviceless_many", "model_function", "model_functions", "xla_op_estimates"]
+__all__ = [
+    "GENERATIONS",
+    "Chip",
+    "get_chip",
+    "KernelModel",
+    "ProgramModel",
+    "XlaOpModel",
+    "compile_deviceless",
+    "compile_deviceless_many",
+    "model_function",
+    "model_functions",
+    "xla_op_estimates",
+]

@@ -23,97 +23,102 @@ import traceback
 
 
 class _AsTextFailed(RuntimeError):
-  """compiled.as_text() failed; the parent retries with XLA's own text dump (XLA_FLAGS=--xla_dump_to)."""
+    """compiled.as_text() failed; the parent retries with XLA's own text dump (XLA_FLAGS=--xla_dump_to)."""
 
 
 def _dumped_hlo():
-  """The optimized HLO text XLA dumped (XLA_FLAGS --xla_dump_to=$PERF_MODEL_XLA_DUMP), or None."""
-  xla_dir = os.environ.get("PERF_MODEL_XLA_DUMP")
-  if not xla_dir or not os.path.isdir(xla_dir):
-    return None
-  names = sorted(n for n in os.listdir(xla_dir) if n.endswith(".after_optimizations.txt"))
-  if not names:
-    return None
-  with open(os.path.join(xla_dir, names[-1])) as f:
-    return f.read()
+    """The optimized HLO text XLA dumped (XLA_FLAGS --xla_dump_to=$PERF_MODEL_XLA_DUMP), or None."""
+    xla_dir = os.environ.get("PERF_MODEL_XLA_DUMP")
+    if not xla_dir or not os.path.isdir(xla_dir):
+        return None
+    names = sorted(n for n in os.listdir(xla_dir) if n.endswith(".after_optimizations.txt"))
+    if not names:
+        return None
+    with open(os.path.join(xla_dir, names[-1])) as f:
+        return f.read()
 
 
 def _compile_one(fn, arg_specs, dev):
-  import jax
+    import jax
 
-  sharding = jax.sharding.SingleDeviceSharding(dev)
+    sharding = jax.sharding.SingleDeviceSharding(dev)
 
-  def to_sds(leaf):
-    if isinstance(leaf, tuple) and len(leaf) == 3 and leaf[0] == "__spec__":
-      return jax.ShapeDtypeStruct(leaf[1], leaf[2], sharding=sharding)
-    return leaf
+    def to_sds(leaf):
+        if isinstance(leaf, tuple) and len(leaf) == 3 and leaf[0] == "__spec__":
+            return jax.ShapeDtypeStruct(leaf[1], leaf[2], sharding=sharding)
+        return leaf
 
-  args = jax.tree.map(to_sds, arg_specs,
-                      is_leaf=lambda x: isinstance(x, tuple) and len(x) == 3 and x[0] == "__spec__")
-  with jax.default_device(dev):
-    compiled = jax.jit(fn).lower(*args).compile()
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # older jax returned a list of dicts
-    cost = cost[0] if cost else {}
-  try:
-    mem = compiled.memory_analysis()
-    mem = {k: getattr(mem, k) for k in dir(mem)
-           if k.endswith("_in_bytes") and isinstance(getattr(mem, k), int)}
-  except Exception:  # noqa: BLE001 - optional information
-    mem = {}
-  hlo_source = "executable"
-  try:
-    hlo = compiled.as_text()
-  except Exception as e:  # noqa: BLE001 - some programs (e.g. with sparsecore async ops) fail to print from proto
-    hlo = _dumped_hlo()
-    hlo_source = "xla_dump"
-    if hlo is None:
-      raise _AsTextFailed(f"{type(e).__name__}: {e}") from e
-  return {
-      "hlo": hlo,
-      "hlo_source": hlo_source,
-      "cost": {k: float(v) for k, v in (cost or {}).items()},
-      "memory": mem,
-      "device_kind": dev.device_kind,
-      "jax_version": jax.__version__,
-  }
+    args = jax.tree.map(
+        to_sds, arg_specs, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 3 and x[0] == "__spec__"
+    )
+    with jax.default_device(dev):
+        compiled = jax.jit(fn).lower(*args).compile()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax returned a list of dicts
+        cost = cost[0] if cost else {}
+    try:
+        mem = compiled.memory_analysis()
+        mem = {k: getattr(mem, k) for k in dir(mem) if k.endswith("_in_bytes") and isinstance(getattr(mem, k), int)}
+    except Exception:  # noqa: BLE001 - optional information
+        mem = {}
+    hlo_source = "executable"
+    try:
+        hlo = compiled.as_text()
+    except Exception as e:  # noqa: BLE001 - some programs (e.g. with sparsecore async ops) fail to print from proto
+        hlo = _dumped_hlo()
+        hlo_source = "xla_dump"
+        if hlo is None:
+            raise _AsTextFailed(f"{type(e).__name__}: {e}") from e
+    return {
+        "hlo": hlo,
+        "hlo_source": hlo_source,
+        "cost": {k: float(v) for k, v in (cost or {}).items()},
+        "memory": mem,
+        "device_kind": dev.device_kind,
+        "jax_version": jax.__version__,
+    }
 
 
 def main(payload_path: str, out_path: str) -> None:
-  with open(payload_path, "rb") as f:
-    sys_path, blob, dump_dir = pickle.load(f)
-  for p in reversed(sys_path):
-    if p not in sys.path:
-      sys.path.insert(0, p)
+    with open(payload_path, "rb") as f:
+        sys_path, blob, dump_dir = pickle.load(f)
+    for p in reversed(sys_path):
+        if p not in sys.path:
+            sys.path.insert(0, p)
 
-  import jax  # noqa: F401
-  from jax.experimental import topologies
+    import jax  # noqa: F401
+    from jax.experimental import topologies
 
-  topology, items = pickle.loads(blob)
-  dev = topologies.get_topology_desc(topology, "tpu").devices[0]
-  out = []
-  for i, (fn, arg_specs) in enumerate(items):
-    try:
-      out.append(_compile_one(fn, arg_specs, dev))
-    except Exception as e:  # noqa: BLE001 - one failing function must not lose the others
-      out.append({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:],
-                  "as_text_failed": isinstance(e, _AsTextFailed)})
-    xla_dir = os.environ.get("PERF_MODEL_XLA_DUMP")
-    if xla_dir and os.path.isdir(xla_dir):
-      for name in os.listdir(xla_dir):
-        path = os.path.join(xla_dir, name)
-        if os.path.isfile(path):
-          os.remove(path)
-    if dump_dir and os.path.isdir(dump_dir):
-      sub = os.path.join(dump_dir, str(i))
-      os.makedirs(sub)
-      for name in os.listdir(dump_dir):
-        path = os.path.join(dump_dir, name)
-        if os.path.isfile(path):
-          os.rename(path, os.path.join(sub, name))
-  with open(out_path, "w") as f:
-    json.dump(out, f)
+    topology, items = pickle.loads(blob)
+    dev = topologies.get_topology_desc(topology, "tpu").devices[0]
+    out = []
+    for i, (fn, arg_specs) in enumerate(items):
+        try:
+            out.append(_compile_one(fn, arg_specs, dev))
+        except Exception as e:  # noqa: BLE001 - one failing function must not lose the others
+            out.append(
+                {
+                    "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc()[-4000:],
+                    "as_text_failed": isinstance(e, _AsTextFailed),
+                }
+            )
+        xla_dir = os.environ.get("PERF_MODEL_XLA_DUMP")
+        if xla_dir and os.path.isdir(xla_dir):
+            for name in os.listdir(xla_dir):
+                path = os.path.join(xla_dir, name)
+                if os.path.isfile(path):
+                    os.remove(path)
+        if dump_dir and os.path.isdir(dump_dir):
+            sub = os.path.join(dump_dir, str(i))
+            os.makedirs(sub)
+            for name in os.listdir(dump_dir):
+                path = os.path.join(dump_dir, name)
+                if os.path.isfile(path):
+                    os.rename(path, os.path.join(sub, name))
+    with open(out_path, "w") as f:
+        json.dump(out, f)
 
 
 if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2])

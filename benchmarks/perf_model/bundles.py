@@ -30,10 +30,8 @@ import dataclasses
 import re
 
 _ADDR_RE = re.compile(r"^\s*(0x[0-9a-fA-F]+|0)\s+(?:(LB|LH|LE|PB|PF|CT):\s*|:\s*)(>*)\s*\{(.*)$")
-_BRANCH_RE = re.compile(
-    r"sbr\.rel\s*(\((!?)%(\w+)\))?\s*target bundleno = (\d+)")
-_EXIT_RE = re.compile(
-    r"scmp\.(ge|gt|lt|le|eq|ne)\.s32\.totalorder\s+%\w+,\s*(-?\d+)\s*/\*\s*loop exit test")
+_BRANCH_RE = re.compile(r"sbr\.rel\s*(\((!?)%(\w+)\))?\s*target bundleno = (\d+)")
+_EXIT_RE = re.compile(r"scmp\.(ge|gt|lt|le|eq|ne)\.s32\.totalorder\s+%\w+,\s*(-?\d+)\s*/\*\s*loop exit test")
 _MXU_RE = re.compile(r"\bvmatmul\.[\w.]*")
 _DMA_RE = re.compile(r"=\s*dma\.(hbm_to_vmem|vmem_to_hbm|vmem_to_vmem|hbm_to_hbm)\b")
 _WINDOW_RE = re.compile(r"window_bounds: \(([\d, ]+)\)")
@@ -44,216 +42,235 @@ DEFAULT_DELAY_SLOTS = 4
 
 @dataclasses.dataclass
 class Bundle:
-  addr: int
-  marker: str            # "", "LB", "PF", ...
-  depth: int             # number of enclosing loops ('>' count)
-  text: str              # instructions (+ comments), continuation lines joined
+    addr: int
+    marker: str  # "", "LB", "PF", ...
+    depth: int  # number of enclosing loops ('>' count)
+    text: str  # instructions (+ comments), continuation lines joined
 
-  @property
-  def empty(self) -> bool:
-    return self.text.strip().startswith("}")
+    @property
+    def empty(self) -> bool:
+        return self.text.strip().startswith("}")
 
-  def branch(self):
-    """(target, predicated) for an sbr.rel in this bundle, else None."""
-    m = _BRANCH_RE.search(self.text)
-    if not m:
-      return None
-    return int(m.group(4)), m.group(1) is not None
+    def branch(self):
+        """(target, predicated) for an sbr.rel in this bundle, else None."""
+        m = _BRANCH_RE.search(self.text)
+        if not m:
+            return None
+        return int(m.group(4)), m.group(1) is not None
 
-  def exit_trip(self):
-    m = _EXIT_RE.search(self.text)
-    if not m:
-      return None
-    op, n = m.group(1), int(m.group(2))
-    return n + 1 if op == "gt" else n
+    def exit_trip(self):
+        m = _EXIT_RE.search(self.text)
+        if not m:
+            return None
+        op, n = m.group(1), int(m.group(2))
+        return n + 1 if op == "gt" else n
 
-  def mxu_ops(self) -> list[str]:
-    return _MXU_RE.findall(self.text)
+    def mxu_ops(self) -> list[str]:
+        return _MXU_RE.findall(self.text)
 
-  def dmas(self) -> list[tuple[str, int | None]]:
-    """(direction, bytes or None) for each DMA started in this bundle."""
-    out = []
-    for part in self.text.split(";;"):
-      m = _DMA_RE.search(part)
-      if not m:
-        continue
-      w, e = _WINDOW_RE.search(part), _ELEM_RE.search(part)
-      nbytes = None
-      if w and e:
-        nbytes = int(e.group(1))
-        for d in w.group(1).split(","):
-          nbytes *= int(d)
-      out.append((m.group(1), nbytes))
-    return out
+    def dmas(self) -> list[tuple[str, int | None]]:
+        """(direction, bytes or None) for each DMA started in this bundle."""
+        out = []
+        for part in self.text.split(";;"):
+            m = _DMA_RE.search(part)
+            if not m:
+                continue
+            w, e = _WINDOW_RE.search(part), _ELEM_RE.search(part)
+            nbytes = None
+            if w and e:
+                nbytes = int(e.group(1))
+                for d in w.group(1).split(","):
+                    nbytes *= int(d)
+            out.append((m.group(1), nbytes))
+        return out
 
 
 def parse_bundles(text: str) -> list[Bundle]:
-  bundles: list[Bundle] = []
-  for line in text.splitlines():
-    m = _ADDR_RE.match(line)
-    if m:
-      bundles.append(Bundle(int(m.group(1), 16), m.group(2) or "", len(m.group(3)), m.group(4)))
-    elif bundles:
-      bundles[-1].text += "\n" + line
-  # Addresses must be dense 0..n-1 for the cycle arithmetic below.
-  for i, b in enumerate(bundles):
-    if b.addr != i:
-      raise ValueError(f"bundle addresses are not dense at index {i} (addr {b.addr:#x})")
-  return bundles
+    bundles: list[Bundle] = []
+    for line in text.splitlines():
+        m = _ADDR_RE.match(line)
+        if m:
+            bundles.append(Bundle(int(m.group(1), 16), m.group(2) or "", len(m.group(3)), m.group(4)))
+        elif bundles:
+            bundles[-1].text += "\n" + line
+    # Addresses must be dense 0..n-1 for the cycle arithmetic below.
+    for i, b in enumerate(bundles):
+        if b.addr != i:
+            raise ValueError(f"bundle addresses are not dense at index {i} (addr {b.addr:#x})")
+    return bundles
 
 
 @dataclasses.dataclass
 class Region:
-  """A forward conditional branch inside the grid loop: the bundles it skips."""
+    """A forward conditional branch inside the grid loop: the bundles it skips."""
 
-  branch_addr: int
-  target: int
-  skipped: int           # bundles not executed when the branch is taken
+    branch_addr: int
+    target: int
+    skipped: int  # bundles not executed when the branch is taken
 
 
 @dataclasses.dataclass
 class KernelSchedule:
-  """Cycle structure of one kernel from its pre-delay (or final) schedule."""
+    """Cycle structure of one kernel from its pre-delay (or final) schedule."""
 
-  total_bundles: int
-  prologue: int                  # bundles before the grid loop
-  epilogue: int                  # bundles after the grid loop
-  body: int                      # grid-loop body bundles (all regions executed, inner loops x trips)
-  trip_count: int                # grid-loop iterations (grid steps + pipeline stages); 1 if not static
-  has_loop: bool
-  trip_count_static: bool        # False: the loop bound is a run-time value (a grid sized from scalar prefetch)
-  delay_slots: int
-  guard: Region | None           # pipeline fill/drain guard
-  conds: list[Region]            # kernel-level conditional regions (pl.when), program order
-  inner_loops: list[tuple[int, int, int]]  # (start, end, trip) of loops nested in the body
-  mxu_ops_body: list[tuple[int, str]]      # (addr, opcode) of vmatmul in the body
-  dmas_body: list[tuple[int, str, int | None]]
-  warnings: list[str]
+    total_bundles: int
+    prologue: int  # bundles before the grid loop
+    epilogue: int  # bundles after the grid loop
+    body: int  # grid-loop body bundles (all regions executed, inner loops x trips)
+    trip_count: int  # grid-loop iterations (grid steps + pipeline stages); 1 if not static
+    has_loop: bool
+    trip_count_static: bool  # False: the loop bound is a run-time value (a grid sized from scalar prefetch)
+    delay_slots: int
+    guard: Region | None  # pipeline fill/drain guard
+    conds: list[Region]  # kernel-level conditional regions (pl.when), program order
+    inner_loops: list[tuple[int, int, int]]  # (start, end, trip) of loops nested in the body
+    mxu_ops_body: list[tuple[int, str]]  # (addr, opcode) of vmatmul in the body
+    dmas_body: list[tuple[int, str, int | None]]
+    warnings: list[str]
 
-  def step_cycles(self, skipped_conds: list[bool] | None = None) -> int:
-    """Cycles of one steady grid step; skipped_conds[i] True = cond region i skipped."""
-    c = self.body
-    if skipped_conds is not None:
-      for r, s in zip(self.conds, skipped_conds):
-        if s:
-          c -= r.skipped
-    return c
+    def step_cycles(self, skipped_conds: list[bool] | None = None) -> int:
+        """Cycles of one steady grid step; skipped_conds[i] True = cond region i skipped."""
+        c = self.body
+        if skipped_conds is not None:
+            for r, s in zip(self.conds, skipped_conds):
+                if s:
+                    c -= r.skipped
+        return c
 
-  def fill_cycles(self) -> int:
-    """Cycles of one pipeline fill/drain iteration (guard taken)."""
-    return self.body - (self.guard.skipped if self.guard else 0)
+    def fill_cycles(self) -> int:
+        """Cycles of one pipeline fill/drain iteration (guard taken)."""
+        return self.body - (self.guard.skipped if self.guard else 0)
 
-  def mxu_ops_in(self, skipped_conds: list[bool] | None = None) -> list[str]:
-    ops = []
-    for addr, op in self.mxu_ops_body:
-      if skipped_conds is not None and any(
-          s and r.branch_addr < addr < r.target for r, s in zip(self.conds, skipped_conds)):
-        continue
-      ops.append(op)
-    return ops
+    def mxu_ops_in(self, skipped_conds: list[bool] | None = None) -> list[str]:
+        ops = []
+        for addr, op in self.mxu_ops_body:
+            if skipped_conds is not None and any(
+                s and r.branch_addr < addr < r.target for r, s in zip(self.conds, skipped_conds)
+            ):
+                continue
+            ops.append(op)
+        return ops
 
 
 def _infer_delay_slots(bundles: list[Bundle], backedge: int) -> int:
-  for j in range(backedge + 1, min(len(bundles), backedge + 12)):
-    if bundles[j].depth == 0 and not bundles[j].empty:
-      return j - backedge - 1
-  return DEFAULT_DELAY_SLOTS
+    for j in range(backedge + 1, min(len(bundles), backedge + 12)):
+        if bundles[j].depth == 0 and not bundles[j].empty:
+            return j - backedge - 1
+    return DEFAULT_DELAY_SLOTS
 
 
 def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
-  """has_grid=False (a pallas_call with no grid): there is no grid loop, every loop is an inner loop of the one
-  step (e.g. scalar fori_loops), counted trip times."""
-  n = len(bundles)
-  warnings: list[str] = []
-  branches = []  # (src, target, predicated)
-  for b in bundles:
-    br = b.branch()
-    if br is not None:
-      branches.append((b.addr, br[0], br[1]))
-  # Outer (grid) loop: the back-edge whose target is the first LB at depth 1.
-  lb = [b.addr for b in bundles if b.marker == "LB" and b.depth == 1]
-  outer = None
-  if lb and has_grid:
-    start = lb[0]
-    backs = [(s, t) for s, t, _ in branches if t == start and s > t]
-    if backs:
-      outer = (start, max(s for s, _ in backs))
-  if outer is None:
-    delay = DEFAULT_DELAY_SLOTS
-    start, end = 0, n  # whole program is one "step"
-    prologue = epilogue = 0
-    trip = 1
-    trip_static = True
-  else:
-    start, back = outer
-    delay = _infer_delay_slots(bundles, back)
-    end = back + 1 + delay
-    prologue, epilogue = start, n - end
-    trip = None
-    for b in bundles[start:end]:
-      if b.depth == 1 and b.exit_trip() is not None:
-        trip = b.exit_trip()
-    # No compare against an immediate: the bound is a register (dynamic grid); the caller supplies the steps.
-    trip_static = trip is not None
-    trip = trip or 1
-  # Inner loops: back-edges strictly inside the body.
-  inner = []
-  for s, t, _ in branches:
-    if start <= t < s < end and (outer is None or (t, s) != (start, outer[1])) and t != start:
-      iend = min(s + 1 + delay, end)
-      itrip = None
-      for b in bundles[t:iend]:
-        if b.exit_trip() is not None:
-          itrip = b.exit_trip()
-      if itrip is None:
-        itrip = 1
-        warnings.append(f"inner loop at {t:#x}: trip count not found, assumed 1")
-      inner.append((t, iend, itrip))
-  # Forward conditional branches inside the body, not inside an inner loop.
-  def in_inner(a):
-    return any(t <= a < e for t, e, _ in inner)
-  fwd = [(s, t) for s, t, _ in branches if start <= s < t <= end and not in_inner(s)]
-  regions = [Region(s, t, max(0, t - (s + 1 + delay))) for s, t in fwd]
-  guard = None
-  if outer is not None and regions:
-    # The guard is the branch that skips most of the body; it need not come first: a block fetched once (a fixed
-    # BlockSpec: norm weights, a table) puts its conditional DMA issue before it. Regions inside it are pl.when
-    # bodies; regions before it run on fill/drain iterations too.
-    largest = max(regions, key=lambda r: r.skipped)
-    others = [r for r in regions if r is not largest]
-    encloses = all(largest.branch_addr < r.branch_addr and r.target <= largest.target for r in others)
-    if largest.skipped > 0.5 * (end - start) or (others and largest is regions[0] and encloses):
-      guard, regions = largest, others
-  body = end - start
-  for t, e, itrip in inner:
-    body += (e - t) * (itrip - 1)
-  mxu = [(b.addr, op) for b in bundles[start:end] for op in b.mxu_ops()]
-  dmas = [(b.addr, d, nb) for b in bundles[start:end] for d, nb in b.dmas()]
-  return KernelSchedule(
-      total_bundles=n, prologue=prologue, epilogue=epilogue, body=body, trip_count=trip,
-      trip_count_static=trip_static, has_loop=outer is not None, delay_slots=delay, guard=guard, conds=regions,
-      inner_loops=inner, mxu_ops_body=mxu, dmas_body=dmas, warnings=warnings)
+    """has_grid=False (a pallas_call with no grid): there is no grid loop, every loop is an inner loop of the one
+    step (e.g. scalar fori_loops), counted trip times."""
+    n = len(bundles)
+    warnings: list[str] = []
+    branches = []  # (src, target, predicated)
+    for b in bundles:
+        br = b.branch()
+        if br is not None:
+            branches.append((b.addr, br[0], br[1]))
+    # Outer (grid) loop: the back-edge whose target is the first LB at depth 1.
+    lb = [b.addr for b in bundles if b.marker == "LB" and b.depth == 1]
+    outer = None
+    if lb and has_grid:
+        start = lb[0]
+        backs = [(s, t) for s, t, _ in branches if t == start and s > t]
+        if backs:
+            outer = (start, max(s for s, _ in backs))
+    if outer is None:
+        delay = DEFAULT_DELAY_SLOTS
+        start, end = 0, n  # whole program is one "step"
+        prologue = epilogue = 0
+        trip = 1
+        trip_static = True
+    else:
+        start, back = outer
+        delay = _infer_delay_slots(bundles, back)
+        end = back + 1 + delay
+        prologue, epilogue = start, n - end
+        trip = None
+        for b in bundles[start:end]:
+            if b.depth == 1 and b.exit_trip() is not None:
+                trip = b.exit_trip()
+        # No compare against an immediate: the bound is a register (dynamic grid); the caller supplies the steps.
+        trip_static = trip is not None
+        trip = trip or 1
+    # Inner loops: back-edges strictly inside the body.
+    inner = []
+    for s, t, _ in branches:
+        if start <= t < s < end and (outer is None or (t, s) != (start, outer[1])) and t != start:
+            iend = min(s + 1 + delay, end)
+            itrip = None
+            for b in bundles[t:iend]:
+                if b.exit_trip() is not None:
+                    itrip = b.exit_trip()
+            if itrip is None:
+                itrip = 1
+                warnings.append(f"inner loop at {t:#x}: trip count not found, assumed 1")
+            inner.append((t, iend, itrip))
+
+    # Forward conditional branches inside the body, not inside an inner loop.
+    def in_inner(a):
+        return any(t <= a < e for t, e, _ in inner)
+
+    fwd = [(s, t) for s, t, _ in branches if start <= s < t <= end and not in_inner(s)]
+    regions = [Region(s, t, max(0, t - (s + 1 + delay))) for s, t in fwd]
+    guard = None
+    if outer is not None and regions:
+        # The guard is the branch that skips most of the body; it need not come first: a block fetched once (a fixed
+        # BlockSpec: norm weights, a table) puts its conditional DMA issue before it. Regions inside it are pl.when
+        # bodies; regions before it run on fill/drain iterations too.
+        largest = max(regions, key=lambda r: r.skipped)
+        others = [r for r in regions if r is not largest]
+        encloses = all(largest.branch_addr < r.branch_addr and r.target <= largest.target for r in others)
+        if largest.skipped > 0.5 * (end - start) or (others and largest is regions[0] and encloses):
+            guard, regions = largest, others
+    body = end - start
+    for t, e, itrip in inner:
+        body += (e - t) * (itrip - 1)
+    mxu = [(b.addr, op) for b in bundles[start:end] for op in b.mxu_ops()]
+    dmas = [(b.addr, d, nb) for b in bundles[start:end] for d, nb in b.dmas()]
+    return KernelSchedule(
+        total_bundles=n,
+        prologue=prologue,
+        epilogue=epilogue,
+        body=body,
+        trip_count=trip,
+        trip_count_static=trip_static,
+        has_loop=outer is not None,
+        delay_slots=delay,
+        guard=guard,
+        conds=regions,
+        inner_loops=inner,
+        mxu_ops_body=mxu,
+        dmas_body=dmas,
+        warnings=warnings,
+    )
 
 
 def final_schedule_summary(text: str) -> dict:
-  """Loop structure of the final (post delay-converter) schedule, for reporting."""
-  bundles = []
-  for line in text.splitlines():
-    m = _ADDR_RE.match(line)
-    if m:
-      bundles.append(Bundle(int(m.group(1), 16), m.group(2) or "", len(m.group(3)), m.group(4)))
-    elif bundles:
-      bundles[-1].text += "\n" + line
-  lb = [b.addr for b in bundles if b.marker == "LB" and b.depth == 1]
-  trip = None
-  last_in_loop = None
-  for b in bundles:
-    if b.depth >= 1:
-      last_in_loop = b.addr
-    if b.depth == 1 and b.exit_trip() is not None:
-      trip = b.exit_trip()
-  body = None
-  if lb and last_in_loop is not None:
-    body = last_in_loop - lb[0] + 1 + DEFAULT_DELAY_SLOTS
-  return {"total_bundles": len(bundles), "loop_body_bundles": body, "trip_count": trip,
-          "prologue_bundles": lb[0] if lb else None}
+    """Loop structure of the final (post delay-converter) schedule, for reporting."""
+    bundles = []
+    for line in text.splitlines():
+        m = _ADDR_RE.match(line)
+        if m:
+            bundles.append(Bundle(int(m.group(1), 16), m.group(2) or "", len(m.group(3)), m.group(4)))
+        elif bundles:
+            bundles[-1].text += "\n" + line
+    lb = [b.addr for b in bundles if b.marker == "LB" and b.depth == 1]
+    trip = None
+    last_in_loop = None
+    for b in bundles:
+        if b.depth >= 1:
+            last_in_loop = b.addr
+        if b.depth == 1 and b.exit_trip() is not None:
+            trip = b.exit_trip()
+    body = None
+    if lb and last_in_loop is not None:
+        body = last_in_loop - lb[0] + 1 + DEFAULT_DELAY_SLOTS
+    return {
+        "total_bundles": len(bundles),
+        "loop_body_bundles": body,
+        "trip_count": trip,
+        "prologue_bundles": lb[0] if lb else None,
+    }

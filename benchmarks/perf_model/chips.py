@@ -37,8 +37,15 @@ _GENERATIONS = {
     "v7x": ("TPU_7X", "tpu7x:2x2x1", 2),
 }
 
-ALIASES = {"v5litepod": "v5e", "v6": "v6e", "trillium": "v6e", "tpu7x": "v7x",
-           "7x": "v7x", "ironwood": "v7x", "v5lite": "v5e"}
+ALIASES = {
+    "v5litepod": "v5e",
+    "v6": "v6e",
+    "trillium": "v6e",
+    "tpu7x": "v7x",
+    "7x": "v7x",
+    "ironwood": "v7x",
+    "v5lite": "v5e",
+}
 
 # Fixed cost charged once per Pallas kernel launch. ASSUMED (no public source found):
 # the model's only free constant; small against every benchmark shape we care about.
@@ -47,62 +54,62 @@ LAUNCH_OVERHEAD_S = 1.0e-6
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-  """Per-TensorCore parameters of one TPU generation (all figures per core)."""
+    """Per-TensorCore parameters of one TPU generation (all figures per core)."""
 
-  gen: str                      # "v5e" | "v6e" | "v7x"
-  topology: str                 # name for jax.experimental.topologies.get_topology_desc
-  clock_hz: float               # derived, see module docstring
-  hbm_bytes_per_s: float        # tpu_info.mem_bw_bytes_per_second
-  bf16_flops_per_s: float       # tpu_info.bf16_ops_per_second
-  vmem_bytes: int               # tpu_info.vmem_capacity_bytes
-  hbm_bytes: int                # tpu_info.hbm_capacity_bytes
-  num_mxus: int                 # tpu_info.num_mxus
-  mxu_size: int                 # tpu_info.mxu_column_size (MXU is mxu_size x mxu_size)
-  mxu_rows_per_cycle: int       # compiler machine model (bundle profile)
-  launch_overhead_s: float = LAUNCH_OVERHEAD_S
+    gen: str  # "v5e" | "v6e" | "v7x"
+    topology: str  # name for jax.experimental.topologies.get_topology_desc
+    clock_hz: float  # derived, see module docstring
+    hbm_bytes_per_s: float  # tpu_info.mem_bw_bytes_per_second
+    bf16_flops_per_s: float  # tpu_info.bf16_ops_per_second
+    vmem_bytes: int  # tpu_info.vmem_capacity_bytes
+    hbm_bytes: int  # tpu_info.hbm_capacity_bytes
+    num_mxus: int  # tpu_info.num_mxus
+    mxu_size: int  # tpu_info.mxu_column_size (MXU is mxu_size x mxu_size)
+    mxu_rows_per_cycle: int  # compiler machine model (bundle profile)
+    launch_overhead_s: float = LAUNCH_OVERHEAD_S
 
-  @property
-  def mxu_flops_per_cycle(self) -> int:
-    return self.num_mxus * self.mxu_size * self.mxu_size * 2 * self.mxu_rows_per_cycle
+    @property
+    def mxu_flops_per_cycle(self) -> int:
+        return self.num_mxus * self.mxu_size * self.mxu_size * 2 * self.mxu_rows_per_cycle
 
-  def cycles_to_s(self, cycles: float) -> float:
-    return cycles / self.clock_hz
+    def cycles_to_s(self, cycles: float) -> float:
+        return cycles / self.clock_hz
 
-  def as_dict(self) -> dict:
-    d = dataclasses.asdict(self)
-    d["mxu_flops_per_cycle"] = self.mxu_flops_per_cycle
-    return d
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["mxu_flops_per_cycle"] = self.mxu_flops_per_cycle
+        return d
 
 
 def canonical_gen(gen: str) -> str:
-  g = gen.lower().strip()
-  g = ALIASES.get(g, g)
-  if g not in _GENERATIONS:
-    raise ValueError(f"gen must be one of {sorted(_GENERATIONS)}, got {gen!r}")
-  return g
+    g = gen.lower().strip()
+    g = ALIASES.get(g, g)
+    if g not in _GENERATIONS:
+        raise ValueError(f"gen must be one of {sorted(_GENERATIONS)}, got {gen!r}")
+    return g
 
 
 @functools.cache
 def get_chip(gen: str) -> Chip:
-  """Chip parameters for `gen` ("v5e", "v6e" or "v7x")."""
-  gen = canonical_gen(gen)
-  from jax.experimental.pallas import tpu as pltpu  # public API
+    """Chip parameters for `gen` ("v5e", "v6e" or "v7x")."""
+    gen = canonical_gen(gen)
+    from jax.experimental.pallas import tpu as pltpu  # public API
 
-  version_name, topology, rows = _GENERATIONS[gen]
-  info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, version_name), 1)
-  flops_per_cycle = info.num_mxus * info.mxu_column_size ** 2 * 2 * rows
-  return Chip(
-      gen=gen,
-      topology=topology,
-      clock_hz=float(info.bf16_ops_per_second) / flops_per_cycle,
-      hbm_bytes_per_s=float(info.mem_bw_bytes_per_second),
-      bf16_flops_per_s=float(info.bf16_ops_per_second),
-      vmem_bytes=int(info.vmem_capacity_bytes),
-      hbm_bytes=int(info.hbm_capacity_bytes),
-      num_mxus=int(info.num_mxus),
-      mxu_size=int(info.mxu_column_size),
-      mxu_rows_per_cycle=rows,
-  )
+    version_name, topology, rows = _GENERATIONS[gen]
+    info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, version_name), 1)
+    flops_per_cycle = info.num_mxus * info.mxu_column_size**2 * 2 * rows
+    return Chip(
+        gen=gen,
+        topology=topology,
+        clock_hz=float(info.bf16_ops_per_second) / flops_per_cycle,
+        hbm_bytes_per_s=float(info.mem_bw_bytes_per_second),
+        bf16_flops_per_s=float(info.bf16_ops_per_second),
+        vmem_bytes=int(info.vmem_capacity_bytes),
+        hbm_bytes=int(info.hbm_capacity_bytes),
+        num_mxus=int(info.num_mxus),
+        mxu_size=int(info.mxu_column_size),
+        mxu_rows_per_cycle=rows,
+    )
 
 
 GENERATIONS = tuple(_GENERATIONS)

@@ -20,9 +20,8 @@ import subprocess
 import sys
 import tempfile
 
-import numpy as np
-
 import jax
+import numpy as np
 
 from . import bundles as B
 from . import chips as C
@@ -41,95 +40,104 @@ DEVICELESS_ENV = {
 # offloaded op carries no cycle estimate (it would count as 0 µs) and its async form cannot be printed back from the
 # executable (compiled.as_text() fails), which drops the estimates of every other XLA op too. The TensorCore form is
 # estimated by XLA like any op: routing work (sorts, gathers, scatters) is charged, not hidden.
-MODELING_LIBTPU_FLAGS = ("--xla_tpu_enable_offloading_gather_to_sparsecore=false "
-                         "--xla_tpu_offload_gather_to_sparsecore=false "
-                         "--xla_tpu_enable_offloading_scatter_to_sparsecore=false")
+MODELING_LIBTPU_FLAGS = (
+    "--xla_tpu_enable_offloading_gather_to_sparsecore=false "
+    "--xla_tpu_offload_gather_to_sparsecore=false "
+    "--xla_tpu_enable_offloading_scatter_to_sparsecore=false"
+)
 
 
 @dataclasses.dataclass
 class KernelModel:
-  """One Pallas (Mosaic) kernel of the program. Times in seconds, all modeled."""
+    """One Pallas (Mosaic) kernel of the program. Times in seconds, all modeled."""
 
-  label: str
-  hlo_name: str
-  kernel_name: str
-  grid: tuple
-  steps: int
-  trip_count: int
-  # schedule (pre-delay bundles = cycles; see bundles.py)
-  prologue_bundles: int
-  epilogue_bundles: int
-  loop_body_bundles: int           # all regions executed
-  step_cycles_min: int
-  step_cycles_max: int
-  step_cycles_mean: float
-  fill_iteration_cycles: int
-  final_bundles: dict              # summary of the post delay-converter schedule
-  mxu_ops_per_step: float          # vmatmul instructions per grid step (mean)
-  mxu_flops: float                 # from vmatmul count x MXU tile (includes padding)
-  dot_flops: float                 # logical dot_general flops of the kernel body
-  dma_instructions_per_iteration: int
-  # traffic
-  hbm_bytes: int
-  hbm_bytes_in: int
-  hbm_bytes_out: int
-  blocks: list
-  # time
-  compute_s: float
-  hbm_s: float
-  modeled_s: float
-  bound: str                       # "compute" or "hbm" (which dominates summed over steps)
-  warnings: list
+    label: str
+    hlo_name: str
+    kernel_name: str
+    grid: tuple
+    steps: int
+    trip_count: int
+    # schedule (pre-delay bundles = cycles; see bundles.py)
+    prologue_bundles: int
+    epilogue_bundles: int
+    loop_body_bundles: int  # all regions executed
+    step_cycles_min: int
+    step_cycles_max: int
+    step_cycles_mean: float
+    fill_iteration_cycles: int
+    final_bundles: dict  # summary of the post delay-converter schedule
+    mxu_ops_per_step: float  # vmatmul instructions per grid step (mean)
+    mxu_flops: float  # from vmatmul count x MXU tile (includes padding)
+    dot_flops: float  # logical dot_general flops of the kernel body
+    dma_instructions_per_iteration: int
+    # traffic
+    hbm_bytes: int
+    hbm_bytes_in: int
+    hbm_bytes_out: int
+    blocks: list
+    # time
+    compute_s: float
+    hbm_s: float
+    modeled_s: float
+    bound: str  # "compute" or "hbm" (which dominates summed over steps)
+    warnings: list
 
 
 @dataclasses.dataclass
 class XlaOpModel:
-  label: str
-  name: str
-  estimated_cycles: int
-  modeled_s: float
+    label: str
+    name: str
+    estimated_cycles: int
+    modeled_s: float
 
 
 @dataclasses.dataclass
 class ProgramModel:
-  label: str                       # e.g. "modeled v6e"
-  gen: str
-  chip: dict
-  modeled_s: float                 # kernels + XLA ops
-  kernels: list
-  xla_ops: list
-  xla_optimal_seconds: float | None   # XLA cost_analysis, covers XLA ops only
-  cost_analysis: dict
-  memory_analysis: dict
-  warnings: list
+    label: str  # e.g. "modeled v6e"
+    gen: str
+    chip: dict
+    modeled_s: float  # kernels + XLA ops
+    kernels: list
+    xla_ops: list
+    xla_optimal_seconds: float | None  # XLA cost_analysis, covers XLA ops only
+    cost_analysis: dict
+    memory_analysis: dict
+    warnings: list
 
-  @property
-  def modeled_us(self) -> float:
-    return self.modeled_s * 1e6
+    @property
+    def modeled_us(self) -> float:
+        return self.modeled_s * 1e6
 
-  def to_dict(self) -> dict:
-    return json.loads(json.dumps(dataclasses.asdict(self), default=_json_default))
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self), default=_json_default))
 
 
 def _json_default(o):
-  if isinstance(o, (np.integer,)):
-    return int(o)
-  if isinstance(o, (np.floating,)):
-    return float(o)
-  if isinstance(o, np.ndarray):
-    return o.tolist()
-  return str(o)
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
 
 
 # --------------------------------------------------------------------------- compile
 
+
 def _dtype_name(dt) -> str:
-  return str(jax.numpy.dtype(dt))
+    return str(jax.numpy.dtype(dt))
 
 
 def _arg_specs(args):
-  return jax.tree.map(lambda x: ("__spec__", tuple(int(d) for d in x.shape), _dtype_name(x.dtype))
-                      if hasattr(x, "shape") and hasattr(x, "dtype") else x, args)
+    return jax.tree.map(
+        lambda x: (
+            ("__spec__", tuple(int(d) for d in x.shape), _dtype_name(x.dtype))
+            if hasattr(x, "shape") and hasattr(x, "dtype")
+            else x
+        ),
+        args,
+    )
 
 
 _COMPILE_CACHE: dict[str, dict] = {}
@@ -139,144 +147,159 @@ _COMPILE_CACHE: dict[str, dict] = {}
 _DUMP_PASS_REGEX = "packed-bundles-post-ra|final_bundles"
 
 
-def compile_deviceless(fn, args, gen: str = "v6e", *, dump: bool = True, keep_dumps: str | None = None,
-                       timeout: float = 900.0) -> tuple[dict, dict[str, str]]:
-  """Compile jax.jit(fn)(*args) for `gen` in a fresh subprocess with no TPU.
+def compile_deviceless(
+    fn, args, gen: str = "v6e", *, dump: bool = True, keep_dumps: str | None = None, timeout: float = 900.0
+) -> tuple[dict, dict[str, str]]:
+    """Compile jax.jit(fn)(*args) for `gen` in a fresh subprocess with no TPU.
 
-  `fn` must be picklable by reference (a module-level function, or a
-  functools.partial of one with picklable arguments). Returns (compile_info,
-  dump_files) where dump_files maps "<hlo name>/<kind>" to file text for each
-  Mosaic kernel (kinds: "pre_delay", "final", "profile").
-  """
-  (result,) = compile_deviceless_many([(fn, args)], gen, dump=dump, keep_dumps=keep_dumps, timeout=timeout)
-  if isinstance(result, Exception):
-    raise result
-  return result
+    `fn` must be picklable by reference (a module-level function, or a
+    functools.partial of one with picklable arguments). Returns (compile_info,
+    dump_files) where dump_files maps "<hlo name>/<kind>" to file text for each
+    Mosaic kernel (kinds: "pre_delay", "final", "profile").
+    """
+    (result,) = compile_deviceless_many([(fn, args)], gen, dump=dump, keep_dumps=keep_dumps, timeout=timeout)
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 def _pickle_item(fn, args):
-  specs = _arg_specs(args)
-  try:
-    pickle.dumps(fn)
-  except Exception as e:  # noqa: BLE001
-    raise TypeError(
-        "perf_model needs `fn` picklable by reference (a module-level function or a "
-        f"functools.partial of one); got {fn!r}: {e}") from e
-  return fn, specs
-
-
-def compile_deviceless_many(items, gen: str = "v6e", *, dump: bool = True, keep_dumps: str | None = None,
-                            timeout: float | None = None, _xla_text_dump: bool = False) -> list:
-  """Compile several (fn, args) for `gen` in ONE fresh subprocess (the subprocess's start, importing jax and
-  loading libtpu, is most of a single compile's wall time). Returns, per item, (compile_info, dump_files) as
-  `compile_deviceless` does, or the Exception that item raised (the others are still compiled). Cached per item.
-  `keep_dumps` copies item i's dumps to `keep_dumps/<i>` (to `keep_dumps` itself for a single item)."""
-  chip = C.get_chip(gen)
-  results: list = [None] * len(items)
-  todo = []  # (index, key, fn, specs)
-  for i, (fn, args) in enumerate(items):
+    specs = _arg_specs(args)
     try:
-      fn, specs = _pickle_item(fn, args)
-      key = hashlib.sha256(pickle.dumps((fn, specs, chip.topology)) + repr(dump).encode()).hexdigest()
+        pickle.dumps(fn)
     except Exception as e:  # noqa: BLE001
-      results[i] = e
-      continue
-    if key in _COMPILE_CACHE and keep_dumps is None:
-      results[i] = _COMPILE_CACHE[key]
-    else:
-      todo.append((i, key, fn, specs))
-  if not todo:
+        raise TypeError(
+            "perf_model needs `fn` picklable by reference (a module-level function or a "
+            f"functools.partial of one); got {fn!r}: {e}"
+        ) from e
+    return fn, specs
+
+
+def compile_deviceless_many(
+    items,
+    gen: str = "v6e",
+    *,
+    dump: bool = True,
+    keep_dumps: str | None = None,
+    timeout: float | None = None,
+    _xla_text_dump: bool = False,
+) -> list:
+    """Compile several (fn, args) for `gen` in ONE fresh subprocess (the subprocess's start, importing jax and
+    loading libtpu, is most of a single compile's wall time). Returns, per item, (compile_info, dump_files) as
+    `compile_deviceless` does, or the Exception that item raised (the others are still compiled). Cached per item.
+    `keep_dumps` copies item i's dumps to `keep_dumps/<i>` (to `keep_dumps` itself for a single item)."""
+    chip = C.get_chip(gen)
+    results: list = [None] * len(items)
+    todo = []  # (index, key, fn, specs)
+    for i, (fn, args) in enumerate(items):
+        try:
+            fn, specs = _pickle_item(fn, args)
+            key = hashlib.sha256(pickle.dumps((fn, specs, chip.topology)) + repr(dump).encode()).hexdigest()
+        except Exception as e:  # noqa: BLE001
+            results[i] = e
+            continue
+        if key in _COMPILE_CACHE and keep_dumps is None:
+            results[i] = _COMPILE_CACHE[key]
+        else:
+            todo.append((i, key, fn, specs))
+    if not todo:
+        return results
+    blob = pickle.dumps((chip.topology, [(fn, specs) for _, _, fn, specs in todo]))
+    timeout = timeout if timeout is not None else 300.0 + 120.0 * len(todo)
+    tmp = tempfile.mkdtemp(prefix="perf_model_")
+    try:
+        dump_dir = os.path.join(tmp, "dump")
+        os.makedirs(dump_dir)
+        payload = os.path.join(tmp, "payload.pkl")
+        out_path = os.path.join(tmp, "out.json")
+        with open(payload, "wb") as f:
+            pickle.dump(([p for p in sys.path if p], blob, dump_dir if dump else None), f)
+        env = dict(os.environ)
+        env.update(DEVICELESS_ENV)
+        env.pop("TPU_ACCELERATOR_TYPE", None)  # the topology, not the host, names the chip
+        flags = f"{env.get('LIBTPU_INIT_ARGS', '')} {MODELING_LIBTPU_FLAGS}".strip()
+        if dump:
+            flags = f"{flags} --xla_jf_dump_to={dump_dir} --xla_mosaic_dump_to={dump_dir}".strip()
+            if keep_dumps is None:
+                flags += f" --xla_jf_dump_llo_pass_label_regex={_DUMP_PASS_REGEX}"
+        env["LIBTPU_INIT_ARGS"] = flags
+        if _xla_text_dump:  # compiled.as_text() failed for these programs: read XLA's own text dump instead
+            xla_dir = os.path.join(tmp, "xla")
+            env["PERF_MODEL_XLA_DUMP"] = xla_dir
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={xla_dir} --xla_dump_hlo_as_text".strip()
+        proc = subprocess.run(
+            [sys.executable, _WORKER, payload, out_path], env=env, capture_output=True, text=True, timeout=timeout
+        )
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
+            err = RuntimeError(f"deviceless compile for {gen} failed (rc={proc.returncode}):\n{tail}")
+            for i, *_ in todo:
+                results[i] = err
+            return results
+        with open(out_path) as f:
+            outs = json.load(f)
+        retry = []
+        for j, ((i, key, _, _), info) in enumerate(zip(todo, outs)):
+            if "error" in info and info.get("as_text_failed") and not _xla_text_dump:
+                retry.append(i)
+                continue
+            if "error" in info:
+                results[i] = RuntimeError(
+                    f"deviceless compile for {gen} failed: {info['error']}\n{info.get('traceback', '')}"
+                )
+                continue
+            item_dir = os.path.join(dump_dir, str(j))
+            files = _collect_kernel_dumps(item_dir, info["hlo"]) if dump else {}
+            if keep_dumps:
+                dest = keep_dumps if len(items) == 1 else os.path.join(keep_dumps, str(i))
+                shutil.copytree(item_dir, dest, dirs_exist_ok=True)
+            _COMPILE_CACHE[key] = (info, files)
+            results[i] = (info, files)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if retry:
+        again = compile_deviceless_many([items[i] for i in retry], gen, dump=dump, timeout=timeout, _xla_text_dump=True)
+        for i, r in zip(retry, again):
+            results[i] = r
     return results
-  blob = pickle.dumps((chip.topology, [(fn, specs) for _, _, fn, specs in todo]))
-  timeout = timeout if timeout is not None else 300.0 + 120.0 * len(todo)
-  tmp = tempfile.mkdtemp(prefix="perf_model_")
-  try:
-    dump_dir = os.path.join(tmp, "dump")
-    os.makedirs(dump_dir)
-    payload = os.path.join(tmp, "payload.pkl")
-    out_path = os.path.join(tmp, "out.json")
-    with open(payload, "wb") as f:
-      pickle.dump(([p for p in sys.path if p], blob, dump_dir if dump else None), f)
-    env = dict(os.environ)
-    env.update(DEVICELESS_ENV)
-    env.pop("TPU_ACCELERATOR_TYPE", None)  # the topology, not the host, names the chip
-    flags = f'{env.get("LIBTPU_INIT_ARGS", "")} {MODELING_LIBTPU_FLAGS}'.strip()
-    if dump:
-      flags = f"{flags} --xla_jf_dump_to={dump_dir} --xla_mosaic_dump_to={dump_dir}".strip()
-      if keep_dumps is None:
-        flags += f" --xla_jf_dump_llo_pass_label_regex={_DUMP_PASS_REGEX}"
-    env["LIBTPU_INIT_ARGS"] = flags
-    if _xla_text_dump:  # compiled.as_text() failed for these programs: read XLA's own text dump instead
-      xla_dir = os.path.join(tmp, "xla")
-      env["PERF_MODEL_XLA_DUMP"] = xla_dir
-      env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={xla_dir} --xla_dump_hlo_as_text".strip()
-    proc = subprocess.run([sys.executable, _WORKER, payload, out_path], env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 or not os.path.exists(out_path):
-      tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
-      err = RuntimeError(f"deviceless compile for {gen} failed (rc={proc.returncode}):\n{tail}")
-      for i, *_ in todo:
-        results[i] = err
-      return results
-    with open(out_path) as f:
-      outs = json.load(f)
-    retry = []
-    for j, ((i, key, _, _), info) in enumerate(zip(todo, outs)):
-      if "error" in info and info.get("as_text_failed") and not _xla_text_dump:
-        retry.append(i)
-        continue
-      if "error" in info:
-        results[i] = RuntimeError(f"deviceless compile for {gen} failed: {info['error']}\n"
-                                  f"{info.get('traceback', '')}")
-        continue
-      item_dir = os.path.join(dump_dir, str(j))
-      files = _collect_kernel_dumps(item_dir, info["hlo"]) if dump else {}
-      if keep_dumps:
-        dest = keep_dumps if len(items) == 1 else os.path.join(keep_dumps, str(i))
-        shutil.copytree(item_dir, dest, dirs_exist_ok=True)
-      _COMPILE_CACHE[key] = (info, files)
-      results[i] = (info, files)
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-  if retry:
-    again = compile_deviceless_many([items[i] for i in retry], gen, dump=dump, timeout=timeout,
-                                    _xla_text_dump=True)
-    for i, r in zip(retry, again):
-      results[i] = r
-  return results
 
 
 _CUSTOM_CALL_RE = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=.*custom_call_target=\"tpu_custom_call\"", re.M)
 
 
 def _mosaic_calls(hlo: str) -> list[tuple[str, str]]:
-  """(hlo instruction name, decoded body text) of every Mosaic custom call, in order."""
-  out = []
-  for m in _CUSTOM_CALL_RE.finditer(hlo):
-    line = hlo[m.start():hlo.find("\n", m.start())]
-    body = ""
-    bm = re.search(r'"body":"([^"]+)"', line)
-    if bm:
-      try:
-        body = base64.b64decode(bm.group(1)).decode("latin-1")
-      except Exception:  # noqa: BLE001
+    """(hlo instruction name, decoded body text) of every Mosaic custom call, in order."""
+    out = []
+    for m in _CUSTOM_CALL_RE.finditer(hlo):
+        line = hlo[m.start() : hlo.find("\n", m.start())]
         body = ""
-    out.append((m.group(1), body))
-  return out
+        bm = re.search(r'"body":"([^"]+)"', line)
+        if bm:
+            try:
+                body = base64.b64decode(bm.group(1)).decode("latin-1")
+            except Exception:  # noqa: BLE001
+                body = ""
+        out.append((m.group(1), body))
+    return out
 
 
 def _collect_kernel_dumps(dump_dir: str, hlo: str) -> dict[str, str]:
-  files = {}
-  for name, _ in _mosaic_calls(hlo):
-    for kind, suffix in (("pre_delay", "packed-bundles-post-ra.txt"),
-                         ("final", "final_bundles.txt"),
-                         ("profile", "hlo-static-bundle-profile.txt")):
-      cands = [f for f in glob.glob(os.path.join(dump_dir, f"*-{glob.escape(name)}-*{suffix}"))
-               if "schedule-analysis" not in os.path.basename(f)]
-      if cands:
-        with open(sorted(cands)[-1]) as fh:
-          files[f"{name}/{kind}"] = fh.read()
-  return files
+    files = {}
+    for name, _ in _mosaic_calls(hlo):
+        for kind, suffix in (
+            ("pre_delay", "packed-bundles-post-ra.txt"),
+            ("final", "final_bundles.txt"),
+            ("profile", "hlo-static-bundle-profile.txt"),
+        ):
+            cands = [
+                f
+                for f in glob.glob(os.path.join(dump_dir, f"*-{glob.escape(name)}-*{suffix}"))
+                if "schedule-analysis" not in os.path.basename(f)
+            ]
+            if cands:
+                with open(sorted(cands)[-1]) as fh:
+                    files[f"{name}/{kind}"] = fh.read()
+    return files
 
 
 _NO_ESTIMATE_CYCLES = 2**62
@@ -284,223 +307,264 @@ _EST_RE = re.compile(r'^\s*(?:ROOT\s+)?%(\S+)\s*=.*"estimated_cycles":"(\d+)"', 
 
 
 def xla_op_estimates(hlo: str) -> list[tuple[str, int]]:
-  """(instruction, estimated_cycles) for each XLA op that carries an estimate."""
-  return [(m.group(1), int(m.group(2))) for m in _EST_RE.finditer(hlo)]
+    """(instruction, estimated_cycles) for each XLA op that carries an estimate."""
+    return [(m.group(1), int(m.group(2))) for m in _EST_RE.finditer(hlo)]
 
 
 # --------------------------------------------------------------------------- model
 
+
 def _mxu_macs(op: str, mxu: int) -> int:
-  rows = 8
-  if ".bf16" in op or "packed" in op:
-    rows = 16
-  if any(t in op for t in (".s8", ".u8", ".f8", "e4m3", "e5m2", "x8")):
-    rows = 32
-  return rows * mxu * mxu
+    rows = 8
+    if ".bf16" in op or "packed" in op:
+        rows = 16
+    if any(t in op for t in (".s8", ".u8", ".f8", "e4m3", "e5m2", "x8")):
+        rows = 32
+    return rows * mxu * mxu
 
 
-def _model_kernel(chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallInfo | None,
-                  label: str) -> KernelModel:
-  warnings: list[str] = []
-  pre = files.get(f"{hlo_name}/pre_delay")
-  final = files.get(f"{hlo_name}/final")
-  if pre is None and final is None:
-    raise RuntimeError(f"no bundle dump found for kernel {hlo_name}")
-  if pre is None:
-    warnings.append("pre-delay schedule missing: using final bundles (undercounts MXU waits)")
-    pre = final
-  sched = B.analyze(B.parse_bundles(pre), has_grid=info is None or bool(info.grid))
-  warnings += sched.warnings
-  final_sum = B.final_schedule_summary(final) if final else {}
+def _model_kernel(chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallInfo | None, label: str) -> KernelModel:
+    warnings: list[str] = []
+    pre = files.get(f"{hlo_name}/pre_delay")
+    final = files.get(f"{hlo_name}/final")
+    if pre is None and final is None:
+        raise RuntimeError(f"no bundle dump found for kernel {hlo_name}")
+    if pre is None:
+        warnings.append("pre-delay schedule missing: using final bundles (undercounts MXU waits)")
+        pre = final
+    sched = B.analyze(B.parse_bundles(pre), has_grid=info is None or bool(info.grid))
+    warnings += sched.warnings
+    final_sum = B.final_schedule_summary(final) if final else {}
 
-  trip = sched.trip_count
-  if sched.has_loop and not sched.trip_count_static and info is None:
-    warnings.append("grid loop bound not found in the schedule and no pallas_call to take it from: trip count assumed 1")
-  if info is not None:
-    steps = info.steps
-    if sched.has_loop and not sched.trip_count_static:
-      trip = steps + 2  # dynamic grid: the steps come from the concrete inputs, plus the pipeline's two stages
-    in_b, out_b = info.in_bytes.astype(np.float64), info.out_bytes.astype(np.float64)
-    conds = info.cond_taken
-    if sched.has_loop and trip - steps not in (0, 1, 2, 3):
-      warnings.append(f"grid has {steps} steps but the loop runs {trip} iterations")
-    if len(conds) == len(sched.conds):
-      skip = np.zeros((steps, len(conds)), bool)
-      for i, t in enumerate(conds):
-        if t is not None:
-          skip[:, i] = ~t
+    trip = sched.trip_count
+    if sched.has_loop and not sched.trip_count_static and info is None:
+        warnings.append(
+            "grid loop bound not found in the schedule and no pallas_call to take it from: trip count assumed 1"
+        )
+    if info is not None:
+        steps = info.steps
+        if sched.has_loop and not sched.trip_count_static:
+            trip = steps + 2  # dynamic grid: the steps come from the concrete inputs, plus the pipeline's two stages
+        in_b, out_b = info.in_bytes.astype(np.float64), info.out_bytes.astype(np.float64)
+        conds = info.cond_taken
+        if sched.has_loop and trip - steps not in (0, 1, 2, 3):
+            warnings.append(f"grid has {steps} steps but the loop runs {trip} iterations")
+        if len(conds) == len(sched.conds):
+            skip = np.zeros((steps, len(conds)), bool)
+            for i, t in enumerate(conds):
+                if t is not None:
+                    skip[:, i] = ~t
+        else:
+            if conds or sched.conds:
+                warnings.append(
+                    f"{len(conds)} pl.when/cond in the kernel vs {len(sched.conds)} branch "
+                    "regions in the schedule: every region modeled as run on every step"
+                )
+            skip = np.zeros((steps, len(sched.conds)), bool)
+        dot_flops = float(info.dot_flops_per_step.sum())
+        warnings += info.warnings
+        grid = info.grid
+        blocks = [dataclasses.asdict(b) for b in info.blocks]
     else:
-      if conds or sched.conds:
-        warnings.append(f"{len(conds)} pl.when/cond in the kernel vs {len(sched.conds)} branch "
-                        "regions in the schedule: every region modeled as run on every step")
-      skip = np.zeros((steps, len(sched.conds)), bool)
-    dot_flops = float(info.dot_flops_per_step.sum())
-    warnings += info.warnings
-    grid = info.grid
-    blocks = [dataclasses.asdict(b) for b in info.blocks]
-  else:
-    steps = max(1, trip - 2) if sched.has_loop else 1
-    in_b = np.zeros(steps)
-    out_b = np.zeros(steps)
-    skip = np.zeros((steps, len(sched.conds)), bool)
-    dot_flops, grid, blocks = 0.0, (), []
-    warnings.append("pallas_call not matched to the jaxpr: HBM bytes unknown (0)")
+        steps = max(1, trip - 2) if sched.has_loop else 1
+        in_b = np.zeros(steps)
+        out_b = np.zeros(steps)
+        skip = np.zeros((steps, len(sched.conds)), bool)
+        dot_flops, grid, blocks = 0.0, (), []
+        warnings.append("pallas_call not matched to the jaxpr: HBM bytes unknown (0)")
 
-  # Cycles per step from the skip pattern (distinct patterns only).
-  region_sizes = np.array([r.skipped for r in sched.conds], np.int64)
-  step_cycles = sched.body - (skip * region_sizes[None, :]).sum(axis=1) if len(region_sizes) \
-      else np.full(steps, sched.body, np.int64)
-  # MXU ops per step
-  patterns, inv = np.unique(skip, axis=0, return_inverse=True) if skip.size else (np.zeros((1, 0), bool), np.zeros(steps, int))
-  inv = np.asarray(inv).reshape(-1)
-  ops_per_pattern = [sched.mxu_ops_in(list(p)) if len(p) else sched.mxu_ops_in(None) for p in patterns]
-  macs_per_pattern = np.array([sum(_mxu_macs(o, chip.mxu_size) for o in ops) for ops in ops_per_pattern])
-  nops_per_pattern = np.array([len(ops) for ops in ops_per_pattern])
-  mxu_flops = float(2 * macs_per_pattern[inv].sum()) if steps else 0.0
-  mxu_ops_mean = float(nops_per_pattern[inv].mean()) if steps else 0.0
+    # Cycles per step from the skip pattern (distinct patterns only).
+    region_sizes = np.array([r.skipped for r in sched.conds], np.int64)
+    step_cycles = (
+        sched.body - (skip * region_sizes[None, :]).sum(axis=1)
+        if len(region_sizes)
+        else np.full(steps, sched.body, np.int64)
+    )
+    # MXU ops per step
+    patterns, inv = (
+        np.unique(skip, axis=0, return_inverse=True) if skip.size else (np.zeros((1, 0), bool), np.zeros(steps, int))
+    )
+    inv = np.asarray(inv).reshape(-1)
+    ops_per_pattern = [sched.mxu_ops_in(list(p)) if len(p) else sched.mxu_ops_in(None) for p in patterns]
+    macs_per_pattern = np.array([sum(_mxu_macs(o, chip.mxu_size) for o in ops) for ops in ops_per_pattern])
+    nops_per_pattern = np.array([len(ops) for ops in ops_per_pattern])
+    mxu_flops = float(2 * macs_per_pattern[inv].sum()) if steps else 0.0
+    mxu_ops_mean = float(nops_per_pattern[inv].mean()) if steps else 0.0
 
-  clk, bw = chip.clock_hz, chip.hbm_bytes_per_s
-  compute = step_cycles / clk
-  # Pipeline: while step s computes, step s+1's inputs arrive and step s-1's outputs leave.
-  dma = np.zeros(steps)
-  if steps > 1:
-    dma[:-1] += in_b[1:]
-    dma[1:] += out_b[:-1]
-  dma_t = dma / bw
-  per_step = np.maximum(compute, dma_t)
-  n_fill = max(0, trip - steps) if sched.has_loop else 0
-  fixed_cycles = sched.prologue + sched.epilogue + n_fill * sched.fill_cycles()
-  total = (in_b[0] / bw if steps else 0.0) + per_step.sum() + (out_b[-1] / bw if steps else 0.0) \
-      + fixed_cycles / clk + chip.launch_overhead_s
-  hbm_bytes = int(in_b.sum() + out_b.sum())
-  bound = "compute" if compute.sum() >= dma_t.sum() + (in_b[0] + out_b[-1]) / bw else "hbm"
-  return KernelModel(
-      label=label, hlo_name=hlo_name, kernel_name=info.name if info else hlo_name,
-      grid=tuple(grid), steps=int(steps), trip_count=int(trip),
-      prologue_bundles=sched.prologue, epilogue_bundles=sched.epilogue,
-      loop_body_bundles=sched.body, step_cycles_min=int(step_cycles.min()),
-      step_cycles_max=int(step_cycles.max()), step_cycles_mean=float(step_cycles.mean()),
-      fill_iteration_cycles=sched.fill_cycles(), final_bundles=final_sum,
-      mxu_ops_per_step=mxu_ops_mean, mxu_flops=mxu_flops, dot_flops=dot_flops,
-      dma_instructions_per_iteration=len(sched.dmas_body),
-      hbm_bytes=hbm_bytes, hbm_bytes_in=int(in_b.sum()), hbm_bytes_out=int(out_b.sum()),
-      blocks=blocks, compute_s=float(compute.sum() + fixed_cycles / clk),
-      hbm_s=hbm_bytes / bw, modeled_s=float(total), bound=bound, warnings=warnings)
+    clk, bw = chip.clock_hz, chip.hbm_bytes_per_s
+    compute = step_cycles / clk
+    # Pipeline: while step s computes, step s+1's inputs arrive and step s-1's outputs leave.
+    dma = np.zeros(steps)
+    if steps > 1:
+        dma[:-1] += in_b[1:]
+        dma[1:] += out_b[:-1]
+    dma_t = dma / bw
+    per_step = np.maximum(compute, dma_t)
+    n_fill = max(0, trip - steps) if sched.has_loop else 0
+    fixed_cycles = sched.prologue + sched.epilogue + n_fill * sched.fill_cycles()
+    total = (
+        (in_b[0] / bw if steps else 0.0)
+        + per_step.sum()
+        + (out_b[-1] / bw if steps else 0.0)
+        + fixed_cycles / clk
+        + chip.launch_overhead_s
+    )
+    hbm_bytes = int(in_b.sum() + out_b.sum())
+    bound = "compute" if compute.sum() >= dma_t.sum() + (in_b[0] + out_b[-1]) / bw else "hbm"
+    return KernelModel(
+        label=label,
+        hlo_name=hlo_name,
+        kernel_name=info.name if info else hlo_name,
+        grid=tuple(grid),
+        steps=int(steps),
+        trip_count=int(trip),
+        prologue_bundles=sched.prologue,
+        epilogue_bundles=sched.epilogue,
+        loop_body_bundles=sched.body,
+        step_cycles_min=int(step_cycles.min()),
+        step_cycles_max=int(step_cycles.max()),
+        step_cycles_mean=float(step_cycles.mean()),
+        fill_iteration_cycles=sched.fill_cycles(),
+        final_bundles=final_sum,
+        mxu_ops_per_step=mxu_ops_mean,
+        mxu_flops=mxu_flops,
+        dot_flops=dot_flops,
+        dma_instructions_per_iteration=len(sched.dmas_body),
+        hbm_bytes=hbm_bytes,
+        hbm_bytes_in=int(in_b.sum()),
+        hbm_bytes_out=int(out_b.sum()),
+        blocks=blocks,
+        compute_s=float(compute.sum() + fixed_cycles / clk),
+        hbm_s=hbm_bytes / bw,
+        modeled_s=float(total),
+        bound=bound,
+        warnings=warnings,
+    )
 
 
 @functools.cache
 def _topology_device(topology: str):
-  """A deviceless device of `topology` (None if libtpu cannot describe it). Tracing under it as default device
-  makes kernels that tune by chip (pltpu.get_tpu_info()) trace for the generation being compiled for, not for
-  the host; otherwise the traffic would be counted for other block sizes than the compiled kernel's."""
-  try:
-    from jax.experimental import topologies
-    return topologies.get_topology_desc(topology, "tpu").devices[0]
-  except Exception:  # noqa: BLE001 - no libtpu: trace for the host's default
-    return None
+    """A deviceless device of `topology` (None if libtpu cannot describe it). Tracing under it as default device
+    makes kernels that tune by chip (pltpu.get_tpu_info()) trace for the generation being compiled for, not for
+    the host; otherwise the traffic would be counted for other block sizes than the compiled kernel's."""
+    try:
+        from jax.experimental import topologies
+
+        return topologies.get_topology_desc(topology, "tpu").devices[0]
+    except Exception:  # noqa: BLE001 - no libtpu: trace for the host's default
+        return None
 
 
 def _prepare(fn, args, chip):
-  return T.analyze_pallas_calls(fn, tuple(args), trace_device=_topology_device(chip.topology))
+    return T.analyze_pallas_calls(fn, tuple(args), trace_device=_topology_device(chip.topology))
 
 
 def model_function(fn, args, gen: str = "v6e", *, keep_dumps: str | None = None) -> ProgramModel:
-  """Model the run time of jax.jit(fn)(*args) on one TensorCore of TPU generation `gen`.
+    """Model the run time of jax.jit(fn)(*args) on one TensorCore of TPU generation `gen`.
 
-  fn:   a jit-able function, picklable by reference (module-level function or a
-        functools.partial of one; static configuration goes into the partial).
-  args: tuple of positional arguments: concrete arrays (preferred: scalar-prefetch
-        values and data-dependent block indices are then exact) or
-        jax.ShapeDtypeStruct (pytrees of them allowed), or a mix (e.g. concrete
-        group sizes beside ShapeDtypeStruct matrices: what only the former decide is exact).
-  gen:  "v5e", "v6e" or "v7x".
-  keep_dumps: optional directory to copy the compiler dumps to.
+    fn:   a jit-able function, picklable by reference (module-level function or a
+          functools.partial of one; static configuration goes into the partial).
+    args: tuple of positional arguments: concrete arrays (preferred: scalar-prefetch
+          values and data-dependent block indices are then exact) or
+          jax.ShapeDtypeStruct (pytrees of them allowed), or a mix (e.g. concrete
+          group sizes beside ShapeDtypeStruct matrices: what only the former decide is exact).
+    gen:  "v5e", "v6e" or "v7x".
+    keep_dumps: optional directory to copy the compiler dumps to.
 
-  Returns a ProgramModel; every time in it is labeled "modeled <gen>".
-  """
-  gen = C.canonical_gen(gen)
-  chip = C.get_chip(gen)
-  args = tuple(args)
-  infos, warnings = _prepare(fn, args, chip)
-  # Always dump: XLA emits Mosaic kernels of its own for some ops (lax.ragged_dot), which are modeled from bundles.
-  compiled = compile_deviceless(fn, args, gen, dump=True, keep_dumps=keep_dumps)
-  return _assemble(chip, infos, warnings, compiled)
+    Returns a ProgramModel; every time in it is labeled "modeled <gen>".
+    """
+    gen = C.canonical_gen(gen)
+    chip = C.get_chip(gen)
+    args = tuple(args)
+    infos, warnings = _prepare(fn, args, chip)
+    # Always dump: XLA emits Mosaic kernels of its own for some ops (lax.ragged_dot), which are modeled from bundles.
+    compiled = compile_deviceless(fn, args, gen, dump=True, keep_dumps=keep_dumps)
+    return _assemble(chip, infos, warnings, compiled)
 
 
 def model_functions(items, gen: str = "v6e") -> list:
-  """Model several (fn, args) at once: like `model_function` for each, but the compiles share one subprocess.
-  Returns, per item, a ProgramModel or the Exception modeling it raised."""
-  gen = C.canonical_gen(gen)
-  chip = C.get_chip(gen)
-  results: list = [None] * len(items)
-  prepared = {}
-  for i, (fn, args) in enumerate(items):
-    try:
-      prepared[i] = _prepare(fn, tuple(args), chip)
-    except Exception as e:  # noqa: BLE001
-      results[i] = e
-  # Dumps for every program: XLA itself emits Mosaic kernels for some ops (e.g. lax.ragged_dot on TPU), and those
-  # are modeled from their bundles like a pallas_call (their HBM bytes are unknown: see KernelModel.warnings).
-  idx = list(prepared)
-  if idx:
-    compiled = compile_deviceless_many([(items[i][0], tuple(items[i][1])) for i in idx], gen, dump=True)
-    for i, c in zip(idx, compiled):
-      if isinstance(c, Exception):
-        results[i] = c
-        continue
-      try:
-        results[i] = _assemble(chip, *prepared[i], c)
-      except Exception as e:  # noqa: BLE001
-        results[i] = e
-  return results
+    """Model several (fn, args) at once: like `model_function` for each, but the compiles share one subprocess.
+    Returns, per item, a ProgramModel or the Exception modeling it raised."""
+    gen = C.canonical_gen(gen)
+    chip = C.get_chip(gen)
+    results: list = [None] * len(items)
+    prepared = {}
+    for i, (fn, args) in enumerate(items):
+        try:
+            prepared[i] = _prepare(fn, tuple(args), chip)
+        except Exception as e:  # noqa: BLE001
+            results[i] = e
+    # Dumps for every program: XLA itself emits Mosaic kernels for some ops (e.g. lax.ragged_dot on TPU), and those
+    # are modeled from their bundles like a pallas_call (their HBM bytes are unknown: see KernelModel.warnings).
+    idx = list(prepared)
+    if idx:
+        compiled = compile_deviceless_many([(items[i][0], tuple(items[i][1])) for i in idx], gen, dump=True)
+        for i, c in zip(idx, compiled):
+            if isinstance(c, Exception):
+                results[i] = c
+                continue
+            try:
+                results[i] = _assemble(chip, *prepared[i], c)
+            except Exception as e:  # noqa: BLE001
+                results[i] = e
+    return results
 
 
 def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
-  gen = chip.gen
-  label = f"modeled {gen}"
-  warnings = list(warnings)
-  info_all, files = compiled
-  hlo = info_all["hlo"]
-  if info_all.get("hlo_source") == "xla_dump":
-    warnings.append("compiled.as_text() failed: XLA ops read from XLA's text dump, where most carry no cycle "
-                    "estimate (those count as 0): XLA time is undercounted")
-  calls = _mosaic_calls(hlo)
-  # Match HLO custom calls to jaxpr pallas_calls in program order: by the instruction's name (XLA names a Mosaic
-  # custom call after its kernel, "<name>.<n>"), else by kernel name in the Mosaic body, else the next one. Names
-  # matter: XLA merges identical calls (CSE), so the HLO can hold fewer calls than the jaxpr.
-  remaining = list(range(len(infos)))
-  kernels = []
-  for hlo_name, body in calls:
-    match = None
-    base = re.sub(r"\.\d+$", "", hlo_name)
-    for j in remaining:
-      if infos[j].name and infos[j].name == base:
-        match = j
-        break
-    for j in remaining if match is None else ():
-      if infos[j].name and infos[j].name in body:
-        match = j
-        break
-    if match is None and remaining:
-      match = remaining[0]
-    if match is not None:
-      remaining.remove(match)
-    kernels.append(_model_kernel(chip, hlo_name, files, infos[match] if match is not None else None,
-                                 label))
-  mosaic_names = {n for n, _ in calls}
-  xla_ops = []
-  for n, c in xla_op_estimates(hlo):
-    if n in mosaic_names:
-      continue
-    if c >= _NO_ESTIMATE_CYCLES:  # XLA's "no estimate" (INT64_MAX), e.g. a sort: not a time
-      warnings.append(f"{n}: XLA gives no cycle estimate (estimated_cycles = {c}); counted as 0")
-      continue
-    xla_ops.append(XlaOpModel(label, n, c, c / chip.clock_hz))
-  cost = info_all.get("cost", {})
-  total = sum(k.modeled_s for k in kernels) + sum(x.modeled_s for x in xla_ops)
-  for k in kernels:
-    warnings += [f"{k.hlo_name}: {w}" for w in k.warnings if f"{k.kernel_name}: {w}" not in warnings]
-  return ProgramModel(
-      label=label, gen=gen, chip=chip.as_dict(), modeled_s=float(total), kernels=kernels,
-      xla_ops=xla_ops, xla_optimal_seconds=cost.get("optimal_seconds"), cost_analysis=cost,
-      memory_analysis=info_all.get("memory", {}), warnings=sorted(set(warnings)))
+    gen = chip.gen
+    label = f"modeled {gen}"
+    warnings = list(warnings)
+    info_all, files = compiled
+    hlo = info_all["hlo"]
+    if info_all.get("hlo_source") == "xla_dump":
+        warnings.append(
+            "compiled.as_text() failed: XLA ops read from XLA's text dump, where most carry no cycle "
+            "estimate (those count as 0): XLA time is undercounted"
+        )
+    calls = _mosaic_calls(hlo)
+    # Match HLO custom calls to jaxpr pallas_calls in program order: by the instruction's name (XLA names a Mosaic
+    # custom call after its kernel, "<name>.<n>"), else by kernel name in the Mosaic body, else the next one. Names
+    # matter: XLA merges identical calls (CSE), so the HLO can hold fewer calls than the jaxpr.
+    remaining = list(range(len(infos)))
+    kernels = []
+    for hlo_name, body in calls:
+        match = None
+        base = re.sub(r"\.\d+$", "", hlo_name)
+        for j in remaining:
+            if infos[j].name and infos[j].name == base:
+                match = j
+                break
+        for j in remaining if match is None else ():
+            if infos[j].name and infos[j].name in body:
+                match = j
+                break
+        if match is None and remaining:
+            match = remaining[0]
+        if match is not None:
+            remaining.remove(match)
+        kernels.append(_model_kernel(chip, hlo_name, files, infos[match] if match is not None else None, label))
+    mosaic_names = {n for n, _ in calls}
+    xla_ops = []
+    for n, c in xla_op_estimates(hlo):
+        if n in mosaic_names:
+            continue
+        if c >= _NO_ESTIMATE_CYCLES:  # XLA's "no estimate" (INT64_MAX), e.g. a sort: not a time
+            warnings.append(f"{n}: XLA gives no cycle estimate (estimated_cycles = {c}); counted as 0")
+            continue
+        xla_ops.append(XlaOpModel(label, n, c, c / chip.clock_hz))
+    cost = info_all.get("cost", {})
+    total = sum(k.modeled_s for k in kernels) + sum(x.modeled_s for x in xla_ops)
+    for k in kernels:
+        warnings += [f"{k.hlo_name}: {w}" for w in k.warnings if f"{k.kernel_name}: {w}" not in warnings]
+    return ProgramModel(
+        label=label,
+        gen=gen,
+        chip=chip.as_dict(),
+        modeled_s=float(total),
+        kernels=kernels,
+        xla_ops=xla_ops,
+        xla_optimal_seconds=cost.get("optimal_seconds"),
+        cost_analysis=cost,
+        memory_analysis=info_all.get("memory", {}),
+        warnings=sorted(set(warnings)),
+    )

@@ -23,40 +23,39 @@ import math
 import threading
 from typing import Any
 
-import numpy as np
-
 import jax
+import numpy as np
 
 
 def _is_literal(x) -> bool:
-  return type(x).__name__ == "Literal" or (hasattr(x, "val") and not hasattr(x, "count"))
+    return type(x).__name__ == "Literal" or (hasattr(x, "val") and not hasattr(x, "count"))
 
 
 def _sub_closed_jaxprs(eqn):
-  out = []
-  for k in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-    j = eqn.params.get(k)
-    if j is None:
-      continue
-    if hasattr(j, "jaxpr") and hasattr(j, "consts"):
-      out.append((j.jaxpr, list(j.consts)))
-    elif hasattr(j, "eqns"):
-      out.append((j, []))
-  return out
+    out = []
+    for k in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = eqn.params.get(k)
+        if j is None:
+            continue
+        if hasattr(j, "jaxpr") and hasattr(j, "consts"):
+            out.append((j.jaxpr, list(j.consts)))
+        elif hasattr(j, "eqns"):
+            out.append((j, []))
+    return out
 
 
 def _contains_pallas(jaxpr) -> bool:
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      return True
-    for sub, _ in _sub_closed_jaxprs(eqn):
-      if _contains_pallas(sub):
-        return True
-    for k in ("branches",):
-      for br in eqn.params.get(k, ()) or ():
-        if _contains_pallas(br.jaxpr):
-          return True
-  return False
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            return True
+        for sub, _ in _sub_closed_jaxprs(eqn):
+            if _contains_pallas(sub):
+                return True
+        for k in ("branches",):
+            for br in eqn.params.get(k, ()) or ():
+                if _contains_pallas(br.jaxpr):
+                    return True
+    return False
 
 
 _INTERPRET_MAX_INPUT_BYTES = 1 << 20
@@ -66,354 +65,362 @@ _INTERPRET_LOCK = threading.Lock()
 
 
 def _bind_on_cpu(eqn, invals, **param_overrides):
-  """eqn's primitive applied to concrete invals on the host CPU: its outputs as a list, or None if that fails
-  (unknown values are allowed)."""
-  try:
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns = ()
-    if isinstance(bind_params, tuple):  # jax < 0.10: (subfuns, params); later: params (subfuns inside)
-      subfuns, bind_params = bind_params
-    with jax.default_device(jax.devices("cpu")[0]):
-      outs = eqn.primitive.bind(*subfuns, *invals, **dict(bind_params, **param_overrides))
-  except Exception:  # noqa: BLE001
-    return None
-  return list(outs) if eqn.primitive.multiple_results else [outs]
+    """eqn's primitive applied to concrete invals on the host CPU: its outputs as a list, or None if that fails
+    (unknown values are allowed)."""
+    try:
+        bind_params = eqn.primitive.get_bind_params(eqn.params)
+        subfuns = ()
+        if isinstance(bind_params, tuple):  # jax < 0.10: (subfuns, params); later: params (subfuns inside)
+            subfuns, bind_params = bind_params
+        with jax.default_device(jax.devices("cpu")[0]):
+            outs = eqn.primitive.bind(*subfuns, *invals, **dict(bind_params, **param_overrides))
+    except Exception:  # noqa: BLE001
+        return None
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def _interpret_small_call(eqn, invals):
-  """Outputs of a pallas_call whose inputs are all concrete and small (e.g. a kernel that computes another kernel's
-  scalar-prefetch metadata), run in TPU interpret mode on the host; else None (unknown)."""
-  if any(x is None for x in invals) or sum(np.asarray(x).nbytes for x in invals) > _INTERPRET_MAX_INPUT_BYTES:
-    return None
-  from jax.experimental.pallas import tpu as pltpu
+    """Outputs of a pallas_call whose inputs are all concrete and small (e.g. a kernel that computes another kernel's
+    scalar-prefetch metadata), run in TPU interpret mode on the host; else None (unknown)."""
+    if any(x is None for x in invals) or sum(np.asarray(x).nbytes for x in invals) > _INTERPRET_MAX_INPUT_BYTES:
+        return None
+    from jax.experimental.pallas import tpu as pltpu
 
-  with _INTERPRET_LOCK:
-    outs = _bind_on_cpu(eqn, invals, interpret=pltpu.InterpretParams())
-    return None if outs is None else [np.asarray(x) for x in outs]
+    with _INTERPRET_LOCK:
+        outs = _bind_on_cpu(eqn, invals, interpret=pltpu.InterpretParams())
+        return None if outs is None else [np.asarray(x) for x in outs]
 
 
 def _walk(jaxpr, consts, args, records, warnings):
-  """Evaluate `jaxpr` on the host (values may be None = unknown); record pallas_calls."""
-  env: dict[Any, Any] = {}
+    """Evaluate `jaxpr` on the host (values may be None = unknown); record pallas_calls."""
+    env: dict[Any, Any] = {}
 
-  def read(v):
-    if _is_literal(v):
-      return v.val
-    return env.get(v)
+    def read(v):
+        if _is_literal(v):
+            return v.val
+        return env.get(v)
 
-  for v, c in zip(jaxpr.constvars, consts):
-    env[v] = c
-  for v, a in zip(jaxpr.invars, args):
-    env[v] = a
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    outs = None
-    name = eqn.primitive.name
-    if name == "pallas_call":
-      records.append((eqn, invals))
-      outs = _interpret_small_call(eqn, invals)
-    else:
-      subs = _sub_closed_jaxprs(eqn)
-      if subs and _contains_pallas(subs[0][0]):
-        sub, sub_consts = subs[0]
-        outs = _walk(sub, sub_consts, invals, records, warnings)
-      elif any(_contains_pallas(br.jaxpr) for br in eqn.params.get("branches", ()) or ()):
-        warnings.append(f"pallas_call inside `{name}`: not analysed")
-      elif all(x is not None for x in invals):
-        outs = _bind_on_cpu(eqn, invals)
-    if outs is None:
-      outs = [None] * len(eqn.outvars)
-    for v, o in zip(eqn.outvars, outs):
-      if type(v).__name__ != "DropVar":
-        env[v] = o
-  return [read(v) for v in jaxpr.outvars]
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        outs = None
+        name = eqn.primitive.name
+        if name == "pallas_call":
+            records.append((eqn, invals))
+            outs = _interpret_small_call(eqn, invals)
+        else:
+            subs = _sub_closed_jaxprs(eqn)
+            if subs and _contains_pallas(subs[0][0]):
+                sub, sub_consts = subs[0]
+                outs = _walk(sub, sub_consts, invals, records, warnings)
+            elif any(_contains_pallas(br.jaxpr) for br in eqn.params.get("branches", ()) or ()):
+                warnings.append(f"pallas_call inside `{name}`: not analysed")
+            elif all(x is not None for x in invals):
+                outs = _bind_on_cpu(eqn, invals)
+        if outs is None:
+            outs = [None] * len(eqn.outvars)
+        for v, o in zip(eqn.outvars, outs):
+            if type(v).__name__ != "DropVar":
+                env[v] = o
+    return [read(v) for v in jaxpr.outvars]
 
 
 @dataclasses.dataclass
 class BlockTraffic:
-  origin: str
-  kind: str                 # "input" | "output"
-  block_shape: tuple
-  array_shape: tuple
-  dtype: str
-  transfers: int            # number of block DMAs
-  bytes: int                # total bytes moved for this operand
-  exact: bool               # False when the index map could not be evaluated
+    origin: str
+    kind: str  # "input" | "output"
+    block_shape: tuple
+    array_shape: tuple
+    dtype: str
+    transfers: int  # number of block DMAs
+    bytes: int  # total bytes moved for this operand
+    exact: bool  # False when the index map could not be evaluated
 
 
 @dataclasses.dataclass
 class PallasCallInfo:
-  name: str                         # kernel name (name_and_src_info)
-  grid: tuple[int, ...]
-  steps: int
-  in_bytes: np.ndarray              # per grid step: bytes fetched for this step's inputs
-  out_bytes: np.ndarray             # per grid step: bytes written back after this step
-  blocks: list[BlockTraffic]
-  cond_taken: list[np.ndarray | None]   # per top-level cond: bool per step (True = body runs)
-  dot_flops_per_step: np.ndarray    # logical dot flops per step (top level + taken pl.when bodies)
-  cost_estimate: dict | None
-  warnings: list[str]
+    name: str  # kernel name (name_and_src_info)
+    grid: tuple[int, ...]
+    steps: int
+    in_bytes: np.ndarray  # per grid step: bytes fetched for this step's inputs
+    out_bytes: np.ndarray  # per grid step: bytes written back after this step
+    blocks: list[BlockTraffic]
+    cond_taken: list[np.ndarray | None]  # per top-level cond: bool per step (True = body runs)
+    dot_flops_per_step: np.ndarray  # logical dot flops per step (top level + taken pl.when bodies)
+    cost_estimate: dict | None
+    warnings: list[str]
 
 
 def _block_sizes(bm) -> list[tuple[str, int]]:
-  out = []
-  for d in bm.block_shape:
-    if d is None:
-      out.append(("squeezed", 1))
-    elif isinstance(d, int):
-      out.append(("blocked", d))
-    else:
-      cls = type(d).__name__.lower()
-      size = getattr(d, "block_size", 1)
-      if "squeezed" in cls:
-        out.append(("squeezed", 1))
-      elif "element" in cls:
-        out.append(("element", int(size)))
-      else:
-        out.append(("blocked", int(size)))
-  return out
+    out = []
+    for d in bm.block_shape:
+        if d is None:
+            out.append(("squeezed", 1))
+        elif isinstance(d, int):
+            out.append(("blocked", d))
+        else:
+            cls = type(d).__name__.lower()
+            size = getattr(d, "block_size", 1)
+            if "squeezed" in cls:
+                out.append(("squeezed", 1))
+            elif "element" in cls:
+                out.append(("element", int(size)))
+            else:
+                out.append(("blocked", int(size)))
+    return out
 
 
 def _memory_space_name(bm) -> str:
-  for attr in ("transformed_block_aval", "block_aval"):
-    aval = getattr(bm, attr, None)
-    ms = getattr(aval, "memory_space", None)
-    if ms is not None:
-      return str(ms).lower()
-  return ""
+    for attr in ("transformed_block_aval", "block_aval"):
+        aval = getattr(bm, attr, None)
+        ms = getattr(aval, "memory_space", None)
+        if ms is not None:
+            return str(ms).lower()
+    return ""
 
 
 def _grid_points(grid):
-  steps = int(np.prod(grid)) if grid else 1
-  if not grid:
-    return steps, []
-  idx = np.indices(grid).reshape(len(grid), -1)  # row-major: last axis fastest
-  return steps, [idx[i].astype(np.int32) for i in range(len(grid))]
+    steps = int(np.prod(grid)) if grid else 1
+    if not grid:
+        return steps, []
+    idx = np.indices(grid).reshape(len(grid), -1)  # row-major: last axis fastest
+    return steps, [idx[i].astype(np.int32) for i in range(len(grid))]
 
 
 def _uses_invars(jaxpr, invars) -> bool:
-  s = set(invars)
-  for eqn in jaxpr.eqns:
-    if any((not _is_literal(v)) and v in s for v in eqn.invars):
-      return True
-  return any((not _is_literal(v)) and v in s for v in jaxpr.outvars)
+    s = set(invars)
+    for eqn in jaxpr.eqns:
+        if any((not _is_literal(v)) and v in s for v in eqn.invars):
+            return True
+    return any((not _is_literal(v)) and v in s for v in jaxpr.outvars)
 
 
 def _eval_index_map(bm, pids, scalars, steps):
-  cj = bm.index_map_jaxpr
-  n_grid = len(pids)
+    cj = bm.index_map_jaxpr
+    n_grid = len(pids)
 
-  n_out = len(cj.jaxpr.outvars)
-  if scalars:
-    # Scalar-prefetch operands reach the index map as Refs: discharge them into values.
-    # Private API (jax._src.state.discharge), guarded: without it, maps that read scalar
-    # prefetch refs cannot be evaluated.
+    n_out = len(cj.jaxpr.outvars)
+    if scalars:
+        # Scalar-prefetch operands reach the index map as Refs: discharge them into values.
+        # Private API (jax._src.state.discharge), guarded: without it, maps that read scalar
+        # prefetch refs cannot be evaluated.
+        try:
+            from jax._src.state.discharge import discharge_state
+
+            try:
+                cj = discharge_state(cj)
+            except TypeError:  # older signature: (jaxpr, consts) -> (jaxpr, consts)
+                dj, dc = discharge_state(cj.jaxpr, cj.consts)
+                cj = type(cj)(dj, dc)
+        except ImportError:  # pragma: no cover
+            pass
     try:
-      from jax._src.state.discharge import discharge_state
-      try:
-        cj = discharge_state(cj)
-      except TypeError:  # older signature: (jaxpr, consts) -> (jaxpr, consts)
-        dj, dc = discharge_state(cj.jaxpr, cj.consts)
-        cj = type(cj)(dj, dc)
+        from jax.extend.core import jaxpr_as_fun  # public
+
+        g = jaxpr_as_fun(cj)
     except ImportError:  # pragma: no cover
-      pass
-  try:
-    from jax.extend.core import jaxpr_as_fun  # public
-    g = jaxpr_as_fun(cj)
-  except ImportError:  # pragma: no cover
-    g = lambda *a: jax.core.eval_jaxpr(cj.jaxpr, cj.consts, *a)  # noqa: E731
+        g = lambda *a: jax.core.eval_jaxpr(cj.jaxpr, cj.consts, *a)  # noqa: E731
 
-  def f(*p):
-    return g(*p, *scalars)[:n_out]
+    def f(*p):
+        return g(*p, *scalars)[:n_out]
 
-  with jax.default_device(jax.devices("cpu")[0]):
-    if n_grid == 0:
-      outs = f()
-      return np.stack([np.broadcast_to(np.asarray(o), (steps,)) for o in outs], axis=1) if outs \
-          else np.zeros((steps, 0), np.int32)
-    outs = jax.jit(jax.vmap(f))(*pids)
-  return np.stack([np.asarray(o).reshape(steps) for o in outs], axis=1) if outs \
-      else np.zeros((steps, 0), np.int32)
+    with jax.default_device(jax.devices("cpu")[0]):
+        if n_grid == 0:
+            outs = f()
+            return (
+                np.stack([np.broadcast_to(np.asarray(o), (steps,)) for o in outs], axis=1)
+                if outs
+                else np.zeros((steps, 0), np.int32)
+            )
+        outs = jax.jit(jax.vmap(f))(*pids)
+    return np.stack([np.asarray(o).reshape(steps) for o in outs], axis=1) if outs else np.zeros((steps, 0), np.int32)
 
 
 def _dot_flops(eqn) -> int:
-  try:
-    (lc, _), _ = eqn.params["dimension_numbers"]
-    lhs = eqn.invars[0].aval.shape
-    out = eqn.outvars[0].aval.shape
-    k = math.prod(lhs[i] for i in lc)
-    return 2 * math.prod(out) * k
-  except Exception:  # noqa: BLE001
-    return 0
+    try:
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        out = eqn.outvars[0].aval.shape
+        k = math.prod(lhs[i] for i in lc)
+        return 2 * math.prod(out) * k
+    except Exception:  # noqa: BLE001
+        return 0
 
 
 def _jaxpr_dot_flops(jaxpr) -> int:
-  total = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      total += _dot_flops(eqn)
-    else:
-      for sub, _ in _sub_closed_jaxprs(eqn):
-        total += _jaxpr_dot_flops(sub)
-      if eqn.primitive.name not in ("cond",):
-        for br in eqn.params.get("branches", ()) or ():
-          total += _jaxpr_dot_flops(br.jaxpr)
-  return total
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            total += _dot_flops(eqn)
+        else:
+            for sub, _ in _sub_closed_jaxprs(eqn):
+                total += _jaxpr_dot_flops(sub)
+            if eqn.primitive.name not in ("cond",):
+                for br in eqn.params.get("branches", ()) or ():
+                    total += _jaxpr_dot_flops(br.jaxpr)
+    return total
 
 
 def _kernel_conds(kjaxpr, grid, pids, steps, warnings):
-  """Per top-level cond: bool array (True = the cond's last branch runs) or None."""
-  env: dict[Any, Any] = {}
+    """Per top-level cond: bool array (True = the cond's last branch runs) or None."""
+    env: dict[Any, Any] = {}
 
-  def read(v):
-    if _is_literal(v):
-      return np.broadcast_to(np.asarray(v.val), (steps,) + np.shape(v.val))
-    return env.get(v)
+    def read(v):
+        if _is_literal(v):
+            return np.broadcast_to(np.asarray(v.val), (steps,) + np.shape(v.val))
+        return env.get(v)
 
-  conds, flops = [], np.zeros(steps, np.int64)
-  for eqn in kjaxpr.eqns:
-    name = eqn.primitive.name
-    outs = None
-    if name == "program_id":
-      outs = [pids[eqn.params["axis"]]]
-    elif name == "num_programs":
-      outs = [np.full(steps, grid[eqn.params["axis"]], np.int32)]
-    elif name == "dot_general":
-      flops += _dot_flops(eqn)
-    elif name == "cond":
-      idx = read(eqn.invars[0])
-      branches = eqn.params["branches"]
-      if idx is None:
-        taken = None
-        warnings.append("a pl.when/cond depends on data: its region is modeled as always run")
-        flops += _jaxpr_dot_flops(branches[-1].jaxpr)
-      else:
-        taken = np.asarray(idx).reshape(steps) == len(branches) - 1
-        flops += taken * _jaxpr_dot_flops(branches[-1].jaxpr)
-        for b in branches[:-1]:
-          flops += (~taken) * _jaxpr_dot_flops(b.jaxpr)
-      conds.append(taken)
-    elif not eqn.effects and not _sub_closed_jaxprs(eqn) and "branches" not in eqn.params:
-      invals = [read(v) for v in eqn.invars]
-      if invals and all(x is not None for x in invals):
-        try:
-          prim, params = eqn.primitive, eqn.params
-          with jax.default_device(jax.devices("cpu")[0]):
-            res = jax.vmap(lambda *a: prim.bind(*a, **params))(*invals)
-          outs = list(res) if prim.multiple_results else [res]
-          outs = [np.asarray(o) for o in outs]
-        except Exception:  # noqa: BLE001
-          outs = None
-    else:
-      for sub, _ in _sub_closed_jaxprs(eqn):
-        flops += _jaxpr_dot_flops(sub)
-    if outs is not None:
-      for v, o in zip(eqn.outvars, outs):
-        env[v] = o
-  return conds, flops
+    conds, flops = [], np.zeros(steps, np.int64)
+    for eqn in kjaxpr.eqns:
+        name = eqn.primitive.name
+        outs = None
+        if name == "program_id":
+            outs = [pids[eqn.params["axis"]]]
+        elif name == "num_programs":
+            outs = [np.full(steps, grid[eqn.params["axis"]], np.int32)]
+        elif name == "dot_general":
+            flops += _dot_flops(eqn)
+        elif name == "cond":
+            idx = read(eqn.invars[0])
+            branches = eqn.params["branches"]
+            if idx is None:
+                taken = None
+                warnings.append("a pl.when/cond depends on data: its region is modeled as always run")
+                flops += _jaxpr_dot_flops(branches[-1].jaxpr)
+            else:
+                taken = np.asarray(idx).reshape(steps) == len(branches) - 1
+                flops += taken * _jaxpr_dot_flops(branches[-1].jaxpr)
+                for b in branches[:-1]:
+                    flops += (~taken) * _jaxpr_dot_flops(b.jaxpr)
+            conds.append(taken)
+        elif not eqn.effects and not _sub_closed_jaxprs(eqn) and "branches" not in eqn.params:
+            invals = [read(v) for v in eqn.invars]
+            if invals and all(x is not None for x in invals):
+                try:
+                    prim, params = eqn.primitive, eqn.params
+                    with jax.default_device(jax.devices("cpu")[0]):
+                        res = jax.vmap(lambda *a: prim.bind(*a, **params))(*invals)
+                    outs = list(res) if prim.multiple_results else [res]
+                    outs = [np.asarray(o) for o in outs]
+                except Exception:  # noqa: BLE001
+                    outs = None
+        else:
+            for sub, _ in _sub_closed_jaxprs(eqn):
+                flops += _jaxpr_dot_flops(sub)
+        if outs is not None:
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+    return conds, flops
 
 
 def analyze_pallas_calls(fn, args, trace_device=None) -> tuple[list[PallasCallInfo], list[str]]:
-  """Find and analyse every pallas_call in fn(*args). Returns (calls, warnings).
+    """Find and analyse every pallas_call in fn(*args). Returns (calls, warnings).
 
-  trace_device: default device while tracing fn (the target generation's topology device), so that
-  kernels choosing block sizes from the chip they are traced for trace the program that is compiled.
-  """
-  warnings: list[str] = []
-  leaves = jax.tree.leaves(args)
-  # Concrete leaves are evaluated on the host; ShapeDtypeStruct leaves are unknown (None): a program may mix them
-  # (e.g. concrete group sizes beside abstract matrices), and what depends only on concrete leaves is exact.
-  is_concrete = lambda x: isinstance(x, (np.ndarray, jax.Array, np.generic, int, float))  # noqa: E731
-  specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x, args)
-  if trace_device is None:
-    closed = jax.make_jaxpr(fn)(*specs)
-  else:
-    with jax.default_device(trace_device):
-      closed = jax.make_jaxpr(fn)(*specs)
-  flat = [np.asarray(x) if is_concrete(x) else None for x in leaves]
-  records: list = []
-  _walk(closed.jaxpr, list(closed.consts), flat, records, warnings)
-  infos = []
-  for eqn, invals in records:
-    infos.append(_analyze_one(eqn, invals, warnings))
-  return infos, warnings
+    trace_device: default device while tracing fn (the target generation's topology device), so that
+    kernels choosing block sizes from the chip they are traced for trace the program that is compiled.
+    """
+    warnings: list[str] = []
+    leaves = jax.tree.leaves(args)
+    # Concrete leaves are evaluated on the host; ShapeDtypeStruct leaves are unknown (None): a program may mix them
+    # (e.g. concrete group sizes beside abstract matrices), and what depends only on concrete leaves is exact.
+    is_concrete = lambda x: isinstance(x, (np.ndarray, jax.Array, np.generic, int, float))  # noqa: E731
+    specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x, args)
+    if trace_device is None:
+        closed = jax.make_jaxpr(fn)(*specs)
+    else:
+        with jax.default_device(trace_device):
+            closed = jax.make_jaxpr(fn)(*specs)
+    flat = [np.asarray(x) if is_concrete(x) else None for x in leaves]
+    records: list = []
+    _walk(closed.jaxpr, list(closed.consts), flat, records, warnings)
+    infos = []
+    for eqn, invals in records:
+        infos.append(_analyze_one(eqn, invals, warnings))
+    return infos, warnings
 
 
 def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
-  p = eqn.params
-  gm = p["grid_mapping"]
-  warnings: list[str] = []
-  name = p.get("name") or getattr(p.get("name_and_src_info"), "name", None) or "pallas_call"  # jax 0.10: name
-  grid = tuple(gm.grid)
-  n_dyn = sum(1 for g in grid if not isinstance(g, (int, np.integer)))
-  if n_dyn:
-    dyn = [int(np.asarray(v)) if v is not None else None for v in invals[:n_dyn]]
-    if any(v is None for v in dyn):
-      raise ValueError(f"{name}: dynamic grid bounds need concrete inputs")
-    it = iter(dyn)
-    grid = tuple(g if isinstance(g, (int, np.integer)) else next(it) for g in grid)
-  grid = tuple(int(g) for g in grid)
-  steps, pids = _grid_points(grid)
-  nidx = gm.num_index_operands
-  scalars = invals[n_dyn:n_dyn + nidx]
-  scalars_known = all(s is not None for s in scalars)
-  in_bytes = np.zeros(steps, np.int64)
-  out_bytes = np.zeros(steps, np.int64)
-  blocks = []
-  for i, bm in enumerate(gm.block_mappings):
-    kind = "input" if i < gm.num_inputs else "output"
-    arr = tuple(bm.array_aval.shape)
-    dtype = np.dtype(bm.array_aval.dtype)
-    itemsize = dtype.itemsize
-    origin = str(getattr(bm, "origin", f"{kind}{i}"))
-    ms = _memory_space_name(bm)
-    sizes = _block_sizes(bm)
-    if "any" in ms or "hbm" in ms or "semaphore" in ms or "smem" in ms:
-      # No automatic pipelining for this operand (manual DMA, or SMEM).
-      if "any" in ms or "hbm" in ms:
-        warnings.append(f"{origin}: memory_space={ms}: manual DMAs are not counted in HBM bytes")
-      blocks.append(BlockTraffic(origin, kind, tuple(s for _, s in sizes), arr, str(dtype), 0, 0, False))
-      continue
-    idx_invars = bm.index_map_jaxpr.jaxpr.invars[len(grid):]
-    exact = True
-    if nidx and not scalars_known and _uses_invars(bm.index_map_jaxpr.jaxpr, idx_invars):
-      exact = False
-      warnings.append(f"{origin}: index map reads scalar prefetch but inputs are not concrete; "
-                      "counted as fetched every step")
-      changed = np.ones(steps, bool)
-      per_step = np.full(steps, math.prod(s for _, s in sizes) * itemsize, np.int64)
-    else:
-      sc = [np.asarray(s) for s in scalars] if nidx else []
-      idx = _eval_index_map(bm, pids, sc, steps)
-      # bytes of the (clipped) block at each step
-      nb = np.full(steps, itemsize, np.int64)
-      for d, ((k, bs), dim) in enumerate(zip(sizes, arr)):
-        start = idx[:, d].astype(np.int64) * (bs if k == "blocked" else 1)
-        nb *= np.clip(dim - start, 0, bs)
-      per_step = nb
-      if kind == "input":
-        changed = np.ones(steps, bool)
-        if steps > 1:
-          changed[1:] = np.any(idx[1:] != idx[:-1], axis=1)
-      else:
-        changed = np.ones(steps, bool)
-        if steps > 1:
-          changed[:-1] = np.any(idx[1:] != idx[:-1], axis=1)
-    moved = per_step * changed
-    if kind == "input":
-      in_bytes += moved
-    else:
-      out_bytes += moved
-    blocks.append(BlockTraffic(origin, kind, tuple(s for _, s in sizes), arr, str(dtype),
-                               int(changed.sum()), int(moved.sum()), exact))
-  kjaxpr = p["jaxpr"]
-  kjaxpr = getattr(kjaxpr, "jaxpr", kjaxpr)
-  try:
-    conds, flops = _kernel_conds(kjaxpr, grid, pids if pids else [], steps, warnings)
-  except Exception as e:  # noqa: BLE001
-    warnings.append(f"kernel conditions not evaluated ({type(e).__name__}: {e})")
-    conds, flops = [], np.zeros(steps, np.int64)
-  ce = p.get("cost_estimate")
-  ce = None if ce is None else {k: getattr(ce, k, None) for k in ("flops", "transcendentals", "bytes_accessed")}
-  global_warnings.extend(f"{name}: {w}" for w in warnings)
-  return PallasCallInfo(name, grid, steps, in_bytes, out_bytes, blocks, conds, flops, ce, warnings)
+    p = eqn.params
+    gm = p["grid_mapping"]
+    warnings: list[str] = []
+    name = p.get("name") or getattr(p.get("name_and_src_info"), "name", None) or "pallas_call"  # jax 0.10: name
+    grid = tuple(gm.grid)
+    n_dyn = sum(1 for g in grid if not isinstance(g, (int, np.integer)))
+    if n_dyn:
+        dyn = [int(np.asarray(v)) if v is not None else None for v in invals[:n_dyn]]
+        if any(v is None for v in dyn):
+            raise ValueError(f"{name}: dynamic grid bounds need concrete inputs")
+        it = iter(dyn)
+        grid = tuple(g if isinstance(g, (int, np.integer)) else next(it) for g in grid)
+    grid = tuple(int(g) for g in grid)
+    steps, pids = _grid_points(grid)
+    nidx = gm.num_index_operands
+    scalars = invals[n_dyn : n_dyn + nidx]
+    scalars_known = all(s is not None for s in scalars)
+    in_bytes = np.zeros(steps, np.int64)
+    out_bytes = np.zeros(steps, np.int64)
+    blocks = []
+    for i, bm in enumerate(gm.block_mappings):
+        kind = "input" if i < gm.num_inputs else "output"
+        arr = tuple(bm.array_aval.shape)
+        dtype = np.dtype(bm.array_aval.dtype)
+        itemsize = dtype.itemsize
+        origin = str(getattr(bm, "origin", f"{kind}{i}"))
+        ms = _memory_space_name(bm)
+        sizes = _block_sizes(bm)
+        if "any" in ms or "hbm" in ms or "semaphore" in ms or "smem" in ms:
+            # No automatic pipelining for this operand (manual DMA, or SMEM).
+            if "any" in ms or "hbm" in ms:
+                warnings.append(f"{origin}: memory_space={ms}: manual DMAs are not counted in HBM bytes")
+            blocks.append(BlockTraffic(origin, kind, tuple(s for _, s in sizes), arr, str(dtype), 0, 0, False))
+            continue
+        idx_invars = bm.index_map_jaxpr.jaxpr.invars[len(grid) :]
+        exact = True
+        if nidx and not scalars_known and _uses_invars(bm.index_map_jaxpr.jaxpr, idx_invars):
+            exact = False
+            warnings.append(
+                f"{origin}: index map reads scalar prefetch but inputs are not concrete; counted as fetched every step"
+            )
+            changed = np.ones(steps, bool)
+            per_step = np.full(steps, math.prod(s for _, s in sizes) * itemsize, np.int64)
+        else:
+            sc = [np.asarray(s) for s in scalars] if nidx else []
+            idx = _eval_index_map(bm, pids, sc, steps)
+            # bytes of the (clipped) block at each step
+            nb = np.full(steps, itemsize, np.int64)
+            for d, ((k, bs), dim) in enumerate(zip(sizes, arr)):
+                start = idx[:, d].astype(np.int64) * (bs if k == "blocked" else 1)
+                nb *= np.clip(dim - start, 0, bs)
+            per_step = nb
+            if kind == "input":
+                changed = np.ones(steps, bool)
+                if steps > 1:
+                    changed[1:] = np.any(idx[1:] != idx[:-1], axis=1)
+            else:
+                changed = np.ones(steps, bool)
+                if steps > 1:
+                    changed[:-1] = np.any(idx[1:] != idx[:-1], axis=1)
+        moved = per_step * changed
+        if kind == "input":
+            in_bytes += moved
+        else:
+            out_bytes += moved
+        blocks.append(
+            BlockTraffic(
+                origin, kind, tuple(s for _, s in sizes), arr, str(dtype), int(changed.sum()), int(moved.sum()), exact
+            )
+        )
+    kjaxpr = p["jaxpr"]
+    kjaxpr = getattr(kjaxpr, "jaxpr", kjaxpr)
+    try:
+        conds, flops = _kernel_conds(kjaxpr, grid, pids if pids else [], steps, warnings)
+    except Exception as e:  # noqa: BLE001
+        warnings.append(f"kernel conditions not evaluated ({type(e).__name__}: {e})")
+        conds, flops = [], np.zeros(steps, np.int64)
+    ce = p.get("cost_estimate")
+    ce = None if ce is None else {k: getattr(ce, k, None) for k in ("flops", "transcendentals", "bytes_accessed")}
+    global_warnings.extend(f"{name}: {w}" for w in warnings)
+    return PallasCallInfo(name, grid, steps, in_bytes, out_bytes, blocks, conds, flops, ce, warnings)

@@ -5,6 +5,7 @@ exports without a device), the default device when it is a TPU (a TPU host, or a
 under `jax.default_device`), else the generation named by $TPU_KERNELS_TARGET (v5e, v6e, v7x), else v6e, the
 generation the project's benchmarks target.
 """
+
 import os
 
 from jax.experimental.pallas import tpu as pltpu

@@ -4,12 +4,13 @@ The api functions trace plain (compiled) `pallas_call`s, so exporting or compili
 Mosaic kernels. On a CPU they run through `pltpu.force_tpu_interpret_mode`, which simulates HBM, VMEM, SMEM, DMAs
 and semaphores on the CPU: the same kernel code, not a re-implementation.
 """
+
 import contextlib
 import functools
 
 import jax
-from jax.experimental.pallas import tpu as pltpu
 from jax._src import config as _jax_config
+from jax.experimental.pallas import tpu as pltpu
 
 # What the CPU paths (torch CPU ops, eager JAX calls on CPU arrays) use: out-of-bounds reads raise and uninitialized
 # VMEM reads as NaN, so a kernel bug shows up as an error or NaN rather than a plausible number.

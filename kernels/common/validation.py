@@ -1,5 +1,6 @@
 """Input checks shared by the api modules. Each raises TypeError/ValueError naming the argument, what was expected
 and what was given, before anything is traced, so bad input never reaches Mosaic."""
+
 import math
 
 import jax

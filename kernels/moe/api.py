@@ -10,6 +10,7 @@ experts keep token order), gather the token rows; gate/up grouped matmul with ac
 token's k rows in f32. Expert ids outside [0, num_experts) (expert-parallel sentinels) are sorted past the last
 group, so the grouped matmuls leave their rows zero and skip their work.
 """
+
 import dataclasses
 import functools
 
@@ -32,8 +33,17 @@ def _is_concrete(x) -> bool:
 
 
 def check_inputs(
-    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *,
-    activation, gate_layout, weights_transposed,
+    hidden_states,
+    top_k_index,
+    top_k_weights,
+    gate_up_proj,
+    down_proj,
+    gate_up_bias,
+    down_bias,
+    *,
+    activation,
+    gate_layout,
+    weights_transposed,
 ):
     """Validate experts_forward's arguments (arrays or ShapeDtypeStructs); return (T, H, E, I)."""
     check_array("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES[:2])
@@ -62,7 +72,9 @@ def check_inputs(
             f"{tuple(gate_up_proj.shape)}"
         )
     if gate_layout is not None and up_out % 2:
-        raise ValueError(f"gate_up_proj: a gated layout needs an even 2*I, got {up_out} (shape {tuple(gate_up_proj.shape)})")
+        raise ValueError(
+            f"gate_up_proj: a gated layout needs an even 2*I, got {up_out} (shape {tuple(gate_up_proj.shape)})"
+        )
     intermediate = up_out // 2 if gate_layout is not None else up_out
     expected_down = (num_experts, intermediate, hidden) if weights_transposed else (num_experts, hidden, intermediate)
     if tuple(down_proj.shape) != expected_down:
@@ -118,24 +130,41 @@ def experts_forward(
     Biases [E, 2I] and [E, H] are optional. Returns [T, H] in hidden_states' dtype; f32 accumulation throughout.
     """
     tokens, hidden, num_experts, intermediate = check_inputs(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-        activation=activation, gate_layout=gate_layout, weights_transposed=weights_transposed,
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        gate_up_bias,
+        down_bias,
+        activation=activation,
+        gate_layout=gate_layout,
+        weights_transposed=weights_transposed,
     )
     top_k = top_k_index.shape[1]
     if tokens * top_k == 0:
         return jnp.zeros((tokens, hidden), hidden_states.dtype)
     plan = tuning.plan_small_batch(
-        tokens, hidden, intermediate, gate_up_shape=gate_up_proj.shape, down_shape=down_proj.shape,
-        weights_transposed=weights_transposed, gate_layout=gate_layout, has_gate_up_bias=gate_up_bias is not None,
-        hidden_dtype=hidden_states.dtype, weight_dtype=gate_up_proj.dtype, down_dtype=down_proj.dtype,
+        tokens,
+        hidden,
+        intermediate,
+        gate_up_shape=gate_up_proj.shape,
+        down_shape=down_proj.shape,
+        weights_transposed=weights_transposed,
+        gate_layout=gate_layout,
+        has_gate_up_bias=gate_up_bias is not None,
+        hidden_dtype=hidden_states.dtype,
+        weight_dtype=gate_up_proj.dtype,
+        down_dtype=down_proj.dtype,
     )
-    layout = _Layout(activation=activation, gate_layout=gate_layout, weights_transposed=weights_transposed,
-                     intermediate=intermediate)
+    layout = _Layout(
+        activation=activation, gate_layout=gate_layout, weights_transposed=weights_transposed, intermediate=intermediate
+    )
     if plan is not None:
-        return _small_batch(plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                            gate_up_bias, down_bias)
-    return _grouped(layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
-                    down_bias)
+        return _small_batch(
+            plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
+        )
+    return _grouped(layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +175,9 @@ class _Layout:
     intermediate: int
 
 
-def _grouped(layout: _Layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
-             down_bias):
+def _grouped(
+    layout: _Layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
+):
     """Route, gather, gate/up grouped matmul with the fused epilogue, down grouped matmul, weighted combine."""
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
@@ -157,8 +187,14 @@ def _grouped(layout: _Layout, hidden_states, top_k_index, top_k_weights, gate_up
     # mode would add a bounds select over the whole [T * k, H] gather (modeled v6e: 405 us at 32768 rows).
     x_sorted = hidden_states.at[order // top_k].get(mode="promise_in_bounds")
     h = ragged_dot_api.ragged_dot(
-        x_sorted, gate_up_proj, group_sizes, rhs_transposed=not layout.weights_transposed, bias=gate_up_bias,
-        activation=layout.activation, gated=layout.gate_layout, preferred_element_type=hidden_states.dtype,
+        x_sorted,
+        gate_up_proj,
+        group_sizes,
+        rhs_transposed=not layout.weights_transposed,
+        bias=gate_up_bias,
+        activation=layout.activation,
+        gated=layout.gate_layout,
+        preferred_element_type=hidden_states.dtype,
     )
     # The routing weight of each sorted row scales it in the down kernel's epilogue (sentinel slots weigh zero; their
     # rows sit past the last group and come out zero anyway), so the weighted rows are written once, in the
@@ -166,40 +202,58 @@ def _grouped(layout: _Layout, hidden_states, top_k_index, top_k_weights, gate_up
     valid = (top_k_index >= 0) & (top_k_index < num_experts)
     weights = jnp.where(valid, top_k_weights.astype(jnp.float32), 0.0).reshape(-1)
     y = ragged_dot_api.ragged_dot(
-        h, down_proj, group_sizes, rhs_transposed=not layout.weights_transposed, bias=down_bias,
-        row_scale=weights.at[order].get(mode="promise_in_bounds"), preferred_element_type=hidden_states.dtype,
+        h,
+        down_proj,
+        group_sizes,
+        rhs_transposed=not layout.weights_transposed,
+        bias=down_bias,
+        row_scale=weights.at[order].get(mode="promise_in_bounds"),
+        preferred_element_type=hidden_states.dtype,
     )
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
     per_slot = y.at[inverse].get(mode="promise_in_bounds").reshape(tokens, top_k, hidden)
     return per_slot.astype(jnp.float32).sum(axis=1).astype(hidden_states.dtype)
 
 
-def _small_batch_forward(plan, layout: _Layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                         gate_up_bias, down_bias):
+def _small_batch_forward(
+    plan, layout: _Layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
+):
     gate_up = jnp.swapaxes(gate_up_proj, 1, 2) if plan.swap_gate_up else gate_up_proj
     down = jnp.swapaxes(down_proj, 1, 2) if plan.swap_down else down_proj
     return small_batch.experts_forward_small_batch(
-        hidden_states, top_k_index, top_k_weights, gate_up, down,
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up,
+        down,
         None if gate_up_bias is None else gate_up_bias[:, None, :],
         None if down_bias is None else down_bias[:, None, :],
-        up_streams=plan.up_streams, down_i_axis=plan.down_i_axis, tc=plan.tc, intermediate=layout.intermediate,
-        activation=layout.activation, vmem_limit_bytes=plan.vmem_limit_bytes,
+        up_streams=plan.up_streams,
+        down_i_axis=plan.down_i_axis,
+        tc=plan.tc,
+        intermediate=layout.intermediate,
+        activation=layout.activation,
+        vmem_limit_bytes=plan.vmem_limit_bytes,
     )
 
 
 # The small-batch kernel has no backward of its own: its gradient is the grouped path's (same function, recomputed
 # in the backward pass), whose kernels have Pallas backward passes.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _small_batch(plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
-                 down_bias):
-    return _small_batch_forward(plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                gate_up_bias, down_bias)
+def _small_batch(
+    plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
+):
+    return _small_batch_forward(
+        plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
+    )
 
 
-def _small_batch_fwd(plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
-                     down_bias):
-    out = _small_batch_forward(plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                               gate_up_bias, down_bias)
+def _small_batch_fwd(
+    plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
+):
+    out = _small_batch_forward(
+        plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
+    )
     return out, (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
 
 
@@ -207,8 +261,9 @@ def _small_batch_bwd(plan, layout, saved, g):
     hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias = saved
 
     def grouped(hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias):
-        return _grouped(layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
-                        down_bias)
+        return _grouped(
+            layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
+        )
 
     _, vjp = jax.vjp(grouped, hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
     dx, dw, dup, ddown, dup_bias, ddown_bias = vjp(g)

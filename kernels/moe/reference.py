@@ -5,6 +5,7 @@ For token t and slot j with e = top_k_index[t, j] in [0, num_experts):
     y[t] += top_k_weights[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t]))
 ids outside [0, num_experts) (expert-parallel sentinels) contribute nothing.
 """
+
 import jax
 import jax.numpy as jnp
 
@@ -14,7 +15,9 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def as_input_major(weight, weights_transposed):
-    """transformers stores [E, out, in] (applied as x @ W[e].T) unless is_transposed ([E, in, out]); return [E, in, out]."""
+    """transformers stores [E, out, in] (applied as x @ W[e].T) unless is_transposed ([E, in, out]).
+
+    Returns [E, in, out]."""
     return weight if weights_transposed else jnp.swapaxes(weight, 1, 2)
 
 

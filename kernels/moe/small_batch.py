@@ -19,6 +19,7 @@ written anywhere. Small chunks keep the first step's weight DMA (exposed: nothin
 are read in the orientation XLA stores them (ragged_dot.tuning.stored_minor_to_major_swapped); x, the routing and the
 f32 accumulator [T, H] stay in VMEM for the whole call.
 """
+
 import dataclasses
 import functools
 
@@ -57,14 +58,30 @@ def _weight_spec(array_shape, stream: WeightStream, tc: int):
 
 def _contract(a, block, a_axis, block_axis, compute_dtype):
     return jax.lax.dot_general(
-        a.astype(compute_dtype), block.astype(compute_dtype), (((a_axis,), (block_axis,)), ((), ())),
-        preferred_element_type=jnp.float32, precision=matmul_precision(compute_dtype),
+        a.astype(compute_dtype),
+        block.astype(compute_dtype),
+        (((a_axis,), (block_axis,)), ((), ())),
+        preferred_element_type=jnp.float32,
+        precision=matmul_precision(compute_dtype),
     )
 
 
 def _fused_kernel(
-    experts_ref, count_ref, x_ref, idx_ref, w_ref, *refs, up_streams, down_i_axis, num_up_bias, has_down_bias,
-    chunks, activation, h_dtype, up_dtype, down_dtype,
+    experts_ref,
+    count_ref,
+    x_ref,
+    idx_ref,
+    w_ref,
+    *refs,
+    up_streams,
+    down_i_axis,
+    num_up_bias,
+    has_down_bias,
+    chunks,
+    activation,
+    h_dtype,
+    up_dtype,
+    down_dtype,
 ):
     up_refs = refs[: len(up_streams)]
     rest = refs[len(up_streams) :]
@@ -106,8 +123,20 @@ def _fused_kernel(
 
 
 def experts_forward_small_batch(
-    hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *, up_streams, down_i_axis,
-    tc, intermediate, activation, vmem_limit_bytes,
+    hidden_states,
+    top_k_index,
+    top_k_weights,
+    gate_up,
+    down,
+    gate_up_bias,
+    down_bias,
+    *,
+    up_streams,
+    down_i_axis,
+    tc,
+    intermediate,
+    activation,
+    vmem_limit_bytes,
 ):
     """out [T, H] in hidden_states' dtype. gate_up / down are in their stored orientation, described by up_streams
     (one WeightStream per gate/up operand: two for a concatenated gate, one without a gate) and down_i_axis; tc
@@ -117,7 +146,10 @@ def experts_forward_small_batch(
     num_experts = gate_up.shape[0]
     experts, count = touched.touched_experts(top_k_index, num_experts)
     chunks = intermediate // tc
-    whole = lambda shape: pl.BlockSpec(shape, lambda v, c, experts_ref, count_ref: (0,) * len(shape))
+
+    def whole(shape):
+        return pl.BlockSpec(shape, lambda v, c, experts_ref, count_ref: (0,) * len(shape))
+
     in_specs = [whole(hidden_states.shape), whole(top_k_index.shape), whole(top_k_weights.shape)]
     operands = [hidden_states, top_k_index, top_k_weights]
     for s in up_streams:
@@ -125,8 +157,11 @@ def experts_forward_small_batch(
         operands.append(gate_up)
     if gate_up_bias is not None:
         for s in up_streams:
-            in_specs.append(pl.BlockSpec(
-                (None, 1, tc), lambda v, c, experts_ref, count_ref, s=s: (experts_ref[v], 0, c + s.block_offset)))
+            in_specs.append(
+                pl.BlockSpec(
+                    (None, 1, tc), lambda v, c, experts_ref, count_ref, s=s: (experts_ref[v], 0, c + s.block_offset)
+                )
+            )
             operands.append(gate_up_bias)
     in_specs.append(_weight_spec(down.shape, WeightStream(down_i_axis), tc))
     operands.append(down)
@@ -137,9 +172,16 @@ def experts_forward_small_batch(
     up_dtype = jnp.promote_types(hidden_states.dtype, gate_up.dtype)
     down_dtype = jnp.promote_types(hidden_states.dtype, down.dtype)
     kernel = functools.partial(
-        _fused_kernel, up_streams=tuple(up_streams), down_i_axis=down_i_axis,
-        num_up_bias=len(up_streams) if gate_up_bias is not None else 0, has_down_bias=down_bias is not None,
-        chunks=chunks, activation=activation, h_dtype=hidden_states.dtype, up_dtype=up_dtype, down_dtype=down_dtype,
+        _fused_kernel,
+        up_streams=tuple(up_streams),
+        down_i_axis=down_i_axis,
+        num_up_bias=len(up_streams) if gate_up_bias is not None else 0,
+        has_down_bias=down_bias is not None,
+        chunks=chunks,
+        activation=activation,
+        h_dtype=hidden_states.dtype,
+        up_dtype=up_dtype,
+        down_dtype=down_dtype,
     )
     touched_bound = min(num_experts, top_k_index.size)
     weight_bytes = touched_bound * (len(up_streams) + 1) * intermediate * hidden * gate_up.dtype.itemsize

@@ -5,6 +5,7 @@ ascending; ids outside that range (expert-parallel sentinels) are skipped; slots
 index (a grid sized max(count, 1) never fetches outside the weights). Done in XLA this is a scatter, a cumsum and a
 compaction, each a separate op with its own launch; here it is one small vector kernel.
 """
+
 import functools
 
 import jax

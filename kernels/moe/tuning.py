@@ -15,6 +15,7 @@ STEP_BYTES. The first block's DMA has nothing to overlap with and is paid in ful
 but narrow chunks use the MXU badly (Gemma 4's I = 704 in chunks of 88 columns: 89 % of the roofline at B = 64,
 in chunks of 176: 98 %; modeled v6e). 4 MiB gives 256-column chunks for Qwen3 (2048 hidden) and 176 for Gemma 4.
 """
+
 import dataclasses
 
 import jax.numpy as jnp
@@ -54,8 +55,18 @@ def _legal(tc: int, i_axis: int, dim: int, sublanes: int) -> bool:
 
 
 def plan_small_batch(
-    tokens: int, hidden: int, intermediate: int, *, gate_up_shape, down_shape, weights_transposed: bool,
-    gate_layout, has_gate_up_bias: bool, hidden_dtype, weight_dtype, down_dtype=None,
+    tokens: int,
+    hidden: int,
+    intermediate: int,
+    *,
+    gate_up_shape,
+    down_shape,
+    weights_transposed: bool,
+    gate_layout,
+    has_gate_up_bias: bool,
+    hidden_dtype,
+    weight_dtype,
+    down_dtype=None,
     info: pltpu.TpuInfo | None = None,
 ) -> SmallBatchPlan | None:
     info = info or chip.current_tpu_info()
@@ -82,16 +93,32 @@ def plan_small_batch(
     options = [tc for tc in range(intermediate, 0, -1) if intermediate % tc == 0 and legal(tc)]
     if not options:
         return None
-    step_bytes = lambda tc: (streams + 1) * tc * hidden * wb
+
+    def step_bytes(tc):
+        return (streams + 1) * tc * hidden * wb
+
     fitting = [tc for tc in options if step_bytes(tc) <= STEP_BYTES]
     tc = fitting[0] if fitting else options[-1]
-    working_set = (2 * step_bytes(tc) + 4 * tokens * hidden * hb + tokens * hidden * 4
-                   + F32_TEMPORARIES * tokens * (tc * streams + hidden) * 4)
+    working_set = (
+        2 * step_bytes(tc)
+        + 4 * tokens * hidden * hb
+        + tokens * hidden * 4
+        + F32_TEMPORARIES * tokens * (tc * streams + hidden) * 4
+    )
     budget = int(info.vmem_capacity_bytes * VMEM_SHARE)
     if working_set > budget:
         return None
-    up_streams = (WeightStream(up_axis, 0), WeightStream(up_axis, intermediate // tc)) if gate_layout else (
-        WeightStream(up_axis, 0),)
+    up_streams = (
+        (WeightStream(up_axis, 0), WeightStream(up_axis, intermediate // tc))
+        if gate_layout
+        else (WeightStream(up_axis, 0),)
+    )
     limit = chip.scoped_vmem_limit(info, working_set, ragged_dot_tuning.VMEM_SLACK_BYTES)
-    return SmallBatchPlan(swap_gate_up=swap_up, swap_down=swap_down, up_streams=up_streams, down_i_axis=down_axis,
-                          tc=tc, vmem_limit_bytes=limit)
+    return SmallBatchPlan(
+        swap_gate_up=swap_up,
+        swap_down=swap_down,
+        up_streams=up_streams,
+        down_i_axis=down_axis,
+        tc=tc,
+        vmem_limit_bytes=limit,
+    )

@@ -34,6 +34,7 @@ Differentiable in lhs, rhs, bias and row_scale, including through the activation
 recomputes the pre-activation with the forward kernel and differentiates the epilogue and the row scale in XLA).
 group_sizes and group_offset get no gradient.
 """
+
 import dataclasses
 import functools
 
@@ -86,8 +87,18 @@ def _check_group_offset(group_offset):
 
 
 def check_inputs(
-    lhs, rhs, group_sizes, *, preferred_element_type, rhs_transposed, group_offset, num_local_groups, bias,
-    activation, gated, row_scale=None,
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    preferred_element_type,
+    rhs_transposed,
+    group_offset,
+    num_local_groups,
+    bias,
+    activation,
+    gated,
+    row_scale=None,
 ):
     """Validate ragged_dot's arguments; return (config, group_offset as int or traced int32 scalar, n_out)."""
     lhs_dtype = check_array("lhs", lhs, ndim=2, dtypes=MATMUL_DTYPES)
@@ -166,8 +177,13 @@ def check_inputs(
         if total > m:
             raise ValueError(f"group_sizes: the sizes sum to {total}, more than lhs's {m} rows")
     cfg = _Config(
-        out_dtype=jnp.dtype(out_dtype), rhs_transposed=bool(rhs_transposed), num_local_groups=n_local,
-        rhs_global=rhs_global, activation=activation, gated=gated, static_grid=False,
+        out_dtype=jnp.dtype(out_dtype),
+        rhs_transposed=bool(rhs_transposed),
+        num_local_groups=n_local,
+        rhs_global=rhs_global,
+        activation=activation,
+        gated=gated,
+        static_grid=False,
     )
     return cfg, group_offset, (n // 2 if gated else n)
 
@@ -184,21 +200,49 @@ def _as_stored(rhs, rhs_transposed):
     return rhs, rhs_transposed
 
 
-def _plain_forward(lhs, rhs, bias2d, group_sizes, group_offset, *, out_dtype, rhs_transposed, n_local, rhs_global,
-                   static_grid, row_scale=None):
+def _plain_forward(
+    lhs,
+    rhs,
+    bias2d,
+    group_sizes,
+    group_offset,
+    *,
+    out_dtype,
+    rhs_transposed,
+    n_local,
+    rhs_global,
+    static_grid,
+    row_scale=None,
+):
     """Grouped matmul (+ bias) with no epilogue, through the forward kernel."""
     rhs, rhs_transposed = _as_stored(rhs, rhs_transposed)
     m, k = lhs.shape
     n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
     blocks = tuning.choose_blocks(
-        m, k, n, num_groups=n_local, lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype, out_dtype=out_dtype,
-        rhs_transposed=rhs_transposed, info=_info(),
+        m,
+        k,
+        n,
+        num_groups=n_local,
+        lhs_dtype=lhs.dtype,
+        rhs_dtype=rhs.dtype,
+        out_dtype=out_dtype,
+        rhs_transposed=rhs_transposed,
+        info=_info(),
     )
     bias = () if bias2d is None else (bias2d[:, None, :],)
     return kernel.ragged_dot_forward(
-        lhs, rhs, group_sizes, out_dtype=out_dtype, blocks=blocks, rhs_transposed=rhs_transposed,
-        group_offset=group_offset, num_local_groups=n_local, rhs_group_base=group_offset if rhs_global else 0,
-        bias=bias, static_grid=static_grid, row_scale=_scale_column(row_scale),
+        lhs,
+        rhs,
+        group_sizes,
+        out_dtype=out_dtype,
+        blocks=blocks,
+        rhs_transposed=rhs_transposed,
+        group_offset=group_offset,
+        num_local_groups=n_local,
+        rhs_group_base=group_offset if rhs_global else 0,
+        bias=bias,
+        static_grid=static_grid,
+        row_scale=_scale_column(row_scale),
     )
 
 
@@ -226,14 +270,31 @@ def _fused_forward(cfg: _Config, lhs, rhs, bias2d, row_scale, group_sizes, group
     n_full = rhs.shape[1] if cfg.rhs_transposed else rhs.shape[2]
     if cfg.gated is None and cfg.activation is None:
         return _plain_forward(
-            lhs, rhs, bias2d, group_sizes, group_offset, out_dtype=cfg.out_dtype, rhs_transposed=cfg.rhs_transposed,
-            n_local=cfg.num_local_groups, rhs_global=cfg.rhs_global, static_grid=cfg.static_grid, row_scale=row_scale,
+            lhs,
+            rhs,
+            bias2d,
+            group_sizes,
+            group_offset,
+            out_dtype=cfg.out_dtype,
+            rhs_transposed=cfg.rhs_transposed,
+            n_local=cfg.num_local_groups,
+            rhs_global=cfg.rhs_global,
+            static_grid=cfg.static_grid,
+            row_scale=row_scale,
         )
     half = n_full // 2
     if not _fusable(cfg.gated, cfg.rhs_transposed, half, rhs.dtype):
         h = _plain_forward(
-            lhs, rhs, bias2d, group_sizes, group_offset, out_dtype=jnp.float32, rhs_transposed=cfg.rhs_transposed,
-            n_local=cfg.num_local_groups, rhs_global=cfg.rhs_global, static_grid=cfg.static_grid,
+            lhs,
+            rhs,
+            bias2d,
+            group_sizes,
+            group_offset,
+            out_dtype=jnp.float32,
+            rhs_transposed=cfg.rhs_transposed,
+            n_local=cfg.num_local_groups,
+            rhs_global=cfg.rhs_global,
+            static_grid=cfg.static_grid,
         )
         out = _epilogue(h, cfg)
         if row_scale is not None:
@@ -245,9 +306,17 @@ def _fused_forward(cfg: _Config, lhs, rhs, bias2d, row_scale, group_sizes, group
     if _fusable(cfg.gated, stored_transposed, half, rhs.dtype):
         rhs, rhs_transposed = stored, stored_transposed
     blocks = tuning.choose_blocks(
-        m, k, n_out, num_groups=cfg.num_local_groups, lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype,
-        out_dtype=cfg.out_dtype, rhs_transposed=rhs_transposed, gated=cfg.gated is not None,
-        half_n=half if cfg.gated else None, info=_info(),
+        m,
+        k,
+        n_out,
+        num_groups=cfg.num_local_groups,
+        lhs_dtype=lhs.dtype,
+        rhs_dtype=rhs.dtype,
+        out_dtype=cfg.out_dtype,
+        rhs_transposed=rhs_transposed,
+        gated=cfg.gated is not None,
+        half_n=half if cfg.gated else None,
+        info=_info(),
     )
     if bias2d is None:
         bias = ()
@@ -256,10 +325,20 @@ def _fused_forward(cfg: _Config, lhs, rhs, bias2d, row_scale, group_sizes, group
     else:
         bias = (bias2d[:, None, :],)
     return kernel.ragged_dot_forward(
-        lhs, rhs, group_sizes, out_dtype=cfg.out_dtype, blocks=blocks, rhs_transposed=rhs_transposed,
-        group_offset=group_offset, num_local_groups=cfg.num_local_groups,
-        rhs_group_base=group_offset if cfg.rhs_global else 0, bias=bias, gated=cfg.gated,
-        activation=cfg.activation, static_grid=cfg.static_grid, row_scale=_scale_column(row_scale),
+        lhs,
+        rhs,
+        group_sizes,
+        out_dtype=cfg.out_dtype,
+        blocks=blocks,
+        rhs_transposed=rhs_transposed,
+        group_offset=group_offset,
+        num_local_groups=cfg.num_local_groups,
+        rhs_group_base=group_offset if cfg.rhs_global else 0,
+        bias=bias,
+        gated=cfg.gated,
+        activation=cfg.activation,
+        static_grid=cfg.static_grid,
+        row_scale=_scale_column(row_scale),
     )
 
 
@@ -294,8 +373,16 @@ def _ragged_dot_bwd(cfg: _Config, saved, g):
     if has_epilogue or row_scale is not None:
         # Recompute the pre-activation (f32); differentiate the row scale and the epilogue in XLA.
         h = _plain_forward(
-            lhs, rhs, bias2d, group_sizes, group_offset, out_dtype=jnp.float32, rhs_transposed=cfg.rhs_transposed,
-            n_local=n_local, rhs_global=cfg.rhs_global, static_grid=cfg.static_grid,
+            lhs,
+            rhs,
+            bias2d,
+            group_sizes,
+            group_offset,
+            out_dtype=jnp.float32,
+            rhs_transposed=cfg.rhs_transposed,
+            n_local=n_local,
+            rhs_global=cfg.rhs_global,
+            static_grid=cfg.static_grid,
         )
         g = g.astype(jnp.float32)
         if row_scale is not None:
@@ -307,17 +394,37 @@ def _ragged_dot_bwd(cfg: _Config, saved, g):
             (g,) = epilogue_vjp(g)
     # d lhs: the same grouped matmul against rhs read the other way round; rows outside the window get zero.
     dlhs = _plain_forward(
-        g, rhs, None, group_sizes, group_offset, out_dtype=lhs.dtype, rhs_transposed=not cfg.rhs_transposed,
-        n_local=n_local, rhs_global=cfg.rhs_global, static_grid=cfg.static_grid,
+        g,
+        rhs,
+        None,
+        group_sizes,
+        group_offset,
+        out_dtype=lhs.dtype,
+        rhs_transposed=not cfg.rhs_transposed,
+        n_local=n_local,
+        rhs_global=cfg.rhs_global,
+        static_grid=cfg.static_grid,
     )
     # d rhs: per group, lhs[rows]^T @ g[rows] ([K, N]), or g[rows]^T @ lhs[rows] for the transposed layout.
     a, b = (g, lhs) if cfg.rhs_transposed else (lhs, g)
     tblocks = tuning.choose_transposed_blocks(
-        m, a.shape[1], b.shape[1], num_groups=n_local, a_dtype=a.dtype, b_dtype=b.dtype, out_dtype=rhs.dtype,
+        m,
+        a.shape[1],
+        b.shape[1],
+        num_groups=n_local,
+        a_dtype=a.dtype,
+        b_dtype=b.dtype,
+        out_dtype=rhs.dtype,
         info=_info(),
     )
     drhs = kernel.transposed_ragged_dot(
-        a, b, group_sizes, out_dtype=rhs.dtype, blocks=tblocks, group_offset=group_offset, num_local_groups=n_local,
+        a,
+        b,
+        group_sizes,
+        out_dtype=rhs.dtype,
+        blocks=tblocks,
+        group_offset=group_offset,
+        num_local_groups=n_local,
         static_grid=cfg.static_grid,
     )
     dbias = None
@@ -362,8 +469,16 @@ def ragged_dot(
     `static_grid=True` sizes the kernel grid by the worst-case visit count instead of the real one (for comparison).
     """
     cfg, group_offset, n_out = check_inputs(
-        lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, rhs_transposed=rhs_transposed,
-        group_offset=group_offset, num_local_groups=num_local_groups, bias=bias, activation=activation, gated=gated,
+        lhs,
+        rhs,
+        group_sizes,
+        preferred_element_type=preferred_element_type,
+        rhs_transposed=rhs_transposed,
+        group_offset=group_offset,
+        num_local_groups=num_local_groups,
+        bias=bias,
+        activation=activation,
+        gated=gated,
         row_scale=row_scale,
     )
     cfg = dataclasses.replace(cfg, static_grid=bool(static_grid))
@@ -377,8 +492,16 @@ def ragged_dot(
         n_full = rhs.shape[1] if rhs_transposed else rhs.shape[2]
         unit_rhs = jnp.zeros((rhs.shape[0],) + ((n_full, 1) if rhs_transposed else (1, n_full)), rhs.dtype)
         return reference.ragged_dot_reference(
-            jnp.zeros((m, 1), lhs.dtype), unit_rhs, group_sizes, preferred_element_type=cfg.out_dtype,
-            rhs_transposed=rhs_transposed, group_offset=group_offset, num_local_groups=cfg.num_local_groups,
-            bias=bias, activation=activation, gated=gated, row_scale=row_scale,
+            jnp.zeros((m, 1), lhs.dtype),
+            unit_rhs,
+            group_sizes,
+            preferred_element_type=cfg.out_dtype,
+            rhs_transposed=rhs_transposed,
+            group_offset=group_offset,
+            num_local_groups=cfg.num_local_groups,
+            bias=bias,
+            activation=activation,
+            gated=gated,
+            row_scale=row_scale,
         )
     return _ragged_dot(cfg, lhs, rhs, bias, row_scale, group_sizes, group_offset)

@@ -20,6 +20,7 @@ visit's block indices (no DMA) and skip all work under `pl.when`.
 
 Accumulation is in f32: directly in registers when tk = K (one k step), else in a VMEM scratch over the k axis.
 """
+
 import functools
 
 import jax
@@ -86,8 +87,21 @@ def matmul_precision(dtype):
 
 
 def _forward_kernel(
-    meta_ref, lhs_ref, *refs, V, tm, tk, k, tiles_k, transposed, gated, activation, num_bias, has_row_scale,
-    compute_dtype, static_grid,
+    meta_ref,
+    lhs_ref,
+    *refs,
+    V,
+    tm,
+    tk,
+    k,
+    tiles_k,
+    transposed,
+    gated,
+    activation,
+    num_bias,
+    has_row_scale,
+    compute_dtype,
+    static_grid,
 ):
     n_rhs = 2 if gated == "concatenated" else 1
     rhs_refs = refs[:n_rhs]
@@ -220,8 +234,14 @@ def ragged_dot_forward(
     tiles_k = pl.cdiv(k, tk)
     tiles_n = pl.cdiv(n_out, tn)
     meta, nv, V = metadata.forward_metadata(
-        group_sizes, m=m, tm=tm, tiles_k=tiles_k, group_offset=group_offset, num_local_groups=num_local_groups,
-        rhs_group_base=rhs_group_base, rhs_groups=rhs.shape[0],
+        group_sizes,
+        m=m,
+        tm=tm,
+        tiles_k=tiles_k,
+        group_offset=group_offset,
+        num_local_groups=num_local_groups,
+        rhs_group_base=rhs_group_base,
+        rhs_groups=rhs.shape[0],
     )
 
     def k_index(v, kk, meta):
@@ -265,8 +285,18 @@ def ragged_dot_forward(
     scratch = [pltpu.VMEM((tm, tn), jnp.float32) for _ in range(streams)] if tiles_k > 1 else []
     compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     kernel = functools.partial(
-        _forward_kernel, V=V, tm=tm, tk=tk, k=k, tiles_k=tiles_k, transposed=rhs_transposed, gated=gated,
-        activation=activation, num_bias=len(bias), has_row_scale=row_scale is not None, compute_dtype=compute_dtype,
+        _forward_kernel,
+        V=V,
+        tm=tm,
+        tk=tk,
+        k=k,
+        tiles_k=tiles_k,
+        transposed=rhs_transposed,
+        gated=gated,
+        activation=activation,
+        num_bias=len(bias),
+        has_row_scale=row_scale is not None,
+        compute_dtype=compute_dtype,
         static_grid=static_grid,
     )
     grid_v = V if static_grid else nv
@@ -315,7 +345,10 @@ def _transposed_kernel(meta_ref, a_ref, b_ref, out_ref, acc_ref, *, V, tm, compu
         a = jnp.where(mask, a_ref[...].astype(jnp.float32), 0.0).astype(compute_dtype)
         b = jnp.where(mask, b_ref[...].astype(jnp.float32), 0.0).astype(compute_dtype)
         acc_ref[...] += jax.lax.dot_general(
-            a.T, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+            a.T,
+            b,
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
             precision=matmul_precision(compute_dtype),
         )
 
@@ -342,7 +375,8 @@ def transposed_ragged_dot(a, b, group_sizes, *, out_dtype, blocks, group_offset,
     cost = pl.CostEstimate(
         flops=2 * m * p * q,
         transcendentals=0,
-        bytes_accessed=tiles_q * m * p * a.dtype.itemsize + tiles_p * m * q * b.dtype.itemsize
+        bytes_accessed=tiles_q * m * p * a.dtype.itemsize
+        + tiles_p * m * q * b.dtype.itemsize
         + num_local_groups * p * q * jnp.dtype(out_dtype).itemsize,
     )
     return pl.pallas_call(

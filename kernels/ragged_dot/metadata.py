@@ -3,9 +3,10 @@
 `forward_metadata_reference` defines the visit list in plain JAX; XLA compiles it to about twenty small ops (a cumsum,
 a searchsorted loop, gathers, a concatenation), each costing about a microsecond of fixed overhead on the TPU, which
 at decode is as much as the grouped matmul's own weight stream. This kernel writes the same list in one launch: a
-walk over the groups and the visit slots on the scalar unit (static loops: groups + visits iterations). Its output equals
-`forward_metadata_reference`'s element for element (tests/test_ragged_dot.py checks it).
+walk over the groups and the visit slots on the scalar unit (static loops: groups + visits iterations). Its output
+equals `forward_metadata_reference`'s element for element (tests/test_ragged_dot.py checks it).
 """
+
 import functools
 
 import jax
@@ -43,8 +44,9 @@ def forward_visits_bound(m: int, tm: int, num_local_groups: int) -> int:
     return pl.cdiv(m, tm) + max(min(num_local_groups, m), 1) - 1
 
 
-def forward_metadata_reference(group_sizes, *, m, tm, tiles_k, group_offset, num_local_groups, rhs_group_base,
-                               rhs_groups):
+def forward_metadata_reference(
+    group_sizes, *, m, tm, tiles_k, group_offset, num_local_groups, rhs_group_base, rhs_groups
+):
     """Visit list for the forward kernel. Returns (flat int32 metadata [NUM_FIELDS * V + 1], visit count, V).
 
     rhs_group_base: added to the local group index to get rhs's group index (group_offset when rhs holds every
@@ -106,8 +108,23 @@ def _div(a, b):
     return jax.lax.div(a, jnp.int32(b))
 
 
-def _metadata_kernel(sizes_ref, offsets_ref, meta_ref, count_ref, ne_group_ref, ne_start_ref, ne_end_ref, *, m, tm,
-                     tiles_k, n_local, num_groups, rhs_groups, V):
+def _metadata_kernel(
+    sizes_ref,
+    offsets_ref,
+    meta_ref,
+    count_ref,
+    ne_group_ref,
+    ne_start_ref,
+    ne_end_ref,
+    *,
+    m,
+    tm,
+    tiles_k,
+    n_local,
+    num_groups,
+    rhs_groups,
+    V,
+):
     # Both loops have a static trip count (groups, visit slots), so the cost is fixed and visible in the compiled
     # schedule; the loop bodies are branch-free (scalar branches cost pipeline slots on every iteration).
     tiles_m = pl.cdiv(m, tm)
@@ -131,12 +148,19 @@ def _metadata_kernel(sizes_ref, offsets_ref, meta_ref, count_ref, ne_group_ref, 
         ne_start_ref[slot] = gs
         ne_end_ref[slot] = ge
         cnt = jnp.where(has, _div(ge - 1, tm) - _div(gs, tm) + 1, 0)
-        return (running, n_ne + has.astype(i32), total + cnt, jnp.where(has, jnp.minimum(lo, gs), lo),
-                jnp.where(has, jnp.maximum(hi, ge), hi), jnp.where(jnp.logical_and(has, j_first < 0), j, j_first),
-                jnp.where(has, j, j_last))
+        return (
+            running,
+            n_ne + has.astype(i32),
+            total + cnt,
+            jnp.where(has, jnp.minimum(lo, gs), lo),
+            jnp.where(has, jnp.maximum(hi, ge), hi),
+            jnp.where(jnp.logical_and(has, j_first < 0), j, j_first),
+            jnp.where(has, j, j_last),
+        )
 
     _, _, total, lo, hi, j_first, j_last = jax.lax.fori_loop(
-        0, num_groups, summarize, (i32(0), i32(0), i32(0), i32(m), i32(0), i32(-1), i32(-1)))
+        0, num_groups, summarize, (i32(0), i32(0), i32(0), i32(m), i32(0), i32(-1), i32(-1))
+    )
     any_rows = total > 0
     j_first = jnp.maximum(j_first, 0)
     j_last = jnp.where(any_rows, j_last, 0)
@@ -163,8 +187,9 @@ def _metadata_kernel(sizes_ref, offsets_ref, meta_ref, count_ref, ne_group_ref, 
         visit_fields = {
             F_TILE: tile,
             F_FETCH_TILE: jnp.where(is_pre, first_real_tile, jnp.where(is_grp, tile, suffix_fetch)),
-            F_GROUP: jnp.clip(jnp.where(is_pre, j_first, jnp.where(is_grp, ne_group_ref[kc], j_last)) + base,
-                              0, rhs_groups - 1),  # never a DMA outside rhs
+            F_GROUP: jnp.clip(
+                jnp.where(is_pre, j_first, jnp.where(is_grp, ne_group_ref[kc], j_last)) + base, 0, rhs_groups - 1
+            ),  # never a DMA outside rhs
             F_LO: jnp.where(is_grp, jnp.maximum(gs, tile * tm), 0),
             F_HI: jnp.where(is_grp, jnp.minimum(ge, tile * tm + tm), 0),
         }
@@ -190,12 +215,20 @@ def forward_metadata(group_sizes, *, m, tm, tiles_k, group_offset, num_local_gro
     """As forward_metadata_reference (same arguments and result), computed by one scalar Pallas kernel."""
     num_groups = group_sizes.shape[0]
     V = forward_visits_bound(m, tm, num_local_groups)
-    offsets = jnp.stack([jnp.asarray(group_offset, jnp.int32).reshape(()),
-                         jnp.asarray(rhs_group_base, jnp.int32).reshape(())])
+    offsets = jnp.stack(
+        [jnp.asarray(group_offset, jnp.int32).reshape(()), jnp.asarray(rhs_group_base, jnp.int32).reshape(())]
+    )
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     kernel = functools.partial(
-        _metadata_kernel, m=m, tm=tm, tiles_k=tiles_k, n_local=num_local_groups, num_groups=num_groups,
-        rhs_groups=rhs_groups, V=V)
+        _metadata_kernel,
+        m=m,
+        tm=tm,
+        tiles_k=tiles_k,
+        n_local=num_local_groups,
+        num_groups=num_groups,
+        rhs_groups=rhs_groups,
+        V=V,
+    )
     meta, count = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((NUM_FIELDS * V + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)),

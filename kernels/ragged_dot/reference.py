@@ -6,6 +6,7 @@ rows of lhs are sorted by group; group g owns rows [sum(sizes[:g]), sum(sizes[:g
 lhs[r] @ rhs[g(r)] when g(r) is in the local window [group_offset, group_offset + num_local_groups), else zero; rows
 past sum(group_sizes) are zero. rhs holds either every group or only the window's (see `api.ragged_dot`).
 """
+
 import jax
 import jax.numpy as jnp
 

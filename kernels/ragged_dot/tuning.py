@@ -4,8 +4,8 @@ How the kernels use them (see kernel.py): the forward grid is (n tiles, visits, 
 (m tile, group) pair, so the weight block of a group, (tk, tn), is re-used by consecutive visits of that group when
 tk covers all of K (its block index does not change, so the pipeline does not refetch it). Hence:
 
-- tk = K whenever (K, tn) weight blocks fit the VMEM budget for some tn: the weights are then read from HBM once per n tile
-  per group, never once per m tile, which is what decode needs (it is a stream of expert weights at HBM speed).
+- tk = K whenever (K, tn) weight blocks fit the VMEM budget for some tn: the weights are then read from HBM once per
+  n tile per group, never once per m tile, which is what decode needs (it is a stream of expert weights at HBM speed).
 - tn as wide as the budget allows (up to TN_MAX): each step moves a big weight block (a few MiB), which hides the
   fixed per-step cost, and lhs is re-read once per n tile, so fewer n tiles means less lhs traffic in prefill.
 - tm trades MXU work against masking waste. A tile that straddles a group boundary is computed once per group, so
@@ -18,6 +18,7 @@ The working set (double-buffered lhs, weight and output blocks, the f32 accumula
 must fit VMEM_SHARE of the core's VMEM; tk shrinks first (to a divisor of K that is a multiple of 128), then tn.
 Every entry is meant to be proven by the deviceless compile check at the benchmark shapes on v5e, v6e and v7x.
 """
+
 import dataclasses
 
 import jax.numpy as jnp
@@ -78,8 +79,7 @@ def _tile_options(dim: int, cap: int, multiple: int, *, prefer_divisors: bool) -
     out = [dim] if dim <= cap else []
     # Balanced splits into 1, 2, 3, ... tiles (so a VMEM-bound choice shrinks gradually, not to one lane tile).
     balanced = sorted(
-        {max(multiple, pl.cdiv(pl.cdiv(dim, c), multiple) * multiple)
-         for c in range(max(1, pl.cdiv(dim, cap)), 17)},
+        {max(multiple, pl.cdiv(pl.cdiv(dim, c), multiple) * multiple) for c in range(max(1, pl.cdiv(dim, cap)), 17)},
         reverse=True,
     )
     balanced = [t for t in balanced if t <= cap and t < dim]

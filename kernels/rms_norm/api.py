@@ -1,4 +1,5 @@
 """Public JAX API of RMSNorm: input validation, block choice, and custom_vjp wiring of the Pallas kernels."""
+
 import functools
 
 import jax
@@ -49,9 +50,7 @@ def _rms_norm_2d_fwd(x2d, weight2d, eps, weight_offset):
 def _rms_norm_2d_bwd(eps, weight_offset, saved, g):
     x2d, weight2d = saved
     blocks = _blocks(*x2d.shape, x2d.dtype)
-    dx, partials = kernel.rms_norm_backward(
-        x2d, g, None, weight2d, eps=eps, weight_offset=weight_offset, blocks=blocks
-    )
+    dx, partials = kernel.rms_norm_backward(x2d, g, None, weight2d, eps=eps, weight_offset=weight_offset, blocks=blocks)
     return dx, _weight_grad(partials, weight2d)
 
 
@@ -90,7 +89,9 @@ def _as_rows(a, hidden):
 
 
 @interpret_eager_cpu_calls
-def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *, weight_offset: float = 0.0) -> jax.Array:
+def rms_norm(
+    x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *, weight_offset: float = 0.0
+) -> jax.Array:
     """RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * (weight_offset + weight), math in f32.
 
     x: [..., hidden] in f32, bf16 or f16; weight: [hidden] or None (no scale); returns x's shape and dtype.
@@ -154,4 +155,6 @@ def rms_norm_backward(
         x2d, _as_rows(grad, hidden), gsum2d, w2d, eps=eps, weight_offset=weight_offset, blocks=blocks
     )
     dweight = _weight_grad(partials, w2d)
-    return dx.reshape(x.shape).astype(x.dtype), (None if dweight is None else dweight.reshape(weight.shape).astype(weight.dtype))
+    return dx.reshape(x.shape).astype(x.dtype), (
+        None if dweight is None else dweight.reshape(weight.shape).astype(weight.dtype)
+    )

@@ -6,6 +6,7 @@ how sizes that are not a multiple of 128 are supported). The last slab may run p
 and the backward masks those rows out of the weight-gradient sum. Row blocks are independent ("parallel"), which lets
 a multi-core chip split the grid.
 """
+
 import functools
 
 import jax
@@ -131,8 +132,13 @@ def rms_norm_backward(s2d, g2d, gsum2d, weight2d, *, eps, weight_offset, blocks:
         out_shape.append(jax.ShapeDtypeStruct((num_blocks, 1, hidden), jnp.float32))
         out_specs.append(pl.BlockSpec((1, 1, hidden), lambda i: (i, 0, 0)))
     kernel = functools.partial(
-        _backward_kernel, eps=eps, weight_offset=weight_offset, has_weight=has_weight,
-        has_sum_grad=has_sum_grad, rows=rows, block_rows=blocks.block_rows,
+        _backward_kernel,
+        eps=eps,
+        weight_offset=weight_offset,
+        has_weight=has_weight,
+        has_sum_grad=has_sum_grad,
+        rows=rows,
+        block_rows=blocks.block_rows,
     )
     streams = 4 if has_sum_grad else 3
     outs = pl.pallas_call(

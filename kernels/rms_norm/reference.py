@@ -1,4 +1,5 @@
 """RMSNorm written to be obviously right: plain jax.numpy, math in f32 (or in the dtype given)."""
+
 import jax.numpy as jnp
 
 

@@ -5,6 +5,7 @@ enough that the ~0.35 us fixed cost of a grid step hides behind the slab's DMA, 
 double-buffered streams plus the f32 temporaries fit the VMEM the kernel asks for. Every entry is proven by the
 deviceless compile test at the benchmark shapes on v5e, v6e and v7x.
 """
+
 import dataclasses
 
 import jax.numpy as jnp

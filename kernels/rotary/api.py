@@ -19,9 +19,9 @@ same way (each frequency repeated twice). The rotation is out = x * cos + rotate
 Numerics: math in f32, results in q's dtype. q/k in float32 or bfloat16; cos/sin in float32 or bfloat16. Differentiable
 in q, k, cos, sin and the norm weights (cos/sin and weight gradients are reduced in XLA; q/k gradients are a kernel).
 """
+
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -176,9 +176,16 @@ def _run(xs, ws, table_a, table_b, cfg: kernel.RopeConfig):
     seq = x0.shape[1] if cfg.seq_major else x0.shape[2]
     table_dtypes = (table_a.dtype,) if cfg.from_positions else (table_a.dtype, table_b.dtype)
     blocks = tuning.choose_blocks(
-        batch=x0.shape[0], seq=seq, heads=tuple(_heads(x, cfg.seq_major) for x in xs), head_dim=x0.shape[3],
-        dtype=x0.dtype, table_width=table_b.shape[-1], table_dtypes=table_dtypes, seq_major=cfg.seq_major,
-        from_positions=cfg.from_positions, info=chip.current_tpu_info(),
+        batch=x0.shape[0],
+        seq=seq,
+        heads=tuple(_heads(x, cfg.seq_major) for x in xs),
+        head_dim=x0.shape[3],
+        dtype=x0.dtype,
+        table_width=table_b.shape[-1],
+        table_dtypes=table_dtypes,
+        seq_major=cfg.seq_major,
+        from_positions=cfg.from_positions,
+        info=chip.current_tpu_info(),
     )
     # Norm weights [D] as (D // 128, 128): a bitcast in XLA's TPU layouts, where (1, D) at D = 256, 512 is a copy.
     ws2d = [w.reshape(-1, 128) if w.shape[0] % 128 == 0 else w.reshape(1, -1) for w in ws] if cfg.norm else []
@@ -277,8 +284,10 @@ def _rope_positions_bwd(cfg, inv_freq, saved, grads):
     grads = tuple(g.astype(x.dtype) for g, x in zip(grads, xs))
     g_rot = _rope_positions(grads, (), positions, dataclasses.replace(cfg, transpose=True, norm=False), inv_freq)
     if cfg.norm:
-        pairs = [rms_norm_api.rms_norm_backward(g, x, w, cfg.eps, weight_offset=cfg.weight_offset)
-                 for g, x, w in zip(g_rot, xs, ws)]
+        pairs = [
+            rms_norm_api.rms_norm_backward(g, x, w, cfg.eps, weight_offset=cfg.weight_offset)
+            for g, x, w in zip(g_rot, xs, ws)
+        ]
         dxs, dws = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
     else:
         dxs, dws = tuple(g_rot), ws
@@ -332,8 +341,9 @@ def _on_tables(q, k, ws, cos, sin, r, *, interleaved, layout, backward=False, **
     return _call(lambda xs, ws, c, s: _rope_tables(xs, ws, c, s, cfg), q, k, ws, shape, cos, sin)
 
 
-def _on_positions(q, k, weights, positions, *, theta, rotary_dim, scaling, interleaved, layout, backward=False,
-                  **cfg_kw):
+def _on_positions(
+    q, k, weights, positions, *, theta, rotary_dim, scaling, interleaved, layout, backward=False, **cfg_kw
+):
     """The kernel with cos/sin computed from positions, inputs validated here; weights: (q_weight, k_weight) for the
     fused norm, else None."""
     inv_freq, attention_scaling, r = check_position_inputs(
@@ -346,8 +356,16 @@ def _on_positions(q, k, weights, positions, *, theta, rotary_dim, scaling, inter
     shape = _check_qk(q, k, layout)
     nonzero = np.flatnonzero(np.asarray(inv_freq))
     angle_lanes = max(128, -(-(int(nonzero[-1]) + 1 if nonzero.size else 0) // 128) * 128)
-    cfg = _config(shape, r, interleaved, transpose=backward, from_positions=True, attention_scaling=attention_scaling,
-                  angle_lanes=angle_lanes, **cfg_kw)
+    cfg = _config(
+        shape,
+        r,
+        interleaved,
+        transpose=backward,
+        from_positions=True,
+        attention_scaling=attention_scaling,
+        angle_lanes=angle_lanes,
+        **cfg_kw,
+    )
     inv = tuple(float(f) for f in inv_freq)
     return _call(lambda xs, ws, p: _rope_positions(xs, ws, p, cfg, inv), q, k, ws, shape, positions)
 
@@ -405,12 +423,31 @@ def rms_norm_rope(
     k_norm (RMSNorm over head_dim, per head) followed by RoPE. The norm and rotation are both in f32; the result is
     rounded once. Weights [head_dim] in f32 or bf16."""
     eps, weight_offset = check_norm_inputs(
-        q, k, q_weight, k_weight, cos, sin, eps=eps, weight_offset=weight_offset, interleaved=interleaved,
+        q,
+        k,
+        q_weight,
+        k_weight,
+        cos,
+        sin,
+        eps=eps,
+        weight_offset=weight_offset,
+        interleaved=interleaved,
         layout=layout,
     )
     ws = (q_weight,) if k is None else (q_weight, k_weight)
-    return _on_tables(q, k, ws, cos, sin, cos.shape[-1], interleaved=interleaved, layout=layout, norm=True, eps=eps,
-                      weight_offset=weight_offset)
+    return _on_tables(
+        q,
+        k,
+        ws,
+        cos,
+        sin,
+        cos.shape[-1],
+        interleaved=interleaved,
+        layout=layout,
+        norm=True,
+        eps=eps,
+        weight_offset=weight_offset,
+    )
 
 
 @interpret_eager_cpu_calls
@@ -430,8 +467,17 @@ def apply_rotary_from_positions(
     attention factor), so no tables cross HBM. theta: the rope base; rotary_dim: rotated features (default head_dim);
     scaling: transformers' rope_parameters dict for "linear", "llama3", "yarn" or "proportional" (Gemma 4), or None.
     The cos/sin stay in f32 (transformers rounds its tables to the model dtype first)."""
-    return _on_positions(q, k, None, positions, theta=theta, rotary_dim=rotary_dim, scaling=scaling,
-                         interleaved=interleaved, layout=layout)
+    return _on_positions(
+        q,
+        k,
+        None,
+        positions,
+        theta=theta,
+        rotary_dim=rotary_dim,
+        scaling=scaling,
+        interleaved=interleaved,
+        layout=layout,
+    )
 
 
 @interpret_eager_cpu_calls
@@ -448,8 +494,18 @@ def apply_rotary_from_positions_backward(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gradients in q and k of apply_rotary_from_positions for output gradients grad_q, grad_k: the transpose
     rotation (by -sin), cos/sin again computed in the kernel."""
-    return _on_positions(grad_q, grad_k, None, positions, theta=theta, rotary_dim=rotary_dim, scaling=scaling,
-                         interleaved=interleaved, layout=layout, backward=True)
+    return _on_positions(
+        grad_q,
+        grad_k,
+        None,
+        positions,
+        theta=theta,
+        rotary_dim=rotary_dim,
+        scaling=scaling,
+        interleaved=interleaved,
+        layout=layout,
+        backward=True,
+    )
 
 
 @interpret_eager_cpu_calls
@@ -470,12 +526,25 @@ def rms_norm_rope_from_positions(
 ) -> tuple[jax.Array, jax.Array | None]:
     """rms_norm_rope with cos/sin computed in the kernel from positions (see apply_rotary_from_positions)."""
     eps, weight_offset = check_finite_nonnegative("eps", eps), check_finite("weight_offset", weight_offset)
-    return _on_positions(q, k, (q_weight, k_weight), positions, theta=theta, rotary_dim=rotary_dim, scaling=scaling,
-                         interleaved=interleaved, layout=layout, norm=True, eps=eps, weight_offset=weight_offset)
+    return _on_positions(
+        q,
+        k,
+        (q_weight, k_weight),
+        positions,
+        theta=theta,
+        rotary_dim=rotary_dim,
+        scaling=scaling,
+        interleaved=interleaved,
+        layout=layout,
+        norm=True,
+        eps=eps,
+        weight_offset=weight_offset,
+    )
 
 
-def rope_cos_sin(positions, *, head_dim: int, theta: float, rotary_dim: int | None = None, scaling=None,
-                 interleaved: bool = False):
+def rope_cos_sin(
+    positions, *, head_dim: int, theta: float, rotary_dim: int | None = None, scaling=None, interleaved: bool = False
+):
     """The cos/sin tables [B, S, r] (f32) apply_rotary_from_positions computes in the kernel, for use with
     apply_rotary or a reference."""
     rotary_dim = _check_rotary_dim(head_dim if rotary_dim is None else rotary_dim, head_dim)

@@ -3,6 +3,7 @@
 
 `scaling` is a transformers-style rope_parameters dict ({"rope_type": ..., "factor": ..., ...}) or None (default).
 """
+
 import math
 
 import numpy as np
@@ -13,8 +14,14 @@ ROPE_KEYS = {
     "linear": {"factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
     "yarn": {
-        "factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
-        "mscale_all_dim", "truncate",
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
     },
     "proportional": {"factor", "partial_rotary_factor"},
 }
@@ -50,8 +57,17 @@ def check_scaling(scaling) -> dict:
     missing = _REQUIRED.get(rope_type, set()) - {k for k, v in scaling.items() if v is not None}
     if missing:
         raise ValueError(f"scaling: rope_type {rope_type!r} needs {sorted(missing)}")
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
-                "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+    for key in (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+    ):
         if scaling.get(key) is not None:
             _number(key, scaling[key])
     if rope_type == "proportional":

@@ -19,6 +19,7 @@ second; the transpose (the backward, since RoPE is linear in x) is g * cos - R(g
 Token blocks are independent ("parallel" on both grid axes), which lets a multi-core chip split the grid. A ragged
 last block computes on padding rows whose writes Pallas drops; nothing reduces across rows.
 """
+
 import dataclasses
 import functools
 
@@ -96,8 +97,12 @@ def positions_layout(positions_shape, *, seq: int, cfg: RopeConfig, width: int, 
     if not cfg.interleaved and cfg.rotary_dim == width:
         if (width // 2) % 128 == 0:
             packing = "lanes"
-        elif (width == 128 and ts % ROWS_PACKING_MIN_TOKENS == 0 and (rows == 1 or blocks.block_batch == 1)
-              and row_len == seq):
+        elif (
+            width == 128
+            and ts % ROWS_PACKING_MIN_TOKENS == 0
+            and (rows == 1 or blocks.block_batch == 1)
+            and row_len == seq
+        ):
             packing = "rows"
     return PositionsLayout(mode=mode, packing=packing, block_seq=ts)
 
@@ -301,8 +306,11 @@ def _kernel(*refs, n, cfg: RopeConfig, positions: PositionsLayout | None, broadc
     # Norm weights (1, D) f32, offset included ((D // 128, 128) in VMEM). Each x has its own lane factors under the
     # norm (its weight is folded in); without it one pair serves every x.
     weights = [w_ref[...].astype(jnp.float32).reshape(1, -1) + cfg.weight_offset for w_ref in w_refs]
-    factor_sets = [_lane_factors(cos, sin, w[:, :width], cfg) for w in weights] if cfg.norm else [
-        _lane_factors(cos, sin, None, cfg)]
+    factor_sets = (
+        [_lane_factors(cos, sin, w[:, :width], cfg) for w in weights]
+        if cfg.norm
+        else [_lane_factors(cos, sin, None, cfg)]
+    )
     if broadcast_loads:
         # seq_major: each token's (H, D) tile needs its own factor rows on every sublane. Broadcasting a row of a
         # value costs a sublane permute per vreg column (XLU); parked in VMEM, the rows come back by sublane-
@@ -327,16 +335,18 @@ def _kernel(*refs, n, cfg: RopeConfig, positions: PositionsLayout | None, broadc
             group = max(1, min(tokens, GROUP_FACTOR_VREGS // (-(-heads // 8) * -(-width // 128))))
 
             def factor_rows(ref_index, bi, t0, t1):  # (t1 - t0, H, W)
-                return jnp.stack([jnp.broadcast_to(factor_ref[ref_index, bi, pl.ds(t, 1), :], (heads, width))
-                                  for t in range(t0, t1)])
+                return jnp.stack(
+                    [jnp.broadcast_to(factor_ref[ref_index, bi, pl.ds(t, 1), :], (heads, width)) for t in range(t0, t1)]
+                )
 
             def rotated_group(bi, t0):
                 t1 = min(t0 + group, tokens)
                 a, b = factor_rows(2 * f, bi, t0, t1), factor_rows(2 * f + 1, bi, t0, t1)
                 return _normed_rotation(x[bi, t0:t1], a, b, w, None if scale is None else scale[bi, t0:t1], cfg)
 
-            out = jnp.stack([jnp.concatenate([rotated_group(bi, t0) for t0 in range(0, tokens, group)])
-                             for bi in range(x.shape[0])])
+            out = jnp.stack(
+                [jnp.concatenate([rotated_group(bi, t0) for t0 in range(0, tokens, group)]) for bi in range(x.shape[0])]
+            )
         else:
             # Per-token rows broadcast over heads: (b, ts, 1, W) in bshd, (b, 1, ts, W) in bhsd.
             a, b = (t[:, :, None, :] if cfg.seq_major else t[:, None, :, :] for t in factor_sets[f])
@@ -397,8 +407,12 @@ def rope(xs, table_a, table_b, weights, *, cfg: RopeConfig, blocks: RotaryBlocks
     tokens = batch * seq
     cost = pl.CostEstimate(
         flops=(10 if cfg.norm else 6) * elements,
-        transcendentals=(2 * tokens * width // (1 if positions is None or positions.packing == "none" else 2)
-                         if cfg.from_positions else 0) + (tokens * n if cfg.norm else 0),
+        transcendentals=(
+            2 * tokens * width // (1 if positions is None or positions.packing == "none" else 2)
+            if cfg.from_positions
+            else 0
+        )
+        + (tokens * n if cfg.norm else 0),
         bytes_accessed=2 * sum(x.size * x.dtype.itemsize for x in xs)
         + table_a.size * table_a.dtype.itemsize
         + table_b.size * table_b.dtype.itemsize,

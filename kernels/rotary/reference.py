@@ -4,6 +4,7 @@ The formulas are transformers' `apply_rotary_pos_emb` (q * cos + rotate_half(q) 
 broadcast over heads, generalised to partial rotary (only the first r features rotate, the rest pass through) and to
 the interleaved-pairs (GPT-J) `rotate_half`.
 """
+
 import jax.numpy as jnp
 
 
@@ -48,7 +49,17 @@ def head_rms_norm_reference(x, weight, eps, weight_offset=0.0, compute_dtype=jnp
 
 
 def rms_norm_rope_reference(
-    q, k, q_weight, k_weight, cos, sin, *, eps=1e-6, weight_offset=0.0, interleaved=False, layout="bhsd",
+    q,
+    k,
+    q_weight,
+    k_weight,
+    cos,
+    sin,
+    *,
+    eps=1e-6,
+    weight_offset=0.0,
+    interleaved=False,
+    layout="bhsd",
     compute_dtype=jnp.float32,
 ):
     """(rope(rms_norm(q) * q_weight), rope(rms_norm(k) * k_weight)) with the norm over head_dim, all in f32."""

@@ -19,6 +19,7 @@ Decode (one position per sequence; the api runs B sequences of one token as one 
 steps of up to half the target (see SMALL_PROBLEM_STEPS), never below the MIN_BLOCK_BYTES floor; 1-step grids and
 8-token blocks lose 10-30 %.
 """
+
 import dataclasses
 import math
 

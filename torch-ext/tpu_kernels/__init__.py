@@ -8,6 +8,7 @@
 
 Importing this package compiles nothing and makes no network access.
 """
+
 from . import jax, layers
 from ._ops import add_op_namespace_prefix, ops
 from .moe_ops import experts_forward, ragged_dot

@@ -7,6 +7,7 @@
 Without torch-tpu installed (a plain CPU torch) the op is a torch.library.custom_op with the schema jax_op would
 have generated, and only the CPU implementation.
 """
+
 import inspect
 import types
 import typing

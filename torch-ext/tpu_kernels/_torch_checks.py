@@ -3,6 +3,7 @@
 Shape, dtype and parameter checks live once, in the JAX api; the torch wrappers run them on placeholders of the
 torch tensors before calling an op, so real, fake and meta tensors all get the same clear error.
 """
+
 import jax
 import jax.numpy as jnp
 import torch

@@ -3,6 +3,7 @@
 Under jax.jit / jax.export they trace Mosaic kernels for the TPU; called eagerly on CPU arrays they run the same
 kernels in Pallas' TPU interpret mode; to jit them for the CPU, call them inside `interpret_on_cpu()`.
 """
+
 from ._pallas.common.interpret import interpret_on_cpu
 from ._pallas.moe.api import experts_forward
 from ._pallas.ragged_dot.api import ragged_dot

@@ -1,4 +1,5 @@
 """Layers for the `kernels` library's `kernelize`: forward-only replacements that read the host module's state."""
+
 import torch
 from torch import nn
 

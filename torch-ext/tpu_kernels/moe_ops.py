@@ -1,6 +1,7 @@
 """Torch custom ops for the ragged dot and the MoE experts forward, their autograd, and `experts_forward`, the
 function transformers' experts interface calls (`ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", experts_forward)`).
 """
+
 import jax
 import jax.numpy as jnp
 import torch
@@ -70,10 +71,16 @@ def ragged_dot(
         group_sizes = group_sizes.to(torch.int32)
     if not checks.has_symbolic_shape(lhs, rhs, group_sizes):
         ragged_dot_api.check_inputs(
-            checks.placeholder("lhs", lhs), checks.placeholder("rhs", rhs),
+            checks.placeholder("lhs", lhs),
+            checks.placeholder("rhs", rhs),
             checks.values_or_placeholder("group_sizes", group_sizes),
-            preferred_element_type=None, rhs_transposed=rhs_transposed, group_offset=0, num_local_groups=None,
-            bias=None, activation=None, gated=None,
+            preferred_element_type=None,
+            rhs_transposed=rhs_transposed,
+            group_offset=0,
+            num_local_groups=None,
+            bias=None,
+            activation=None,
+            gated=None,
         )
     return ragged_dot_op(lhs.contiguous(), rhs.contiguous(), group_sizes.contiguous(), bool(rhs_transposed))
 
@@ -92,8 +99,15 @@ def _experts_forward_jax(
     weights_transposed: bool,
 ) -> jax.Array:
     return moe_api.experts_forward(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-        activation=activation, gate_layout=None if gate_layout == _NO_GATE else gate_layout,
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        gate_up_bias,
+        down_bias,
+        activation=activation,
+        gate_layout=None if gate_layout == _NO_GATE else gate_layout,
         weights_transposed=weights_transposed,
     )
 
@@ -124,13 +138,30 @@ def _fake_experts_forward(hidden_states, *args):
     return torch.empty_like(hidden_states)
 
 
-def _fake_experts_backward(grad, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
-                           down_bias, activation, gate_layout, weights_transposed):
+def _fake_experts_backward(
+    grad,
+    hidden_states,
+    top_k_index,
+    top_k_weights,
+    gate_up_proj,
+    down_proj,
+    gate_up_bias,
+    down_bias,
+    activation,
+    gate_layout,
+    weights_transposed,
+):
     def like(t):
         return grad.new_empty((0,), dtype=torch.float32) if t is None else torch.empty_like(t)
 
-    return (torch.empty_like(hidden_states), torch.empty_like(top_k_weights), torch.empty_like(gate_up_proj),
-            torch.empty_like(down_proj), like(gate_up_bias), like(down_bias))
+    return (
+        torch.empty_like(hidden_states),
+        torch.empty_like(top_k_weights),
+        torch.empty_like(gate_up_proj),
+        torch.empty_like(down_proj),
+        like(gate_up_bias),
+        like(down_bias),
+    )
 
 
 experts_forward_op = define_op("experts_forward", _experts_forward_jax, _fake_experts_forward)
@@ -149,8 +180,18 @@ def _backward_experts(ctx, grad):
     grads = experts_forward_backward_op(grad.contiguous(), *saved, *ctx.static)
     d_x, d_weights, d_gate_up, d_down, d_b1, d_b2 = grads
     gate_up_bias, down_bias = saved[5], saved[6]
-    return (d_x, None, d_weights, d_gate_up, d_down, None if gate_up_bias is None else d_b1,
-            None if down_bias is None else d_b2, None, None, None)
+    return (
+        d_x,
+        None,
+        d_weights,
+        d_gate_up,
+        d_down,
+        None if gate_up_bias is None else d_b1,
+        None if down_bias is None else d_b2,
+        None,
+        None,
+        None,
+    )
 
 
 experts_forward_op.register_autograd(_backward_experts, setup_context=_setup_experts)
@@ -184,7 +225,9 @@ def experts_forward(
     and contribute nothing. Returns [T, H] in hidden_states.dtype.
     """
     if getattr(self, "has_post_expert_norm", False):
-        raise ValueError("self.has_post_expert_norm: experts with a post-expert norm are not supported by experts_forward")
+        raise ValueError(
+            "self.has_post_expert_norm: experts with a post-expert norm are not supported by experts_forward"
+        )
     apply_gate = getattr(type(self), "_apply_gate", None)
     has_gate = getattr(self, "has_gate", True)
     if has_gate and apply_gate is not None and apply_gate.__name__ != "_default_apply_gate":
@@ -193,8 +236,9 @@ def experts_forward(
             "implement (it fuses act(gate) * up)"
         )
     activation = activation_name(self.act_fn)
-    gate_layout = (("concatenated" if getattr(self, "is_concatenated", True) else "interleaved") if has_gate
-                   else _NO_GATE)
+    gate_layout = (
+        ("concatenated" if getattr(self, "is_concatenated", True) else "interleaved") if has_gate else _NO_GATE
+    )
     gate_up = self.gate_up_proj if has_gate else self.up_proj
     has_bias = getattr(self, "has_bias", False)
     gate_up_bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
@@ -203,8 +247,12 @@ def experts_forward(
 
     checks.check_tensor("hidden_states", hidden_states)
     device = hidden_states.device
-    for name, t in [("top_k_index", top_k_index), ("top_k_weights", top_k_weights), ("gate_up_proj", gate_up),
-                    ("down_proj", self.down_proj)]:
+    for name, t in [
+        ("top_k_index", top_k_index),
+        ("top_k_weights", top_k_weights),
+        ("gate_up_proj", gate_up),
+        ("down_proj", self.down_proj),
+    ]:
         checks.check_tensor(name, t, device=device)
     if top_k_index.dtype in (torch.int64, torch.int16, torch.int8, torch.uint8):
         top_k_index = top_k_index.to(torch.int32)
@@ -212,14 +260,26 @@ def experts_forward(
         moe_api.check_inputs(
             checks.placeholder("hidden_states", hidden_states),
             checks.values_or_placeholder("top_k_index", top_k_index),
-            checks.placeholder("top_k_weights", top_k_weights), checks.placeholder("gate_up_proj", gate_up),
-            checks.placeholder("down_proj", self.down_proj), checks.placeholder("gate_up_bias", gate_up_bias),
-            checks.placeholder("down_bias", down_bias), activation=activation,
-            gate_layout=None if gate_layout == _NO_GATE else gate_layout, weights_transposed=transposed,
+            checks.placeholder("top_k_weights", top_k_weights),
+            checks.placeholder("gate_up_proj", gate_up),
+            checks.placeholder("down_proj", self.down_proj),
+            checks.placeholder("gate_up_bias", gate_up_bias),
+            checks.placeholder("down_bias", down_bias),
+            activation=activation,
+            gate_layout=None if gate_layout == _NO_GATE else gate_layout,
+            weights_transposed=transposed,
         )
     if gate_up.shape[0] != self.num_experts:
         raise ValueError(f"self.num_experts: {self.num_experts} does not match the {gate_up.shape[0]} expert weights")
     return experts_forward_op(
-        hidden_states.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(), gate_up, self.down_proj,
-        gate_up_bias, down_bias, activation, gate_layout, transposed,
+        hidden_states.contiguous(),
+        top_k_index.contiguous(),
+        top_k_weights.contiguous(),
+        gate_up,
+        self.down_proj,
+        gate_up_bias,
+        down_bias,
+        activation,
+        gate_layout,
+        transposed,
     )

@@ -1,4 +1,5 @@
 """Torch custom ops for RMSNorm (forward, fused residual-add forward, backward) and their autograd."""
+
 import jax
 import jax.numpy as jnp
 import torch

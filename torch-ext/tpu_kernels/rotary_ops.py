@@ -1,5 +1,6 @@
 """Torch custom ops for rotary embeddings (RoPE, its backward, fused per-head RMSNorm + RoPE, both with cos/sin computed
 in the kernel from positions) and their autograd."""
+
 import jax
 import torch
 
@@ -35,7 +36,15 @@ def _rms_norm_rope_jax(
     layout: str,
 ) -> tuple[jax.Array, jax.Array]:
     return api.rms_norm_rope(
-        q, k, q_weight, k_weight, cos, sin, eps=eps, weight_offset=weight_offset, interleaved=interleaved,
+        q,
+        k,
+        q_weight,
+        k_weight,
+        cos,
+        sin,
+        eps=eps,
+        weight_offset=weight_offset,
+        interleaved=interleaved,
         layout=layout,
     )
 
@@ -44,8 +53,16 @@ def _rms_norm_rope_jax(
 # (the rope type, then every number any type uses, 0.0 / 0 for "not given": every such number must be > 0 when
 # given) and rebuild the dict. rotary_dim 0 stands for None (head_dim).
 SCALING_NUMBERS = (
-    "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "attention_factor",
-    "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "partial_rotary_factor",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "partial_rotary_factor",
 )
 
 
@@ -73,41 +90,91 @@ def scaling_from_scalars(rope_type, numbers, truncate):
 def _positions_kw(args: dict) -> dict:
     """The api's keyword arguments from an op's scalar arguments (its locals())."""
     numbers = [args[key] for key in SCALING_NUMBERS]
-    return dict(theta=args["theta"], rotary_dim=args["rotary_dim"] or None,
-                scaling=scaling_from_scalars(args["rope_type"], numbers, args["truncate"]),
-                interleaved=args["interleaved"], layout=args["layout"])
+    return dict(
+        theta=args["theta"],
+        rotary_dim=args["rotary_dim"] or None,
+        scaling=scaling_from_scalars(args["rope_type"], numbers, args["truncate"]),
+        interleaved=args["interleaved"],
+        layout=args["layout"],
+    )
 
 
 def _apply_rotary_from_positions_jax(
-    q: jax.Array, k: jax.Array, positions: jax.Array, theta: float, rotary_dim: int, rope_type: str, factor: float,
-    low_freq_factor: float, high_freq_factor: float, original_max_position_embeddings: float,
-    attention_factor: float, beta_fast: float, beta_slow: float, mscale: float, mscale_all_dim: float,
-    partial_rotary_factor: float, truncate: bool, interleaved: bool, layout: str,
+    q: jax.Array,
+    k: jax.Array,
+    positions: jax.Array,
+    theta: float,
+    rotary_dim: int,
+    rope_type: str,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: float,
+    attention_factor: float,
+    beta_fast: float,
+    beta_slow: float,
+    mscale: float,
+    mscale_all_dim: float,
+    partial_rotary_factor: float,
+    truncate: bool,
+    interleaved: bool,
+    layout: str,
 ) -> tuple[jax.Array, jax.Array]:
-    return api.apply_rotary_from_positions(
-        q, k, positions, **_positions_kw(locals()))
+    return api.apply_rotary_from_positions(q, k, positions, **_positions_kw(locals()))
 
 
 def _apply_rotary_from_positions_backward_jax(
-    grad_q: jax.Array, grad_k: jax.Array, positions: jax.Array, theta: float, rotary_dim: int, rope_type: str,
-    factor: float, low_freq_factor: float, high_freq_factor: float, original_max_position_embeddings: float,
-    attention_factor: float, beta_fast: float, beta_slow: float, mscale: float, mscale_all_dim: float,
-    partial_rotary_factor: float, truncate: bool, interleaved: bool, layout: str,
+    grad_q: jax.Array,
+    grad_k: jax.Array,
+    positions: jax.Array,
+    theta: float,
+    rotary_dim: int,
+    rope_type: str,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: float,
+    attention_factor: float,
+    beta_fast: float,
+    beta_slow: float,
+    mscale: float,
+    mscale_all_dim: float,
+    partial_rotary_factor: float,
+    truncate: bool,
+    interleaved: bool,
+    layout: str,
 ) -> tuple[jax.Array, jax.Array]:
-    return api.apply_rotary_from_positions_backward(
-        grad_q, grad_k, positions, **_positions_kw(locals()))
+    return api.apply_rotary_from_positions_backward(grad_q, grad_k, positions, **_positions_kw(locals()))
 
 
 def _rms_norm_rope_from_positions_jax(
-    q: jax.Array, k: jax.Array, q_weight: jax.Array, k_weight: jax.Array, positions: jax.Array, theta: float,
-    eps: float, weight_offset: float, rotary_dim: int, rope_type: str, factor: float, low_freq_factor: float,
-    high_freq_factor: float, original_max_position_embeddings: float, attention_factor: float, beta_fast: float,
-    beta_slow: float, mscale: float, mscale_all_dim: float, partial_rotary_factor: float, truncate: bool,
-    interleaved: bool, layout: str,
+    q: jax.Array,
+    k: jax.Array,
+    q_weight: jax.Array,
+    k_weight: jax.Array,
+    positions: jax.Array,
+    theta: float,
+    eps: float,
+    weight_offset: float,
+    rotary_dim: int,
+    rope_type: str,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: float,
+    attention_factor: float,
+    beta_fast: float,
+    beta_slow: float,
+    mscale: float,
+    mscale_all_dim: float,
+    partial_rotary_factor: float,
+    truncate: bool,
+    interleaved: bool,
+    layout: str,
 ) -> tuple[jax.Array, jax.Array]:
     return api.rms_norm_rope_from_positions(
-        q, k, q_weight, k_weight, positions, eps=eps, weight_offset=weight_offset,
-        **_positions_kw(locals()))
+        q, k, q_weight, k_weight, positions, eps=eps, weight_offset=weight_offset, **_positions_kw(locals())
+    )
 
 
 def _fake_pair(a, b, *rest):
@@ -117,12 +184,13 @@ def _fake_pair(a, b, *rest):
 apply_rotary_op = define_op("apply_rotary", _apply_rotary_jax, _fake_pair)
 apply_rotary_backward_op = define_op("apply_rotary_backward", _apply_rotary_backward_jax, _fake_pair)
 rms_norm_rope_op = define_op("rms_norm_rope", _rms_norm_rope_jax, _fake_pair)
-apply_rotary_from_positions_op = define_op(
-    "apply_rotary_from_positions", _apply_rotary_from_positions_jax, _fake_pair)
+apply_rotary_from_positions_op = define_op("apply_rotary_from_positions", _apply_rotary_from_positions_jax, _fake_pair)
 apply_rotary_from_positions_backward_op = define_op(
-    "apply_rotary_from_positions_backward", _apply_rotary_from_positions_backward_jax, _fake_pair)
+    "apply_rotary_from_positions_backward", _apply_rotary_from_positions_backward_jax, _fake_pair
+)
 rms_norm_rope_from_positions_op = define_op(
-    "rms_norm_rope_from_positions", _rms_norm_rope_from_positions_jax, _fake_pair)
+    "rms_norm_rope_from_positions", _rms_norm_rope_from_positions_jax, _fake_pair
+)
 
 
 # ------------------------------------------------------------------------------------------------------- autograd
@@ -187,8 +255,10 @@ def _backward_norm_rope(ctx, grad_q, grad_k):
     dk, dkw = rms_norm_backward_op(g_k, k, k_weight, None, ctx.eps, ctx.weight_offset)
     dcos = dsin = None
     if ctx.needs_input_grad[4] or ctx.needs_input_grad[5]:
-        normed = (_head_rms_norm(q, q_weight, ctx.eps, ctx.weight_offset),
-                  _head_rms_norm(k, k_weight, ctx.eps, ctx.weight_offset))
+        normed = (
+            _head_rms_norm(q, q_weight, ctx.eps, ctx.weight_offset),
+            _head_rms_norm(k, k_weight, ctx.eps, ctx.weight_offset),
+        )
         dcos, dsin = _table_grads(ctx, normed, (grad_q, grad_k), cos, sin)
     return dq, dk, dqw, dkw, dcos, dsin, None, None, None, None
 
@@ -204,8 +274,9 @@ def _setup_rotary_from_positions(ctx, inputs, output):
 
 def _backward_rotary_from_positions(ctx, grad_q, grad_k):
     (positions,) = ctx.saved_tensors
-    dq, dk = apply_rotary_from_positions_backward_op(grad_q.contiguous(), grad_k.contiguous(), positions,
-                                                     *ctx.rope_args)
+    dq, dk = apply_rotary_from_positions_backward_op(
+        grad_q.contiguous(), grad_k.contiguous(), positions, *ctx.rope_args
+    )
     return (dq, dk, None) + (None,) * len(ctx.rope_args)
 
 
@@ -218,8 +289,9 @@ def _setup_norm_rope_from_positions(ctx, inputs, output):
 
 def _backward_norm_rope_from_positions(ctx, grad_q, grad_k):
     q, k, q_weight, k_weight, positions = ctx.saved_tensors
-    g_q, g_k = apply_rotary_from_positions_backward_op(grad_q.contiguous(), grad_k.contiguous(), positions,
-                                                       *ctx.rope_args)
+    g_q, g_k = apply_rotary_from_positions_backward_op(
+        grad_q.contiguous(), grad_k.contiguous(), positions, *ctx.rope_args
+    )
     dq, dqw = rms_norm_backward_op(g_q, q, q_weight, None, ctx.eps, ctx.weight_offset)
     dk, dkw = rms_norm_backward_op(g_k, k, k_weight, None, ctx.eps, ctx.weight_offset)
     return (dq, dk, dqw, dkw, None) + (None,) * (2 + len(ctx.rope_args))
@@ -228,9 +300,11 @@ def _backward_norm_rope_from_positions(ctx, grad_q, grad_k):
 apply_rotary_op.register_autograd(_backward_rotary, setup_context=_setup_rotary)
 rms_norm_rope_op.register_autograd(_backward_norm_rope, setup_context=_setup_norm_rope)
 apply_rotary_from_positions_op.register_autograd(
-    _backward_rotary_from_positions, setup_context=_setup_rotary_from_positions)
+    _backward_rotary_from_positions, setup_context=_setup_rotary_from_positions
+)
 rms_norm_rope_from_positions_op.register_autograd(
-    _backward_norm_rope_from_positions, setup_context=_setup_norm_rope_from_positions)
+    _backward_norm_rope_from_positions, setup_context=_setup_norm_rope_from_positions
+)
 
 
 # ----------------------------------------------------------------------------------------------------- public API
@@ -247,8 +321,16 @@ def _validate(q, k, cos, sin, interleaved, layout, weights=None, eps=0.0, weight
     else:
         wph = {name: checks.placeholder(name, t) for name, t in weights.items()}
         api.check_norm_inputs(
-            ph["q"], ph["k"], wph["q_weight"], wph["k_weight"], ph["cos"], ph["sin"], eps=eps,
-            weight_offset=weight_offset, interleaved=interleaved, layout=layout,
+            ph["q"],
+            ph["k"],
+            wph["q_weight"],
+            wph["k_weight"],
+            ph["cos"],
+            ph["sin"],
+            eps=eps,
+            weight_offset=weight_offset,
+            interleaved=interleaved,
+            layout=layout,
         )
 
 
@@ -296,8 +378,16 @@ def rms_norm_rope(
     k_norm over head_dim followed by RoPE. Differentiable in q, k, the weights, cos and sin."""
     _validate(q, k, cos, sin, interleaved, layout, {"q_weight": q_weight, "k_weight": k_weight}, eps, weight_offset)
     return rms_norm_rope_op(
-        q.contiguous(), k.contiguous(), q_weight, k_weight, cos.contiguous(), sin.contiguous(), float(eps),
-        float(weight_offset), bool(interleaved), layout,
+        q.contiguous(),
+        k.contiguous(),
+        q_weight,
+        k_weight,
+        cos.contiguous(),
+        sin.contiguous(),
+        float(eps),
+        float(weight_offset),
+        bool(interleaved),
+        layout,
     )
 
 
@@ -312,8 +402,9 @@ def _validate_positions(q, k, positions, weights, *, theta, rotary_dim, scaling,
     # Host positions are range-checked by value; device, fake and meta ones by shape and dtype only (no sync).
     pos = checks.values_or_placeholder("positions", positions)
     ph_q, ph_k = checks.placeholder("q", q), checks.placeholder("k", k)
-    api.check_position_inputs(ph_q, ph_k, pos, theta=theta, rotary_dim=rotary_dim, scaling=scaling,
-                              interleaved=interleaved, layout=layout)
+    api.check_position_inputs(
+        ph_q, ph_k, pos, theta=theta, rotary_dim=rotary_dim, scaling=scaling, interleaved=interleaved, layout=layout
+    )
     if weights is not None:
         wph = {name: checks.placeholder(name, t) for name, t in weights.items()}
         api.check_norm_weights(ph_q, ph_k, wph["q_weight"], wph["k_weight"])
@@ -338,12 +429,25 @@ def apply_rotary_from_positions(
     rotary embedding computes them; no cos/sin tensors. theta: the rope base (rope_theta); rotary_dim: rotated
     features (default head_dim); scaling: transformers' rope_parameters dict ("linear", "llama3", "yarn",
     "proportional") or None. Differentiable in q and k."""
-    _validate_positions(q, k, positions, None, theta=theta, rotary_dim=rotary_dim, scaling=scaling,
-                        interleaved=interleaved, layout=layout)
+    _validate_positions(
+        q,
+        k,
+        positions,
+        None,
+        theta=theta,
+        rotary_dim=rotary_dim,
+        scaling=scaling,
+        interleaved=interleaved,
+        layout=layout,
+    )
     k_arg = _empty_k(q, layout) if k is None else k.contiguous()
     out_q, out_k = apply_rotary_from_positions_op(
-        q.contiguous(), k_arg, positions.contiguous(), *_rope_scalars(theta, rotary_dim, scaling),
-        bool(interleaved), layout,
+        q.contiguous(),
+        k_arg,
+        positions.contiguous(),
+        *_rope_scalars(theta, rotary_dim, scaling),
+        bool(interleaved),
+        layout,
     )
     return out_q, (None if k is None else out_k)
 
@@ -365,11 +469,29 @@ def rms_norm_rope_from_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm_rope with cos/sin computed in the kernel from positions (see apply_rotary_from_positions).
     Differentiable in q, k and the weights."""
-    _validate_positions(q, k, positions, {"q_weight": q_weight, "k_weight": k_weight}, theta=theta,
-                        rotary_dim=rotary_dim, scaling=scaling, interleaved=interleaved, layout=layout)
+    _validate_positions(
+        q,
+        k,
+        positions,
+        {"q_weight": q_weight, "k_weight": k_weight},
+        theta=theta,
+        rotary_dim=rotary_dim,
+        scaling=scaling,
+        interleaved=interleaved,
+        layout=layout,
+    )
     theta_, rotary_dim_, *rest = _rope_scalars(theta, rotary_dim, scaling)
     return rms_norm_rope_from_positions_op(
-        q.contiguous(), k.contiguous(), q_weight, k_weight, positions.contiguous(), theta_,
-        float(api.check_finite_nonnegative("eps", eps)), float(api.check_finite("weight_offset", weight_offset)),
-        rotary_dim_, *rest, bool(interleaved), layout,
+        q.contiguous(),
+        k.contiguous(),
+        q_weight,
+        k_weight,
+        positions.contiguous(),
+        theta_,
+        float(api.check_finite_nonnegative("eps", eps)),
+        float(api.check_finite("weight_offset", weight_offset)),
+        rotary_dim_,
+        *rest,
+        bool(interleaved),
+        layout,
     )
