@@ -15,6 +15,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml scripts/requirements.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) scripts/requirements.py test bench | $(PY) -m pip install -q -r /dev/stdin
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
 	touch $@
 

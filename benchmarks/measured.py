@@ -47,12 +47,12 @@ def time_case(benchmark, case: _suite.Case, impl: str, dev: _device.Device) -> N
     """Time one case with pytest-benchmark's `benchmark` fixture. On a CPU the kernel runs in TPU interpret mode."""
     import jax
 
-    from . import jax_kernels
+    from tpu_kernels_jax.common.interpret import interpret_on_cpu
 
     fn = jax.jit(case.op.function(impl, case.shape))
     args = _arrays(case)
     interpret = impl == "kernel" and not dev.is_tpu
-    context = jax_kernels.load("common.interpret").interpret_on_cpu if interpret else contextlib.nullcontext
+    context = interpret_on_cpu if interpret else contextlib.nullcontext
 
     def call():
         with context():

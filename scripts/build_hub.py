@@ -4,7 +4,9 @@
 
 Each variant is a torch "noarch" kernel laid out the way the `kernels` library loads it: the package itself at the
 variant root (`build/torch-tpu/__init__.py`, `build/torch-tpu/metadata.json`), a self-contained copy of
-`torch-ext/tpu_kernels/` in which the `_pallas` symlink to `kernels/` is replaced by real files. Per variant:
+`torch-ext/tpu_kernels/` with the JAX kernels (`kernels/`, the `tpu_kernels_jax` package) vendored as `_pallas/`.
+In the tree the torch modules import the kernels by their one name, `from tpu_kernels_jax.<module> import ...`; the
+build rewrites exactly those statements to relative ones (`from ._pallas.<module> import ...`). Per variant:
 
 - `_ops.py` gets the op namespace `_tpu_kernels_<backend>_<hash>` (kernel-builder's `_<name>_<backend>_<rev>`), so
   two builds loaded into one process never register ops under the same name. `<hash>` is 7 hex digits of a SHA-256
@@ -32,6 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_TOML = ROOT / "build.toml"
+JAX_PACKAGE = "tpu_kernels_jax"  # the JAX kernels' import name in the tree (pyproject.toml)
+JAX_SOURCES = ROOT / "kernels"
+VENDORED = "_pallas"  # where the build puts them inside the torch package
 DEV_NAMESPACE = "_tpu_kernels_dev"  # the in-tree namespace in torch-ext/tpu_kernels/_ops.py
 HASH_LENGTH = 7
 _IGNORED_DIRS = {"__pycache__"}
@@ -96,12 +101,12 @@ def source_hash(package: Path) -> str:
 
 def _internal_top_names(package: Path, python_name: str) -> set[str]:
     """Top-level names that, imported absolutely, would refer to this package's own code instead of itself."""
-    names = {python_name, "_pallas"}
+    names = {python_name, VENDORED, JAX_PACKAGE}
     for entry in package.iterdir():
         if entry.name in _IGNORED_DIRS:
             continue
         names.add(entry.stem if entry.is_file() else entry.name)
-    pallas = package / "_pallas"
+    pallas = package / VENDORED
     if pallas.is_dir():
         names.update(p.name for p in pallas.iterdir() if p.is_dir() and p.name not in _IGNORED_DIRS)
     return names - _THIRD_PARTY_NAMES
@@ -111,11 +116,12 @@ def absolute_internal_imports(package: Path, python_name: str) -> list[str]:
     """Every absolute import of the package's own code, as 'file:line: statement' (empty when all are relative).
 
     Checks `import X`, `from X import ...` and `importlib.import_module("X")` with a constant name, where X is the
-    package name (`tpu_kernels`), `_pallas`, one of the package's own modules or kernel folders, or `kernels.<kernel
-    folder>` (the repo-root JAX sources, which do not exist in the Hub package).
+    package name (`tpu_kernels`), `_pallas`, `tpu_kernels_jax` (left after vendoring), one of the package's own
+    modules or kernel folders, or `kernels.<kernel folder>` (the repo-root JAX sources, which do not exist in the Hub
+    package).
     """
     internal = _internal_top_names(package, python_name)
-    pallas = package / "_pallas"
+    pallas = package / VENDORED
     kernel_dirs = {p.name for p in pallas.iterdir() if p.is_dir()} if pallas.is_dir() else set()
 
     def is_internal(module: str) -> bool:
@@ -155,6 +161,33 @@ def absolute_internal_imports(package: Path, python_name: str) -> list[str]:
     return offenders
 
 
+def vendor_jax_imports(package: Path) -> None:
+    """Rewrite every `from tpu_kernels_jax[.x] import ...` in the torch package to `from ._pallas[.x] import ...`.
+
+    Only that form is rewritten; `import tpu_kernels_jax...` is left for the absolute-import check to reject.
+    """
+    for path in _files(package):
+        if path.suffix != ".py" or path.is_relative_to(package / VENDORED):
+            continue
+        depth = len(path.relative_to(package).parts)  # 1 for a module at the package root
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        changed = False
+        for node in ast.walk(ast.parse("".join(lines), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                head, _, rest = node.module.partition(".")
+                if head != JAX_PACKAGE:
+                    continue
+                line = lines[node.lineno - 1]
+                relative = "." * depth + VENDORED + ("." + rest if rest else "")
+                new = line.replace(f"from {node.module} ", f"from {relative} ", 1)
+                if new == line:
+                    raise BuildError(f"{path.name}:{node.lineno}: write `from {node.module} import ...` on one line")
+                lines[node.lineno - 1] = new
+                changed = True
+        if changed:
+            path.write_text("".join(lines), encoding="utf-8")
+
+
 def _write_ops(package: Path, namespace: str) -> None:
     ops = package / "_ops.py"
     text = ops.read_text(encoding="utf-8")
@@ -164,11 +197,15 @@ def _write_ops(package: Path, namespace: str) -> None:
 
 
 def build(
-    out_dir: Path | str = ROOT / "build", *, package_dir: Path | str | None = None, build_toml: Path | str = BUILD_TOML
+    out_dir: Path | str = ROOT / "build",
+    *,
+    package_dir: Path | str | None = None,
+    jax_sources: Path | str = JAX_SOURCES,
+    build_toml: Path | str = BUILD_TOML,
 ) -> list[Variant]:
     """Write `<out_dir>/torch-<backend>/` for every backend in build.toml, replacing old variants; return them.
 
-    `package_dir` defaults to `torch-ext/<python name>/`; symlinks in it (`_pallas`) are copied as real files.
+    `package_dir` defaults to `torch-ext/<python name>/`; `jax_sources` (default `kernels/`) is vendored into it.
     """
     config = read_config(Path(build_toml))
     package_dir = Path(package_dir) if package_dir is not None else ROOT / "torch-ext" / config.python_name
@@ -182,6 +219,10 @@ def build(
     shutil.rmtree(staging, ignore_errors=True)
     try:
         shutil.copytree(package_dir, staging, symlinks=False, ignore=_ignore)
+        if (staging / VENDORED).exists():
+            raise BuildError(f"{package_dir} has its own {VENDORED}/; the build vendors {jax_sources} there")
+        shutil.copytree(jax_sources, staging / VENDORED, symlinks=False, ignore=_ignore)
+        vendor_jax_imports(staging)
         offenders = absolute_internal_imports(staging, config.python_name)
         if offenders:
             raise BuildError(

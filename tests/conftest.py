@@ -8,7 +8,6 @@ import importlib.util
 import json
 import pathlib
 import sys
-import types
 
 import environment
 import pytest
@@ -16,15 +15,11 @@ import pytest
 environment.apply()
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "torch-ext"))  # the in-tree torch package; its _pallas/ is the JAX kernels
 sys.path.append(str(ROOT))  # `benchmarks` (shapes declared once, the harness); appended: never shadows a library
+# The JAX kernels (`tpu_kernels_jax`) and the torch package (`tpu_kernels`) are installed editable by the Makefile.
 if importlib.util.find_spec("torch") is None:
-    # A JAX-only environment (the jax 0.12 / Python 3.12 compatibility run): make the package's JAX modules
-    # (tpu_kernels.jax, tpu_kernels._pallas.*) importable without running its torch-importing __init__.
-    _package = types.ModuleType("tpu_kernels")
-    _package.__path__ = [str(ROOT / "torch-ext" / "tpu_kernels")]
-    sys.modules["tpu_kernels"] = _package
-    # Modules that need torch run in the main environment only.
+    # A JAX-only environment (the jax 0.12 / Python 3.12 compatibility run): modules that need torch run in the main
+    # environment only.
     collect_ignore_glob = ["test_*_torch.py", "test_hub_package.py", "test_benchmarks.py"]
 
 from hub import hub_root  # noqa: E402,F401  (shared fixtures)

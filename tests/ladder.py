@@ -1,4 +1,4 @@
-"""The verification ladder as helpers shared by every kernel's tests (shared/design/ARCHITECTURE.md).
+"""The verification ladder as helpers shared by every kernel's tests.
 
 Rung 1  run_interpreted / check_against_reference: the kernel in Pallas' TPU interpret mode with race detection,
         out-of-bounds reads raising and uninitialized memory reading as NaN, against a plain-jnp reference on fresh
@@ -7,11 +7,15 @@ Rung 1  run_interpreted / check_against_reference: the kernel in Pallas' TPU int
 Rung 2  export_for_tpu: jax.export for the TPU platform, what TorchTPU's jax_op does at call time.
 Rung 3  compile_for_tpu: deviceless compile for v5e / v6e / v7x through libtpu: Mosaic lowering, layouts, VMEM fit.
 Torch   check_torch_op: torch.library.opcheck, FakeTensorMode and meta shapes, torch.compile(fullgraph=True).
+Shared  check_gradients (kernel vs reference gradients with fixed random cotangents), BadInput + bad_input_params +
+        assert_clear_error (tables of bad inputs and the error each must raise).
 """
 
 import functools
 import os
 import secrets
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +24,14 @@ import pytest
 from jax.experimental import topologies
 from jax.experimental.pallas import tpu as pltpu
 
-from tpu_kernels._pallas.common.interpret import STRICT_INTERPRET_PARAMS
+from tpu_kernels_jax.common.interpret import STRICT_INTERPRET_PARAMS
 
 try:  # where jax keeps the race detector's verdict (jax 0.10 - 0.12)
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interpret_state
 except ImportError:  # pragma: no cover - older layout
     from jax._src.pallas.mosaic import interpret as _interpret_state
 
-# Topologies with one device per chip for each generation the project targets (TPU.md, rung 3).
+# Topologies with one device per chip for each generation the project targets (rung 3).
 TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:1x1", "v7x": "tpu7x:2x2x1"}
 GENERATIONS = tuple(TOPOLOGIES)
 
@@ -80,7 +84,7 @@ def moe_path(request, monkeypatch):
     """Force experts_forward's path (JAX and torch): the grouped matmuls at any batch, or the small-batch kernel at
     any batch with the smallest legal intermediate chunks (several grid steps per expert). jit caches are cleared:
     the path is chosen at trace time, and the torch ops keep one jitted function per shape."""
-    from tpu_kernels._pallas.moe import tuning
+    from tpu_kernels_jax.moe import tuning
 
     if request.param == "grouped":
         monkeypatch.setattr(tuning, "SMALL_BATCH_MAX_TOKENS", {g: 0 for g in GENERATIONS})
@@ -154,6 +158,56 @@ def vjp_loss(outs, cotangents=None):
     cotangent_leaves = jax.tree_util.tree_leaves(cotangents)
     assert len(leaves) == len(cotangent_leaves), "one cotangent per output"
     return sum(jnp.sum(leaf.astype(jnp.float32) * c) for leaf, c in zip(leaves, cotangent_leaves))
+
+
+def check_gradients(
+    kernel_fn, reference_fn, args, *, argnums, rand, dtype, names=None, atol=None, rtol=None, interpret=True
+):
+    """Gradients of kernel_fn and reference_fn w.r.t. args[argnums] under one fixed random cotangent (vjp_loss).
+
+    The kernel's gradient runs jitted in strict interpret mode (rung 1), the reference's plainly. `atol` / `rtol` may
+    be a number or a dict keyed by gradient name (sums over many rows carry bf16 rounding further).
+    """
+    argnums = tuple(argnums)
+    cotangents = rand.cotangents(reference_fn, *args)
+
+    def loss_of(fn):
+        return jax.grad(lambda *a: vjp_loss(fn(*a), cotangents), argnums=argnums)
+
+    kernel_grad = jax.jit(loss_of(kernel_fn))
+    actual = run_interpreted(kernel_grad, *args) if interpret else kernel_grad(*args)
+    expected = loss_of(reference_fn)(*args)
+    names = names or [f"d arg {i}" for i in argnums]
+    assert len(names) == len(argnums), "one name per differentiated argument"
+    for name, a, e in zip(names, actual, expected):
+        tol_a = atol.get(name) if isinstance(atol, dict) else atol
+        tol_r = rtol.get(name) if isinstance(rtol, dict) else rtol
+        assert_close(a, e, dtype=dtype, atol=tol_a, rtol=tol_r, what=name, context=repr(rand))
+    return actual
+
+
+class BadInput(NamedTuple):
+    """One row of a bad-input table: what to change in the good arguments and the error that must follow."""
+
+    id: str
+    change: Callable[[Any], dict] | dict  # rand -> {argument: bad value}, or the dict itself
+    error: type[Exception]
+    message: str  # a substring of the message: the argument's name and what was expected or given
+
+
+def bad_input_params(cases: list[BadInput]):
+    """pytest.mark.parametrize("case", ...) over a bad-input table, one test id per row."""
+    return pytest.mark.parametrize("case", cases, ids=[c.id for c in cases])
+
+
+def assert_clear_error(case: BadInput, call: Callable[[dict], Any], good: dict, rand):
+    """Apply `case` to a copy of `good`, call `call(arguments)` and check the error type and message."""
+    changes = case.change(rand) if callable(case.change) else dict(case.change)
+    arguments = {**good, **changes}
+    with pytest.raises(case.error) as info:
+        call(arguments)
+    assert case.message in str(info.value), f"{case.id}: expected {case.message!r} in {str(info.value)!r}"
+    return info.value
 
 
 # ---------------------------------------------------------------------------------------------------------- rung 2

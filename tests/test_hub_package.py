@@ -117,6 +117,7 @@ def test_all_imports_of_own_code_are_relative(variants):
         "import tpu_kernels.rms_norm",
         "from tpu_kernels import layers",
         "from _pallas.rms_norm import api",
+        "import tpu_kernels_jax.rms_norm.api",
         "from kernels.rms_norm import api",
         "import importlib\nimportlib.import_module('tpu_kernels.jax')",
     ],

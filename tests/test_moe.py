@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, MOE_TOP_K, RAGGED_DOT_DECODE_TOKENS
-from tpu_kernels import jax as tk
-from tpu_kernels._pallas.moe import api, touched
-from tpu_kernels._pallas.moe import tuning as moe_tuning
-from tpu_kernels._pallas.moe.reference import experts_forward_reference
+from tpu_kernels_jax import api as tk
+from tpu_kernels_jax.moe import api, touched
+from tpu_kernels_jax.moe import tuning as moe_tuning
+from tpu_kernels_jax.moe.reference import experts_forward_reference
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 

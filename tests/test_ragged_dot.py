@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, RAGGED_DOT_PREFILL_ROWS
-from tpu_kernels import jax as tk
-from tpu_kernels._pallas.ragged_dot import api, metadata, tuning
-from tpu_kernels._pallas.ragged_dot.reference import ragged_dot_reference
+from tpu_kernels_jax import api as tk
+from tpu_kernels_jax.ragged_dot import api, metadata, tuning
+from tpu_kernels_jax.ragged_dot.reference import ragged_dot_reference
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 # f32 sums of a few hundred products: CPU and kernel summation orders differ by a few ulps of the largest term.

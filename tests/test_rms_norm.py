@@ -7,9 +7,9 @@ import ladder
 import pytest
 
 from benchmarks.shapes import RMS_NORM_HIDDENS, RMS_NORM_TOKENS
-from tpu_kernels import jax as tk
-from tpu_kernels._pallas.rms_norm import api, tuning
-from tpu_kernels._pallas.rms_norm.reference import fused_add_rms_norm_reference, rms_norm_reference
+from tpu_kernels_jax import api as tk
+from tpu_kernels_jax.rms_norm import api, tuning
+from tpu_kernels_jax.rms_norm.reference import fused_add_rms_norm_reference, rms_norm_reference
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # Hidden sizes from 64 to 16384, with sizes that are not multiples of 128 (200, 1000, 2816).

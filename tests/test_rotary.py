@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from benchmarks.shapes import ROTARY_DECODE_BATCHES, ROTARY_MODELS, ROTARY_PREFILL_SEQS
-from tpu_kernels import jax as tk
-from tpu_kernels._pallas.rotary import api, frequencies, reference, tuning
+from tpu_kernels_jax import api as tk
+from tpu_kernels_jax.rotary import api, frequencies, reference, tuning
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 

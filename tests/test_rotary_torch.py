@@ -9,7 +9,7 @@ import torch
 
 import tpu_kernels
 from tpu_kernels import rotary_ops
-from tpu_kernels._pallas.rotary import frequencies
+from tpu_kernels_jax.rotary import frequencies
 
 
 def _randn(rand, *shape, dtype=torch.float32, requires_grad=False):

@@ -12,12 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import jax_kernels
-
-ragged_dot_api = jax_kernels.load("ragged_dot.api")
-ragged_dot_reference = jax_kernels.load("ragged_dot.reference")
-moe_api = jax_kernels.load("moe.api")
-moe_reference = jax_kernels.load("moe.reference")
+from tpu_kernels_jax.ragged_dot import reference as ragged_dot_reference
 
 SEED = 0
 BF16 = jnp.bfloat16

@@ -3,11 +3,10 @@
 import jax
 import jax.numpy as jnp
 
-from .. import jax_kernels, shapes
-from ..suite import Op, Suite, Targets
+from tpu_kernels_jax.rms_norm import api, reference
 
-api = jax_kernels.load("rms_norm.api")
-reference = jax_kernels.load("rms_norm.reference")
+from .. import shapes
+from ..suite import Op, Suite, Targets
 
 EPS = 1e-6
 

@@ -17,11 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import jax_kernels, shapes
-from ..suite import Op, Suite, Targets
+from tpu_kernels_jax.rotary import api, reference
 
-api = jax_kernels.load("rotary.api")
-reference = jax_kernels.load("rotary.reference")
+from .. import shapes
+from ..suite import Op, Suite, Targets
 
 SOURCE = "issue 5 item 6"
 EPS = 1e-6

@@ -28,6 +28,13 @@ def check_array(name: str, value, *, min_ndim: int = 0, ndim: int | None = None,
     return dtype
 
 
+def is_concrete(x) -> bool:
+    """Values known now: a concrete jax or numpy array (not a tracer, not a ShapeDtypeStruct placeholder).
+
+    Value checks (ranges, sums) run only on such arrays; under jit or export only shapes and dtypes are checked."""
+    return isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, jax.core.Tracer)
+
+
 def check_finite_nonnegative(name: str, value) -> float:
     """A static float parameter such as eps: a real number, finite, >= 0."""
     if isinstance(value, (jax.Array, np.ndarray)) or isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -15,8 +15,9 @@ import typing
 import jax
 import torch
 
+from tpu_kernels_jax.common.interpret import interpret_on_cpu
+
 from ._ops import add_op_namespace_prefix
-from ._pallas.common.interpret import interpret_on_cpu
 
 try:
     from torch.tpu.pallas import jax_op as _torch_tpu_jax_op  # TorchTPU's bridge (present with torch-tpu)

@@ -1,33 +1,4 @@
-"""The JAX API of tpu-kernels: plain JAX functions over the Pallas kernels (this module imports no torch).
+"""The JAX API of tpu-kernels (`kernel.jax`): plain JAX functions over the Pallas kernels, no torch."""
 
-Under jax.jit / jax.export they trace Mosaic kernels for the TPU; called eagerly on CPU arrays they run the same
-kernels in Pallas' TPU interpret mode; to jit them for the CPU, call them inside `interpret_on_cpu()`.
-"""
-
-from ._pallas.common.interpret import interpret_on_cpu
-from ._pallas.moe.api import experts_forward
-from ._pallas.ragged_dot.api import ragged_dot
-from ._pallas.rms_norm.api import fused_add_rms_norm, rms_norm, rms_norm_backward
-from ._pallas.rotary.api import (
-    apply_rotary,
-    apply_rotary_backward,
-    apply_rotary_from_positions,
-    rms_norm_rope,
-    rms_norm_rope_from_positions,
-    rope_cos_sin,
-)
-
-__all__ = [
-    "apply_rotary",
-    "apply_rotary_backward",
-    "apply_rotary_from_positions",
-    "experts_forward",
-    "fused_add_rms_norm",
-    "interpret_on_cpu",
-    "ragged_dot",
-    "rms_norm",
-    "rms_norm_backward",
-    "rms_norm_rope",
-    "rms_norm_rope_from_positions",
-    "rope_cos_sin",
-]
+from tpu_kernels_jax.api import *  # noqa: F403  (re-exported whole)
+from tpu_kernels_jax.api import __all__  # noqa: F401

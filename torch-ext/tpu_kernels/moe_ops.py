@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from tpu_kernels_jax.moe import api as moe_api
+from tpu_kernels_jax.ragged_dot import api as ragged_dot_api
+
 from . import _torch_checks as checks
 from ._op_registry import define_op
-from ._pallas.moe import api as moe_api
-from ._pallas.ragged_dot import api as ragged_dot_api
 
 _NO_GATE = "none"  # gate_layout=None as a torch schema string
 

@@ -4,9 +4,10 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from tpu_kernels_jax.rms_norm import api
+
 from . import _torch_checks as checks
 from ._op_registry import define_op
-from ._pallas.rms_norm import api
 
 
 # The JAX functions the ops are made from. Annotations drive the torch schema (TorchTPU's jax_op convention).

@@ -4,9 +4,10 @@ in the kernel from positions) and their autograd."""
 import jax
 import torch
 
+from tpu_kernels_jax.rotary import api
+
 from . import _torch_checks as checks
 from ._op_registry import define_op
-from ._pallas.rotary import api
 from .rms_norm_ops import rms_norm_backward_op
 
 

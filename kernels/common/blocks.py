@@ -1,0 +1,49 @@
+"""Checks shared by the kernels' `blocks=` parameters (one frozen dataclass of tile sizes per kernel).
+
+A caller's tiling is checked before anything is traced, with an error that names the field, what the layout needs and
+what was given: Mosaic would otherwise fail deep in lowering, or a block that overflows VMEM would fail to compile.
+"""
+
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from . import chip
+
+LANES = 128  # the minor dimension of a vreg and of every VMEM tile
+
+
+def sublane_multiple(dtype) -> int:
+    """Second-minor granularity of a block: 8 rows of 32-bit, 16 of 16-bit (two rows a sublane), 32 of 8-bit."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def check_tile(owner: str, field: str, value, *, multiple: int = 1, at_most: int | None = None, why: str = "") -> int:
+    """A tile size: a positive int, a multiple of `multiple` (the layout tile), at most `at_most` (the array)."""
+    name = f"{owner}.{field}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+    if value % multiple:
+        reason = f" ({why})" if why else ""
+        raise ValueError(f"{name}: expected a multiple of {multiple}{reason}, got {value}")
+    if at_most is not None and value > at_most:
+        raise ValueError(f"{name}: expected at most {at_most}, got {value}")
+    return value
+
+
+def check_vmem_fit(owner: str, working_set_bytes: int, vmem_limit_bytes: int, info: pltpu.TpuInfo | None = None):
+    """The blocks' VMEM working set (double-buffered streams and scratch) must fit the generation's VMEM."""
+    info = info or chip.current_tpu_info()
+    capacity = info.vmem_capacity_bytes
+    generation = chip.generation_name(info)
+    if working_set_bytes > capacity:
+        raise ValueError(
+            f"{owner}: these blocks need {working_set_bytes / 2**20:.1f} MiB of VMEM, more than the "
+            f"{capacity / 2**20:.0f} MiB of a {generation} core; use smaller blocks"
+        )
+    if vmem_limit_bytes is not None and not 0 < vmem_limit_bytes <= capacity:
+        raise ValueError(
+            f"{owner}.vmem_limit_bytes: expected 1 to {capacity} bytes (the VMEM of a {generation} core), "
+            f"got {vmem_limit_bytes}"
+        )
