@@ -10,14 +10,13 @@ power-of-two sequence lengths and decode batches: no ragged last block). The dou
 temporaries must fit the VMEM the kernel asks for. Every entry is proven by the deviceless compile test at the
 benchmark shapes on v5e, v6e and v7x.
 
-How the numbers were chosen (benchmarks/ops/rotary.py, modeled v6e, transformers' bhsd layout, bf16): at prefill
-S=2048, 16 steps of 128 tokens for Qwen3-30B-A3B (32 + 4 heads x 128) and 32 steps of 64 tokens for Gemma 4 (16 + 8
-heads x 256, 16 + 2 x 512) beat the previous 2 MiB blocks (10-13 steps): apply_rotary 86 -> 90 % of the HBM
-roofline, fused norm + rope 70 -> 78 % (Qwen3) and 82 -> 86 % (Gemma 4 sliding); at S=32768 the same blocks are at
-94-99 %. Later, with the norm's row sums on the MXU, Qwen3 at S=2048 takes 32 steps of 64 tokens (see MIN_STEPS).
-Decode (one position per sequence; the api runs B sequences of one token as one sequence of B tokens): at most 4
-steps of up to half the target (see SMALL_PROBLEM_STEPS), never below the MIN_BLOCK_BYTES floor; 1-step grids and
-8-token blocks lose 10-30 %.
+How the numbers are chosen (benchmarks/ops/rotary.py, modeled v6e, transformers' bhsd layout, bf16): prefill at
+S=2048 runs 32 steps of 64 tokens for Qwen3-30B-A3B (32 + 4 heads x 128) and Gemma 4 (16 + 8 heads x 256, 16 + 2 x
+512) on the cos/sin tables, 16 steps from positions (see MIN_STEPS for the deciding figures); 2 MiB blocks (10-13
+steps at S=2048) leave too large a share of the time to the exposed first read and last write. At S=32768 the same
+rules give 99.0-99.9 % of the HBM roofline. Decode (one position per sequence; the api runs B sequences of one token
+as one sequence of B tokens): at most 4 steps of up to half the target (see SMALL_PROBLEM_STEPS), never below the
+MIN_BLOCK_BYTES floor; 1-step grids and 8-token blocks lose 10-30 %.
 """
 
 import dataclasses
@@ -33,7 +32,8 @@ from ..common import chip
 TARGET_BLOCK_BYTES = {"v5e": 512 << 10, "v6e": 1 << 20, "v7x": 2 << 20}
 # Long grids (at least LONG_GRID_STEPS blocks of the target size): the exposed edges no longer matter, the per-step
 # cost does, so blocks twice the target, up to LONG_BLOCK_MAX_BYTES (the fused norm + rope at head_dim 128 is nearly
-# compute-bound: Qwen3 at S=32768 goes from 94 to 97 % of the roofline; HBM-bound shapes lose < 0.5 %).
+# compute-bound: Qwen3 at S=32768 reaches 97 % of the roofline against 94 % at the target size; HBM-bound shapes
+# lose < 0.5 %).
 LONG_GRID_STEPS = 64
 LONG_BLOCK_MAX_BYTES = 2 << 20
 # Never split below this many input bytes per step just to get more steps.
@@ -49,8 +49,9 @@ MIN_STEPS_FROM_POSITIONS = 16
 # prefill at the benchmark shapes): MIN_STEPS would cut them into blocks of the MIN_BLOCK_BYTES floor, and each step
 # has its fixed cost. Since the per-token factor rows come by broadcast loads, fewer, larger blocks model faster: at
 # least SMALL_MIN_STEPS steps (the first read and last write stay exposed) of up to SMALL_TARGET_SHARE of the target.
-# Modeled v6e at 256 decode tokens: fused norm + rope from positions Qwen3 5.58 -> 5.36 us (64-token blocks), Gemma 4
-# sliding 6.35 -> 5.40, full 8.31 -> 7.68 (32); within +-0.08 us elsewhere, unchanged below 64 tokens and on v5e.
+# Modeled v6e at 256 decode tokens, fused norm + rope from positions, against the MIN_STEPS split down to the floor:
+# Qwen3 5.36 vs 5.58 us (64-token blocks), Gemma 4 sliding 5.40 vs 6.35, full 7.68 vs 8.31 (32); within +-0.08 us
+# elsewhere, the same below 64 tokens and on v5e.
 SMALL_PROBLEM_STEPS = 8
 SMALL_MIN_STEPS = 4
 SMALL_TARGET_SHARE = 0.5
