@@ -3,7 +3,7 @@ intermediate dimension; None sends a call down the grouped-matmul path.
 
 The small-batch kernel multiplies every touched expert by all T tokens, so it wins while that extra MXU work hides
 under the weights' DMA: the routing ops it removes cost a fixed ~20 us, and its MXU work grows with T.
-SMALL_BATCH_MAX_TOKENS is the largest decode batch where it was faster than the grouped path at both benchmark
+SMALL_BATCH_MAX_TOKENS is the largest decode batch where it is faster than the grouped path at both benchmark
 models (modeled, benchmarks/ops/moe.py: Qwen3-30B-A3B and Gemma 4 26B-A4B shapes, random top-8 of 128, bf16):
 v6e wins at every batch up to 256 (B = 256: 98.9 / 99.0 % of the HBM roofline vs 84.5 / 84.9 %; at 512 it loses,
 81.2 / 56.9 % vs 84.8 / 83.1 %: the MXU work on unrouted tokens no longer hides under the DMA); v5e up to 128

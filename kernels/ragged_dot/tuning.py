@@ -35,8 +35,8 @@ TM_MIN = 128
 # Floor for weights read transposed ([N, K] blocks: transformers' layout), where each step also transposes its weight
 # block for the MXU. At 128 rows that work shows (modeled v6e, M = 32768, K 2048, N 1536: 3846 cycles a step against
 # 2305 for the same block read [K, N]); at 256 rows it hides under the MXU's own (4110 vs 4036), and Qwen3's
-# prefill gate/up goes 1083 -> 834 us. Blocks read [K, N] keep TM_MIN: their straddling tiles cost more than the
-# larger tile saves (Gemma 4's down, stored [E, 704, 2816]: 7-12 % slower at 256).
+# prefill gate/up models 834 us against 1083 at 128 rows. Blocks read [K, N] keep TM_MIN: their straddling tiles
+# cost more than the larger tile saves (Gemma 4's down, stored [E, 704, 2816]: 7-12 % slower at 256).
 TM_MIN_TRANSPOSED = {"v5e": 128, "v6e": 256, "v7x": 256}
 # Share of the core's VMEM the working set may use (v7x has 64 MiB per core, v5e/v6e 128 MiB).
 VMEM_SHARE = {"v5e": 0.35, "v6e": 0.35, "v7x": 0.4}

@@ -54,11 +54,12 @@ class RopeConfig:
 BROADCAST_LOAD_MAX_TOKENS = 256
 
 # ... processed in groups of tokens whose factor rows take at most this many vregs (one vreg a token costs no more
-# in the model, but unrolling per token multiplied the kernel's size, its compile and its interpret-mode time).
+# in the model, but unrolling per token multiplies the kernel's size, its compile and its interpret-mode time).
 GROUP_FACTOR_VREGS = 8
 
 # "rows" packing of cos/sin (see _cos_sin) from blocks of this many tokens (a multiple of it): modeled v6e, Qwen3
-# decode at 256 tokens in 64-token blocks 1523 -> 1434 cycles a step; at 32-token blocks it costs more than it saves.
+# decode at 256 tokens in 64-token blocks 1434 cycles a step packed vs 1523 unpacked; at 32-token blocks it costs
+# more than it saves.
 ROWS_PACKING_MIN_TOKENS = 64
 
 # Rows up to this many positions are read whole by "row_select" when they are not a multiple of 128 (each step then
@@ -315,7 +316,7 @@ def _kernel(*refs, n, cfg: RopeConfig, positions: PositionsLayout | None, broadc
         # seq_major: each token's (H, D) tile needs its own factor rows on every sublane. Broadcasting a row of a
         # value costs a sublane permute per vreg column (XLU); parked in VMEM, the rows come back by sublane-
         # broadcast loads (stride 0), which the otherwise lightly used load slots absorb (modeled v6e, decode at
-        # 256 tokens: Qwen3 958 -> 888 cycles a step, Gemma 4 full 946 -> 816).
+        # 256 tokens: Qwen3 888 cycles a step vs 958 with register broadcasts, Gemma 4 full 816 vs 946).
         for f, (a, b) in enumerate(factor_sets):
             factor_ref[2 * f] = jnp.broadcast_to(a, factor_ref.shape[1:])
             factor_ref[2 * f + 1] = jnp.broadcast_to(b, factor_ref.shape[1:])
