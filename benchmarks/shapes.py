@@ -100,7 +100,7 @@ MOE = _moe_sweep(RAGGED_DOT_DECODE_TOKENS, MOE_PREFILL_ROWS)
 MOE_QUICK = _moe_sweep(RAGGED_DOT_QUICK_TOKENS, ())
 
 # ---------------------------------------------------------------------------------------------------------- rotary
-# RoPE and fused per-head RMSNorm + RoPE of q and k (issue 5), at the attention shapes of Qwen3-30B-A3B and Gemma 4
+# RoPE and fused per-head RMSNorm + RoPE of q and k, at the attention shapes of Qwen3-30B-A3B and Gemma 4
 # 26B-A4B (sliding and full-attention layers). Gemma 4's full layers rotate a quarter of head_dim through
 # transformers' "proportional" tables: full-width cos/sin whose trailing frequencies are zero, so rotary_dim is
 # head_dim. Decode: `tokens` sequences, one position each; prefill: one sequence of `tokens` positions.

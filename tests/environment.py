@@ -1,7 +1,7 @@
 """The process environment of every test process and subprocess: deviceless TPU compiles on a CPU host.
 
 libtpu reads these when it loads, so they must be in place before the first `import jax` / `import torch` (torch
-auto-loads torch_tpu, which loads libtpu). See shared/reference/TPU.md, rung 3.
+auto-loads torch_tpu, which loads libtpu). Rung 3 of the verification ladder (README.md) rests on them.
 """
 
 import os

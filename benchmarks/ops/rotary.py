@@ -1,4 +1,4 @@
-"""Rotary embeddings (issue 5 item 6): RoPE from cos/sin tables, the fused per-head RMSNorm + RoPE, and the fused
+"""Rotary embeddings: RoPE from cos/sin tables, the fused per-head RMSNorm + RoPE, and the fused
 RMSNorm + RoPE with cos/sin computed in the kernel from positions, each against the plain-jnp path XLA compiles
 (the references: norm then rope, and for positions the tables built by XLA first).
 
@@ -9,7 +9,7 @@ dtype; norm weights bf16 [D], eps 1e-6. Rope parameters per model: Qwen3 theta 1
 1e4; Gemma 4 full layers theta 1e6 with "proportional" partial rotary (factor 0.25: full-width frequencies whose
 trailing three quarters are zero), which is why rotary_dim = head_dim there.
 
-Targets (issue 5 item 6), on the modeled v6e figures: >= 85 % of the HBM roofline at >= 64 tokens for every op, and
+Targets, on the modeled v6e figures: >= 85 % of the HBM roofline at >= 64 tokens for every op, and
 the fused norm + rope ops >= 1.5x the unfused XLA path at every shape.
 """
 
