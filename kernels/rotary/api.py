@@ -302,7 +302,8 @@ def _decode_as_tokens(x, shape: _Shape):
     """Decode (one position per sequence): B sequences of one token are run as one sequence of B tokens, x
     [1, B, H, D] (the (H, D)-tile layout). For [B, H, 1, D] and [B, 1, H, D] this reshape is a bitcast in XLA's
     layouts, as is [B, 1, r] -> [1, B, r] for the tables and [B, 1] -> [1, B] for positions, so no copy is made
-    around the kernel (the per-sequence blocks it replaces had XLA relayout the tables)."""
+    around the kernel (per-sequence blocks would have XLA relayout the tables: a copy each of cos and sin, 1.4-2 us,
+    modeled v6e)."""
     if x is None or shape.seq != 1:
         return x
     heads = _heads(x, shape.seq_major)

@@ -40,7 +40,7 @@ LONG_BLOCK_MAX_BYTES = 2 << 20
 MIN_BLOCK_BYTES = 256 << 10
 # Aim for at least this many grid steps when the data allows: the first read and the last write are exposed, so
 # their share shrinks with the step count (and v7x's two TensorCores split the grid). The kernels on cos/sin tables
-# are HBM-bound (since the norm's row sums moved to the MXU): 32 steps (Qwen3 prefill S=2048: 64-token blocks; fused
+# are HBM-bound (the norm's row sums run on the MXU): 32 steps (Qwen3 prefill S=2048: 64-token blocks; fused
 # norm + rope 92.7 % of the roofline vs 91.5 % with 16 and 82.3 % with 64, modeled v6e). With cos/sin computed from
 # positions a step does more compute and its fixed cost matters more: 16 steps (90.1 % vs 79.4 % with 32).
 MIN_STEPS = 32
