@@ -177,11 +177,12 @@ def _mean_square(x, in_dtype):
     """mean(x * x) over the last (head) axis of f32 x: (..., 128) (the mean in every lane) or (..., 1).
 
     At head_dim 128 with bf16 inputs the row sums run on the MXU, otherwise idle, instead of a cross-lane (XLU)
-    reduction per 128-wide row, which with the rotation's lane roll made the fused op compute-bound (modeled v6e,
-    Qwen3 prefill S=2048: ~2700 -> ~2200 cycles per 128-token step). x * x of a bf16 x is exact in f32 and splits
-    exactly into two bf16 parts, hi + lo, so [hi | lo] @ [1/128; 1/128] (f32 accumulation; 1/128 is exact) is the
-    f32 mean. Wider heads (256, 512) model faster with the cross-lane reduction (one per several vregs of work), as
-    do f32 inputs (whose squares do not split exactly) and head tiles that are not whole sublane groups.
+    reduction per 128-wide row, which with the rotation's lane roll makes the fused op compute-bound (modeled v6e,
+    Qwen3 prefill S=2048: ~2200 cycles per 128-token step on the MXU vs ~2700 cross-lane). x * x of a bf16 x is
+    exact in f32 and splits exactly into two bf16 parts, hi + lo, so [hi | lo] @ [1/128; 1/128] (f32 accumulation;
+    1/128 is exact) is the f32 mean. Wider heads (256, 512) model faster with the cross-lane reduction (one per
+    several vregs of work), as do f32 inputs (whose squares do not split exactly) and head tiles that are not whole
+    sublane groups.
     """
     x2 = x * x
     if jnp.dtype(in_dtype) != jnp.dtype(jnp.bfloat16) or x.shape[-1] != 128 or x.shape[-2] % 8:
