@@ -117,8 +117,9 @@ def choose_tm(m: int, num_groups: int, dtype, generation: str, rhs_transposed: b
     tm = _pow2_floor(max(1, m // max(1, 2 * num_groups)))
     # At least TM_MIN rows: every visit pushes its group's whole weight block through the MXU, which costs the same
     # for 16 rows as for 128, so small tiles multiply that cost by the visits (tiles + groups - 1) while the masked
-    # rows they save are nearly free. Modeled v6e (random top-8 of 128 experts): decode B = 256 went from 62-67 % to
-    # 90-93 % of the HBM roofline, B = 64 from 88-90 % to 97-98 %, prefill M = 4096 from 49-56 % to 83-89 %.
+    # rows they save are nearly free. Modeled v6e (random top-8 of 128 experts), with the floor against the M / (2 *
+    # groups) rule alone: decode B = 256 at 90-93 % of the HBM roofline against 62-67 %, B = 64 97-98 % against
+    # 88-90 %, prefill M = 4096 83-89 % against 49-56 %.
     floor = max(TM_MIN, TM_MIN_TRANSPOSED.get(generation, TM_MIN)) if rhs_transposed else TM_MIN
     tm = max(sub, floor, min(TM_MAX[generation], tm))
     return m if m <= tm else tm
