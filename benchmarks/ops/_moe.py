@@ -128,7 +128,7 @@ def _case(row):
 
 
 def custom_targets(rows: list[dict], *, baselines=("tokamax",)) -> list[dict]:
-    """Issue 4's targets: decode (B <= 64) >= 85 % of the roofline (HBM: the expert weights touched); prefill >= 70 %
+    """The MoE targets: decode (B <= 64) >= 85 % of the roofline (HBM: the expert weights touched); prefill >= 70 %
     of MXU peak; at least as fast as XLA's ragged dot (the default; checked by Targets.beats_default) and tokamax."""
     out = []
     decode = [r for r in rows if r["shape"].get("phase") == "decode" and r["batch"] <= DECODE_MAX_BATCH]
