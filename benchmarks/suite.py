@@ -3,7 +3,7 @@
 A kernel's benchmark lives in `benchmarks/ops/<kernel>.py` and defines `SUITE = Suite(...)`: its operations (each a
 Pallas kernel path and the default implementation of the same operation, the plain JAX/XLA path), the shapes from
 `benchmarks/shapes.py`, the HBM bytes and MXU flops one call must move/do at least (for the roofline), and the
-targets its issue holds it to. `benchmarks/test_<kernel>.py` is its pytest-benchmark suite (a few lines: the shared
+performance targets it is held to. `benchmarks/test_<kernel>.py` is its pytest-benchmark suite (a few lines: the shared
 `measure` fixture does the timing). Adding both files is all a new kernel needs; `python -m benchmarks` finds it.
 
 Every function handed to the performance model is compiled in a subprocess and pickled by reference: `kernel` and
