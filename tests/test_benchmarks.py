@@ -246,10 +246,11 @@ def test_dense_masked_baseline_equals_the_reference():
     """The MoE suite's dense masked baseline (vectorised over experts) computes kernels/moe/reference.py's function."""
     import jax.numpy as jnp
 
-    from benchmarks.ops import _moe, moe
+    from benchmarks.ops import moe
+    from tpu_kernels_jax.moe import reference as moe_reference
 
     args = moe._arrays(TINY_MOE, 0)
     got = moe.dense_masked_experts(*args, activation="silu")
-    want = _moe.moe_reference.experts_forward_reference(*args, activation="silu")
+    want = moe_reference.experts_forward_reference(*args, activation="silu")
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
     assert jnp.abs(want.astype(jnp.float32)).max() > 0

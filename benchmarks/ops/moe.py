@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpu_kernels_jax.moe import api as moe_api
+
 from .. import shapes
 from ..suite import Baseline, Op, Suite, Targets
 from . import _moe
@@ -19,7 +21,7 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 
 def kernel_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
-    return _moe.moe_api.experts_forward(
+    return moe_api.experts_forward(
         hidden_states,
         top_k_index,
         top_k_weights,
@@ -37,7 +39,7 @@ def _composed(ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_pro
     matmuls (XLA's and tokamax's have no row-scale epilogue: the weighting is one XLA multiply, fused where XLA can)."""
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
-    order, group_sizes = _moe.moe_api.route(top_k_index, gate_up_proj.shape[0])
+    order, group_sizes = moe_api.route(top_k_index, gate_up_proj.shape[0])
     x = hidden_states.at[order // top_k].get(mode="promise_in_bounds")
     h = _moe.gated_epilogue(ragged_dot(x, gate_up_proj, group_sizes, out_dtype=F32), activation, hidden_states.dtype)
     y = ragged_dot(h, down_proj, group_sizes, out_dtype=F32)

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpu_kernels_jax.ragged_dot import api as ragged_dot_api
+
 from .. import shapes
 from ..suite import Baseline, Op, Suite, Targets
 from . import _moe
@@ -21,7 +23,7 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 
 def kernel_gate_up(lhs, rhs, group_sizes, *, activation):
-    return _moe.ragged_dot_api.ragged_dot(
+    return ragged_dot_api.ragged_dot(
         lhs,
         rhs,
         group_sizes,
@@ -41,7 +43,7 @@ def tokamax_gate_up(lhs, rhs, group_sizes, *, activation):
 
 
 def kernel_down(lhs, rhs, group_sizes, *, activation=None):
-    return _moe.ragged_dot_api.ragged_dot(lhs, rhs, group_sizes, rhs_transposed=True, preferred_element_type=F32)
+    return ragged_dot_api.ragged_dot(lhs, rhs, group_sizes, rhs_transposed=True, preferred_element_type=F32)
 
 
 def xla_down(lhs, rhs, group_sizes, *, activation=None):
