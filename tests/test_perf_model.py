@@ -272,6 +272,13 @@ def test_bundle_parser_on_a_synthetic_schedule():
     # step, its 14 bundles (with the delay slots) run 10 times, the rest once.
     gridless = perf_bundles.analyze(perf_bundles.parse_bundles(text), has_grid=False)
     assert not gridless.has_loop and gridless.body == 16 + 14 * 9, gridless.body
+    # The final-schedule summary reads the same lines with the same parser.
+    assert perf_bundles.final_schedule_summary(text) == {
+        "total_bundles": 16,
+        "loop_body_bundles": 14,
+        "trip_count": 10,
+        "prologue_bundles": 1,
+    }
 
 
 def test_bundle_parser_finds_the_guard_after_a_fetch_once_branch():

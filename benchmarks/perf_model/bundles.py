@@ -85,7 +85,9 @@ class Bundle:
         return out
 
 
-def parse_bundles(text: str) -> list[Bundle]:
+def parse_bundles(text: str, *, dense: bool = True) -> list[Bundle]:
+    """The bundles of a dump, continuation lines joined to their bundle. dense: addresses must be 0..n-1 (the cycle
+    arithmetic of `analyze` indexes bundles by address)."""
     bundles: list[Bundle] = []
     for line in text.splitlines():
         m = _ADDR_RE.match(line)
@@ -93,8 +95,7 @@ def parse_bundles(text: str) -> list[Bundle]:
             bundles.append(Bundle(int(m.group(1), 16), m.group(2) or "", len(m.group(3)), m.group(4)))
         elif bundles:
             bundles[-1].text += "\n" + line
-    # Addresses must be dense 0..n-1 for the cycle arithmetic below.
-    for i, b in enumerate(bundles):
+    for i, b in enumerate(bundles if dense else ()):
         if b.addr != i:
             raise ValueError(f"bundle addresses are not dense at index {i} (addr {b.addr:#x})")
     return bundles
@@ -250,13 +251,7 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
 
 def final_schedule_summary(text: str) -> dict:
     """Loop structure of the final (post delay-converter) schedule, for reporting."""
-    bundles = []
-    for line in text.splitlines():
-        m = _ADDR_RE.match(line)
-        if m:
-            bundles.append(Bundle(int(m.group(1), 16), m.group(2) or "", len(m.group(3)), m.group(4)))
-        elif bundles:
-            bundles[-1].text += "\n" + line
+    bundles = parse_bundles(text, dense=False)
     lb = [b.addr for b in bundles if b.marker == "LB" and b.depth == 1]
     trip = None
     last_in_loop = None
