@@ -110,6 +110,8 @@ def format_table(result: dict) -> str:
     )
     lines += [f"n/a = {reason}" for reason in na]
     lines += _extra_measured_lines(result)
+    if result.get("goal"):
+        lines.append(f"goal ({result['modeled_label']}): {result['goal']}")
     for t in result["targets"]:
         worst = t["worst"] or {}
         detail = t.get("detail") or ", ".join(
@@ -118,7 +120,7 @@ def format_table(result: dict) -> str:
             if k != "case"
         )
         lines.append(
-            f"target ({t['source']}, {result['modeled_label']}): {t['target']}: "
+            f"target ({result['modeled_label']}): {t['target']}: "
             f"{'MET' if t['met'] else 'NOT MET'} (worst: {worst.get('case', DASH)}, {detail})"
         )
     if result.get("measure_error"):

@@ -74,7 +74,7 @@ class Op:
 class Targets:
     """Performance targets checked on the modeled figures (None / False: not checked)."""
 
-    source: str = ""  # where the target comes from, e.g. "issue 3 item 5"
+    goal: str = ""  # the targets in one line, printed above them, e.g. ">= 85 % of the HBM roofline at >= 4096 tokens"
     min_efficiency: float | None = None  # roofline / modeled kernel time, at least ...
     min_efficiency_from_batch: int = 0  # ... for shapes with batch >= this
     beats_default: bool = False  # modeled kernel time < modeled default time at every shape

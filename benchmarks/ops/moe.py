@@ -148,5 +148,5 @@ SUITE = Suite(
     ),
     shapes=shapes.MOE,
     quick_shapes=shapes.MOE_QUICK,
-    targets=Targets(source=_moe.SOURCE, beats_default=True, custom=_moe.custom_targets),
+    targets=Targets(goal=_moe.GOAL, beats_default=True, custom=_moe.custom_targets),
 )

@@ -123,6 +123,6 @@ SUITE = Suite(
     ),
     shapes=shapes.RAGGED_DOT,
     quick_shapes=shapes.RAGGED_DOT_QUICK,
-    targets=Targets(source=_moe.SOURCE, beats_default=True, custom=_moe.custom_targets),
+    targets=Targets(goal=_moe.GOAL, beats_default=True, custom=_moe.custom_targets),
     batch_unit="tokens (decode) / rows (prefill)",
 )
