@@ -1,6 +1,12 @@
-"""Public JAX API of RMSNorm: input validation, block choice, and custom_vjp wiring of the Pallas kernels."""
+"""Public JAX API of RMSNorm: input validation, block choice, and custom_vjp wiring of the Pallas kernels.
+
+Every op takes `blocks=` (an RmsNormBlocks: the row block and the VMEM limit), checked before anything is traced;
+None means the tuning table's. The blocks are static: a gradient runs the backward kernel with the blocks its forward
+was given.
+"""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +15,11 @@ from ..common import chip
 from ..common.interpret import interpret_eager_cpu_calls
 from ..common.validation import FLOAT_DTYPES, check_array, check_finite, check_finite_nonnegative
 from . import kernel, tuning
+from .tuning import RmsNormBlocks
+
+# Row streams of the widest kernel (the fused forward: x, residual, out, sum; the fused backward: s, g, g_sum, ds):
+# one block size serves the forward, the fused forward and the backward, sized for it.
+STREAMS = 4
 
 
 def check_inputs(x, weight, eps, weight_offset, residual=None):
@@ -28,28 +39,41 @@ def check_inputs(x, weight, eps, weight_offset, residual=None):
     return check_finite_nonnegative("eps", eps), check_finite("weight_offset", weight_offset)
 
 
-def _blocks(rows, hidden, dtype):
-    # One block size for forward, fused forward and backward: sized for the widest of them (4 row streams).
-    return tuning.choose_blocks(rows, hidden, dtype, streams=4, info=chip.current_tpu_info())
+def _kernel_dtype(dtype):
+    """The dtype the kernels run in (see _as_rows)."""
+    return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype)
+
+
+def tuning_arguments(x) -> dict:
+    """The shape arguments of tuning.choose_blocks / candidate_blocks for an op on x (an array or ShapeDtypeStruct
+    [..., hidden]): the rows of its (rows, hidden) view, in the dtype the kernels run in."""
+    hidden = x.shape[-1]
+    return dict(rows=math.prod(x.shape[:-1]), hidden=hidden, dtype=_kernel_dtype(x.dtype), streams=STREAMS)
+
+
+def _blocks(blocks, x) -> RmsNormBlocks | None:
+    """The checked blocks for an op on x (None for an empty x, which launches no kernel)."""
+    tuning.check_blocks_type(blocks)
+    if x.size == 0:
+        return None
+    return tuning.resolve_blocks(blocks, **tuning_arguments(x), info=chip.current_tpu_info())
 
 
 def _weight_grad(partials, weight2d):
     return None if weight2d is None else partials.sum(axis=(0, 1)).reshape(weight2d.shape).astype(weight2d.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rms_norm_2d(x2d, weight2d, eps, weight_offset):
-    blocks = _blocks(*x2d.shape, x2d.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _rms_norm_2d(x2d, weight2d, eps, weight_offset, blocks):
     return kernel.rms_norm_forward(x2d, weight2d, None, eps=eps, weight_offset=weight_offset, blocks=blocks)
 
 
-def _rms_norm_2d_fwd(x2d, weight2d, eps, weight_offset):
-    return _rms_norm_2d(x2d, weight2d, eps, weight_offset), (x2d, weight2d)
+def _rms_norm_2d_fwd(x2d, weight2d, eps, weight_offset, blocks):
+    return _rms_norm_2d(x2d, weight2d, eps, weight_offset, blocks), (x2d, weight2d)
 
 
-def _rms_norm_2d_bwd(eps, weight_offset, saved, g):
+def _rms_norm_2d_bwd(eps, weight_offset, blocks, saved, g):
     x2d, weight2d = saved
-    blocks = _blocks(*x2d.shape, x2d.dtype)
     dx, partials = kernel.rms_norm_backward(x2d, g, None, weight2d, eps=eps, weight_offset=weight_offset, blocks=blocks)
     return dx, _weight_grad(partials, weight2d)
 
@@ -57,21 +81,19 @@ def _rms_norm_2d_bwd(eps, weight_offset, saved, g):
 _rms_norm_2d.defvjp(_rms_norm_2d_fwd, _rms_norm_2d_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused_add_rms_norm_2d(x2d, residual2d, weight2d, eps, weight_offset):
-    blocks = _blocks(*x2d.shape, x2d.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused_add_rms_norm_2d(x2d, residual2d, weight2d, eps, weight_offset, blocks):
     return kernel.rms_norm_forward(x2d, weight2d, residual2d, eps=eps, weight_offset=weight_offset, blocks=blocks)
 
 
-def _fused_fwd(x2d, residual2d, weight2d, eps, weight_offset):
-    out, total = _fused_add_rms_norm_2d(x2d, residual2d, weight2d, eps, weight_offset)
+def _fused_fwd(x2d, residual2d, weight2d, eps, weight_offset, blocks):
+    out, total = _fused_add_rms_norm_2d(x2d, residual2d, weight2d, eps, weight_offset, blocks)
     return (out, total), (total, weight2d)
 
 
-def _fused_bwd(eps, weight_offset, saved, cotangents):
+def _fused_bwd(eps, weight_offset, blocks, saved, cotangents):
     total, weight2d = saved
     g_out, g_sum = cotangents
-    blocks = _blocks(*total.shape, total.dtype)
     ds, partials = kernel.rms_norm_backward(
         total, g_out, g_sum, weight2d, eps=eps, weight_offset=weight_offset, blocks=blocks
     )
@@ -90,35 +112,52 @@ def _as_rows(a, hidden):
 
 @interpret_eager_cpu_calls
 def rms_norm(
-    x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *, weight_offset: float = 0.0
+    x: jax.Array,
+    weight: jax.Array | None = None,
+    eps: float = 1e-6,
+    *,
+    weight_offset: float = 0.0,
+    blocks: RmsNormBlocks | None = None,
 ) -> jax.Array:
     """RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * (weight_offset + weight), math in f32.
 
     x: [..., hidden] in f32, bf16 or f16; weight: [hidden] or None (no scale); returns x's shape and dtype.
-    `weight_offset=1.0` gives Gemma's (1 + weight) convention. Differentiable in x and weight.
+    `weight_offset=1.0` gives Gemma's (1 + weight) convention. Differentiable in x and weight (the backward kernel
+    runs with the same blocks). blocks: the tiling (RmsNormBlocks), None for the tuning table's.
     """
     eps, weight_offset = check_inputs(x, weight, eps, weight_offset)
+    blocks = _blocks(blocks, x)
     hidden = x.shape[-1]
     if x.size == 0:
         return jnp.zeros(x.shape, x.dtype)
     w2d = None if weight is None else _as_rows(weight, hidden)
-    return _rms_norm_2d(_as_rows(x, hidden), w2d, eps, weight_offset).reshape(x.shape).astype(x.dtype)
+    return _rms_norm_2d(_as_rows(x, hidden), w2d, eps, weight_offset, blocks).reshape(x.shape).astype(x.dtype)
 
 
 @interpret_eager_cpu_calls
 def fused_add_rms_norm(
-    x: jax.Array, residual: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *, weight_offset: float = 0.0
+    x: jax.Array,
+    residual: jax.Array,
+    weight: jax.Array | None = None,
+    eps: float = 1e-6,
+    *,
+    weight_offset: float = 0.0,
+    blocks: RmsNormBlocks | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(rms_norm(x + residual), x + residual) in one pass over HBM; the sum is rounded to x.dtype before the norm.
 
-    residual must have x's shape and dtype. Differentiable in x, residual and weight.
+    residual must have x's shape and dtype. Differentiable in x, residual and weight (the backward kernel runs with
+    the same blocks). blocks: the tiling (RmsNormBlocks), None for the tuning table's.
     """
     eps, weight_offset = check_inputs(x, weight, eps, weight_offset, residual=residual)
+    blocks = _blocks(blocks, x)
     hidden = x.shape[-1]
     if x.size == 0:
         return jnp.zeros(x.shape, x.dtype), jnp.zeros(x.shape, x.dtype)
     w2d = None if weight is None else _as_rows(weight, hidden)
-    out, total = _fused_add_rms_norm_2d(_as_rows(x, hidden), _as_rows(residual, hidden), w2d, eps, weight_offset)
+    out, total = _fused_add_rms_norm_2d(
+        _as_rows(x, hidden), _as_rows(residual, hidden), w2d, eps, weight_offset, blocks
+    )
     return out.reshape(x.shape).astype(x.dtype), total.reshape(x.shape).astype(x.dtype)
 
 
@@ -131,11 +170,13 @@ def rms_norm_backward(
     *,
     weight_offset: float = 0.0,
     grad_sum: jax.Array | None = None,
+    blocks: RmsNormBlocks | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gradients (d x, d weight) of rms_norm(x, weight, eps) for output cotangent `grad`.
 
     For fused_add_rms_norm pass x = the saved sum and grad_sum = the cotangent of the sum output; d x is then the
-    gradient for both x and residual. d weight is None when weight is None.
+    gradient for both x and residual. d weight is None when weight is None. blocks: the tiling (RmsNormBlocks), None
+    for the tuning table's.
     """
     eps, weight_offset = check_inputs(x, weight, eps, weight_offset)
     check_array("grad", grad, dtypes=None)
@@ -143,6 +184,7 @@ def rms_norm_backward(
         raise ValueError(f"grad: expected the shape of x {tuple(x.shape)}, got {tuple(grad.shape)}")
     if grad_sum is not None and tuple(grad_sum.shape) != tuple(x.shape):
         raise ValueError(f"grad_sum: expected the shape of x {tuple(x.shape)}, got {tuple(grad_sum.shape)}")
+    blocks = _blocks(blocks, x)
     hidden = x.shape[-1]
     if x.size == 0:
         dw = None if weight is None else jnp.zeros(weight.shape, weight.dtype)
@@ -150,7 +192,6 @@ def rms_norm_backward(
     w2d = None if weight is None else _as_rows(weight, hidden)
     gsum2d = None if grad_sum is None else _as_rows(grad_sum, hidden)
     x2d = _as_rows(x, hidden)
-    blocks = _blocks(*x2d.shape, x2d.dtype)
     dx, partials = kernel.rms_norm_backward(
         x2d, _as_rows(grad, hidden), gsum2d, w2d, eps=eps, weight_offset=weight_offset, blocks=blocks
     )

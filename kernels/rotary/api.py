@@ -18,6 +18,9 @@ same way (each frequency repeated twice). The rotation is out = x * cos + rotate
 
 Numerics: math in f32, results in q's dtype. q/k in float32 or bfloat16; cos/sin in float32 or bfloat16. Differentiable
 in q, k, cos, sin and the norm weights (cos/sin and weight gradients are reduced in XLA; q/k gradients are a kernel).
+
+Tiling: every op takes `blocks=` (a RotaryBlocks: token blocks, VMEM limit, factor-row path), checked before anything
+is traced; None means the tuning table's. See RotaryBlocks for what the sizes count and which blocks a gradient uses.
 """
 
 import dataclasses
@@ -29,9 +32,10 @@ import numpy as np
 
 from ..common import chip
 from ..common.interpret import interpret_eager_cpu_calls
-from ..common.validation import check_array, check_finite, check_finite_nonnegative
+from ..common.validation import check_array, check_finite, check_finite_nonnegative, is_concrete
 from ..rms_norm import api as rms_norm_api
-from . import frequencies, kernel, reference, tuning
+from . import frequencies, kernel, tuning
+from .tuning import RotaryBlocks
 
 ROPE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 LAYOUTS = ("bhsd", "bshd")
@@ -131,10 +135,6 @@ def check_norm_weights(q, k, q_weight, k_weight):
             raise ValueError(f"{name}: expected shape ({head_dim},) to match head_dim, got {tuple(w.shape)}")
 
 
-def _is_concrete(value):
-    return isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, jax.core.Tracer)
-
-
 def check_position_inputs(q, k, positions, *, theta, rotary_dim=None, scaling=None, interleaved=False, layout="bhsd"):
     """Validate apply_rotary_from_positions arguments; returns (inv_freq, attention_scaling, rotated lanes)."""
     shape = _check_qk(q, k, layout)
@@ -145,7 +145,7 @@ def check_position_inputs(q, k, positions, *, theta, rotary_dim=None, scaling=No
             f"positions: expected shape ({shape.batch} or 1, {shape.seq}) for q's batch and seq, "
             f"got {tuple(positions.shape)}"
         )
-    if _is_concrete(positions) and positions.size:
+    if is_concrete(positions) and positions.size:
         values = np.asarray(positions)
         low, high = int(values.min()), int(values.max())
         if low < 0 or high >= MAX_POSITION:
@@ -171,22 +171,7 @@ def _table_width(rotary_dim, head_dim):
     return rotary_dim if (rotary_dim == head_dim or rotary_dim % 128 == 0) else head_dim
 
 
-def _run(xs, ws, table_a, table_b, cfg: kernel.RopeConfig):
-    x0 = xs[0]
-    seq = x0.shape[1] if cfg.seq_major else x0.shape[2]
-    table_dtypes = (table_a.dtype,) if cfg.from_positions else (table_a.dtype, table_b.dtype)
-    blocks = tuning.choose_blocks(
-        batch=x0.shape[0],
-        seq=seq,
-        heads=tuple(_heads(x, cfg.seq_major) for x in xs),
-        head_dim=x0.shape[3],
-        dtype=x0.dtype,
-        table_width=table_b.shape[-1],
-        table_dtypes=table_dtypes,
-        seq_major=cfg.seq_major,
-        from_positions=cfg.from_positions,
-        info=chip.current_tpu_info(),
-    )
+def _run(xs, ws, table_a, table_b, cfg: kernel.RopeConfig, blocks: RotaryBlocks):
     # Norm weights [D] as (D // 128, 128): a bitcast in XLA's TPU layouts, where (1, D) at D = 256, 512 is a copy.
     ws2d = [w.reshape(-1, 128) if w.shape[0] % 128 == 0 else w.reshape(1, -1) for w in ws] if cfg.norm else []
     return kernel.rope(list(xs), table_a, table_b, ws2d, cfg=cfg, blocks=blocks)
@@ -200,44 +185,70 @@ def _cos_sin_tables(cos, sin, head_dim):
     return jnp.pad(cos, pad, constant_values=1), jnp.pad(sin, pad, constant_values=0)
 
 
-def _kernel_on_tables(xs, ws, cos, sin, cfg):
+def _kernel_on_tables(xs, ws, cos, sin, cfg, blocks):
     """Apply the kernel to the non-empty arrays of xs; empty ones come back as they are."""
     live = [i for i, x in enumerate(xs) if x.size]
     if not live:
         return list(xs)
     table_a, table_b = _cos_sin_tables(cos, sin, xs[live[0]].shape[3])
-    outs = _run([xs[i] for i in live], [ws[i] for i in live] if cfg.norm else [], table_a, table_b, cfg)
+    outs = _run([xs[i] for i in live], [ws[i] for i in live] if cfg.norm else [], table_a, table_b, cfg, blocks)
     result = list(xs)
     for i, out in zip(live, outs):
         result[i] = out
     return result
 
 
-# cos/sin tables: custom_vjp over (xs, ws, cos, sin); cfg is static.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _rope_tables(xs, ws, cos, sin, cfg):
-    return tuple(_kernel_on_tables(xs, ws, cos, sin, cfg))
+# cos/sin tables: custom_vjp over (xs, ws, cos, sin); cfg and the (resolved) blocks are static.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _rope_tables(xs, ws, cos, sin, cfg, blocks):
+    return tuple(_kernel_on_tables(xs, ws, cos, sin, cfg, blocks))
 
 
-def _rope_tables_fwd(xs, ws, cos, sin, cfg):
-    return _rope_tables(xs, ws, cos, sin, cfg), (xs, ws, cos, sin)
+def _rope_tables_fwd(xs, ws, cos, sin, cfg, blocks):
+    return _rope_tables(xs, ws, cos, sin, cfg, blocks), (xs, ws, cos, sin)
 
 
-def _reference_rotation(xs, ws, cos, sin, cfg):
-    layout = "bshd" if cfg.seq_major else "bhsd"
-    outs = []
-    for i, x in enumerate(xs):
-        xf = reference.head_rms_norm_reference(x, ws[i], cfg.eps, cfg.weight_offset) if cfg.norm else x
-        rotated = reference.rotate_reference(xf, cos, sin, interleaved=cfg.interleaved, layout=layout)
-        outs.append(rotated.astype(x.dtype))
-    return outs
+def _rotated_half(x, interleaved):
+    """rotate_half of x (..., r) as the kernel pairs lanes: lane j takes its partner p(j)'s value, negated on the
+    first lane of each pair (pairs (j, j + r/2), or (2i, 2i + 1) when interleaved)."""
+    r = x.shape[-1]
+    lanes = np.arange(r)
+    if interleaved:
+        partner = x.reshape(x.shape[:-1] + (r // 2, 2))[..., ::-1].reshape(x.shape)
+        first = lanes % 2 == 0
+    else:
+        partner = jnp.roll(x, r // 2, axis=-1)
+        first = lanes < r // 2
+    return partner * np.where(first, -1.0, 1.0).astype(np.float32)
 
 
-def _rope_tables_bwd(cfg, saved, grads):
+def _table_gradients(xs, ws, grads, cos, sin, cfg):
+    """(d cos, d sin) of out = y * cos + rotate_half(y) * sin on the first r lanes, y = x (normalised and scaled by
+    its weight under the norm), for output cotangents `grads`: per token, summed over the heads of every x, and over
+    the batch and the tokens where the table has one row for them (cos [1, S, r], a decode batch's [1, 1, r])."""
+    r = cos.shape[-1]
+    head_axis = 2 if cfg.seq_major else 1
+    dcos = dsin = 0.0
+    for i, (x, g) in enumerate(zip(xs, grads)):
+        y = x.astype(jnp.float32)
+        if cfg.norm:
+            rstd = jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + cfg.eps)
+            y = y * rstd * (ws[i].astype(jnp.float32) + cfg.weight_offset)
+        y, g = y[..., :r], g.astype(jnp.float32)[..., :r]
+        dcos = dcos + jnp.sum(g * y, axis=head_axis)
+        dsin = dsin + jnp.sum(g * _rotated_half(y, cfg.interleaved), axis=head_axis)
+    shared = tuple(a for a in (0, 1) if cos.shape[a] == 1 and dcos.shape[a] != 1)
+    if shared:
+        dcos, dsin = dcos.sum(axis=shared, keepdims=True), dsin.sum(axis=shared, keepdims=True)
+    return dcos.astype(cos.dtype), dsin.astype(sin.dtype)
+
+
+def _rope_tables_bwd(cfg, blocks, saved, grads):
     xs, ws, cos, sin = saved
     grads = [g.astype(x.dtype) for g, x in zip(grads, xs)]
     rotation_t = dataclasses.replace(cfg, transpose=True, norm=False)
-    g_rot = _kernel_on_tables(grads, [], cos, sin, rotation_t)  # the transpose rotation of the output gradient
+    # The transpose rotation of the output gradient: the forward's blocks fit it (same arrays, same tables).
+    g_rot = _kernel_on_tables(grads, [], cos, sin, rotation_t, blocks)
     if cfg.norm:
         dxs, dws = [], []
         for g, x, w in zip(g_rot, xs, ws):
@@ -246,16 +257,15 @@ def _rope_tables_bwd(cfg, saved, grads):
             dws.append(dw)
     else:
         dxs, dws = g_rot, ws
-    # cos/sin gradients: sums over heads (and the batch when the table is shared), in XLA from the reference.
-    _, vjp = jax.vjp(lambda c, s: _reference_rotation(xs, ws, c, s, cfg), cos, sin)
-    dcos, dsin = vjp([g.astype(x.dtype) for g, x in zip(grads, xs)])
+    # cos/sin gradients: sums over heads (and the batch when the table is shared), in XLA.
+    dcos, dsin = _table_gradients(xs, ws, grads, cos, sin, cfg)
     return tuple(dxs), tuple(dws), dcos, dsin
 
 
 _rope_tables.defvjp(_rope_tables_fwd, _rope_tables_bwd)
 
 
-# positions: custom_vjp over xs; positions carry no gradient; cfg and the inverse frequencies are static.
+# positions: custom_vjp over xs; positions carry no gradient; cfg, the inverse frequencies and the blocks are static.
 def _position_tables(positions, inv_freq, interleaved, head_dim):
     inv = np.repeat(inv_freq, 2) if interleaved else np.concatenate([inv_freq, inv_freq])
     width = _table_width(len(inv), head_dim)
@@ -263,26 +273,27 @@ def _position_tables(positions, inv_freq, interleaved, head_dim):
     return positions, jnp.asarray(inv.reshape(1, width))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _rope_positions(xs, ws, positions, cfg, inv_freq):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _rope_positions(xs, ws, positions, cfg, inv_freq, blocks):
     live = [i for i, x in enumerate(xs) if x.size]
     result = list(xs)
     if live:
         pos, inv = _position_tables(positions, np.asarray(inv_freq, np.float32), cfg.interleaved, xs[live[0]].shape[3])
-        outs = _run([xs[i] for i in live], [ws[i] for i in live] if cfg.norm else [], pos, inv, cfg)
+        outs = _run([xs[i] for i in live], [ws[i] for i in live] if cfg.norm else [], pos, inv, cfg, blocks)
         for i, out in zip(live, outs):
             result[i] = out
     return tuple(result)
 
 
-def _rope_positions_fwd(xs, ws, positions, cfg, inv_freq):
-    return _rope_positions(xs, ws, positions, cfg, inv_freq), (xs, ws, positions)
+def _rope_positions_fwd(xs, ws, positions, cfg, inv_freq, blocks):
+    return _rope_positions(xs, ws, positions, cfg, inv_freq, blocks), (xs, ws, positions)
 
 
-def _rope_positions_bwd(cfg, inv_freq, saved, grads):
+def _rope_positions_bwd(cfg, inv_freq, blocks, saved, grads):
     xs, ws, positions = saved
     grads = tuple(g.astype(x.dtype) for g, x in zip(grads, xs))
-    g_rot = _rope_positions(grads, (), positions, dataclasses.replace(cfg, transpose=True, norm=False), inv_freq)
+    rotation_t = dataclasses.replace(cfg, transpose=True, norm=False)
+    g_rot = _rope_positions(grads, (), positions, rotation_t, inv_freq, blocks)
     if cfg.norm:
         pairs = [
             rms_norm_api.rms_norm_backward(g, x, w, cfg.eps, weight_offset=cfg.weight_offset)
@@ -306,8 +317,64 @@ def _decode_as_tokens(x, shape: _Shape):
     modeled v6e)."""
     if x is None or shape.seq != 1:
         return x
-    heads = _heads(x, shape.seq_major)
-    return x.reshape(1, x.shape[0], heads, x.shape[3])
+    return x.reshape(_kernel_shape(x, shape))
+
+
+def _kernel_shape(x, shape: _Shape):
+    """The shape the kernel sees for x (an array or ShapeDtypeStruct): x's own, or a decode call's [1, B, H, D]."""
+    if shape.seq != 1:
+        return tuple(x.shape)
+    return (1, x.shape[0], _heads(x, shape.seq_major), x.shape[3])
+
+
+def _tuning_shape(q, k, shape: _Shape, *, rotary_dim, table_dtypes, from_positions):
+    """choose_blocks' shape arguments for the kernel on the non-empty ones of q and k (None if both are empty)."""
+    seq_major = shape.seq_major or shape.seq == 1
+    views = [_kernel_shape(x, shape) for x in (q, k) if x is not None and x.size]
+    if not views:
+        return None
+    head_axis = 2 if seq_major else 1
+    return dict(
+        batch=views[0][0],
+        seq=views[0][3 - head_axis],
+        heads=tuple(v[head_axis] for v in views),
+        head_dim=shape.head_dim,
+        dtype=jnp.dtype(q.dtype),
+        table_width=_table_width(rotary_dim, shape.head_dim),
+        table_dtypes=tuple(jnp.dtype(d) for d in table_dtypes),
+        seq_major=seq_major,
+        from_positions=from_positions,
+    )
+
+
+def _blocks(blocks, q, k, shape: _Shape, **tuning_kw) -> RotaryBlocks | None:
+    """The checked blocks, every field set (None when q and k are empty: no kernel runs)."""
+    tuning.check_blocks_type(blocks)
+    if shape.seq == 1 and blocks is not None and isinstance(blocks.block_batch, int) and blocks.block_batch != 1:
+        raise ValueError(
+            f"blocks.block_batch: a decode call (seq 1) runs its {shape.batch} sequences as one sequence of "
+            f"{shape.batch} tokens, so its blocks count tokens in block_seq: expected 1 or None, "
+            f"got {blocks.block_batch}"
+        )
+    arguments = _tuning_shape(q, k, shape, **tuning_kw)
+    if arguments is None:
+        return None
+    return tuning.resolve_blocks(blocks, **arguments, info=chip.current_tpu_info())
+
+
+def tuning_arguments(q, k, tables, *, layout: str = "bhsd", rotary_dim: int | None = None, scaling=None) -> dict:
+    """The shape arguments of tuning.choose_blocks / candidate_blocks for a call on q and k (arrays or
+    ShapeDtypeStructs) with `tables`: (cos, sin), or integer positions for the from-positions ops (whose rotary_dim
+    and scaling decide the rotated lanes). The sizes in them are the kernel's view (see RotaryBlocks)."""
+    shape = _check_qk(q, k, layout)
+    if isinstance(tables, (tuple, list)):
+        cos, sin = tables
+        return _tuning_shape(
+            q, k, shape, rotary_dim=cos.shape[-1], table_dtypes=(cos.dtype, sin.dtype), from_positions=False
+        )
+    rope_type = frequencies.check_scaling(scaling)["rope_type"]
+    rotated = shape.head_dim if rope_type == "proportional" or rotary_dim is None else rotary_dim
+    return _tuning_shape(q, k, shape, rotary_dim=rotated, table_dtypes=(tables.dtype,), from_positions=True)
 
 
 def _tables_as_tokens(t, shape: _Shape):
@@ -332,18 +399,21 @@ def _config(shape: _Shape, rotary_dim, interleaved, **kw):
 
 
 # ------------------------------------------------------------------------------------------------------ public API
-def _on_tables(q, k, ws, cos, sin, r, *, interleaved, layout, backward=False, **cfg_kw):
+def _on_tables(q, k, ws, cos, sin, r, *, interleaved, layout, blocks, backward=False, **cfg_kw):
     """The kernel with cos/sin tables (validated by the caller): forward through the custom_vjp, or the transpose
     rotation alone (backward=True)."""
     shape = _check_qk(q, k, layout)
+    blocks = _blocks(blocks, q, k, shape, rotary_dim=r, table_dtypes=(cos.dtype, sin.dtype), from_positions=False)
     cfg = _config(shape, r, interleaved, transpose=backward, **cfg_kw)
     if backward:
-        return _call(lambda xs, ws, c, s: tuple(_kernel_on_tables(xs, ws, c, s, cfg)), q, k, ws, shape, cos, sin)
-    return _call(lambda xs, ws, c, s: _rope_tables(xs, ws, c, s, cfg), q, k, ws, shape, cos, sin)
+        fn = lambda xs, ws, c, s: tuple(_kernel_on_tables(xs, ws, c, s, cfg, blocks))  # noqa: E731
+    else:
+        fn = lambda xs, ws, c, s: _rope_tables(xs, ws, c, s, cfg, blocks)  # noqa: E731
+    return _call(fn, q, k, ws, shape, cos, sin)
 
 
 def _on_positions(
-    q, k, weights, positions, *, theta, rotary_dim, scaling, interleaved, layout, backward=False, **cfg_kw
+    q, k, weights, positions, *, theta, rotary_dim, scaling, interleaved, layout, blocks, backward=False, **cfg_kw
 ):
     """The kernel with cos/sin computed from positions, inputs validated here; weights: (q_weight, k_weight) for the
     fused norm, else None."""
@@ -355,6 +425,7 @@ def _on_positions(
         check_norm_weights(q, k, *weights)
         ws = weights[:1] if k is None else weights
     shape = _check_qk(q, k, layout)
+    blocks = _blocks(blocks, q, k, shape, rotary_dim=r, table_dtypes=(positions.dtype,), from_positions=True)
     nonzero = np.flatnonzero(np.asarray(inv_freq))
     angle_lanes = max(128, -(-(int(nonzero[-1]) + 1 if nonzero.size else 0) // 128) * 128)
     cfg = _config(
@@ -368,7 +439,7 @@ def _on_positions(
         **cfg_kw,
     )
     inv = tuple(float(f) for f in inv_freq)
-    return _call(lambda xs, ws, p: _rope_positions(xs, ws, p, cfg, inv), q, k, ws, shape, positions)
+    return _call(lambda xs, ws, p: _rope_positions(xs, ws, p, cfg, inv, blocks), q, k, ws, shape, positions)
 
 
 @interpret_eager_cpu_calls
@@ -381,13 +452,15 @@ def apply_rotary(
     interleaved: bool = False,
     rotary_dim: int | None = None,
     layout: str = "bhsd",
+    blocks: RotaryBlocks | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """(q * cos + rotate_half(q) * sin, the same for k): transformers' apply_rotary_pos_emb in one pass.
 
     See the module docstring for shapes. rotary_dim, when given, must equal cos.shape[-1] (a check, not a choice).
+    blocks: the tiling (RotaryBlocks), None for the tuning table's.
     """
     r = check_inputs(q, k, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim, layout=layout)
-    return _on_tables(q, k, (), cos, sin, r, interleaved=interleaved, layout=layout)
+    return _on_tables(q, k, (), cos, sin, r, interleaved=interleaved, layout=layout, blocks=blocks)
 
 
 @interpret_eager_cpu_calls
@@ -399,11 +472,15 @@ def apply_rotary_backward(
     *,
     interleaved: bool = False,
     layout: str = "bhsd",
+    blocks: RotaryBlocks | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gradients in q and k of apply_rotary for output gradients grad_q, grad_k: the transpose rotation,
-    grad * cos - rotate_half(grad * sin) (for tables with equal halves, the rotation by -sin)."""
+    grad * cos - rotate_half(grad * sin) (for tables with equal halves, the rotation by -sin). blocks: the tiling
+    (RotaryBlocks), None for the tuning table's."""
     r = check_inputs(grad_q, grad_k, cos, sin, interleaved=interleaved, layout=layout)
-    return _on_tables(grad_q, grad_k, (), cos, sin, r, interleaved=interleaved, layout=layout, backward=True)
+    return _on_tables(
+        grad_q, grad_k, (), cos, sin, r, interleaved=interleaved, layout=layout, blocks=blocks, backward=True
+    )
 
 
 @interpret_eager_cpu_calls
@@ -419,10 +496,12 @@ def rms_norm_rope(
     weight_offset: float = 0.0,
     interleaved: bool = False,
     layout: str = "bhsd",
+    blocks: RotaryBlocks | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """(rope(rms_norm(q) * (weight_offset + q_weight)), the same for k) in one pass: Qwen3 / Gemma 4's q_norm and
     k_norm (RMSNorm over head_dim, per head) followed by RoPE. The norm and rotation are both in f32; the result is
-    rounded once. Weights [head_dim] in f32 or bf16."""
+    rounded once. Weights [head_dim] in f32 or bf16. blocks: the tiling (RotaryBlocks), None for the tuning table's
+    (the norm's gradient takes the RMSNorm table's blocks, see RotaryBlocks)."""
     eps, weight_offset = check_norm_inputs(
         q,
         k,
@@ -445,6 +524,7 @@ def rms_norm_rope(
         cos.shape[-1],
         interleaved=interleaved,
         layout=layout,
+        blocks=blocks,
         norm=True,
         eps=eps,
         weight_offset=weight_offset,
@@ -462,12 +542,14 @@ def apply_rotary_from_positions(
     scaling: dict | None = None,
     interleaved: bool = False,
     layout: str = "bhsd",
+    blocks: RotaryBlocks | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """apply_rotary with cos/sin computed inside the kernel from integer positions [B or 1, S] (int32), as
     transformers' rotary embedding computes them (f32 angles positions * inv_freq, cos/sin scaled by the rope type's
     attention factor), so no tables cross HBM. theta: the rope base; rotary_dim: rotated features (default head_dim);
     scaling: transformers' rope_parameters dict for "linear", "llama3", "yarn" or "proportional" (Gemma 4), or None.
-    The cos/sin stay in f32 (transformers rounds its tables to the model dtype first)."""
+    The cos/sin stay in f32 (transformers rounds its tables to the model dtype first). blocks: the tiling
+    (RotaryBlocks), None for the tuning table's."""
     return _on_positions(
         q,
         k,
@@ -478,6 +560,7 @@ def apply_rotary_from_positions(
         scaling=scaling,
         interleaved=interleaved,
         layout=layout,
+        blocks=blocks,
     )
 
 
@@ -492,9 +575,11 @@ def apply_rotary_from_positions_backward(
     scaling: dict | None = None,
     interleaved: bool = False,
     layout: str = "bhsd",
+    blocks: RotaryBlocks | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gradients in q and k of apply_rotary_from_positions for output gradients grad_q, grad_k: the transpose
-    rotation (by -sin), cos/sin again computed in the kernel."""
+    rotation (by -sin), cos/sin again computed in the kernel. blocks: the tiling (RotaryBlocks), None for the tuning
+    table's."""
     return _on_positions(
         grad_q,
         grad_k,
@@ -505,6 +590,7 @@ def apply_rotary_from_positions_backward(
         scaling=scaling,
         interleaved=interleaved,
         layout=layout,
+        blocks=blocks,
         backward=True,
     )
 
@@ -524,8 +610,10 @@ def rms_norm_rope_from_positions(
     scaling: dict | None = None,
     interleaved: bool = False,
     layout: str = "bhsd",
+    blocks: RotaryBlocks | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """rms_norm_rope with cos/sin computed in the kernel from positions (see apply_rotary_from_positions)."""
+    """rms_norm_rope with cos/sin computed in the kernel from positions (see apply_rotary_from_positions). blocks:
+    the tiling (RotaryBlocks), None for the tuning table's (the norm's gradient takes the RMSNorm table's)."""
     eps, weight_offset = check_finite_nonnegative("eps", eps), check_finite("weight_offset", weight_offset)
     return _on_positions(
         q,
@@ -537,6 +625,7 @@ def rms_norm_rope_from_positions(
         scaling=scaling,
         interleaved=interleaved,
         layout=layout,
+        blocks=blocks,
         norm=True,
         eps=eps,
         weight_offset=weight_offset,
@@ -550,4 +639,4 @@ def rope_cos_sin(
     apply_rotary or a reference."""
     rotary_dim = _check_rotary_dim(head_dim if rotary_dim is None else rotary_dim, head_dim)
     inv_freq, attention_scaling, _ = frequencies.inverse_frequencies(head_dim, theta, rotary_dim, scaling)
-    return reference.cos_sin_from_positions(positions, inv_freq, attention_scaling, interleaved=interleaved)
+    return frequencies.cos_sin(positions, inv_freq, attention_scaling, interleaved=interleaved)

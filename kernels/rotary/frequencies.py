@@ -2,10 +2,12 @@
 "default", "linear", "llama3", "yarn" and "proportional" (Gemma 4's partial rotary), in float32 like transformers.
 
 `scaling` is a transformers-style rope_parameters dict ({"rope_type": ..., "factor": ..., ...}) or None (default).
+`cos_sin` builds the cos/sin tables from positions with them, as transformers' rotary embedding does.
 """
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
@@ -144,3 +146,14 @@ def inverse_frequencies(head_dim: int, theta: float, rotary_dim: int, scaling=No
     extrapolation_factor = (1 - ramp).astype(np.float32)
     inv = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
     return inv.astype(np.float32), float(attention_factor), rotary_dim
+
+
+def cos_sin(positions, inv_freq, attention_scaling: float = 1.0, *, interleaved: bool = False):
+    """cos/sin tables [B, S, 2n] (f32) for positions [B, S] and inverse frequencies [n]: the f32 angles
+    positions * inv_freq, cos and sin times attention_scaling, each frequency on two lanes (lanes i and i + n, or 2i
+    and 2i + 1 when interleaved). Each distinct angle is evaluated once, then laid out on its two lanes."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    cos, sin = jnp.cos(angles) * attention_scaling, jnp.sin(angles) * attention_scaling
+    if interleaved:
+        return jnp.repeat(cos, 2, axis=-1), jnp.repeat(sin, 2, axis=-1)
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)

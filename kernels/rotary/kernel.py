@@ -49,12 +49,10 @@ class RopeConfig:
     weight_offset: float = 0.0
 
 
-# Token-major (seq_major) blocks of at most this many tokens read their per-token factor rows by broadcast loads
-# (the body is unrolled over the block's tokens: 256 is Qwen3's long-prefill block; larger ones come with few heads).
-BROADCAST_LOAD_MAX_TOKENS = 256
-
-# ... processed in groups of tokens whose factor rows take at most this many vregs (one vreg a token costs no more
-# in the model, but unrolling per token multiplies the kernel's size, its compile and its interpret-mode time).
+# Token-major blocks that read their per-token factor rows by broadcast loads (RotaryBlocks.broadcast_loads; the
+# tuning table's rule is tuning.BROADCAST_LOAD_MAX_TOKENS) process them in groups of tokens whose factor rows take at
+# most this many vregs (one vreg a token costs no more in the model, but unrolling per token multiplies the kernel's
+# size, its compile and its interpret-mode time).
 GROUP_FACTOR_VREGS = 8
 
 # "rows" packing of cos/sin (see _cos_sin) from blocks of this many tokens (a multiple of it): modeled v6e, Qwen3
@@ -109,9 +107,11 @@ def positions_layout(positions_shape, *, seq: int, cfg: RopeConfig, width: int, 
 
 
 def uses_broadcast_loads(cfg: RopeConfig, blocks: RotaryBlocks) -> bool:
-    """Whether token-major blocks take their per-token factor rows by broadcast loads (see _kernel). The body is then
-    unrolled per token, so very long blocks keep the in-register broadcast."""
-    return cfg.seq_major and blocks.block_batch * blocks.block_seq <= BROADCAST_LOAD_MAX_TOKENS
+    """Whether token-major blocks take their per-token factor rows by broadcast loads (see _kernel): as the blocks
+    say (resolved by tuning.resolve_blocks, which also refuses them for head-major blocks)."""
+    if blocks.broadcast_loads is None:
+        raise ValueError("rope: blocks.broadcast_loads must be resolved (tuning.resolve_blocks) before the kernel")
+    return cfg.seq_major and blocks.broadcast_loads
 
 
 def _pairs(width, cfg: RopeConfig):
