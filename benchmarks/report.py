@@ -140,6 +140,15 @@ def format_table(result: dict) -> str:
         }
     )
     lines += [f"model warning: {w}" for w in warned]
+    noted = sorted(
+        {
+            n
+            for r in result["rows"]
+            for e in (r["modeled_kernel"], r["modeled_default"], *r.get("modeled_baselines", {}).values())
+            for n in e.get("notes", [])
+        }
+    )
+    lines += [f"model note: {n}" for n in noted]
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
 

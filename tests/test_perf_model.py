@@ -208,7 +208,9 @@ def test_scalar_prefetch_traffic_skips_repeated_blocks():
     m = perf_model.model_function(pallas_gather_rows, (idx, x), gen="v6e")
     (k,) = m.kernels
     blk = 256 * 512 * 4
-    assert k.hbm_bytes_in == 3 * blk
+    # + the scalar-prefetch copy into SMEM: the 8 indices in one 512-byte tile, a DMA of the schedule
+    assert k.hbm_bytes_from_schedule == 512 and k.hbm_bytes_bound == "exact"
+    assert k.hbm_bytes_in == 3 * blk + 512
     assert k.hbm_bytes_out == 8 * blk
 
 
@@ -373,5 +375,94 @@ def test_model_functions_batches_compiles_in_one_subprocess_and_matches_model_fu
     concrete = perf_model.model_function(
         pallas_gather_rows, (np.asarray(idx), np.zeros(rows.shape, np.float32)), gen="v6e"
     )
-    # idx = 0,1,2,3,0,1,2,3: every step fetches a new block (8 in, 8 out)
-    assert gather.kernels[0].hbm_bytes == concrete.kernels[0].hbm_bytes == 16 * 256 * 1024 * 4
+    # idx = 0,1,2,3,0,1,2,3: every step fetches a new block (8 in, 8 out), + idx's 512-byte tile into SMEM
+    assert gather.kernels[0].hbm_bytes == concrete.kernels[0].hbm_bytes == 16 * 256 * 1024 * 4 + 512
+
+
+# ------------------------------------------------------------------ traffic the BlockSpec pipeline does not move
+
+
+def _smem_double_kernel(x_ref, o_ref):
+    def body(i, carry):
+        o_ref[i] = x_ref[i] * 2
+        return carry
+
+    jax.lax.fori_loop(0, x_ref.shape[0], body, 0)
+
+
+def pallas_smem_double(x):
+    """A scalar kernel with no grid: its operands live in SMEM, copied in before the body and out after it (as the
+    ragged dot's metadata kernel)."""
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.pallas_call(
+        _smem_double_kernel, in_specs=[smem], out_specs=smem, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype)
+    )(x)
+
+
+def test_smem_operands_are_counted_from_the_schedules_dmas():
+    """SMEM operands are not pipelined by BlockSpecs: the jaxpr gives them no bytes, the schedule's HBM<->SMEM DMAs do
+    (1 KiB in, 1 KiB out), and the count is exact."""
+    m = perf_model.model_function(pallas_smem_double, (_sds((256,), jnp.int32),), gen="v6e")
+    (k,) = m.kernels
+    assert (k.hbm_bytes_in, k.hbm_bytes_out) == (1024, 1024), (k.hbm_bytes_in, k.hbm_bytes_out)
+    assert k.hbm_bytes_from_schedule == 2048 and k.hbm_bytes_bound == "exact"
+    assert {b["memory_space"] for b in k.blocks} == {"smem"}
+    assert not m.warnings and not m.notes, (m.warnings, m.notes)
+
+
+def xla_ragged_dot(lhs, rhs, group_sizes):
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+
+
+def test_xla_ragged_dot_kernels_are_explained_not_warned_about():
+    """lax.ragged_dot on TPU compiles to Mosaic kernels XLA emits itself (a metadata kernel and a grouped matmul with a
+    grid sized at run time): no pallas_call to match. Their bytes come from their schedules' DMAs: the metadata
+    kernel's exactly, the matmul's as a lower bound (one grid step), and the output says why in notes."""
+    group_sizes = jnp.array([64, 0, 128, 64, 0, 0, 0, 0], jnp.int32)
+    args = (_sds((256, 512), jnp.bfloat16), _sds((8, 512, 512), jnp.bfloat16), group_sizes)
+    m = perf_model.model_function(xla_ragged_dot, args, gen="v6e")
+    assert not m.warnings, m.warnings
+    assert len(m.kernels) == 2 and all(k.hbm_bytes > 0 for k in m.kernels), [k.hbm_bytes for k in m.kernels]
+    bounds = sorted(k.hbm_bytes_bound for k in m.kernels)
+    assert bounds[0] in ("approximate", "lower") and bounds[1] == "exact", bounds
+    assert any("grid sized at run time" in n for n in m.notes), m.notes
+
+
+def _nested_when_kernel(flags_ref, x_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[...] = x_ref[...]
+
+    @pl.when(flags_ref[i] > 0)
+    def _():
+        y = x_ref[...]
+        for _ in range(8):
+            y = y * 1.0001 + 0.5
+        o_ref[...] = y
+
+        @pl.when(flags_ref[i] > 1)
+        def _():
+            z = o_ref[...]
+            for _ in range(8):
+                z = z * 0.9999 - 0.5
+            o_ref[...] = z
+
+
+def pallas_nested_when(flags, x, block_rows=256):
+    spec = pl.BlockSpec((block_rows, x.shape[1]), lambda i, flags_ref: (i, 0))
+    return pl.pallas_call(
+        _nested_when_kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(flags.shape[0],), in_specs=[spec], out_specs=spec
+        ),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(flags, x)
+
+
+def test_nested_pl_when_on_scalar_prefetch_is_evaluated_per_step():
+    """pl.when conditions that read concrete scalar-prefetch values are evaluated at every step, nested ones too
+    (each a region of the schedule): steps whose flags skip the work cost fewer cycles, and nothing is warned."""
+    flags = jnp.array([0, 1, 2, 0, 2, 1, 0, 2], jnp.int32)
+    m = perf_model.model_function(pallas_nested_when, (flags, _sds((8 * 256, 1024), jnp.float32)), gen="v6e")
+    (k,) = m.kernels
+    assert not m.warnings, m.warnings
+    assert k.step_cycles_min < k.step_cycles_mean < k.step_cycles_max, (k.step_cycles_min, k.step_cycles_max)

@@ -31,11 +31,18 @@ import re
 
 _ADDR_RE = re.compile(r"^\s*(0x[0-9a-fA-F]+|0)\s+(?:(LB|LH|LE|PB|PF|CT):\s*|:\s*)(>*)\s*\{(.*)$")
 _BRANCH_RE = re.compile(r"sbr\.rel\s*(\((!?)%(\w+)\))?\s*target bundleno = (\d+)")
+_EXIT_PRED_RE = re.compile(r"(%p\w+)\s*=\s*scmp\.\w+\.s32\.totalorder[^;]*?loop exit test")
 _EXIT_RE = re.compile(r"scmp\.(ge|gt|lt|le|eq|ne)\.s32\.totalorder\s+%\w+,\s*(-?\d+)\s*/\*\s*loop exit test")
 _MXU_RE = re.compile(r"\bvmatmul\.[\w.]*")
-_DMA_RE = re.compile(r"=\s*dma\.(hbm_to_vmem|vmem_to_hbm|vmem_to_vmem|hbm_to_hbm)\b")
+# "dma.hbm_to_vmem [thread:$0]  (!%p6), /*hbm=*/%s4, /*size_in_granules=*/98304, ..." (the predicate is optional)
+_DMA_RE = re.compile(r"=\s*dma\.(hbm|vmem|smem)_to_(hbm|vmem|smem)\b(?:\s*\[thread:[^\]]*\])?\s*(\(!?%p\w+\))?")
+_GRANULES_RE = re.compile(r"size_in_granules=\*/(\d+)")
 _WINDOW_RE = re.compile(r"window_bounds: \(([\d, ]+)\)")
 _ELEM_RE = re.compile(r"element_size_in_bytes: (\d+)")
+# Bytes per DMA granule: wherever a DMA carries a descriptor, window_bounds x element_size_in_bytes equals its
+# size_in_granules x 32 (e.g. a 1 x 96 x 16 window of 2048-byte elements is 98304 granules; a 512-byte SMEM tile is
+# 16); a DMA with no descriptor (some SMEM copies) is sized from its granules.
+DMA_GRANULE_BYTES = 32
 
 DEFAULT_DELAY_SLOTS = 4
 
@@ -68,21 +75,44 @@ class Bundle:
     def mxu_ops(self) -> list[str]:
         return _MXU_RE.findall(self.text)
 
-    def dmas(self) -> list[tuple[str, int | None]]:
-        """(direction, bytes or None) for each DMA started in this bundle."""
+    def dmas(self) -> list[Dma]:
+        """Each DMA started in this bundle."""
         out = []
         for part in self.text.split(";;"):
             m = _DMA_RE.search(part)
             if not m:
                 continue
-            w, e = _WINDOW_RE.search(part), _ELEM_RE.search(part)
+            w, e, g = _WINDOW_RE.search(part), _ELEM_RE.search(part), _GRANULES_RE.search(part)
             nbytes = None
             if w and e:
                 nbytes = int(e.group(1))
                 for d in w.group(1).split(","):
                     nbytes *= int(d)
-            out.append((m.group(1), nbytes))
+            elif g:
+                nbytes = int(g.group(1)) * DMA_GRANULE_BYTES
+            predicate = (m.group(3) or "")[1:-1]
+            out.append(Dma(self.addr, self.depth, m.group(1), m.group(2), nbytes, predicate))
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Dma:
+    """One DMA instruction of the schedule."""
+
+    addr: int
+    depth: int  # loops around its bundle ('>' count)
+    source: str  # "hbm" | "vmem" | "smem"
+    dest: str
+    nbytes: int | None  # None: neither a descriptor nor a granule count to size it
+    predicate: str = ""  # e.g. "!%p6_p2": issued under it, so it may not run every time its bundle does
+
+    @property
+    def predicated(self) -> bool:
+        return bool(self.predicate)
+
+    @property
+    def touches_hbm(self) -> bool:
+        return "hbm" in (self.source, self.dest)
 
 
 def parse_bundles(text: str, *, dense: bool = True) -> list[Bundle]:
@@ -124,10 +154,40 @@ class KernelSchedule:
     delay_slots: int
     guard: Region | None  # pipeline fill/drain guard
     conds: list[Region]  # kernel-level conditional regions (pl.when), program order
-    inner_loops: list[tuple[int, int, int]]  # (start, end, trip) of loops nested in the body
+    inner_loops: list[tuple[int, int, int | None]]  # (start, end, trip) of loops nested in the body; trip None:
+    # not in the schedule (a run-time bound), counted once
     mxu_ops_body: list[tuple[int, str]]  # (addr, opcode) of vmatmul in the body
-    dmas_body: list[tuple[int, str, int | None]]
+    dmas: list[Dma]  # every DMA of the schedule, in address order (one issued in a loop's delay slots under the
+    # loop's exit test runs once, after the loop: it is listed unpredicated)
+    loop_span: tuple[int, int]  # [start, end) of the grid loop (the whole schedule when there is no grid loop)
+    loop_depths: dict[int, int]  # start address of each inner loop -> its depth ('>' count of its first bundle)
     warnings: list[str]
+
+    @property
+    def unsized_loops(self) -> list[int]:
+        """Start addresses of the inner loops whose trip count the schedule does not give (each counted once)."""
+        return [t for t, _, trip in self.inner_loops if trip is None]
+
+    @property
+    def dmas_body(self) -> list[Dma]:
+        return [d for d in self.dmas if self.dma_section(d) == "body"]
+
+    def dma_section(self, dma: Dma) -> str:
+        """ "prologue" (before the grid loop: once per kernel), "body" (once per grid step) or "epilogue"."""
+        start, end = self.loop_span
+        return "prologue" if dma.addr < start else "body" if dma.addr < end else "epilogue"
+
+    def dma_repeats(self, dma: Dma) -> int | None:
+        """Times `dma` runs per grid step (per kernel outside the grid loop): the trips of the inner loops around it;
+        None when one of those has no trip count in the schedule."""
+        n = 1
+        for t, e, trip in self.inner_loops:
+            # The back-edge's delay slots lie in [t, e) but are outside the loop when their depth says so.
+            if t <= dma.addr < e and dma.depth >= self.loop_depths.get(t, 0):
+                if trip is None:
+                    return None
+                n *= trip
+        return n
 
     def step_cycles(self, skipped_conds: list[bool] | None = None) -> int:
         """Cycles of one steady grid step; skipped_conds[i] True = cond region i skipped."""
@@ -205,9 +265,6 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
             for b in bundles[t:iend]:
                 if b.exit_trip() is not None:
                     itrip = b.exit_trip()
-            if itrip is None:
-                itrip = 1
-                warnings.append(f"inner loop at {t:#x}: trip count not found, assumed 1")
             inner.append((t, iend, itrip))
 
     # Forward conditional branches inside the body, not inside an inner loop.
@@ -228,9 +285,8 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
             guard, regions = largest, others
     body = end - start
     for t, e, itrip in inner:
-        body += (e - t) * (itrip - 1)
+        body += (e - t) * ((itrip or 1) - 1)
     mxu = [(b.addr, op) for b in bundles[start:end] for op in b.mxu_ops()]
-    dmas = [(b.addr, d, nb) for b in bundles[start:end] for d, nb in b.dmas()]
     return KernelSchedule(
         total_bundles=n,
         prologue=prologue,
@@ -244,9 +300,21 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
         conds=regions,
         inner_loops=inner,
         mxu_ops_body=mxu,
-        dmas_body=dmas,
+        dmas=_dmas(bundles),
+        loop_span=(start, end),
+        loop_depths={t: bundles[t].depth for t, _, _ in inner},
         warnings=warnings,
     )
+
+
+def _dmas(bundles: list[Bundle]) -> list[Dma]:
+    """Every DMA; one predicated on a loop's exit test (compare "... /* loop exit test */") runs once, on the exit."""
+    exits = {m.group(1) for b in bundles for m in _EXIT_PRED_RE.finditer(b.text)}
+    out = []
+    for b in bundles:
+        for d in b.dmas():
+            out.append(dataclasses.replace(d, predicate="") if d.predicate in exits else d)
+    return out
 
 
 def final_schedule_summary(text: str) -> dict:

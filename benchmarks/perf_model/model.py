@@ -74,13 +74,17 @@ class KernelModel:
     hbm_bytes: int
     hbm_bytes_in: int
     hbm_bytes_out: int
+    hbm_bytes_bound: str  # "exact" | "lower" (some traffic not countable) | "upper" | "approximate" (both)
+    hbm_bytes_from_schedule: int  # the part counted from the schedule's DMA instructions (SMEM operands, manual
+    # DMAs, kernels with no pallas_call); the rest is the BlockSpec pipeline's, from the jaxpr
     blocks: list
     # time
     compute_s: float
     hbm_s: float
     modeled_s: float
     bound: str  # "compute" or "hbm" (which dominates summed over steps)
-    warnings: list
+    warnings: list  # something the model expected to read and could not (a mismatch worth looking into)
+    notes: list  # what no static model can know here, and how it was counted instead
 
 
 @dataclasses.dataclass
@@ -103,6 +107,7 @@ class ProgramModel:
     cost_analysis: dict
     memory_analysis: dict
     warnings: list
+    notes: list
 
     @property
     def modeled_us(self) -> float:
@@ -265,13 +270,17 @@ def compile_deviceless_many(
 
 
 _CUSTOM_CALL_RE = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=.*custom_call_target=\"tpu_custom_call\"", re.M)
+_INSTRUCTION_START_RE = re.compile(r"^(?:[ \t]*(?:ROOT[ \t]+)?%\S+[ \t]*=|\}[ \t]*$)", re.M)
 
 
 def _mosaic_calls(hlo: str) -> list[tuple[str, str]]:
     """(hlo instruction name, decoded body text) of every Mosaic custom call, in order."""
     out = []
     for m in _CUSTOM_CALL_RE.finditer(hlo):
-        line = hlo[m.start() : hlo.find("\n", m.start())]
+        # The instruction runs to the next one (or the computation's end): attributes may span lines (tokamax's
+        # kernel_metadata holds newlines, and its body comes after them).
+        nxt = _INSTRUCTION_START_RE.search(hlo, m.end())
+        line = hlo[m.start() : nxt.start() if nxt else len(hlo)]
         body = ""
         bm = re.search(r'"body":"([^"]+)"', line)
         if bm:
@@ -323,8 +332,64 @@ def _mxu_macs(op: str, mxu: int) -> int:
     return rows * mxu * mxu
 
 
-def _model_kernel(chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallInfo | None, label: str) -> KernelModel:
+_ITERATION_BOUNDS_RE = re.compile(r"iteration_bounds = array<i64(?::\s*([-\d,\s]*))?>")
+_SCF_FOR_BOUND_RE = re.compile(r"scf\.for %[\w#]+ = %[\w#]+ to (%[\w#]+)")
+_CONSTANT_RE = re.compile(r"(%[\w#]+) = arith\.constant")
+
+
+def body_grid(body: str) -> tuple | None:
+    """A Mosaic kernel's grid from its body: the iteration bounds, None for a dimension sized at run time (Mosaic
+    writes INT64_MIN); () for a kernel with no grid; None when there is no body to read."""
+    if not body:
+        return None
+    m = _ITERATION_BOUNDS_RE.search(body)
+    if m is None:
+        return ()
+    dims = [int(d) for d in (m.group(1) or "").split(",") if d.strip()]
+    return tuple(d if d >= 0 else None for d in dims)
+
+
+def body_has_runtime_loops(body: str) -> bool:
+    """Whether a Mosaic kernel's body holds loops sized at run time (a while loop, or a for loop to a computed
+    bound): their trip counts are not in the schedule."""
+    if "scf.while" in body:
+        return True
+    constants = set(_CONSTANT_RE.findall(body))
+    return any(bound not in constants for bound in _SCF_FOR_BOUND_RE.findall(body))
+
+
+def _schedule_traffic(sched: B.KernelSchedule, steps: int, grid_known: bool, select):
+    """HBM bytes of the schedule's DMAs that `select` picks: (in per step, out per step, bound). A DMA before the grid
+    loop is charged to the first step, one after it to the last, one in it to every step, times the trips of the inner
+    loops around it. Lower bound when a DMA cannot be sized or sits in a loop of unknown trips (counted once); upper
+    bound when one is predicated (counted as always issued)."""
+    reads, writes = np.zeros(steps), np.zeros(steps)
+    lower = upper = False
+    for d in sched.dmas:
+        if not d.touches_hbm or not select(d):
+            continue
+        repeats = sched.dma_repeats(d)
+        section = sched.dma_section(d)
+        lower |= d.nbytes is None or repeats is None or (section == "body" and not grid_known)
+        upper |= d.predicated
+        nbytes = (d.nbytes or 0) * (repeats or 1)
+        at = {"prologue": slice(0, 1), "epilogue": slice(steps - 1, steps), "body": slice(None)}[section]
+        if d.source == "hbm":
+            reads[at] += nbytes
+        if d.dest == "hbm":
+            writes[at] += nbytes
+    return reads, writes, _bound(lower, upper)
+
+
+def _bound(lower: bool, upper: bool) -> str:
+    return "approximate" if lower and upper else "lower" if lower else "upper" if upper else "exact"
+
+
+def _model_kernel(
+    chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallInfo | None, label: str, body: str = ""
+) -> KernelModel:
     warnings: list[str] = []
+    notes: list[str] = []
     pre = files.get(f"{hlo_name}/pre_delay")
     final = files.get(f"{hlo_name}/final")
     if pre is None and final is None:
@@ -332,15 +397,40 @@ def _model_kernel(chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallIn
     if pre is None:
         warnings.append("pre-delay schedule missing: using final bundles (undercounts MXU waits)")
         pre = final
-    sched = B.analyze(B.parse_bundles(pre), has_grid=info is None or bool(info.grid))
+    grid_of_body = body_grid(body)
+    if info is not None:
+        has_grid = bool(info.grid)
+    else:
+        has_grid = grid_of_body is None or bool(grid_of_body)
+    sched = B.analyze(B.parse_bundles(pre), has_grid=has_grid)
     warnings += sched.warnings
     final_sum = B.final_schedule_summary(final) if final else {}
+    # The Mosaic body says whether loops are sized at run time when it is MLIR text (XLA's own kernels); a
+    # pallas_call's jaxpr says it for kernels whose body is serialized as bytecode (tokamax's).
+    runtime_loops = body_has_runtime_loops(body) or (info is not None and info.runtime_loops)
+    if sched.unsized_loops:
+        what = f"{len(sched.unsized_loops)} inner loop(s) at {', '.join(hex(a) for a in sched.unsized_loops)}"
+        if runtime_loops:
+            notes.append(
+                "inner loops with a trip count decided at run time are counted once each (compute and the DMAs "
+                "inside them are lower bounds)"
+            )
+        else:
+            warnings.append(f"{what}: trip count not found in the schedule, each counted once")
 
     trip = sched.trip_count
-    if sched.has_loop and not sched.trip_count_static and info is None:
-        warnings.append(
-            "grid loop bound not found in the schedule and no pallas_call to take it from: trip count assumed 1"
-        )
+    runtime_grid = grid_of_body is not None and any(d is None for d in grid_of_body)
+    grid_known = info is not None or not (sched.has_loop and not sched.trip_count_static)
+    if not grid_known:
+        if runtime_grid:
+            notes.append(
+                "grid sized at run time, and no pallas_call in the program gives its size: one grid step counted "
+                "(compute and HBM bytes are lower bounds)"
+            )
+        else:
+            warnings.append(
+                "grid loop bound not found in the schedule and no pallas_call to take it from: trip count assumed 1"
+            )
     if info is not None:
         steps = info.steps
         if sched.has_loop and not sched.trip_count_static:
@@ -354,6 +444,10 @@ def _model_kernel(chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallIn
             for i, t in enumerate(conds):
                 if t is not None:
                     skip[:, i] = ~t
+        elif not info.grid:
+            # One step and nothing to skip by program id: every region counts as run (an upper bound on that step).
+            notes.append(f"no grid: its {len(sched.conds)} conditional region(s) in the schedule counted as run")
+            skip = np.zeros((steps, len(sched.conds)), bool)
         else:
             if conds or sched.conds:
                 warnings.append(
@@ -365,13 +459,34 @@ def _model_kernel(chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallIn
         warnings += info.warnings
         grid = info.grid
         blocks = [dataclasses.asdict(b) for b in info.blocks]
+        jaxpr_bound = "exact" if all(b.exact for b in info.blocks if b.memory_space == "vmem") else "upper"
+        # Operands the BlockSpec pipeline does not move are moved by DMA instructions of the schedule: SMEM operands
+        # and scalar prefetch (copied in before the body and out after it), and the kernel's own DMAs when every
+        # operand is manual (memory_space=ANY). When manual and pipelined operands mix, the schedule's HBM<->VMEM
+        # DMAs cannot be told apart, so the manual ones are left out.
+        spaces = {b.memory_space for b in info.blocks}
+        manual = "any" in spaces
+        if manual and "vmem" in spaces:
+            warnings.append("manual DMAs (memory_space=ANY) beside pipelined blocks: the manual ones are not counted")
+        all_manual = manual and "vmem" not in spaces
+        select = (lambda d: True) if all_manual else (lambda d: "smem" in (d.source, d.dest))
     else:
-        steps = max(1, trip - 2) if sched.has_loop else 1
+        steps = max(1, trip - 2) if sched.has_loop and sched.trip_count_static else 1
         in_b = np.zeros(steps)
         out_b = np.zeros(steps)
         skip = np.zeros((steps, len(sched.conds)), bool)
-        dot_flops, grid, blocks = 0.0, (), []
-        warnings.append("pallas_call not matched to the jaxpr: HBM bytes unknown (0)")
+        dot_flops, grid, blocks = 0.0, grid_of_body or (), []
+        jaxpr_bound = "exact"
+        notes.append(
+            "a Mosaic kernel with no pallas_call in the program (XLA emits some itself, e.g. for lax.ragged_dot): "
+            "its HBM bytes are the DMAs of its schedule"
+        )
+        select = lambda d: True  # noqa: E731
+    sched_in, sched_out, sched_bound = _schedule_traffic(sched, steps, grid_known, select)
+    in_b, out_b = in_b + sched_in, out_b + sched_out
+    hbm_from_schedule = int(sched_in.sum() + sched_out.sum())
+    bounds = {jaxpr_bound, sched_bound} - {"exact"}
+    hbm_bytes_bound = _bound(bool(bounds & {"lower", "approximate"}), bool(bounds & {"upper", "approximate"}))
 
     # Cycles per step from the skip pattern (distinct patterns only).
     region_sizes = np.array([r.skipped for r in sched.conds], np.int64)
@@ -433,12 +548,15 @@ def _model_kernel(chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallIn
         hbm_bytes=hbm_bytes,
         hbm_bytes_in=int(in_b.sum()),
         hbm_bytes_out=int(out_b.sum()),
+        hbm_bytes_bound=hbm_bytes_bound,
+        hbm_bytes_from_schedule=hbm_from_schedule,
         blocks=blocks,
         compute_s=float(compute.sum() + fixed_cycles / clk),
         hbm_s=hbm_bytes / bw,
         modeled_s=float(total),
         bound=bound,
         warnings=warnings,
+        notes=notes,
     )
 
 
@@ -542,7 +660,9 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
             match = remaining[0]
         if match is not None:
             remaining.remove(match)
-        kernels.append(_model_kernel(chip, hlo_name, files, infos[match] if match is not None else None, label))
+        kernels.append(
+            _model_kernel(chip, hlo_name, files, infos[match] if match is not None else None, label, body=body)
+        )
     mosaic_names = {n for n, _ in calls}
     xla_ops = []
     for n, c in xla_op_estimates(hlo):
@@ -554,8 +674,10 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
         xla_ops.append(XlaOpModel(label, n, c, c / chip.clock_hz))
     cost = info_all.get("cost", {})
     total = sum(k.modeled_s for k in kernels) + sum(x.modeled_s for x in xla_ops)
+    notes = []
     for k in kernels:
         warnings += [f"{k.hlo_name}: {w}" for w in k.warnings if f"{k.kernel_name}: {w}" not in warnings]
+        notes += [f"{k.hlo_name}: {n}" for n in k.notes]
     return ProgramModel(
         label=label,
         gen=gen,
@@ -567,4 +689,5 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
         cost_analysis=cost,
         memory_analysis=info_all.get("memory", {}),
         warnings=sorted(set(warnings)),
+        notes=sorted(set(notes)),
     )

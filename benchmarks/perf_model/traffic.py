@@ -31,9 +31,15 @@ def _is_literal(x) -> bool:
     return type(x).__name__ == "Literal" or (hasattr(x, "val") and not hasattr(x, "count"))
 
 
+# Where call-like primitives keep the jaxpr they call with the eqn's own operands: jit/pjit `jaxpr`, custom_vjp
+# `call_jaxpr`, custom_jvp `fun_jaxpr`, custom_vmap `call` (tokamax wraps its pallas_calls in one: without it those
+# calls were never found, so their HLO kernels had no traffic).
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "call")
+
+
 def _sub_closed_jaxprs(eqn):
     out = []
-    for k in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    for k in _CALL_PARAMS:
         j = eqn.params.get(k)
         if j is None:
             continue
@@ -136,8 +142,10 @@ class BlockTraffic:
     array_shape: tuple
     dtype: str
     transfers: int  # number of block DMAs
-    bytes: int  # total bytes moved for this operand
+    bytes: int  # total bytes moved for this operand by the BlockSpec pipeline
     exact: bool  # False when the index map could not be evaluated
+    memory_space: str = "vmem"  # "vmem": pipelined by BlockSpecs (counted here); "smem", "any" (manual DMAs),
+    # "semaphore": not pipelined, so 0 here; the model counts what the schedule's DMAs move for them
 
 
 @dataclasses.dataclass
@@ -152,6 +160,7 @@ class PallasCallInfo:
     dot_flops_per_step: np.ndarray  # logical dot flops per step (top level + taken pl.when bodies)
     cost_estimate: dict | None
     warnings: list[str]
+    runtime_loops: bool = False  # the kernel body holds a while loop (e.g. a fori_loop to a traced bound)
 
 
 def _block_sizes(bm) -> list[tuple[str, int]]:
@@ -264,17 +273,51 @@ def _jaxpr_dot_flops(jaxpr) -> int:
     return total
 
 
-def _kernel_conds(kjaxpr, grid, pids, steps, warnings):
-    """Per top-level cond: bool array (True = the cond's last branch runs) or None."""
-    env: dict[Any, Any] = {}
+class _KnownRef:
+    """A kernel ref whose contents are known on the host (a scalar-prefetch operand)."""
+
+    def __init__(self, value):
+        self.value = np.asarray(value)
+
+
+def _read_known_ref(eqn, ref: _KnownRef, leaves, steps):
+    """A `get` of scalars from a known ref, at every step: leaves are the indexer's operands (per step). None when
+    the read is not of single elements (a slice) or the indexer layout is not the one expected."""
+    if any(x is None for x in leaves):
+        return None
+    try:
+        indexers = jax.tree_util.tree_unflatten(eqn.params["tree"], leaves)
+        value = ref.value
+        for indexer in indexers:
+            idx = indexer.indices
+            if any(not isinstance(i, np.ndarray) for i in idx):
+                return None  # a slice: not a scalar read
+            value = value[tuple(np.broadcast_to(i, (steps,)) for i in idx)]
+        return np.asarray(value).reshape(steps)
+    except Exception:  # noqa: BLE001 - another jax's indexer layout: unknown
+        return None
+
+
+def _kernel_conds(kjaxpr, grid, pids, steps, warnings, known_refs=None):
+    """Per pl.when region, in program order (nested ones after their parent, as the schedule lays them out): a bool
+    per step, False where the region is skipped while its parent runs, or None (data it cannot see), and the logical
+    dot flops per step. known_refs: {kernel operand index: contents} (concrete scalar prefetch), so that conditions on
+    scalar-prefetched metadata are evaluated too."""
+    env: dict[Any, Any] = {kjaxpr.invars[i]: _KnownRef(v) for i, v in (known_refs or {}).items()}
+    conds, flops = [], np.zeros(steps, np.int64)
+    _walk_conds(kjaxpr, env, np.ones(steps, bool), grid, pids, steps, conds, flops, warnings)
+    return conds, flops
+
+
+def _walk_conds(jaxpr, env, runs, grid, pids, steps, conds, flops, warnings):
+    """Evaluate `jaxpr` per step as far as program ids and known refs allow; `runs`: the steps where it runs."""
 
     def read(v):
         if _is_literal(v):
             return np.broadcast_to(np.asarray(v.val), (steps,) + np.shape(v.val))
         return env.get(v)
 
-    conds, flops = [], np.zeros(steps, np.int64)
-    for eqn in kjaxpr.eqns:
+    for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         outs = None
         if name == "program_id":
@@ -282,38 +325,52 @@ def _kernel_conds(kjaxpr, grid, pids, steps, warnings):
         elif name == "num_programs":
             outs = [np.full(steps, grid[eqn.params["axis"]], np.int32)]
         elif name == "dot_general":
-            flops += _dot_flops(eqn)
+            flops += runs * _dot_flops(eqn)
+        elif name == "get" and isinstance(env.get(eqn.invars[0]), _KnownRef):
+            value = _read_known_ref(eqn, env[eqn.invars[0]], [read(v) for v in eqn.invars[1:]], steps)
+            outs = None if value is None else [value]
         elif name == "cond":
             idx = read(eqn.invars[0])
             branches = eqn.params["branches"]
             if idx is None:
-                taken = None
                 warnings.append("a pl.when/cond depends on data: its region is modeled as always run")
-                flops += _jaxpr_dot_flops(branches[-1].jaxpr)
+                taken = np.ones(steps, bool)
+                conds.append(None)
             else:
                 taken = np.asarray(idx).reshape(steps) == len(branches) - 1
-                flops += taken * _jaxpr_dot_flops(branches[-1].jaxpr)
+                conds.append(~runs | taken)  # skipped only where the parent runs and this one does not
+            if all(not b.jaxpr.eqns for b in branches[:-1]):
+                # pl.when: one body. Its nested pl.whens are regions of their own, evaluated in its environment.
+                body = branches[-1]
+                inner = dict(
+                    zip(
+                        body.jaxpr.invars,
+                        (read(v) if not isinstance(env.get(v), _KnownRef) else env[v] for v in eqn.invars[1:]),
+                    )
+                )
+                inner.update(zip(body.jaxpr.constvars, body.consts))
+                _walk_conds(body.jaxpr, inner, runs & taken, grid, pids, steps, conds, flops, warnings)
+            else:  # an if/else: one region, each branch's flops where it runs
+                flops += (runs & taken) * _jaxpr_dot_flops(branches[-1].jaxpr)
                 for b in branches[:-1]:
-                    flops += (~taken) * _jaxpr_dot_flops(b.jaxpr)
-            conds.append(taken)
+                    flops += (runs & ~taken) * _jaxpr_dot_flops(b.jaxpr)
         elif not eqn.effects and not _sub_closed_jaxprs(eqn) and "branches" not in eqn.params:
             invals = [read(v) for v in eqn.invars]
-            if invals and all(x is not None for x in invals):
+            if invals and all(x is not None and not isinstance(x, _KnownRef) for x in invals):
                 try:
                     prim, params = eqn.primitive, eqn.params
                     with jax.default_device(jax.devices("cpu")[0]):
-                        res = jax.vmap(lambda *a: prim.bind(*a, **params))(*invals)
+                        res = jax.vmap(lambda *a, prim=prim, params=params: prim.bind(*a, **params))(*invals)
                     outs = list(res) if prim.multiple_results else [res]
                     outs = [np.asarray(o) for o in outs]
                 except Exception:  # noqa: BLE001
                     outs = None
         else:
             for sub, _ in _sub_closed_jaxprs(eqn):
-                flops += _jaxpr_dot_flops(sub)
+                flops += runs * _jaxpr_dot_flops(sub)
         if outs is not None:
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
-    return conds, flops
 
 
 def analyze_pallas_calls(fn, args, trace_device=None) -> tuple[list[PallasCallInfo], list[str]]:
@@ -371,11 +428,12 @@ def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
         origin = str(getattr(bm, "origin", f"{kind}{i}"))
         ms = _memory_space_name(bm)
         sizes = _block_sizes(bm)
-        if "any" in ms or "hbm" in ms or "semaphore" in ms or "smem" in ms:
-            # No automatic pipelining for this operand (manual DMA, or SMEM).
-            if "any" in ms or "hbm" in ms:
-                warnings.append(f"{origin}: memory_space={ms}: manual DMAs are not counted in HBM bytes")
-            blocks.append(BlockTraffic(origin, kind, tuple(s for _, s in sizes), arr, str(dtype), 0, 0, False))
+        space = "any" if "any" in ms or "hbm" in ms else next((k for k in ("semaphore", "smem") if k in ms), "vmem")
+        if space != "vmem":
+            # Not pipelined by BlockSpecs: an SMEM operand is copied whole around the kernel body, an ANY/HBM one is
+            # moved by the kernel's own DMAs. Both are DMA instructions of the compiled schedule, counted there.
+            shape = tuple(s for _, s in sizes)
+            blocks.append(BlockTraffic(origin, kind, shape, arr, str(dtype), 0, 0, False, space))
             continue
         idx_invars = bm.index_map_jaxpr.jaxpr.invars[len(grid) :]
         exact = True
@@ -416,11 +474,40 @@ def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
     kjaxpr = p["jaxpr"]
     kjaxpr = getattr(kjaxpr, "jaxpr", kjaxpr)
     try:
-        conds, flops = _kernel_conds(kjaxpr, grid, pids if pids else [], steps, warnings)
+        known = {i: np.asarray(v) for i, v in enumerate(scalars)} if nidx and scalars_known else None
+        conds, flops = _kernel_conds(kjaxpr, grid, pids if pids else [], steps, warnings, known)
     except Exception as e:  # noqa: BLE001
         warnings.append(f"kernel conditions not evaluated ({type(e).__name__}: {e})")
         conds, flops = [], np.zeros(steps, np.int64)
     ce = p.get("cost_estimate")
     ce = None if ce is None else {k: getattr(ce, k, None) for k in ("flops", "transcendentals", "bytes_accessed")}
     global_warnings.extend(f"{name}: {w}" for w in warnings)
-    return PallasCallInfo(name, grid, steps, in_bytes, out_bytes, blocks, conds, flops, ce, warnings)
+    runtime_loops = _has_while(kjaxpr)
+    return PallasCallInfo(name, grid, steps, in_bytes, out_bytes, blocks, conds, flops, ce, warnings, runtime_loops)
+
+
+def _inner_jaxprs(eqn):
+    """Every jaxpr an eqn holds (call bodies, cond branches, loop bodies, run_scoped regions)."""
+    for v in eqn.params.values():
+        for j in v if isinstance(v, (tuple, list)) else (v,):
+            j = getattr(j, "jaxpr", j)
+            if hasattr(j, "eqns"):
+                yield j
+
+
+def _has_while(jaxpr) -> bool:
+    """Whether a while loop (trip count decided at run time; fori_loops with static bounds trace to scan or to a
+    while whose bounds are literals, which Mosaic unrolls into a counted loop) appears anywhere in `jaxpr`."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "while" and not _static_fori(eqn):
+            return True
+        if any(_has_while(j) for j in _inner_jaxprs(eqn)):
+            return True
+    return False
+
+
+def _static_fori(eqn) -> bool:
+    """A fori_loop's while with literal bounds: the carry starts (i, upper, ...) from literals."""
+    n_consts = eqn.params.get("cond_nconsts", 0) + eqn.params.get("body_nconsts", 0)
+    carry = eqn.invars[n_consts:]
+    return len(carry) >= 2 and all(_is_literal(v) for v in carry[:2])
