@@ -1,6 +1,8 @@
-"""Ragged dot and MoE experts_forward, torch side: op checks, autograd, transformers' experts interface in tiny random
-Qwen3-MoE and Gemma 4 models (same logits as "eager", same greedy tokens), and bad input. The experts_forward checks
-run on both of its paths (the `moe_path` fixture: grouped matmuls, small-batch kernel)."""
+"""Ragged dot and MoE experts_forward, torch side: the ops and their derived backward ops, autograd, the inputs
+transformers passes (int64 expert ids, float16 models, views, tensors that require grad), transformers' experts
+interface in tiny random Qwen3-MoE and Gemma 4 models (same logits as "eager", same greedy tokens, the whole model
+under torch.compile(fullgraph=True), and with every layer we provide), and bad input. The experts_forward checks run
+on both of its paths (the `moe_path` fixture: grouped matmuls, small-batch kernel)."""
 
 import ladder
 import numpy as np
@@ -46,25 +48,38 @@ def _torch_ragged_dot(lhs, rhs, group_sizes, rhs_transposed):
 
 @pytest.mark.parametrize("rhs_transposed", [False, True])
 def test_ragged_dot_op_checks(rand, rhs_transposed):
-    lhs, group_sizes = _randn(rand, 24, 128), _group_sizes(rand, 4, 24, fill=20)
-    rhs = _randn(rand, 4, 256, 128) if rhs_transposed else _randn(rand, 4, 128, 256)
+    lhs, group_sizes = _randn(rand, 24, 128).requires_grad_(), _group_sizes(rand, 4, 24, fill=20)
+    rhs = (_randn(rand, 4, 256, 128) if rhs_transposed else _randn(rand, 4, 128, 256)).requires_grad_()
     ladder.check_torch_op(moe_ops.ragged_dot_op, (lhs, rhs, group_sizes, rhs_transposed), expected_shapes=[(24, 256)])
 
 
-@pytest.mark.parametrize("rhs_transposed", [False, True])
-def test_ragged_dot_forward_and_autograd_match_torch(rand, rhs_transposed):
-    lhs = _randn(rand, 40, 128).requires_grad_()
-    rhs = (_randn(rand, 5, 256, 128) if rhs_transposed else _randn(rand, 5, 128, 256)).requires_grad_()
-    group_sizes = _group_sizes(rand, 5, 40, fill=33)  # 7 tail rows past the groups come out zero
-    out = tpu_kernels.ragged_dot(lhs, rhs, group_sizes, rhs_transposed=rhs_transposed)
-    expected = _torch_ragged_dot(lhs, rhs, group_sizes, rhs_transposed)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
-    assert (out[33:] == 0).all()
-    cotangent = _randn(rand, 40, 256)
-    grads = torch.autograd.grad((out * cotangent).sum(), (lhs, rhs))
-    expected_grads = torch.autograd.grad((expected * cotangent).sum(), (lhs, rhs))
-    for name, a, e in zip(["d lhs", "d rhs"], grads, expected_grads):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4, msg=lambda m: f"{name}: {m} ({rand})")
+def test_ragged_dot_derived_backward_op_checks(rand):
+    grad, lhs, rhs = _randn(rand, 24, 256), _randn(rand, 24, 128), _randn(rand, 4, 128, 256)
+    ladder.check_torch_op(
+        moe_ops.ragged_dot_op.backward_op,
+        (grad, lhs, rhs, _group_sizes(rand, 4, 24, fill=20), False, "lhs,rhs"),
+        expected_shapes=[(24, 128), (4, 128, 256)],
+    )
+
+
+@pytest.mark.parametrize(
+    ("rhs_transposed", "dtype", "sizes_dtype"),
+    [(False, torch.float32, torch.int32), (True, torch.float32, torch.int64), (False, torch.float16, torch.int64)],
+    ids=["f32", "transposed-int64-sizes", "f16-int64-sizes"],
+)
+def test_ragged_dot_forward_and_autograd_match_torch(rand, rhs_transposed, dtype, sizes_dtype):
+    """Outputs and d lhs, d rhs against torch; group sizes int32 or int64 (cast once); float16 runs as float32 and
+    comes back float16, gradients included."""
+    inputs = {
+        "lhs": _randn(rand, 40, 128, dtype=dtype).requires_grad_(),
+        "rhs": (_randn(rand, 5, 256, 128) if rhs_transposed else _randn(rand, 5, 128, 256)).to(dtype).requires_grad_(),
+        "group_sizes": _group_sizes(rand, 5, 40, fill=33).to(sizes_dtype),  # 7 tail rows past the groups are zero
+        "rhs_transposed": rhs_transposed,
+    }
+    out = tpu_kernels.ragged_dot(**inputs)
+    assert out.dtype == dtype and (out[33:] == 0).all()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    ladder.check_torch_gradients(tpu_kernels.ragged_dot, _torch_ragged_dot, inputs, rand=rand, rtol=tol, atol=tol)
 
 
 def _experts_module(rand, *, has_bias=False, is_transposed=False, dtype=torch.float32):
@@ -127,11 +142,8 @@ def test_experts_forward_matches_dense_experts_with_sentinels(rand, has_bias, is
     torch.testing.assert_close(out, _dense_experts(experts, x, index, weights), rtol=1e-5, atol=1e-5)
 
 
-def test_experts_forward_op_checks(rand):
-    experts = _experts_module(rand, has_bias=True)
-    x = _randn(rand, 6, 128)
-    index, weights = _routing(rand, 6, experts.num_experts, 2)
-    args = (
+def _op_args(experts, x, index, weights):
+    return (
         x,
         index.int(),
         weights,
@@ -143,7 +155,27 @@ def test_experts_forward_op_checks(rand):
         "concatenated",
         False,
     )
-    ladder.check_torch_op(moe_ops.experts_forward_op, args, expected_shapes=[(6, 128)])
+
+
+def test_experts_forward_op_checks(rand):
+    experts = _experts_module(rand, has_bias=True)
+    x = _randn(rand, 6, 128).requires_grad_()
+    index, weights = _routing(rand, 6, experts.num_experts, 2)
+    ladder.check_torch_op(
+        moe_ops.experts_forward_op, _op_args(experts, x, index, weights.requires_grad_()), expected_shapes=[(6, 128)]
+    )
+
+
+def test_experts_forward_derived_backward_op_checks(rand):
+    """Only the hidden states and routing weights asked for (frozen experts): no expert weight gradient is made."""
+    experts = _experts_module(rand, has_bias=True)
+    x, grad = _randn(rand, 6, 128), _randn(rand, 6, 128)
+    index, weights = _routing(rand, 6, experts.num_experts, 2)
+    ladder.check_torch_op(
+        moe_ops.experts_forward_op.backward_op,
+        (grad, *_op_args(experts, x, index, weights), "hidden_states,top_k_weights"),
+        expected_shapes=[(6, 128), (6, 2), (0,), (0,), (0,), (0,)],
+    )
 
 
 def test_experts_forward_autograd_matches_eager(rand, moe_path):
@@ -165,6 +197,57 @@ def test_experts_forward_autograd_matches_eager(rand, moe_path):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m} ({rand})")
 
 
+def test_experts_forward_takes_transformers_inputs(rand, moe_path):
+    """What transformers' MoE blocks pass: int64 router ids (cast once to int32: the same result as int32 ids), hidden
+    states that are a non-contiguous view and require grad (the block's activations during training)."""
+    experts = _experts_module(rand)
+    base = _randn(rand, 128, 9).requires_grad_()
+    x = base.t()
+    assert not x.is_contiguous()
+    index, weights = _routing(rand, 9, experts.num_experts, 2)
+    assert index.dtype == torch.int64
+    out = tpu_kernels.experts_forward(experts, x, index, weights)
+    with torch.no_grad():
+        as_int32 = tpu_kernels.experts_forward(experts, x.contiguous(), index.int(), weights)
+        expected = _dense_experts(experts, x, index, weights)
+    torch.testing.assert_close(out, as_int32, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    cotangent = _randn(rand, 9, 128)
+    (d_base,) = torch.autograd.grad((out * cotangent).sum(), [base])
+    (expected_d_base,) = torch.autograd.grad((_dense_experts(experts, x, index, weights) * cotangent).sum(), [base])
+    torch.testing.assert_close(d_base, expected_d_base, rtol=1e-4, atol=1e-5)
+
+
+def test_experts_forward_in_float16(rand):
+    """A float16 model's experts (biases included): float16 hidden states and weights run as float32 and come back
+    float16, within one float16 rounding of the float32 result; the gradients are float16 too. (Both paths in
+    float16: test_model_logits_in_half_precision_are_as_accurate_as_eager.)"""
+    experts = _experts_module(rand, has_bias=True)
+    x = _randn(rand, 8, 128)
+    index, weights = _routing(rand, 8, experts.num_experts, 2)
+    with torch.no_grad():
+        exact = tpu_kernels.experts_forward(experts, x, index, weights)
+    experts = experts.half()
+    x_half = x.half().requires_grad_()
+    out = tpu_kernels.experts_forward(experts, x_half, index, weights.half())
+    assert out.dtype == torch.float16
+    ladder.assert_close(out.detach().float().numpy(), exact.numpy(), dtype=ladder.jnp.float16, context=repr(rand))
+    d_x, d_gate_up = torch.autograd.grad(out.float().sum(), [x_half, experts.gate_up_proj])
+    assert d_x.dtype == d_gate_up.dtype == torch.float16
+    assert torch.isfinite(d_x).all() and torch.isfinite(d_gate_up).all()
+
+
+def test_experts_forward_compiles_fullgraph_with_autograd(rand):
+    experts = _experts_module(rand, has_bias=True)
+    index, weights = _routing(rand, 6, experts.num_experts, 2)
+    inputs = {"x": _randn(rand, 6, 128).requires_grad_(), "index": index, "weights": weights.requires_grad_()}
+
+    def fn(x, index, weights):
+        return tpu_kernels.experts_forward(experts, x, index, weights)
+
+    ladder.check_compiled_matches_eager(fn, inputs, rand=rand)
+
+
 MODELS = {"qwen3_moe": tiny_models.qwen3_moe, "gemma4_moe": lambda seed: tiny_models.gemma4(seed, moe=True)}
 
 
@@ -184,10 +267,12 @@ def test_model_logits_match_eager_f32(rand, model_name, moe_path):
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("model_name", MODELS)
-def test_model_logits_in_bf16_are_as_accurate_as_eager(rand, model_name, moe_path):
-    """In bf16 two implementations round at different places, so their logits differ by bf16 noise through the whole
-    model. The meaningful check: against the f32 model, our bf16 logits are no less accurate than eager's."""
+def test_model_logits_in_half_precision_are_as_accurate_as_eager(rand, model_name, dtype, moe_path):
+    """In bf16 (or f16) two implementations round at different places, so their logits differ by rounding noise
+    through the whole model. The meaningful check: against the f32 model, our logits are no less accurate than
+    eager's. float16 is what transformers' own fp16 model tests load."""
     model = MODELS[model_name](rand.seed)
     # Enough tokens that the mean error is a stable statistic: with 2 x 13 tokens some seeds put either side ahead by
     # 20 %; with 8 x 16 the ratio ours / eager had a standard deviation of 0.05 over 40 seeds (Gemma 4, both paths;
@@ -195,13 +280,71 @@ def test_model_logits_in_bf16_are_as_accurate_as_eager(rand, model_name, moe_pat
     # small-batch path; sd 0.013-0.018), so the 10 % margin is > 5 sd.
     tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (16, 32)))
     exact = _logits(model, tokens, "eager")
-    model = model.to(torch.bfloat16)
+    model = model.to(dtype)
     ours = _logits(model, tokens, EXPERTS_IMPLEMENTATION)
     eager = _logits(model, tokens, "eager")
     assert torch.isfinite(ours).all()
     ours_error, eager_error = (ours - exact).abs(), (eager - exact).abs()
     assert ours_error.mean() <= 1.1 * eager_error.mean(), (ours_error.mean(), eager_error.mean(), rand)
     assert ours_error.max() <= 2.0 * eager_error.max(), (ours_error.max(), eager_error.max(), rand)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_model_forward_compiles_fullgraph(rand, model_name):
+    """The whole model's forward under torch.compile(fullgraph=True), as transformers' generate compiles a static-cache
+    decode step: experts_forward's checks and casts trace without a graph break; the logits equal eager's."""
+    model = MODELS[model_name](rand.seed)
+    tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (2, 9)))
+    expected = _logits(model, tokens, "eager")
+    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        actual = compiled(tokens).logits.float()
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def test_every_layer_we_provide_in_one_compiled_model(rand, hub_root):
+    """A Qwen3-MoE model with every layer the Hub build provides: RMSNorm and rotary_pos_emb by kernelize (mode
+    INFERENCE | TORCH_COMPILE, on transformers' own classes and hub function) and the experts through transformers'
+    experts interface, all from the loaded build; compiled with fullgraph=True, its logits equal the plain model's."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    import kernels
+    from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+
+    model = tiny_models.qwen3_moe(rand.seed, hidden_size=256, head_dim=128)
+    tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (2, 9)))
+    expected = _logits(model, tokens, "eager")
+
+    build = hub_root / "build"
+    kernel = kernels.get_local_kernel(build)
+    ALL_EXPERTS_FUNCTIONS.register("tpu_kernels_hub_build", kernel.experts_forward)
+    mapping = {
+        name: {"cpu": LocalLayerRepository(build, layer_name=layer)}
+        for name, layer in (("RMSNorm", "RMSNorm"), ("rotary_pos_emb", "RotaryPosEmb"))
+    }
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        model = kernelize(model, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device="cpu")
+    model.set_experts_implementation("tpu_kernels_hub_build")
+    namespace = kernel.add_op_namespace_prefix("rms_norm").split("::")[0]
+    graph_ops = set()
+
+    def recording_aot_eager(graph_module, example_inputs):
+        graph_ops.update(str(n.target) for n in graph_module.graph.nodes if n.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=recording_aot_eager)
+    with torch.no_grad():
+        actual = compiled(tokens).logits.float()
+    for op in ("rms_norm", "apply_rotary", "experts_forward"):
+        assert any(f"{namespace}.{op}." in target for target in graph_ops), (
+            f"{op} not in the graph: {sorted(graph_ops)}"
+        )
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -218,33 +361,131 @@ def test_greedy_generation_gives_the_same_tokens(rand, model_name):
     assert torch.equal(generated["eager"], generated[EXPERTS_IMPLEMENTATION])
 
 
-def test_bad_input(rand):
-    experts = _experts_module(rand)
-    x = _randn(rand, 4, 128)
-    index, weights = _routing(rand, 4, experts.num_experts, 2)
-    bad_index = index.clone()
-    bad_index[2, 1] = -1
-    with pytest.raises(ValueError, match=r"top_k_index: expected expert ids >= 0 .* top_k_index\[2, 1\] = -1"):
-        tpu_kernels.experts_forward(experts, x, bad_index, weights)
-    with pytest.raises(ValueError, match=r"top_k_index / top_k_weights: expected the same shape"):
-        tpu_kernels.experts_forward(experts, x, index, weights[:, :1])
-    with pytest.raises(ValueError, match="gate_up_proj: expected layout"):
-        tpu_kernels.experts_forward(experts, _randn(rand, 4, 64), index, weights)
-    with pytest.raises(TypeError, match="hidden_states: expected dtype"):
-        tpu_kernels.experts_forward(experts, x.double(), index, weights)
-    experts.act_fn = torch.nn.ReLU()
-    with pytest.raises(ValueError, match="self.act_fn: experts_forward supports SiLU and tanh-approximated GELU"):
-        tpu_kernels.experts_forward(experts, x, index, weights)
+def _experts_call(arguments):
+    return tpu_kernels.experts_forward(**arguments)
 
-    lhs, rhs = _randn(rand, 8, 128), _randn(rand, 2, 128, 64)
-    with pytest.raises(ValueError, match=r"group_sizes: expected sizes >= 0, got group_sizes\[1\] = -2"):
-        tpu_kernels.ragged_dot(lhs, rhs, torch.tensor([3, -2], dtype=torch.int32))
-    with pytest.raises(ValueError, match="group_sizes: the sizes sum to 9, more than lhs's 8 rows"):
-        tpu_kernels.ragged_dot(lhs, rhs, torch.tensor([4, 5], dtype=torch.int32))
-    with pytest.raises(ValueError, match="rhs: contraction dimension 128 .* does not match lhs's K = 64"):
-        tpu_kernels.ragged_dot(_randn(rand, 8, 64), rhs, torch.tensor([4, 4], dtype=torch.int32))
-    with pytest.raises(TypeError, match="lhs: expected dtype"):
-        tpu_kernels.ragged_dot(lhs.half(), rhs, torch.tensor([4, 4], dtype=torch.int32))
+
+def _good_experts(rand):
+    experts = _experts_module(rand)
+    index, weights = _routing(rand, 4, experts.num_experts, 2)
+    return {"self": experts, "hidden_states": _randn(rand, 4, 128), "top_k_index": index, "top_k_weights": weights}
+
+
+def _index_with(value):
+    def change(rand):
+        index = torch.from_numpy(np.stack([rand.rng.choice(8, 2, replace=False) for _ in range(4)]))
+        index[2, 1] = value
+        return {"top_k_index": index}
+
+    return change
+
+
+def _experts_with(**attributes):
+    def change(rand):
+        experts = _experts_module(rand)
+        for name, value in attributes.items():
+            setattr(experts, name, value)
+        return {"self": experts}
+
+    return change
+
+
+BAD_EXPERTS_INPUTS = [
+    ladder.BadInput(
+        "negative expert id", _index_with(-1), ValueError, "top_k_index: expected expert ids >= 0 (ids >= num_experts"
+    ),
+    ladder.BadInput(
+        "int64 id int32 cannot hold",
+        _index_with(1 << 33),
+        ValueError,
+        "top_k_index: expected int64 values that int32 can hold",
+    ),
+    ladder.BadInput(
+        "float ids", {"top_k_index": torch.zeros(4, 2)}, TypeError, "top_k_index: expected dtype in (int32)"
+    ),
+    ladder.BadInput(
+        "weights shape",
+        lambda rand: {"top_k_weights": _randn(rand, 4, 1)},
+        ValueError,
+        "top_k_index / top_k_weights: expected the same shape",
+    ),
+    ladder.BadInput(
+        "hidden size", lambda rand: {"hidden_states": _randn(rand, 4, 64)}, ValueError, "gate_up_proj: expected layout"
+    ),
+    ladder.BadInput(
+        "float64 hidden states",
+        lambda rand: {"hidden_states": _randn(rand, 4, 128).double()},
+        TypeError,
+        "hidden_states: expected dtype",
+    ),
+    ladder.BadInput(
+        "hidden states not a tensor", {"hidden_states": [[0.5]]}, TypeError, "hidden_states: expected a torch.Tensor"
+    ),
+    ladder.BadInput(
+        "weights on another device",
+        {"top_k_weights": torch.empty(4, 2, device="meta")},
+        ValueError,
+        "top_k_weights: expected a tensor on cpu",
+    ),
+    ladder.BadInput(
+        "relu experts",
+        _experts_with(act_fn=torch.nn.ReLU()),
+        ValueError,
+        "self.act_fn: experts_forward supports SiLU and tanh-approximated GELU activations, got ReLU",
+    ),
+    ladder.BadInput(
+        "num_experts",
+        _experts_with(num_experts=5),
+        ValueError,
+        "self.num_experts: 5 does not match the 8 expert weights",
+    ),
+]
+
+
+@ladder.bad_input_params(BAD_EXPERTS_INPUTS)
+def test_experts_forward_bad_input(rand, case):
+    ladder.assert_clear_error(case, _experts_call, _good_experts(rand), rand)
+
+
+def _sizes(*values, dtype=torch.int32):
+    return {"group_sizes": torch.tensor(values, dtype=dtype)}
+
+
+BAD_RAGGED_DOT_INPUTS = [
+    ladder.BadInput(
+        "negative size", _sizes(3, -2), ValueError, "group_sizes: expected sizes >= 0, got group_sizes[1] = -2"
+    ),
+    ladder.BadInput(
+        "sizes past the rows", _sizes(4, 5), ValueError, "group_sizes: the sizes sum to 9, more than lhs's 8 rows"
+    ),
+    ladder.BadInput(
+        "int64 size int32 cannot hold",
+        _sizes(4, 1 << 40, dtype=torch.int64),
+        ValueError,
+        "group_sizes: expected int64 values that int32 can hold",
+    ),
+    ladder.BadInput(
+        "contraction",
+        lambda rand: {"lhs": _randn(rand, 8, 64)},
+        ValueError,
+        "rhs: contraction dimension 128",
+    ),
+    ladder.BadInput(
+        "float64 lhs", lambda rand: {"lhs": _randn(rand, 8, 128).double()}, TypeError, "lhs: expected dtype"
+    ),
+    ladder.BadInput(
+        "rhs on another device",
+        {"rhs": torch.empty(2, 128, 64, device="meta")},
+        ValueError,
+        "rhs: expected a tensor on cpu",
+    ),
+]
+
+
+@ladder.bad_input_params(BAD_RAGGED_DOT_INPUTS)
+def test_ragged_dot_bad_input(rand, case):
+    good = {"lhs": _randn(rand, 8, 128), "rhs": _randn(rand, 2, 128, 64), **_sizes(4, 4)}
+    ladder.assert_clear_error(case, lambda a: tpu_kernels.ragged_dot(**a), good, rand)
 
 
 def test_custom_gate_and_post_expert_norm_are_refused(rand, monkeypatch):

@@ -1,6 +1,10 @@
-"""Rotary embeddings, torch side: the custom ops (opcheck, fake/meta shapes, torch.compile), autograd against torch's
-own autograd of the formula, torch-side bad input, the inverse frequencies against transformers' rope init functions,
-and the `rotary_pos_emb` kernelize layer in a tiny random Qwen3 model."""
+"""Rotary embeddings, torch side: the custom ops and their derived backward ops (opcheck, fake/meta shapes,
+torch.compile), autograd against torch's own autograd of the formula, the inputs transformers passes (int64
+position_ids, float16, transposed q/k views, tensors that require grad, torch.compile of the wrappers), bad input, the
+inverse frequencies against transformers' rope init functions, and the `rotary_pos_emb` kernelize layer on
+transformers' own Qwen3 attention."""
+
+import json
 
 import ladder
 import numpy as np
@@ -8,7 +12,7 @@ import pytest
 import torch
 
 import tpu_kernels
-from tpu_kernels import rotary_ops
+from tpu_kernels import _op_registry, rotary_ops
 from tpu_kernels_jax.rotary import frequencies
 
 
@@ -30,6 +34,11 @@ def _torch_rope(x, cos, sin, head_axis=1):
     return torch.cat((xf[..., :r] * c + _rotate_half(xf[..., :r]) * s, xf[..., r:]), dim=-1).to(x.dtype)
 
 
+def _torch_norm(x, w, eps, weight_offset):
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight_offset + w.float())
+
+
 def test_apply_rotary_op_checks(rand):
     q, k = _randn(rand, 2, 4, 8, 128, requires_grad=True), _randn(rand, 2, 2, 8, 128, requires_grad=True)
     cos, sin = _randn(rand, 1, 8, 128, requires_grad=True), _randn(rand, 1, 8, 128)
@@ -38,13 +47,22 @@ def test_apply_rotary_op_checks(rand):
     )
 
 
-def test_apply_rotary_backward_op_checks(rand):
-    gq, gk = _randn(rand, 2, 8, 4, 128), _randn(rand, 2, 8, 1, 128)
+@pytest.mark.parametrize("wrt", ["q,k,cos,sin", "q,k"])
+def test_derived_backward_op_checks(rand, wrt):
+    """The backward op jax.vjp derives: the cotangents of q and k, the forward's arguments, the gradients asked for
+    (transformers' cos/sin do not require grad: their gradients are then not computed, and come back empty)."""
+    gq, gk, q, k = (
+        _randn(rand, 2, 8, 4, 128),
+        _randn(rand, 2, 8, 1, 128),
+        _randn(rand, 2, 8, 4, 128),
+        _randn(rand, 2, 8, 1, 128),
+    )
     cos, sin = _randn(rand, 2, 8, 64), _randn(rand, 2, 8, 64)
+    tables = [(2, 8, 64)] * 2 if "cos" in wrt else [(0,)] * 2
     ladder.check_torch_op(
-        rotary_ops.apply_rotary_backward_op,
-        (gq, gk, cos, sin, True, "bshd"),
-        expected_shapes=[(2, 8, 4, 128), (2, 8, 1, 128)],
+        rotary_ops.apply_rotary_op.backward_op,
+        (gq, gk, q, k, cos, sin, True, "bshd", wrt),
+        expected_shapes=[(2, 8, 4, 128), (2, 8, 1, 128), *tables],
     )
 
 
@@ -59,12 +77,12 @@ def test_rms_norm_rope_op_checks(rand):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_torch_apply_rotary_matches_reference(rand, dtype):
     q, k = _randn(rand, 2, 5, 3, 128, dtype=dtype), _randn(rand, 2, 5, 1, 128, dtype=dtype)
     cos, sin = _randn(rand, 2, 5, 64, dtype=dtype), _randn(rand, 2, 5, 64, dtype=dtype)  # partial rotary
     out_q, out_k = tpu_kernels.apply_rotary(q, k, cos, sin, layout="bshd")
-    assert out_q.dtype == dtype and out_q.shape == q.shape and out_k.shape == k.shape
+    assert out_q.dtype == dtype and out_k.dtype == dtype and out_q.shape == q.shape and out_k.shape == k.shape
     jdtype = ladder.jnp.dtype(str(dtype).removeprefix("torch."))
     for out, x in ((out_q, q), (out_k, k)):
         ladder.assert_close(
@@ -72,51 +90,152 @@ def test_torch_apply_rotary_matches_reference(rand, dtype):
         )
 
 
-def test_torch_autograd_matches_torch_reference(rand):
-    """The fused norm + rope: d q, d k (transpose rotation + RMSNorm backward kernels), d weights, d cos, d sin."""
+def _norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, weight_offset):
+    return tuple(
+        _torch_rope(_torch_norm(x, w, eps, weight_offset), cos, sin) for x, w in ((q, q_weight), (k, k_weight))
+    )
+
+
+@pytest.mark.parametrize("tables_require_grad", [True, False])
+def test_torch_autograd_matches_torch_reference(rand, tables_require_grad):
+    """The fused norm + rope: d q, d k, d weights and (when asked) d cos, d sin, all from the JAX api's vjp."""
     shapes = dict(
         q=(2, 3, 6, 128), k=(2, 1, 6, 128), q_weight=(128,), k_weight=(128,), cos=(1, 6, 128), sin=(1, 6, 128)
     )
     inputs = {name: _randn(rand, *shape, requires_grad=True) for name, shape in shapes.items()}
-    out_q, out_k = tpu_kernels.rms_norm_rope(*inputs.values(), 1e-6, weight_offset=0.5)
-    # Fixed random cotangents, the same for both sides (a loss like sum(sin(out)) makes them depend on the output).
-    d_q, d_k = _randn(rand, *shapes["q"]), _randn(rand, *shapes["k"])
-    grads = torch.autograd.grad((out_q * d_q).sum() + (out_k * d_k).sum(), tuple(inputs.values()))
-
-    ref = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
-
-    def norm(x, w):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (0.5 + w)
-
-    ref_q = _torch_rope(norm(ref["q"], ref["q_weight"]), ref["cos"], ref["sin"])
-    ref_k = _torch_rope(norm(ref["k"], ref["k_weight"]), ref["cos"], ref["sin"])
-    expected = torch.autograd.grad((ref_q * d_q).sum() + (ref_k * d_k).sum(), tuple(ref.values()))
-    for name, a, e in zip(inputs, grads, expected):
-        torch.testing.assert_close(a, e, rtol=1e-4, atol=2e-4, msg=lambda m: f"d {name}: {m} ({rand})")
+    inputs["cos"].requires_grad_(tables_require_grad)
+    inputs["sin"].requires_grad_(tables_require_grad)
+    inputs.update(eps=1e-6, weight_offset=0.5)
+    grads = ladder.check_torch_gradients(
+        tpu_kernels.rms_norm_rope, _norm_rope_reference, inputs, rand=rand, rtol=1e-4, atol=2e-4
+    )
+    assert ("cos" in grads) == tables_require_grad
 
 
-def test_torch_bad_input(rand):
-    q, k = _randn(rand, 2, 4, 8, 128), _randn(rand, 2, 2, 8, 128)
-    cos = _randn(rand, 1, 8, 128)
-    with pytest.raises(TypeError, match="q: expected a torch.Tensor, got list"):
-        tpu_kernels.apply_rotary([[1.0]], k, cos, cos)
-    with pytest.raises(ValueError, match=r"cos: expected a tensor on cpu .* got meta"):
-        tpu_kernels.apply_rotary(q, k, cos.to("meta"), cos)
-    with pytest.raises(TypeError, match="q: expected dtype .* got float16"):
-        tpu_kernels.apply_rotary(q.half(), k.half(), cos, cos)
-    with pytest.raises(ValueError, match=r"rotary_dim \(cos.shape\[-1\]\): expected an even number"):
-        tpu_kernels.apply_rotary(q, k, cos[..., :63], cos[..., :63])
-    with pytest.raises(ValueError, match=r"rotary_dim \(cos.shape\[-1\]\): expected at most head_dim = 128"):
-        tpu_kernels.apply_rotary(q, k, _randn(rand, 1, 8, 256), _randn(rand, 1, 8, 256))
-    with pytest.raises(ValueError, match=r"sin: expected the shape of cos"):
-        tpu_kernels.apply_rotary(q, k, cos, _randn(rand, 1, 7, 128))
-    with pytest.raises(ValueError, match="layout: expected 'bhsd' or 'bshd'"):
-        tpu_kernels.apply_rotary(q, k, cos, cos, layout="bsd")
-    with pytest.raises(ValueError, match=r"k_weight: expected shape \(128,\)"):
-        tpu_kernels.rms_norm_rope(q, k, _randn(rand, 128), _randn(rand, 64), cos, cos)
+def test_transposed_views_as_transformers_passes_them(rand):
+    """transformers builds q/k as projections viewed [B, S, H, D] and transposed to [B, H, S, D] (not contiguous):
+    the values are rotated, and the gradients land on the projections."""
+    inputs = {
+        "q_proj": _randn(rand, 2, 6, 4, 128, requires_grad=True),
+        "k_proj": _randn(rand, 2, 6, 2, 128, requires_grad=True),
+        "cos": _randn(rand, 2, 6, 128),
+        "sin": _randn(rand, 2, 6, 128),
+    }
+
+    def ours(q_proj, k_proj, cos, sin):
+        return tpu_kernels.apply_rotary(q_proj.transpose(1, 2), k_proj.transpose(1, 2), cos, sin)
+
+    def reference(q_proj, k_proj, cos, sin):
+        return _torch_rope(q_proj.transpose(1, 2), cos, sin), _torch_rope(k_proj.transpose(1, 2), cos, sin)
+
+    assert not inputs["q_proj"].transpose(1, 2).is_contiguous()
+    ladder.check_torch_gradients(ours, reference, inputs, rand=rand, rtol=1e-5, atol=1e-5)
+
+
+def test_wrappers_compile_fullgraph_with_autograd(rand):
+    """apply_rotary and rms_norm_rope_from_positions (int64 positions, a rope_parameters dict) under
+    torch.compile(fullgraph=True): the checks, the int32 cast and the rope JSON trace without a graph break."""
+    tables = {
+        "q": _randn(rand, 1, 2, 8, 128, requires_grad=True),
+        "k": _randn(rand, 1, 1, 8, 128, requires_grad=True),
+        "cos": _randn(rand, 1, 8, 128, requires_grad=True),
+        "sin": _randn(rand, 1, 8, 128, requires_grad=True),
+    }
+    ladder.check_compiled_matches_eager(lambda **a: tpu_kernels.apply_rotary(**a), tables, rand=rand)
+
+    positions = {
+        "q": _randn(rand, 2, 8, 2, 128, requires_grad=True),
+        "k": _randn(rand, 2, 8, 1, 128, requires_grad=True),
+        "q_weight": _randn(rand, 128, requires_grad=True),
+        "k_weight": _randn(rand, 128),
+        "positions": _positions(rand, 2, 8, dtype=torch.int64),
+    }
+
+    def from_positions(q, k, q_weight, k_weight, positions):
+        return tpu_kernels.rms_norm_rope_from_positions(
+            q, k, q_weight, k_weight, positions, theta=5e5, scaling=LLAMA3, layout="bshd"
+        )
+
+    ladder.check_compiled_matches_eager(from_positions, positions, rand=rand)
+
+
+def _table_inputs(rand):
+    return {
+        "q": _randn(rand, 2, 4, 8, 128),
+        "k": _randn(rand, 2, 2, 8, 128),
+        "cos": _randn(rand, 1, 8, 128),
+        "sin": _randn(rand, 1, 8, 128),
+    }
+
+
+BAD_TABLE_INPUTS = [
+    ladder.BadInput("q not a tensor", {"q": [[1.0]]}, TypeError, "q: expected a torch.Tensor, got list"),
+    ladder.BadInput(
+        "cos on another device",
+        lambda rand: {"cos": torch.empty(1, 8, 128, device="meta")},
+        ValueError,
+        "cos: expected a tensor on cpu",
+    ),
+    ladder.BadInput(
+        "float64 q", lambda rand: {"q": _randn(rand, 2, 4, 8, 128).double()}, TypeError, "q: expected dtype"
+    ),
+    ladder.BadInput(
+        "k dtype",
+        lambda rand: {"k": _randn(rand, 2, 2, 8, 128, dtype=torch.bfloat16)},
+        TypeError,
+        "k: expected dtype",
+    ),
+    ladder.BadInput(
+        "odd rotary dim",
+        lambda rand: {"cos": _randn(rand, 1, 8, 63), "sin": _randn(rand, 1, 8, 63)},
+        ValueError,
+        "rotary_dim (cos.shape[-1]): expected an even number",
+    ),
+    ladder.BadInput(
+        "rotary dim above head_dim",
+        lambda rand: {"cos": _randn(rand, 1, 8, 256), "sin": _randn(rand, 1, 8, 256)},
+        ValueError,
+        "rotary_dim (cos.shape[-1]): expected at most head_dim = 128",
+    ),
+    ladder.BadInput("sin shape", lambda rand: {"sin": _randn(rand, 1, 7, 128)}, ValueError, "sin: expected the shape"),
+    ladder.BadInput("layout", {"layout": "bsd"}, ValueError, "layout: expected 'bhsd' or 'bshd'"),
+    ladder.BadInput("interleaved not a bool", {"interleaved": "yes"}, TypeError, "interleaved: expected a bool"),
+    ladder.BadInput(
+        "k_weight size",
+        lambda rand: {"q_weight": _randn(rand, 128), "k_weight": _randn(rand, 64)},
+        ValueError,
+        "k_weight: expected shape (128,)",
+    ),
+    ladder.BadInput(
+        "negative eps",
+        lambda rand: {"q_weight": _randn(rand, 128), "k_weight": _randn(rand, 128), "eps": -1.0},
+        ValueError,
+        "eps: expected a finite number >= 0",
+    ),
     # Meta tensors take the same checks.
-    with pytest.raises(ValueError, match="k: expected the batch, seq and head_dim of q"):
-        tpu_kernels.apply_rotary(q.to("meta"), torch.empty(2, 2, 9, 128, device="meta"), cos.to("meta"), cos.to("meta"))
+    ladder.BadInput(
+        "meta k seq",
+        {
+            "q": torch.empty(2, 4, 8, 128, device="meta"),
+            "k": torch.empty(2, 2, 9, 128, device="meta"),
+            "cos": torch.empty(1, 8, 128, device="meta"),
+            "sin": torch.empty(1, 8, 128, device="meta"),
+        },
+        ValueError,
+        "k: expected the batch, seq and head_dim of q",
+    ),
+]
+
+
+def _call_tables(arguments):
+    if "q_weight" in arguments:
+        return tpu_kernels.rms_norm_rope(**arguments)
+    return tpu_kernels.apply_rotary(**arguments)
+
+
+@ladder.bad_input_params(BAD_TABLE_INPUTS)
+def test_torch_bad_input(rand, case):
+    ladder.assert_clear_error(case, _call_tables, _table_inputs(rand), rand)
 
 
 # ------------------------------------------------------------------------------------------ cos/sin from positions
@@ -130,16 +249,19 @@ LLAMA3 = {
 }
 
 
-def _positions(rand, *shape, high=40000):
-    return torch.from_numpy(rand.rng.integers(0, high, shape).astype("int32"))
+def _positions(rand, *shape, high=40000, dtype=torch.int32):
+    return torch.from_numpy(rand.rng.integers(0, high, shape)).to(dtype)
+
+
+def _rope(theta, rotary_dim=None, scaling=None):
+    return _op_registry.static_json("rope", {"theta": theta, "rotary_dim": rotary_dim, "scaling": scaling})
 
 
 def test_apply_rotary_from_positions_op_checks(rand):
     q, k = _randn(rand, 2, 4, 8, 128, requires_grad=True), _randn(rand, 2, 2, 8, 128, requires_grad=True)
-    scalars = (1e6, 0, *rotary_ops.scaling_to_scalars(YARN))
     ladder.check_torch_op(
         rotary_ops.apply_rotary_from_positions_op,
-        (q, k, _positions(rand, 2, 8), *scalars, False, "bhsd"),
+        (q, k, _positions(rand, 2, 8), _rope(1e6, None, YARN), False, "bhsd"),
         expected_shapes=[(2, 4, 8, 128), (2, 2, 8, 128)],
     )
 
@@ -147,63 +269,76 @@ def test_apply_rotary_from_positions_op_checks(rand):
 def test_rms_norm_rope_from_positions_op_checks(rand):
     q, k = _randn(rand, 1, 8, 2, 128, requires_grad=True), _randn(rand, 1, 8, 1, 128, requires_grad=True)
     qw, kw = _randn(rand, 128, requires_grad=True), _randn(rand, 128)
-    theta, rotary_dim, *rest = (1e4, 64, *rotary_ops.scaling_to_scalars(None))
-    args = (q, k, qw, kw, _positions(rand, 1, 8), theta, 1e-6, 0.0, rotary_dim, *rest, True, "bshd")
+    args = (q, k, qw, kw, _positions(rand, 1, 8), _rope(1e4, 64), 1e-6, 0.0, True, "bshd")
     ladder.check_torch_op(
         rotary_ops.rms_norm_rope_from_positions_op, args, expected_shapes=[(1, 8, 2, 128), (1, 8, 1, 128)]
     )
 
 
-def test_scaling_scalars_round_trip():
-    """The rope parameters survive the trip through the ops' scalar arguments."""
-    for scaling in (
-        None,
-        YARN,
-        LLAMA3,
-        {"rope_type": "linear", "factor": 2.0},
-        {"rope_type": "proportional", "partial_rotary_factor": 0.25},
-        {
-            "rope_type": "yarn",
-            "factor": 40.0,
-            "original_max_position_embeddings": 4096,
-            "mscale": 1.0,
-            "mscale_all_dim": 0.5,
-            "truncate": False,
-        },
-    ):
-        rope_type, *numbers, truncate = rotary_ops.scaling_to_scalars(scaling)
-        assert rotary_ops.scaling_from_scalars(rope_type, numbers, truncate) == scaling
+ROPE_PARAMETERS = [
+    None,
+    YARN,
+    LLAMA3,
+    {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    {"rope_type": "proportional", "partial_rotary_factor": 0.25},
+    {
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+        "truncate": False,
+        "attention_factor": None,
+    },
+]
 
 
-def test_torch_from_positions_matches_torch_reference_with_autograd(rand):
-    """rms_norm_rope_from_positions (llama3 scaling): outputs and d q, d k, d weights against torch's autograd of the
-    formula on transformers-style tables; apply_rotary_from_positions with k=None against the same tables."""
+def test_rope_parameters_cross_as_canonical_json():
+    """The rope parameters reach the JAX function as they were given, as one string that is the same for equal dicts
+    (one jit / export cache entry, one compile guard) whatever their key order."""
+    for scaling in ROPE_PARAMETERS:
+        text = _rope(5e5, 64, scaling)
+        assert json.loads(text) == {"theta": 5e5, "rotary_dim": 64, "scaling": scaling}
+        shuffled = None if scaling is None else dict(reversed(list(scaling.items())))
+        assert _rope(5e5, 64, shuffled) == text
+    assert _rope(5e5) != _rope(5e5 + 1e-9)
+    with pytest.raises(TypeError, match="rope: expected dicts, lists, str, int, float, bool or None"):
+        _rope(5e5, scaling={"rope_type": "linear", "factor": np.float32(2.0)})
+    with pytest.raises(ValueError, match="rope: .* does not survive JSON"):
+        _rope(float("inf"))
+
+
+def _from_positions_reference(q, k, q_weight, k_weight, positions, *, cos, sin):
+    return _norm_rope_reference(q, k, q_weight, k_weight, cos, sin, 1e-6, 0.5)
+
+
+@pytest.mark.parametrize("positions_dtype", [torch.int32, torch.int64], ids=str)
+def test_torch_from_positions_matches_torch_reference_with_autograd(rand, positions_dtype):
+    """rms_norm_rope_from_positions (llama3 scaling; int32 positions, or int64 as transformers' position_ids are):
+    outputs and d q, d k, d weights against torch's autograd of the formula on transformers-style tables;
+    apply_rotary_from_positions with k=None against the same tables."""
     shapes = dict(q=(2, 3, 6, 128), k=(2, 1, 6, 128), q_weight=(128,), k_weight=(128,))
     inputs = {name: _randn(rand, *shape, requires_grad=True) for name, shape in shapes.items()}
-    positions = _positions(rand, 2, 6, high=20000)
+    inputs["positions"] = _positions(rand, 2, 6, high=20000, dtype=positions_dtype)
     cos, sin = (
         torch.from_numpy(np.array(t))
-        for t in rotary_ops.api.rope_cos_sin(positions.numpy(), head_dim=128, theta=5e5, scaling=LLAMA3)
+        for t in rotary_ops.api.rope_cos_sin(inputs["positions"].int().numpy(), head_dim=128, theta=5e5, scaling=LLAMA3)
     )
-    out_q, out_k = rotary_ops.rms_norm_rope_from_positions(
-        *inputs.values(), positions, theta=5e5, eps=1e-6, weight_offset=0.5, scaling=LLAMA3
-    )
-    d_q, d_k = _randn(rand, *shapes["q"]), _randn(rand, *shapes["k"])  # fixed cotangents, the same for both sides
-    grads = torch.autograd.grad((out_q * d_q).sum() + (out_k * d_k).sum(), tuple(inputs.values()))
 
-    ref = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
+    def ours(q, k, q_weight, k_weight, positions):
+        return tpu_kernels.rms_norm_rope_from_positions(
+            q, k, q_weight, k_weight, positions, theta=5e5, eps=1e-6, weight_offset=0.5, scaling=LLAMA3
+        )
 
-    def norm(x, w):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (0.5 + w)
+    def reference(**a):
+        return _from_positions_reference(**a, cos=cos, sin=sin)
 
-    ref_q, ref_k = (_torch_rope(norm(ref[x], ref[w]), cos, sin) for x, w in (("q", "q_weight"), ("k", "k_weight")))
-    torch.testing.assert_close(out_q, ref_q, rtol=1e-4, atol=1e-4, msg=lambda m: f"q: {m} ({rand})")
-    expected = torch.autograd.grad((ref_q * d_q).sum() + (ref_k * d_k).sum(), tuple(ref.values()))
-    for name, a, e in zip(inputs, grads, expected):
-        torch.testing.assert_close(a, e, rtol=1e-4, atol=2e-4, msg=lambda m: f"d {name}: {m} ({rand})")
+    ladder.check_torch_gradients(ours, reference, inputs, rand=rand, rtol=1e-4, atol=2e-4)
 
     q = _randn(rand, 2, 6, 3, 128, dtype=torch.bfloat16)
-    out, none = rotary_ops.apply_rotary_from_positions(q, None, positions, theta=5e5, scaling=LLAMA3, layout="bshd")
+    out, none = tpu_kernels.apply_rotary_from_positions(
+        q, None, inputs["positions"], theta=5e5, scaling=LLAMA3, layout="bshd"
+    )
     assert none is None and out.dtype == torch.bfloat16
     ladder.assert_close(
         out.float().numpy(),
@@ -213,20 +348,87 @@ def test_torch_from_positions_matches_torch_reference_with_autograd(rand):
     )
 
 
-def test_torch_from_positions_bad_input(rand):
-    q, k = _randn(rand, 2, 4, 8, 128), _randn(rand, 2, 2, 8, 128)
-    with pytest.raises(ValueError, match=r"positions: expected values in \[0, 16777216\)"):
-        rotary_ops.apply_rotary_from_positions(q, k, torch.full((2, 8), 1 << 24, dtype=torch.int32), theta=1e4)
-    with pytest.raises(TypeError, match="positions: expected dtype"):
-        rotary_ops.apply_rotary_from_positions(q, k, torch.zeros(2, 8), theta=1e4)
-    with pytest.raises(ValueError, match="scaling: rope_type 'llama3' needs"):
-        rotary_ops.apply_rotary_from_positions(
-            q, k, _positions(rand, 2, 8), theta=1e4, scaling={"rope_type": "llama3", "factor": 8.0}
-        )
-    with pytest.raises(ValueError, match=r"k_weight: expected shape \(128,\)"):
-        rotary_ops.rms_norm_rope_from_positions(
-            q, k, _randn(rand, 128), _randn(rand, 64), _positions(rand, 1, 8), theta=1e4
-        )
+def test_from_positions_in_float16(rand):
+    """float16 q/k run as float32 and come back float16, as close to the f32 result as one float16 rounding."""
+    q, k = _randn(rand, 1, 2, 8, 128), _randn(rand, 1, 1, 8, 128)
+    positions = _positions(rand, 1, 8, dtype=torch.int64)
+    exact = tpu_kernels.apply_rotary_from_positions(q, k, positions, theta=1e6, scaling=YARN)
+    half = tpu_kernels.apply_rotary_from_positions(q.half(), k.half(), positions, theta=1e6, scaling=YARN)
+    for out, ref in zip(half, exact):
+        assert out.dtype == torch.float16
+        ladder.assert_close(out.float().numpy(), ref.numpy(), dtype=ladder.jnp.float16, context=repr(rand))
+
+
+def _position_inputs(rand):
+    return {
+        "q": _randn(rand, 2, 4, 8, 128),
+        "k": _randn(rand, 2, 2, 8, 128),
+        "positions": _positions(rand, 2, 8),
+        "theta": 1e4,
+    }
+
+
+def _int64_positions(value):
+    positions = torch.zeros(2, 8, dtype=torch.int64)
+    positions[1, 3] = value
+    return {"positions": positions}
+
+
+BAD_POSITION_INPUTS = [
+    ladder.BadInput(
+        "position past float32's exact range",
+        {"positions": torch.full((2, 8), 1 << 24, dtype=torch.int32)},
+        ValueError,
+        "positions: expected values in [0, 16777216)",
+    ),
+    ladder.BadInput(
+        "int64 position past float32's exact range",
+        _int64_positions(1 << 24),
+        ValueError,
+        "positions: expected values in [0, 16777216)",
+    ),
+    ladder.BadInput("negative int64 position", _int64_positions(-3), ValueError, "got values in [-3, 0]"),
+    ladder.BadInput(
+        "int64 position int32 cannot hold",
+        _int64_positions(1 << 32),
+        ValueError,
+        "positions: expected int64 values that int32 can hold",
+    ),
+    ladder.BadInput("float positions", {"positions": torch.zeros(2, 8)}, TypeError, "positions: expected dtype"),
+    ladder.BadInput(
+        "positions shape", {"positions": torch.zeros(2, 7, dtype=torch.int32)}, ValueError, "positions: expected shape"
+    ),
+    ladder.BadInput(
+        "llama3 without its factors",
+        {"scaling": {"rope_type": "llama3", "factor": 8.0}},
+        ValueError,
+        "scaling: rope_type 'llama3' needs",
+    ),
+    ladder.BadInput("theta", {"theta": 1.0}, ValueError, "theta: expected a rope base > 1"),
+    ladder.BadInput(
+        "scaling value JSON cannot carry",
+        {"scaling": {"rope_type": "linear", "factor": float("nan")}},
+        ValueError,
+        "factor",
+    ),
+    ladder.BadInput(
+        "k_weight size",
+        lambda rand: {"q_weight": _randn(rand, 128), "k_weight": _randn(rand, 64)},
+        ValueError,
+        "k_weight: expected shape (128,)",
+    ),
+]
+
+
+def _call_positions(arguments):
+    if "q_weight" in arguments:
+        return tpu_kernels.rms_norm_rope_from_positions(**arguments)
+    return tpu_kernels.apply_rotary_from_positions(**arguments)
+
+
+@ladder.bad_input_params(BAD_POSITION_INPUTS)
+def test_torch_from_positions_bad_input(rand, case):
+    ladder.assert_clear_error(case, _call_positions, _position_inputs(rand), rand)
 
 
 # ------------------------------------------------------------------------------- frequencies vs transformers
@@ -297,31 +499,10 @@ def test_layer_passes_kernels_layer_validation():
     from kernels.layer.layer import _validate_layer
     from transformers.models.qwen3 import modeling_qwen3
 
-    from kernels import use_kernel_forward_from_hub
-
-    hub_function = use_kernel_forward_from_hub("rotary_pos_emb")(modeling_qwen3.apply_rotary_pos_emb)
+    hub_function = modeling_qwen3.apply_rotary_pos_emb  # a hub function module, as transformers' decorator made it
+    assert hub_function.kernel_layer_name == "rotary_pos_emb"
     _validate_layer(check_cls=type(hub_function), cls=tpu_kernels.layers.RotaryPosEmb, repo="tpu-kernels")
     assert tpu_kernels.layers.apply_rotary_transformers is tpu_kernels.layers.RotaryPosEmb
-
-
-def _make_qwen3_rope_kernelizable(monkeypatch):
-    """transformers 5.23 turns `@use_kernel_forward_from_hub("rotary_pos_emb")` on apply_rotary_pos_emb and
-    `@use_kernelized_func(apply_rotary_pos_emb)` on Qwen3Attention into no-ops unless kernels >= 0.18.2 (not
-    released). Apply them the way those decorators would, for this test only: the function becomes a hub function
-    module (kernel_layer_name "rotary_pos_emb") that Qwen3Attention calls and registers in its `_kernel_funcs`."""
-    from transformers.models.qwen3 import modeling_qwen3
-
-    from kernels import use_kernel_forward_from_hub, use_kernelized_func
-
-    original = modeling_qwen3.apply_rotary_pos_emb
-    if getattr(original, "kernel_layer_name", None) == "rotary_pos_emb":
-        return original
-    hub_function = use_kernel_forward_from_hub("rotary_pos_emb")(original)
-    monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", hub_function)
-    init = modeling_qwen3.Qwen3Attention.__init__
-    patched = use_kernelized_func(hub_function)(type("Probe", (), {"__init__": init})).__init__
-    monkeypatch.setattr(modeling_qwen3.Qwen3Attention, "__init__", patched)
-    return hub_function
 
 
 def _tiny_qwen3(seed):
@@ -344,10 +525,14 @@ def _tiny_qwen3(seed):
     return Qwen3ForCausalLM(config).eval()
 
 
-def test_kernelized_qwen3_gives_the_same_logits(rand, hub_root, monkeypatch):
+def test_kernelized_qwen3_gives_the_same_logits(rand, hub_root):
+    """transformers' own `rotary_pos_emb` hub function (Qwen3Attention calls it through `use_kernelized_func`), as
+    its decorators leave it with transformers 5.22.2 and kernels 0.17.2, is replaced by our layer from the Hub build."""
+    from transformers.models.qwen3 import modeling_qwen3
+
     from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 
-    hub_function = _make_qwen3_rope_kernelizable(monkeypatch)
+    hub_function = modeling_qwen3.apply_rotary_pos_emb
     model = _tiny_qwen3(rand.seed)
     tokens = torch.from_numpy(rand.rng.integers(0, 211, (2, 11)))
     with torch.no_grad():

@@ -1,18 +1,38 @@
-"""Turning an annotated JAX api function into a torch custom op, the same way for every kernel.
+"""Turning an annotated JAX api function into a torch custom op, with its backward, the same way for every kernel.
 
-- On a `tpu` tensor: TorchTPU's `jax_op` exports the JAX function for TPU (Mosaic kernel) and runs it in its graph.
-- On a CPU tensor: the same JAX function runs in Pallas' TPU interpret mode; tensors cross by DLPack, no copies.
-- Shapes under FakeTensorMode / meta / torch.compile come from a fake function written per op (jax_op's default fake
-  exports for TPU on every call and refuses symbolic sizes).
-Without torch-tpu installed (a plain CPU torch) the op is a torch.library.custom_op with the schema jax_op would
-have generated, and only the CPU implementation.
+One recipe: an op is its JAX function (every parameter and the return annotated, TorchTPU's `jax_op` convention), a
+fake function (output shapes and dtypes under FakeTensorMode / meta / torch.compile, symbolic sizes included: jax_op's
+default fake exports for TPU on every call and refuses them) and one `define_op` line naming the parameters that have
+gradients. From those:
+
+- the forward op `<namespace>::<name>`: on a `tpu` tensor TorchTPU's `jax_op` (the function is exported for TPU once
+  per shape and static values, the Mosaic kernel spliced into TorchTPU's graph); on a CPU tensor the same function,
+  jitted, in Pallas' TPU interpret mode, tensors crossing by DLPack. Without torch-tpu installed (a plain CPU torch)
+  the op is a torch.library.custom_op with the schema jax_op would have generated, and only the CPU implementation.
+- the backward op `<name>_backward`, derived from `jax.vjp` of the forward function, so the gradients are the JAX
+  api's own (its custom_vjp rules and kernels), never a second implementation in torch. Its parameters are one
+  cotangent per forward output (`grad_0`, `grad_1`, ...), the forward's parameters, and `wrt`: the comma-separated
+  names of the inputs whose gradients are wanted (from autograd's `needs_input_grad`), so unwanted gradients are not
+  computed. It returns one tensor per gradient parameter, in the order they were named; a gradient not asked for, or
+  of an input that is None, is an empty float32 tensor (a torch op returns tensors, never None). Its fake is derived
+  too: a gradient has its input's shape and dtype. It is a jax_op / CPU op like any other, so it runs on TPU as
+  TorchTPU's jax_op and is opaque to tracing (torch.compile and AOT autograd see one op, not JAX code).
+- autograd for the forward op (`register_autograd`): the tensor inputs are saved, the static values kept, and the
+  backward calls the backward op. The vjp recomputes the forward inside the backward op; where a residual is a
+  forward output (fused_add_rms_norm's rounded sum) the forward kernel runs again there, elsewhere XLA drops it.
+
+Static arguments are `int`, `float`, `bool` or `str`. A structured static (transformers' rope parameters dict) crosses
+as one `str` of canonical JSON (`static_json`: keys sorted, no whitespace, so equal dicts give one string and so one
+jit / export cache entry and one torch.compile guard); the JAX function decodes it with `json.loads`.
 """
 
 import inspect
+import json
 import types
 import typing
 
 import jax
+import jax.numpy as jnp
 import torch
 
 from tpu_kernels_jax.common.interpret import interpret_on_cpu
@@ -44,11 +64,53 @@ def _schema_type(annotation) -> str:
     raise TypeError(f"no torch schema type for annotation {annotation!r}")
 
 
+def _signature(jax_fn) -> inspect.Signature:
+    return inspect.signature(inspect.unwrap(jax_fn), eval_str=True)
+
+
 def schema_of(jax_fn) -> str:
     """The torch schema of a JAX function's annotations, e.g. '(Tensor x, float eps) -> Tensor'."""
-    signature = inspect.signature(inspect.unwrap(jax_fn), eval_str=True)
+    signature = _signature(jax_fn)
     params = ", ".join(f"{_schema_type(p.annotation)} {name}" for name, p in signature.parameters.items())
     return f"({params}) -> {_schema_type(signature.return_annotation)}"
+
+
+def _encode_json(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, float):
+        return float.__repr__(value)  # the shortest repr that reads back as the same float
+    if isinstance(value, str):
+        return '"' + value + '"'
+    if isinstance(value, list):
+        return "[" + ",".join(_encode_json(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(_encode_json(str(k)) + ":" + _encode_json(value[k]) for k in sorted(value)) + "}"
+    raise TypeError(f"not a JSON value: {type(value).__name__}")
+
+
+def static_json(name: str, value) -> str:
+    """A structured static argument as one canonical JSON string: keys sorted, no whitespace, floats by their shortest
+    repr (see the module docstring). Written out here rather than by json.dumps, whose C encoder torch.compile cannot
+    trace; outside tracing the string is read back and must give the value again, or the value is refused."""
+    try:
+        text = _encode_json(value)
+    except TypeError as error:
+        raise TypeError(
+            f"{name}: expected dicts, lists, str, int, float, bool or None, got {value!r} ({error})"
+        ) from None
+    if not torch.compiler.is_compiling():
+        try:
+            same = json.loads(text) == value
+        except ValueError:
+            same = False
+        if not same:
+            raise ValueError(f"{name}: {value!r} does not survive JSON (a non-finite number or a quote in a string?)")
+    return text
 
 
 def _to_jax(value):
@@ -71,7 +133,7 @@ def _is_array_annotation(annotation) -> bool:
 
 def _cpu_impl(jax_fn):
     """The CPU kernel: jit (once per shape and static values) and run the JAX function in TPU interpret mode."""
-    signature = inspect.signature(inspect.unwrap(jax_fn), eval_str=True)
+    signature = _signature(jax_fn)
     static = tuple(i for i, p in enumerate(signature.parameters.values()) if not _is_array_annotation(p.annotation))
     jitted = jax.jit(jax_fn, static_argnums=static)
 
@@ -82,8 +144,7 @@ def _cpu_impl(jax_fn):
     return impl
 
 
-def define_op(name: str, jax_fn, fake_fn):
-    """Register `jax_fn` (every parameter and the return annotated) as the custom op `<namespace>::<name>`."""
+def _register(name: str, jax_fn, fake_fn):
     qualified = add_op_namespace_prefix(name)
     if HAS_TORCH_TPU:
         op = _torch_tpu_jax_op(qualified, jax_fn)
@@ -91,4 +152,112 @@ def define_op(name: str, jax_fn, fake_fn):
         op = torch.library.custom_op(qualified, _cpu_impl(jax_fn), mutates_args=(), schema=schema_of(jax_fn))
     op.register_kernel("cpu", _cpu_impl(jax_fn))
     op.register_fake(fake_fn)
+    return op
+
+
+def _output_count(signature: inspect.Signature) -> int:
+    returned = signature.return_annotation
+    if returned is jax.Array:
+        return 1
+    if typing.get_origin(returned) is tuple and all(a is jax.Array for a in typing.get_args(returned)):
+        return len(typing.get_args(returned))
+    raise TypeError(f"a differentiable op returns jax.Array or a tuple of them, got {returned!r}")
+
+
+def _vjp_function(jax_fn, grads: tuple[str, ...]):
+    """The backward op's JAX function: (grad_0, ..., *forward parameters, wrt) -> one gradient per name in grads.
+
+    A plain function carrying its signature in `__signature__`, which is what jax_op and jax.jit read."""
+    forward = _signature(jax_fn)
+    names = list(forward.parameters)
+    outputs = _output_count(forward)
+    grad_index = [names.index(g) for g in grads]
+
+    def backward(*args):
+        cotangents, inputs, wrt = args[:outputs], list(args[outputs:-1]), set(args[-1].split(","))
+        wanted = [i for i in grad_index if names[i] in wrt and inputs[i] is not None]
+
+        def forward_of(*primals):
+            full = list(inputs)
+            for i, value in zip(wanted, primals):
+                full[i] = value
+            return jax_fn(*full)
+
+        primal_out, vjp = jax.vjp(forward_of, *(inputs[i] for i in wanted))
+        out_leaves = primal_out if outputs > 1 else (primal_out,)
+        cts = tuple(c.astype(o.dtype) for c, o in zip(cotangents, out_leaves))
+        computed = dict(zip(wanted, vjp(cts if outputs > 1 else cts[0])))
+        result = tuple(computed[i] if i in computed else jnp.zeros((0,), jnp.float32) for i in grad_index)
+        return result if len(result) > 1 else result[0]
+
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter(f"grad_{i}", positional, annotation=jax.Array) for i in range(outputs)]
+    params += [p.replace(kind=positional, default=inspect.Parameter.empty) for p in forward.parameters.values()]
+    params.append(inspect.Parameter("wrt", positional, annotation=str))
+    returned = jax.Array if len(grads) == 1 else tuple[(jax.Array,) * len(grads)]
+    backward.__signature__ = inspect.Signature(params, return_annotation=returned)
+    backward.__name__ = backward.__qualname__ = f"{jax_fn.__name__}_backward"
+    return backward
+
+
+def _vjp_fake(jax_fn, grads: tuple[str, ...]):
+    """The backward op's fake: a gradient has its input's shape and dtype; one not asked for is empty float32."""
+    forward = _signature(jax_fn)
+    names = list(forward.parameters)
+    outputs = _output_count(forward)
+    grad_index = [names.index(g) for g in grads]
+
+    def fake(*args):
+        inputs, wrt = args[outputs:-1], set(args[-1].split(","))
+        device = args[0].device
+        result = tuple(
+            inputs[i].new_empty(inputs[i].shape)
+            if names[i] in wrt and inputs[i] is not None
+            else torch.empty((0,), dtype=torch.float32, device=device)
+            for i in grad_index
+        )
+        return result if len(result) > 1 else result[0]
+
+    return fake
+
+
+def _register_autograd(op, backward_op, jax_fn, grads: tuple[str, ...]):
+    names = list(_signature(jax_fn).parameters)
+    grad_index = [names.index(g) for g in grads]
+    tensor_index = [
+        i for i, p in enumerate(_signature(jax_fn).parameters.values()) if _is_array_annotation(p.annotation)
+    ]
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*(inputs[i] for i in tensor_index))
+        ctx.inputs = [None if i in tensor_index else value for i, value in enumerate(inputs)]
+
+    def backward(ctx, *cotangents):
+        inputs = list(ctx.inputs)
+        for i, tensor in zip(tensor_index, ctx.saved_tensors):
+            inputs[i] = tensor
+        wanted = [i for i in grad_index if ctx.needs_input_grad[i]]
+        result = [None] * len(inputs)
+        if not wanted:
+            return tuple(result)
+        computed = backward_op(*(c.contiguous() for c in cotangents), *inputs, ",".join(names[i] for i in wanted))
+        computed = computed if len(grad_index) > 1 else (computed,)
+        for i, gradient in zip(grad_index, computed):
+            if i in wanted and inputs[i] is not None:
+                result[i] = gradient
+        return tuple(result)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+def define_op(name: str, jax_fn, fake_fn, *, grads: tuple[str, ...] = ()):
+    """Register `jax_fn` as the custom op `<namespace>::<name>` with fake `fake_fn`; with `grads` (parameter names of
+    jax_fn, tensors), also `<name>_backward` from jax.vjp and the op's autograd. Returns the forward op; the backward
+    op is its attribute `backward_op`."""
+    op = _register(name, jax_fn, fake_fn)
+    op.backward_op = None
+    if grads:
+        backward_op = _register(f"{name}_backward", _vjp_function(jax_fn, grads), _vjp_fake(jax_fn, grads))
+        _register_autograd(op, backward_op, jax_fn, grads)
+        op.backward_op = backward_op
     return op

@@ -15,78 +15,17 @@ from ._op_registry import define_op
 _NO_GATE = "none"  # gate_layout=None as a torch schema string
 
 
-def _empty_if_none(grad):
-    return jnp.zeros((0,), jnp.float32) if grad is None else grad
+def _f32(x):
+    """float16 runs through the kernels as float32 (TPUs have no float16 arithmetic); results are cast back."""
+    return x.astype(jnp.float32) if x is not None and x.dtype == jnp.float16 else x
 
 
-# ------------------------------------------------------------------------------------------------ ragged dot
+# The JAX functions the ops are made from. Annotations drive the torch schema (TorchTPU's jax_op convention).
 def _ragged_dot_jax(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_transposed: bool) -> jax.Array:
-    return ragged_dot_api.ragged_dot(lhs, rhs, group_sizes, rhs_transposed=rhs_transposed)
+    out = ragged_dot_api.ragged_dot(_f32(lhs), _f32(rhs), group_sizes, rhs_transposed=rhs_transposed)
+    return out.astype(jnp.promote_types(lhs.dtype, rhs.dtype))
 
 
-def _ragged_dot_backward_jax(
-    grad: jax.Array, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_transposed: bool
-) -> tuple[jax.Array, jax.Array]:
-    _, vjp = jax.vjp(lambda a, b: _ragged_dot_jax(a, b, group_sizes, rhs_transposed), lhs, rhs)
-    return vjp(grad)
-
-
-def _fake_ragged_dot(lhs, rhs, group_sizes, rhs_transposed):
-    n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
-    return lhs.new_empty((lhs.shape[0], n), dtype=torch.promote_types(lhs.dtype, rhs.dtype))
-
-
-def _fake_ragged_dot_backward(grad, lhs, rhs, group_sizes, rhs_transposed):
-    return torch.empty_like(lhs), torch.empty_like(rhs)
-
-
-ragged_dot_op = define_op("ragged_dot", _ragged_dot_jax, _fake_ragged_dot)
-ragged_dot_backward_op = define_op("ragged_dot_backward", _ragged_dot_backward_jax, _fake_ragged_dot_backward)
-
-
-def _setup_ragged_dot(ctx, inputs, output):
-    lhs, rhs, group_sizes, rhs_transposed = inputs
-    ctx.save_for_backward(lhs, rhs, group_sizes)
-    ctx.rhs_transposed = rhs_transposed
-
-
-def _backward_ragged_dot(ctx, grad):
-    lhs, rhs, group_sizes = ctx.saved_tensors
-    d_lhs, d_rhs = ragged_dot_backward_op(grad.contiguous(), lhs, rhs, group_sizes, ctx.rhs_transposed)
-    return d_lhs, d_rhs, None, None
-
-
-ragged_dot_op.register_autograd(_backward_ragged_dot, setup_context=_setup_ragged_dot)
-
-
-def ragged_dot(
-    lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, rhs_transposed: bool = False
-) -> torch.Tensor:
-    """Grouped matmul with `jax.lax.ragged_dot` semantics: lhs [M, K] rows sorted by group, rhs [G, K, N] (or
-    [G, N, K] with rhs_transposed), group_sizes [G] (int32 or int64); rows past sum(group_sizes) are zero.
-    Differentiable in lhs and rhs."""
-    checks.check_tensor("lhs", lhs)
-    checks.check_tensor("rhs", rhs, device=lhs.device)
-    checks.check_tensor("group_sizes", group_sizes, device=lhs.device)
-    if group_sizes.dtype == torch.int64:
-        group_sizes = group_sizes.to(torch.int32)
-    if not checks.has_symbolic_shape(lhs, rhs, group_sizes):
-        ragged_dot_api.check_inputs(
-            checks.placeholder("lhs", lhs),
-            checks.placeholder("rhs", rhs),
-            checks.values_or_placeholder("group_sizes", group_sizes),
-            preferred_element_type=None,
-            rhs_transposed=rhs_transposed,
-            group_offset=0,
-            num_local_groups=None,
-            bias=None,
-            activation=None,
-            gated=None,
-        )
-    return ragged_dot_op(lhs.contiguous(), rhs.contiguous(), group_sizes.contiguous(), bool(rhs_transposed))
-
-
-# ------------------------------------------------------------------------------------------------ experts forward
 def _experts_forward_jax(
     hidden_states: jax.Array,
     top_k_index: jax.Array,
@@ -99,103 +38,66 @@ def _experts_forward_jax(
     gate_layout: str,
     weights_transposed: bool,
 ) -> jax.Array:
-    return moe_api.experts_forward(
-        hidden_states,
+    out = moe_api.experts_forward(
+        _f32(hidden_states),
         top_k_index,
         top_k_weights,
-        gate_up_proj,
-        down_proj,
-        gate_up_bias,
-        down_bias,
+        _f32(gate_up_proj),
+        _f32(down_proj),
+        _f32(gate_up_bias),
+        _f32(down_bias),
         activation=activation,
         gate_layout=None if gate_layout == _NO_GATE else gate_layout,
         weights_transposed=weights_transposed,
     )
+    return out.astype(hidden_states.dtype)
 
 
-def _experts_forward_backward_jax(
-    grad: jax.Array,
-    hidden_states: jax.Array,
-    top_k_index: jax.Array,
-    top_k_weights: jax.Array,
-    gate_up_proj: jax.Array,
-    down_proj: jax.Array,
-    gate_up_bias: jax.Array | None,
-    down_bias: jax.Array | None,
-    activation: str,
-    gate_layout: str,
-    weights_transposed: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    def forward(x, weights, gate_up, down, b1, b2):
-        return _experts_forward_jax(
-            x, top_k_index, weights, gate_up, down, b1, b2, activation, gate_layout, weights_transposed
-        )
-
-    _, vjp = jax.vjp(forward, hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
-    return tuple(_empty_if_none(g) for g in vjp(grad))
+def _fake_ragged_dot(lhs, rhs, group_sizes, rhs_transposed):
+    n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
+    return lhs.new_empty((lhs.shape[0], n), dtype=torch.promote_types(lhs.dtype, rhs.dtype))
 
 
 def _fake_experts_forward(hidden_states, *args):
     return torch.empty_like(hidden_states)
 
 
-def _fake_experts_backward(
-    grad,
-    hidden_states,
-    top_k_index,
-    top_k_weights,
-    gate_up_proj,
-    down_proj,
-    gate_up_bias,
-    down_bias,
-    activation,
-    gate_layout,
-    weights_transposed,
-):
-    def like(t):
-        return grad.new_empty((0,), dtype=torch.float32) if t is None else torch.empty_like(t)
-
-    return (
-        torch.empty_like(hidden_states),
-        torch.empty_like(top_k_weights),
-        torch.empty_like(gate_up_proj),
-        torch.empty_like(down_proj),
-        like(gate_up_bias),
-        like(down_bias),
-    )
-
-
-experts_forward_op = define_op("experts_forward", _experts_forward_jax, _fake_experts_forward)
-experts_forward_backward_op = define_op(
-    "experts_forward_backward", _experts_forward_backward_jax, _fake_experts_backward
+ragged_dot_op = define_op("ragged_dot", _ragged_dot_jax, _fake_ragged_dot, grads=("lhs", "rhs"))
+experts_forward_op = define_op(
+    "experts_forward",
+    _experts_forward_jax,
+    _fake_experts_forward,
+    grads=("hidden_states", "top_k_weights", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias"),
 )
 
 
-def _setup_experts(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:7])
-    ctx.static = inputs[7:]
+def ragged_dot(
+    lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, rhs_transposed: bool = False
+) -> torch.Tensor:
+    """Grouped matmul with `jax.lax.ragged_dot` semantics: lhs [M, K] rows sorted by group, rhs [G, K, N] (or
+    [G, N, K] with rhs_transposed), group_sizes [G] (int32 or int64); rows past sum(group_sizes) are zero. float32,
+    bfloat16 or float16 (run as float32); the result has the promoted dtype of lhs and rhs. Differentiable in lhs
+    and rhs."""
+    checks.check_tensor("lhs", lhs)
+    checks.check_tensor("rhs", rhs, device=lhs.device)
+    checks.check_tensor("group_sizes", group_sizes, device=lhs.device)
+    group_sizes = checks.as_int32("group_sizes", group_sizes)
+    if not checks.tracing() and not checks.has_symbolic_shape(lhs, rhs, group_sizes):
+        ragged_dot_api.check_inputs(
+            checks.placeholder("lhs", lhs, float16_as_float32=True),
+            checks.placeholder("rhs", rhs, float16_as_float32=True),
+            checks.values_or_placeholder("group_sizes", group_sizes),
+            preferred_element_type=None,
+            rhs_transposed=rhs_transposed,
+            group_offset=0,
+            num_local_groups=None,
+            bias=None,
+            activation=None,
+            gated=None,
+        )
+    tensors = (checks.contiguous(t) for t in (lhs, rhs, group_sizes))
+    return ragged_dot_op(*tensors, bool(rhs_transposed))
 
-
-def _backward_experts(ctx, grad):
-    saved = ctx.saved_tensors
-    grads = experts_forward_backward_op(grad.contiguous(), *saved, *ctx.static)
-    d_x, d_weights, d_gate_up, d_down, d_b1, d_b2 = grads
-    gate_up_bias, down_bias = saved[5], saved[6]
-    return (
-        d_x,
-        None,
-        d_weights,
-        d_gate_up,
-        d_down,
-        None if gate_up_bias is None else d_b1,
-        None if down_bias is None else d_b2,
-        None,
-        None,
-        None,
-    )
-
-
-experts_forward_op.register_autograd(_backward_experts, setup_context=_setup_experts)
 
 _SILU = {"SiLU", "SiLUActivation"}
 _GELU_TANH = {"GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation"}
@@ -255,32 +157,25 @@ def experts_forward(
         ("down_proj", self.down_proj),
     ]:
         checks.check_tensor(name, t, device=device)
-    if top_k_index.dtype in (torch.int64, torch.int16, torch.int8, torch.uint8):
-        top_k_index = top_k_index.to(torch.int32)
-    if not checks.has_symbolic_shape(hidden_states, top_k_index, top_k_weights):
+    top_k_index = checks.as_int32("top_k_index", top_k_index)
+    if not checks.tracing() and not checks.has_symbolic_shape(hidden_states, top_k_index, top_k_weights):
+
+        def ph(name, t):
+            return checks.placeholder(name, t, float16_as_float32=True)
+
         moe_api.check_inputs(
-            checks.placeholder("hidden_states", hidden_states),
+            ph("hidden_states", hidden_states),
             checks.values_or_placeholder("top_k_index", top_k_index),
-            checks.placeholder("top_k_weights", top_k_weights),
-            checks.placeholder("gate_up_proj", gate_up),
-            checks.placeholder("down_proj", self.down_proj),
-            checks.placeholder("gate_up_bias", gate_up_bias),
-            checks.placeholder("down_bias", down_bias),
+            ph("top_k_weights", top_k_weights),
+            ph("gate_up_proj", gate_up),
+            ph("down_proj", self.down_proj),
+            ph("gate_up_bias", gate_up_bias),
+            ph("down_bias", down_bias),
             activation=activation,
             gate_layout=None if gate_layout == _NO_GATE else gate_layout,
             weights_transposed=transposed,
         )
     if gate_up.shape[0] != self.num_experts:
         raise ValueError(f"self.num_experts: {self.num_experts} does not match the {gate_up.shape[0]} expert weights")
-    return experts_forward_op(
-        hidden_states.contiguous(),
-        top_k_index.contiguous(),
-        top_k_weights.contiguous(),
-        gate_up,
-        self.down_proj,
-        gate_up_bias,
-        down_bias,
-        activation,
-        gate_layout,
-        transposed,
-    )
+    tensors = (hidden_states, top_k_index, top_k_weights, gate_up, self.down_proj, gate_up_bias, down_bias)
+    return experts_forward_op(*(checks.contiguous(x) for x in tensors), activation, gate_layout, transposed)

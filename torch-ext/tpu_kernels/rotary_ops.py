@@ -1,27 +1,31 @@
-"""Torch custom ops for rotary embeddings (RoPE, its backward, fused per-head RMSNorm + RoPE, both with cos/sin computed
-in the kernel from positions) and their autograd."""
+"""Torch custom ops for rotary embeddings (RoPE, fused per-head RMSNorm + RoPE, both also with cos/sin computed in the
+kernel from positions); their gradients come from the JAX api's vjp (_op_registry)."""
+
+import json
 
 import jax
+import jax.numpy as jnp
 import torch
 
 from tpu_kernels_jax.rotary import api
 
 from . import _torch_checks as checks
-from ._op_registry import define_op
-from .rms_norm_ops import rms_norm_backward_op
+from ._op_registry import define_op, static_json
 
 
-# The JAX functions the ops are made from. Annotations drive the torch schema (TorchTPU's jax_op convention).
+def _f32(x):
+    """float16 runs through the kernels as float32 (TPUs have no float16 arithmetic); the result is cast back."""
+    return x.astype(jnp.float32) if x.dtype == jnp.float16 else x
+
+
+# The JAX functions the ops are made from. Annotations drive the torch schema (TorchTPU's jax_op convention). k with
+# no heads stands for "no k" (the kernel skips empty arrays); the rope parameters cross as one JSON string, `rope`:
+# {"theta": ..., "rotary_dim": ... or null, "scaling": transformers' rope_parameters dict or null}.
 def _apply_rotary_jax(
     q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool, layout: str
 ) -> tuple[jax.Array, jax.Array]:
-    return api.apply_rotary(q, k, cos, sin, interleaved=interleaved, layout=layout)
-
-
-def _apply_rotary_backward_jax(
-    grad_q: jax.Array, grad_k: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool, layout: str
-) -> tuple[jax.Array, jax.Array]:
-    return api.apply_rotary_backward(grad_q, grad_k, cos, sin, interleaved=interleaved, layout=layout)
+    out_q, out_k = api.apply_rotary(_f32(q), _f32(k), _f32(cos), _f32(sin), interleaved=interleaved, layout=layout)
+    return out_q.astype(q.dtype), out_k.astype(k.dtype)
 
 
 def _rms_norm_rope_jax(
@@ -36,116 +40,23 @@ def _rms_norm_rope_jax(
     interleaved: bool,
     layout: str,
 ) -> tuple[jax.Array, jax.Array]:
-    return api.rms_norm_rope(
-        q,
-        k,
-        q_weight,
-        k_weight,
-        cos,
-        sin,
+    out_q, out_k = api.rms_norm_rope(
+        *(_f32(a) for a in (q, k, q_weight, k_weight, cos, sin)),
         eps=eps,
         weight_offset=weight_offset,
         interleaved=interleaved,
         layout=layout,
     )
-
-
-# Rope scaling as scalars: a torch schema cannot take transformers' rope_parameters dict, so the ops take its entries
-# (the rope type, then every number any type uses, 0.0 / 0 for "not given": every such number must be > 0 when
-# given) and rebuild the dict. rotary_dim 0 stands for None (head_dim).
-SCALING_NUMBERS = (
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-    "attention_factor",
-    "beta_fast",
-    "beta_slow",
-    "mscale",
-    "mscale_all_dim",
-    "partial_rotary_factor",
-)
-
-
-def scaling_to_scalars(scaling) -> tuple:
-    """(rope_type, *SCALING_NUMBERS as floats, truncate) of a validated rope_parameters dict or None."""
-    scaling = api.frequencies.check_scaling(scaling)
-    numbers = tuple(0.0 if scaling.get(key) is None else float(scaling[key]) for key in SCALING_NUMBERS)
-    return (scaling["rope_type"], *numbers, bool(scaling.get("truncate", True)))
-
-
-def scaling_from_scalars(rope_type, numbers, truncate):
-    """The rope_parameters dict (None for the default rope) the scalars stand for."""
-    if rope_type == "default":
-        return None
-    keys = api.frequencies.ROPE_KEYS[rope_type]
-    scaling = {"rope_type": rope_type}
-    scaling.update({key: value for key, value in zip(SCALING_NUMBERS, numbers) if value and key in keys})
-    if "original_max_position_embeddings" in scaling:
-        scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
-    if "truncate" in keys and not truncate:
-        scaling["truncate"] = False
-    return scaling
-
-
-def _positions_kw(args: dict) -> dict:
-    """The api's keyword arguments from an op's scalar arguments (its locals())."""
-    numbers = [args[key] for key in SCALING_NUMBERS]
-    return dict(
-        theta=args["theta"],
-        rotary_dim=args["rotary_dim"] or None,
-        scaling=scaling_from_scalars(args["rope_type"], numbers, args["truncate"]),
-        interleaved=args["interleaved"],
-        layout=args["layout"],
-    )
+    return out_q.astype(q.dtype), out_k.astype(k.dtype)
 
 
 def _apply_rotary_from_positions_jax(
-    q: jax.Array,
-    k: jax.Array,
-    positions: jax.Array,
-    theta: float,
-    rotary_dim: int,
-    rope_type: str,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max_position_embeddings: float,
-    attention_factor: float,
-    beta_fast: float,
-    beta_slow: float,
-    mscale: float,
-    mscale_all_dim: float,
-    partial_rotary_factor: float,
-    truncate: bool,
-    interleaved: bool,
-    layout: str,
+    q: jax.Array, k: jax.Array, positions: jax.Array, rope: str, interleaved: bool, layout: str
 ) -> tuple[jax.Array, jax.Array]:
-    return api.apply_rotary_from_positions(q, k, positions, **_positions_kw(locals()))
-
-
-def _apply_rotary_from_positions_backward_jax(
-    grad_q: jax.Array,
-    grad_k: jax.Array,
-    positions: jax.Array,
-    theta: float,
-    rotary_dim: int,
-    rope_type: str,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max_position_embeddings: float,
-    attention_factor: float,
-    beta_fast: float,
-    beta_slow: float,
-    mscale: float,
-    mscale_all_dim: float,
-    partial_rotary_factor: float,
-    truncate: bool,
-    interleaved: bool,
-    layout: str,
-) -> tuple[jax.Array, jax.Array]:
-    return api.apply_rotary_from_positions_backward(grad_q, grad_k, positions, **_positions_kw(locals()))
+    out_q, out_k = api.apply_rotary_from_positions(
+        _f32(q), _f32(k), positions, **json.loads(rope), interleaved=interleaved, layout=layout
+    )
+    return out_q.astype(q.dtype), out_k.astype(k.dtype)
 
 
 def _rms_norm_rope_from_positions_jax(
@@ -154,178 +65,64 @@ def _rms_norm_rope_from_positions_jax(
     q_weight: jax.Array,
     k_weight: jax.Array,
     positions: jax.Array,
-    theta: float,
+    rope: str,
     eps: float,
     weight_offset: float,
-    rotary_dim: int,
-    rope_type: str,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max_position_embeddings: float,
-    attention_factor: float,
-    beta_fast: float,
-    beta_slow: float,
-    mscale: float,
-    mscale_all_dim: float,
-    partial_rotary_factor: float,
-    truncate: bool,
     interleaved: bool,
     layout: str,
 ) -> tuple[jax.Array, jax.Array]:
-    return api.rms_norm_rope_from_positions(
-        q, k, q_weight, k_weight, positions, eps=eps, weight_offset=weight_offset, **_positions_kw(locals())
+    out_q, out_k = api.rms_norm_rope_from_positions(
+        *(_f32(a) for a in (q, k, q_weight, k_weight)),
+        positions,
+        **json.loads(rope),
+        eps=eps,
+        weight_offset=weight_offset,
+        interleaved=interleaved,
+        layout=layout,
     )
+    return out_q.astype(q.dtype), out_k.astype(k.dtype)
 
 
 def _fake_pair(a, b, *rest):
     return torch.empty_like(a), torch.empty_like(b)
 
 
-apply_rotary_op = define_op("apply_rotary", _apply_rotary_jax, _fake_pair)
-apply_rotary_backward_op = define_op("apply_rotary_backward", _apply_rotary_backward_jax, _fake_pair)
-rms_norm_rope_op = define_op("rms_norm_rope", _rms_norm_rope_jax, _fake_pair)
-apply_rotary_from_positions_op = define_op("apply_rotary_from_positions", _apply_rotary_from_positions_jax, _fake_pair)
-apply_rotary_from_positions_backward_op = define_op(
-    "apply_rotary_from_positions_backward", _apply_rotary_from_positions_backward_jax, _fake_pair
+apply_rotary_op = define_op("apply_rotary", _apply_rotary_jax, _fake_pair, grads=("q", "k", "cos", "sin"))
+rms_norm_rope_op = define_op(
+    "rms_norm_rope", _rms_norm_rope_jax, _fake_pair, grads=("q", "k", "q_weight", "k_weight", "cos", "sin")
+)
+apply_rotary_from_positions_op = define_op(
+    "apply_rotary_from_positions", _apply_rotary_from_positions_jax, _fake_pair, grads=("q", "k")
 )
 rms_norm_rope_from_positions_op = define_op(
-    "rms_norm_rope_from_positions", _rms_norm_rope_from_positions_jax, _fake_pair
-)
-
-
-# ------------------------------------------------------------------------------------------------------- autograd
-def _rotate_half(x, interleaved):
-    if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((-x2, x1), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _table_grads(ctx, xs, grads, cos, sin):
-    """d cos, d sin of out = x * cos + rotate_half(x) * sin (plain torch: sums over heads, and over the batch when
-    the table is shared). xs are what the rotation saw (the normalised q/k for the fused op)."""
-    head_axis = 1 if ctx.layout == "bhsd" else 2
-    r = cos.shape[-1]
-    need_cos, need_sin = ctx.needs_input_grad[ctx.cos_index], ctx.needs_input_grad[ctx.cos_index + 1]
-    dcos = dsin = None
-    for x, g in zip(xs, grads):
-        xr, gr = x[..., :r].float(), g[..., :r].float()
-        if need_cos:
-            part = (gr * xr).sum(head_axis)
-            dcos = part if dcos is None else dcos + part
-        if need_sin:
-            part = (gr * _rotate_half(xr, ctx.interleaved)).sum(head_axis)
-            dsin = part if dsin is None else dsin + part
-    if cos.shape[0] == 1:
-        dcos = None if dcos is None else dcos.sum(0, keepdim=True)
-        dsin = None if dsin is None else dsin.sum(0, keepdim=True)
-    return (None if dcos is None else dcos.to(cos.dtype)), (None if dsin is None else dsin.to(sin.dtype))
-
-
-def _setup_rotary(ctx, inputs, output):
-    q, k, cos, sin, interleaved, layout = inputs
-    ctx.interleaved, ctx.layout, ctx.cos_index = interleaved, layout, 2
-    ctx.save_for_backward(q, k, cos, sin)
-
-
-def _backward_rotary(ctx, grad_q, grad_k):
-    q, k, cos, sin = ctx.saved_tensors
-    dq, dk = apply_rotary_backward_op(grad_q.contiguous(), grad_k.contiguous(), cos, sin, ctx.interleaved, ctx.layout)
-    dcos, dsin = _table_grads(ctx, (q, k), (grad_q, grad_k), cos, sin)
-    return dq, dk, dcos, dsin, None, None
-
-
-def _setup_norm_rope(ctx, inputs, output):
-    q, k, q_weight, k_weight, cos, sin, eps, weight_offset, interleaved, layout = inputs
-    ctx.interleaved, ctx.layout, ctx.cos_index = interleaved, layout, 4
-    ctx.eps, ctx.weight_offset = eps, weight_offset
-    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
-
-
-def _head_rms_norm(x, weight, eps, weight_offset):
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight_offset + weight.float())
-
-
-def _backward_norm_rope(ctx, grad_q, grad_k):
-    q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
-    g_q, g_k = apply_rotary_backward_op(grad_q.contiguous(), grad_k.contiguous(), cos, sin, ctx.interleaved, ctx.layout)
-    dq, dqw = rms_norm_backward_op(g_q, q, q_weight, None, ctx.eps, ctx.weight_offset)
-    dk, dkw = rms_norm_backward_op(g_k, k, k_weight, None, ctx.eps, ctx.weight_offset)
-    dcos = dsin = None
-    if ctx.needs_input_grad[4] or ctx.needs_input_grad[5]:
-        normed = (
-            _head_rms_norm(q, q_weight, ctx.eps, ctx.weight_offset),
-            _head_rms_norm(k, k_weight, ctx.eps, ctx.weight_offset),
-        )
-        dcos, dsin = _table_grads(ctx, normed, (grad_q, grad_k), cos, sin)
-    return dq, dk, dqw, dkw, dcos, dsin, None, None, None, None
-
-
-# Positions ops: the scalars after the tensors are kept as they came and passed to the backward op unchanged.
-
-
-def _setup_rotary_from_positions(ctx, inputs, output):
-    q, k, positions = inputs[:3]
-    ctx.rope_args = tuple(inputs[3:])  # the rope scalars, interleaved, layout
-    ctx.save_for_backward(positions)
-
-
-def _backward_rotary_from_positions(ctx, grad_q, grad_k):
-    (positions,) = ctx.saved_tensors
-    dq, dk = apply_rotary_from_positions_backward_op(
-        grad_q.contiguous(), grad_k.contiguous(), positions, *ctx.rope_args
-    )
-    return (dq, dk, None) + (None,) * len(ctx.rope_args)
-
-
-def _setup_norm_rope_from_positions(ctx, inputs, output):
-    q, k, q_weight, k_weight, positions, theta, eps, weight_offset = inputs[:8]
-    ctx.eps, ctx.weight_offset = eps, weight_offset
-    ctx.rope_args = (theta,) + tuple(inputs[8:])  # theta, the other rope scalars, interleaved, layout
-    ctx.save_for_backward(q, k, q_weight, k_weight, positions)
-
-
-def _backward_norm_rope_from_positions(ctx, grad_q, grad_k):
-    q, k, q_weight, k_weight, positions = ctx.saved_tensors
-    g_q, g_k = apply_rotary_from_positions_backward_op(
-        grad_q.contiguous(), grad_k.contiguous(), positions, *ctx.rope_args
-    )
-    dq, dqw = rms_norm_backward_op(g_q, q, q_weight, None, ctx.eps, ctx.weight_offset)
-    dk, dkw = rms_norm_backward_op(g_k, k, k_weight, None, ctx.eps, ctx.weight_offset)
-    return (dq, dk, dqw, dkw, None) + (None,) * (2 + len(ctx.rope_args))
-
-
-apply_rotary_op.register_autograd(_backward_rotary, setup_context=_setup_rotary)
-rms_norm_rope_op.register_autograd(_backward_norm_rope, setup_context=_setup_norm_rope)
-apply_rotary_from_positions_op.register_autograd(
-    _backward_rotary_from_positions, setup_context=_setup_rotary_from_positions
-)
-rms_norm_rope_from_positions_op.register_autograd(
-    _backward_norm_rope_from_positions, setup_context=_setup_norm_rope_from_positions
+    "rms_norm_rope_from_positions",
+    _rms_norm_rope_from_positions_jax,
+    _fake_pair,
+    grads=("q", "k", "q_weight", "k_weight"),
 )
 
 
 # ----------------------------------------------------------------------------------------------------- public API
+def _placeholders(tensors: dict) -> dict:
+    return {name: checks.placeholder(name, t, float16_as_float32=True) for name, t in tensors.items()}
+
+
 def _validate(q, k, cos, sin, interleaved, layout, weights=None, eps=0.0, weight_offset=0.0):
     checks.check_tensor("q", q)
     for name, t in (("k", k), ("cos", cos), ("sin", sin)) + tuple((weights or {}).items()):
         if t is not None:
             checks.check_tensor(name, t, device=q.device)
-    if checks.has_symbolic_shape(q, k, cos, sin, *(weights or {}).values()):
+    if checks.tracing() or checks.has_symbolic_shape(q, k, cos, sin, *(weights or {}).values()):
         return
-    ph = {name: checks.placeholder(name, t) for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin))}
+    ph = _placeholders({"q": q, "k": k, "cos": cos, "sin": sin, **(weights or {})})
     if weights is None:
         api.check_inputs(ph["q"], ph["k"], ph["cos"], ph["sin"], interleaved=interleaved, layout=layout)
     else:
-        wph = {name: checks.placeholder(name, t) for name, t in weights.items()}
         api.check_norm_inputs(
             ph["q"],
             ph["k"],
-            wph["q_weight"],
-            wph["k_weight"],
+            ph["q_weight"],
+            ph["k_weight"],
             ph["cos"],
             ph["sin"],
             eps=eps,
@@ -353,12 +150,14 @@ def apply_rotary(
     """(q * cos + rotate_half(q) * sin, the same for k) in one pass: transformers' apply_rotary_pos_emb.
 
     layout "bhsd": q [B, Hq, S, D], k [B, Hk, S, D]; "bshd": [B, S, H, D]. cos/sin [B or 1, S, r]: the first r
-    features rotate, the rest pass through. interleaved: GPT-J pairs (2i, 2i+1). k may be None. q/k float32 or
-    bfloat16; results in q's dtype. Differentiable in q, k, cos and sin.
+    features rotate, the rest pass through. interleaved: GPT-J pairs (2i, 2i+1). k may be None. q/k float32,
+    bfloat16 or float16 (run as float32); results in q's dtype. Differentiable in q, k, cos and sin.
     """
     _validate(q, k, cos, sin, interleaved, layout)
-    k_arg = _empty_k(q, layout) if k is None else k.contiguous()
-    out_q, out_k = apply_rotary_op(q.contiguous(), k_arg, cos.contiguous(), sin.contiguous(), bool(interleaved), layout)
+    k_arg = _empty_k(q, layout) if k is None else checks.contiguous(k)
+    out_q, out_k = apply_rotary_op(
+        checks.contiguous(q), k_arg, checks.contiguous(cos), checks.contiguous(sin), bool(interleaved), layout
+    )
     return out_q, (None if k is None else out_k)
 
 
@@ -378,41 +177,36 @@ def rms_norm_rope(
     """(rope(rms_norm(q) * (weight_offset + q_weight)), the same for k) in one pass: Qwen3 / Gemma 4's q_norm and
     k_norm over head_dim followed by RoPE. Differentiable in q, k, the weights, cos and sin."""
     _validate(q, k, cos, sin, interleaved, layout, {"q_weight": q_weight, "k_weight": k_weight}, eps, weight_offset)
-    return rms_norm_rope_op(
-        q.contiguous(),
-        k.contiguous(),
-        q_weight,
-        k_weight,
-        cos.contiguous(),
-        sin.contiguous(),
-        float(eps),
-        float(weight_offset),
-        bool(interleaved),
-        layout,
-    )
+    tensors = (checks.contiguous(t) for t in (q, k, q_weight, k_weight, cos, sin))
+    return rms_norm_rope_op(*tensors, float(eps), float(weight_offset), bool(interleaved), layout)
 
 
-def _validate_positions(q, k, positions, weights, *, theta, rotary_dim, scaling, interleaved, layout):
+def _positions_and_rope(q, k, positions, weights, *, theta, rotary_dim, scaling, interleaved, layout):
+    """Validate a from-positions call; returns (int32 positions, the rope JSON string)."""
     checks.check_tensor("q", q)
     named = (("k", k), ("positions", positions)) + tuple((weights or {}).items())
     for name, t in named:
         if t is not None:
             checks.check_tensor(name, t, device=q.device)
-    if checks.has_symbolic_shape(q, k, positions, *(weights or {}).values()):
-        return
-    # Host positions are range-checked by value; device, fake and meta ones by shape and dtype only (no sync).
-    pos = checks.values_or_placeholder("positions", positions)
-    ph_q, ph_k = checks.placeholder("q", q), checks.placeholder("k", k)
-    api.check_position_inputs(
-        ph_q, ph_k, pos, theta=theta, rotary_dim=rotary_dim, scaling=scaling, interleaved=interleaved, layout=layout
-    )
-    if weights is not None:
-        wph = {name: checks.placeholder(name, t) for name, t in weights.items()}
-        api.check_norm_weights(ph_q, ph_k, wph["q_weight"], wph["k_weight"])
-
-
-def _rope_scalars(theta, rotary_dim, scaling):
-    return (float(theta), int(rotary_dim or 0), *scaling_to_scalars(scaling))
+    positions = checks.as_int32("positions", positions)
+    if not checks.tracing() and not checks.has_symbolic_shape(q, k, positions, *(weights or {}).values()):
+        # Host positions are range-checked by value; device, fake and meta ones by shape and dtype only (no sync).
+        pos = checks.values_or_placeholder("positions", positions)
+        ph = _placeholders({"q": q, "k": k, **(weights or {})})
+        api.check_position_inputs(
+            ph["q"],
+            ph["k"],
+            pos,
+            theta=theta,
+            rotary_dim=rotary_dim,
+            scaling=scaling,
+            interleaved=interleaved,
+            layout=layout,
+        )
+        if weights is not None:
+            api.check_norm_weights(ph["q"], ph["k"], ph["q_weight"], ph["k_weight"])
+    rope = {"theta": float(theta), "rotary_dim": None if rotary_dim is None else int(rotary_dim), "scaling": scaling}
+    return checks.contiguous(positions), static_json("scaling", rope)
 
 
 def apply_rotary_from_positions(
@@ -426,11 +220,11 @@ def apply_rotary_from_positions(
     interleaved: bool = False,
     layout: str = "bhsd",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """apply_rotary with cos/sin computed inside the kernel from int32 positions [B or 1, S], as transformers'
-    rotary embedding computes them; no cos/sin tensors. theta: the rope base (rope_theta); rotary_dim: rotated
-    features (default head_dim); scaling: transformers' rope_parameters dict ("linear", "llama3", "yarn",
-    "proportional") or None. Differentiable in q and k."""
-    _validate_positions(
+    """apply_rotary with cos/sin computed inside the kernel from integer positions [B or 1, S] (int32, or int64 such
+    as transformers' position_ids, cast once), as transformers' rotary embedding computes them; no cos/sin tensors.
+    theta: the rope base (rope_theta); rotary_dim: rotated features (default head_dim); scaling: transformers'
+    rope_parameters dict ("linear", "llama3", "yarn", "proportional") or None. Differentiable in q and k."""
+    positions, rope = _positions_and_rope(
         q,
         k,
         positions,
@@ -441,14 +235,9 @@ def apply_rotary_from_positions(
         interleaved=interleaved,
         layout=layout,
     )
-    k_arg = _empty_k(q, layout) if k is None else k.contiguous()
+    k_arg = _empty_k(q, layout) if k is None else checks.contiguous(k)
     out_q, out_k = apply_rotary_from_positions_op(
-        q.contiguous(),
-        k_arg,
-        positions.contiguous(),
-        *_rope_scalars(theta, rotary_dim, scaling),
-        bool(interleaved),
-        layout,
+        checks.contiguous(q), k_arg, positions, rope, bool(interleaved), layout
     )
     return out_q, (None if k is None else out_k)
 
@@ -470,7 +259,7 @@ def rms_norm_rope_from_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm_rope with cos/sin computed in the kernel from positions (see apply_rotary_from_positions).
     Differentiable in q, k and the weights."""
-    _validate_positions(
+    positions, rope = _positions_and_rope(
         q,
         k,
         positions,
@@ -481,18 +270,9 @@ def rms_norm_rope_from_positions(
         interleaved=interleaved,
         layout=layout,
     )
-    theta_, rotary_dim_, *rest = _rope_scalars(theta, rotary_dim, scaling)
+    if not checks.tracing():
+        eps, weight_offset = api.check_finite_nonnegative("eps", eps), api.check_finite("weight_offset", weight_offset)
+    tensors = (checks.contiguous(t) for t in (q, k, q_weight, k_weight))
     return rms_norm_rope_from_positions_op(
-        q.contiguous(),
-        k.contiguous(),
-        q_weight,
-        k_weight,
-        positions.contiguous(),
-        theta_,
-        float(api.check_finite_nonnegative("eps", eps)),
-        float(api.check_finite("weight_offset", weight_offset)),
-        rotary_dim_,
-        *rest,
-        bool(interleaved),
-        layout,
+        *tensors, positions, rope, float(eps), float(weight_offset), bool(interleaved), layout
     )
