@@ -24,7 +24,21 @@ from hub import REPO_ID, build_hub
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_ENV = environment.DEVICELESS_ENV
-EXPECTED_OPS = ("rms_norm", "fused_add_rms_norm", "rms_norm_backward")
+# Every op of the build, with the backward op the registry derives for it.
+EXPECTED_OPS = tuple(
+    name + suffix
+    for name in (
+        "rms_norm",
+        "fused_add_rms_norm",
+        "ragged_dot",
+        "experts_forward",
+        "apply_rotary",
+        "rms_norm_rope",
+        "apply_rotary_from_positions",
+        "rms_norm_rope_from_positions",
+    )
+    for suffix in ("", "_backward")
+)
 
 
 @pytest.fixture(scope="module")
