@@ -289,3 +289,78 @@ def check_torch_op(op, args, *, expected_shapes):
     compiled_leaves = compiled if isinstance(compiled, (tuple, list)) else (compiled,)
     for e, c in zip(eager_leaves, compiled_leaves):
         torch.testing.assert_close(c, e, rtol=0, atol=0)
+
+
+# Torch-side gradient and compile checks. torch is imported inside them: the JAX-only environment imports this module
+# without torch.
+def _torch_leaves(result):
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+def _outputs_and_grads(fn, inputs: dict, cotangents):
+    """fn(**copies of inputs); with cotangents, also the gradients of the inputs that require grad."""
+    import torch
+
+    copies = {
+        k: v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+        for k, v in inputs.items()
+    }
+    wanted = [k for k, v in copies.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    outputs = _torch_leaves(fn(**copies))
+    if cotangents is None:
+        return outputs, wanted, []
+    loss = sum((out.float() * c).sum() for out, c in zip(outputs, cotangents) if out is not None)
+    return outputs, wanted, list(torch.autograd.grad(loss, [copies[k] for k in wanted]))
+
+
+def torch_cotangents(fn, inputs: dict, rand):
+    """Fixed random f32 cotangents shaped like fn(**inputs)'s outputs (None for a None output)."""
+    import torch
+
+    with torch.no_grad():
+        outputs = _torch_leaves(fn(**inputs))
+    return [
+        None if out is None else torch.from_numpy(rand.rng.standard_normal(tuple(out.shape), dtype="float32"))
+        for out in outputs
+    ]
+
+
+def check_torch_gradients(fn, reference_fn, inputs: dict, *, rand, rtol, atol, overrides=None):
+    """Torch-side rung 1 for an op with autograd: the outputs and the gradients of every input that requires grad,
+    fn against reference_fn (torch's own autograd of the formula), under one fixed random cotangent per output (as
+    check_gradients on the JAX side). overrides: {"out <i>" or "d <input>": (rtol, atol)}. Returns fn's gradients."""
+    import torch
+
+    cotangents = torch_cotangents(reference_fn, inputs, rand)
+    outs, wanted, grads = _outputs_and_grads(fn, inputs, cotangents)
+    ref_outs, _, ref_grads = _outputs_and_grads(reference_fn, inputs, cotangents)
+    assert wanted, "no input requires grad"
+    pairs = [(f"out {i}", a, e) for i, (a, e) in enumerate(zip(outs, ref_outs)) if e is not None]
+    pairs += [(f"d {name}", a, e) for name, a, e in zip(wanted, grads, ref_grads)]
+    for what, actual, expected in pairs:
+        tol_r, tol_a = (overrides or {}).get(what, (rtol, atol))
+        assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != reference {expected.dtype}"
+        assert not torch.isnan(actual).any(), f"{what}: NaN ({rand})"
+        torch.testing.assert_close(actual, expected, rtol=tol_r, atol=tol_a, msg=lambda m, w=what: f"{w}: {m} ({rand})")
+    return dict(zip(wanted, grads))
+
+
+def check_compiled_matches_eager(fn, inputs: dict, *, rand, backend="aot_eager"):
+    """fn under torch.compile(fullgraph=True) gives eager's outputs and, for inputs that require grad, gradients,
+    exactly: the wrapper's Python (checks, casts, views) traces without a graph break, and the op, its fake and its
+    backward op compose."""
+    import torch
+
+    differentiable = any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs.values())
+    cotangents = torch_cotangents(fn, inputs, rand) if differentiable else None
+    eager_outs, _, eager_grads = _outputs_and_grads(fn, inputs, cotangents)
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(fn, fullgraph=True, backend=backend)
+    compiled_outs, _, compiled_grads = _outputs_and_grads(compiled_fn, inputs, cotangents)
+    assert len(compiled_outs) == len(eager_outs)
+    for e, c in zip(eager_outs + eager_grads, compiled_outs + compiled_grads):
+        if e is None:
+            assert c is None
+            continue
+        assert not torch.isnan(c).any(), f"NaN in the compiled result ({rand})"
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
