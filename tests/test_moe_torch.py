@@ -178,6 +178,24 @@ def test_experts_forward_derived_backward_op_checks(rand):
     )
 
 
+@pytest.mark.parametrize("tokens", [6, 300], ids=["small_batch", "grouped"])
+def test_op_functions_export_for_tpu(rand, tokens):
+    """What jax_op exports on a `tpu` tensor: the ragged dot's and experts_forward's forward and derived backward
+    JAX functions (float16 experts, run as float32) hold the Mosaic kernels."""
+    experts = _experts_module(rand, dtype=torch.float16)
+    x, grad = _randn(rand, tokens, 128, dtype=torch.float16), _randn(rand, tokens, 128, dtype=torch.float16)
+    index, weights = _routing(rand, tokens, experts.num_experts, 2)
+    args = (x, index.int(), weights, experts.gate_up_proj.detach(), experts.down_proj.detach(), None, None)
+    args += ("silu", "concatenated", False)
+    ladder.export_torch_op_for_tpu(moe_ops.experts_forward_op, args)
+    wrt = "hidden_states,top_k_weights,gate_up_proj,down_proj"
+    ladder.export_torch_op_for_tpu(moe_ops.experts_forward_op.backward_op, (grad, *args, wrt))
+    lhs, rhs, sizes = _randn(rand, 24, 128), _randn(rand, 4, 128, 256), _group_sizes(rand, 4, 24, fill=20)
+    ladder.export_torch_op_for_tpu(moe_ops.ragged_dot_op, (lhs, rhs, sizes, False))
+    backward = moe_ops.ragged_dot_op.backward_op
+    ladder.export_torch_op_for_tpu(backward, (_randn(rand, 24, 256), lhs, rhs, sizes, False, "lhs,rhs"))
+
+
 def test_experts_forward_autograd_matches_eager(rand, moe_path):
     """Gradients for hidden states, routing weights and both expert weights equal those of transformers' eager."""
     experts = _experts_module(rand, has_bias=True)

@@ -64,6 +64,20 @@ def test_derived_fused_backward_op_checks(rand):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_op_functions_export_for_tpu(rand, dtype):
+    """What jax_op exports on a `tpu` tensor: the forward ops' and the derived backward ops' JAX functions hold the
+    Mosaic kernels."""
+    x, residual, weight, g = (_randn(rand, *s, dtype=dtype) for s in ((16, 256), (16, 256), (256,), (16, 256)))
+    ops = rms_norm_module
+    ladder.export_torch_op_for_tpu(ops.rms_norm_op, (x, weight, 1e-6, 0.0))
+    ladder.export_torch_op_for_tpu(ops.rms_norm_op.backward_op, (g, x, weight, 1e-6, 0.0, "x,weight"))
+    ladder.export_torch_op_for_tpu(ops.fused_add_rms_norm_op, (x, residual, weight, 1e-6, 0.0))
+    ladder.export_torch_op_for_tpu(
+        ops.fused_add_rms_norm_op.backward_op, (g, g, x, residual, weight, 1e-6, 0.0, "x,residual,weight")
+    )
+
+
 @pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
 def test_torch_rms_norm_matches_reference(rand, dtype):
     x, weight = _randn(rand, 3, 7, 320, dtype=dtype), _randn(rand, 320, dtype=dtype)

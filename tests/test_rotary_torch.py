@@ -275,6 +275,22 @@ def test_rms_norm_rope_from_positions_op_checks(rand):
     )
 
 
+def test_op_functions_export_for_tpu(rand):
+    """What jax_op exports on a `tpu` tensor: forward and derived backward JAX functions hold the Mosaic kernels
+    (tables with float16 q/k; positions with the rope JSON)."""
+    q, k = _randn(rand, 2, 4, 16, 128, dtype=torch.float16), _randn(rand, 2, 2, 16, 128, dtype=torch.float16)
+    cos, sin = _randn(rand, 1, 16, 128), _randn(rand, 1, 16, 128)
+    ladder.export_torch_op_for_tpu(rotary_ops.apply_rotary_op, (q, k, cos, sin, False, "bhsd"))
+    backward = rotary_ops.apply_rotary_op.backward_op
+    ladder.export_torch_op_for_tpu(backward, (q, k, q, k, cos, sin, False, "bhsd", "q,k,cos,sin"))
+    q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    w = _randn(rand, 128, dtype=torch.bfloat16)
+    args = (q, k, w, w, _positions(rand, 2, 16), _rope(1e6, None, YARN), 1e-6, 0.0, False, "bhsd")
+    ladder.export_torch_op_for_tpu(rotary_ops.rms_norm_rope_from_positions_op, args)
+    backward = rotary_ops.rms_norm_rope_from_positions_op.backward_op
+    ladder.export_torch_op_for_tpu(backward, (q, k, *args, "q,k,q_weight,k_weight"))
+
+
 ROPE_PARAMETERS = [
     None,
     YARN,

@@ -152,6 +152,7 @@ def _register(name: str, jax_fn, fake_fn):
         op = torch.library.custom_op(qualified, _cpu_impl(jax_fn), mutates_args=(), schema=schema_of(jax_fn))
     op.register_kernel("cpu", _cpu_impl(jax_fn))
     op.register_fake(fake_fn)
+    op.jax_fn = jax_fn  # what jax_op exports on a TPU (the tests export it for TPU on this host)
     return op
 
 
@@ -253,7 +254,7 @@ def _register_autograd(op, backward_op, jax_fn, grads: tuple[str, ...]):
 def define_op(name: str, jax_fn, fake_fn, *, grads: tuple[str, ...] = ()):
     """Register `jax_fn` as the custom op `<namespace>::<name>` with fake `fake_fn`; with `grads` (parameter names of
     jax_fn, tensors), also `<name>_backward` from jax.vjp and the op's autograd. Returns the forward op; the backward
-    op is its attribute `backward_op`."""
+    op is its attribute `backward_op`, and each op's JAX function its attribute `jax_fn`."""
     op = _register(name, jax_fn, fake_fn)
     op.backward_op = None
     if grads:
