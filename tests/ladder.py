@@ -364,3 +364,23 @@ def check_compiled_matches_eager(fn, inputs: dict, *, rand, backend="aot_eager")
             continue
         assert not torch.isnan(c).any(), f"NaN in the compiled result ({rand})"
         torch.testing.assert_close(c, e, rtol=0, atol=0)
+
+
+def export_torch_op_for_tpu(op, args):
+    """Rung 2 for a torch op: its JAX function (`op.jax_fn`; a derived backward op's too) exported for TPU on the
+    shapes and dtypes of `args`' tensors (the other arguments static), which is what TorchTPU's jax_op does when the
+    op is called on `tpu` tensors."""
+    import torch
+
+    dtypes = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}
+    dtypes[torch.int32] = jnp.int32
+    tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    specs = [jax.ShapeDtypeStruct(tuple(args[i].shape), dtypes[args[i].dtype]) for i in tensor_at]
+
+    def with_statics(*arrays):
+        full = list(args)
+        for i, array in zip(tensor_at, arrays):
+            full[i] = array
+        return op.jax_fn(*full)
+
+    return export_for_tpu(with_statics, *specs)
