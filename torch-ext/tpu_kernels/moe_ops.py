@@ -124,8 +124,11 @@ def experts_forward(
     `experts_implementation="tpu_ragged_dot"`.
 
     Reads self.gate_up_proj / self.up_proj, self.down_proj, their biases (self.has_bias), self.is_transposed,
-    self.is_concatenated, self.has_gate, self.act_fn. Expert ids >= self.num_experts are expert-parallel sentinels
-    and contribute nothing. Returns [T, H] in hidden_states.dtype.
+    self.is_concatenated, self.has_gate, self.act_fn. hidden_states and the expert weights in float32, bfloat16 or
+    float16 (run as float32); top_k_index int32 or int64 (the router's, cast once; on a host tensor the ids must
+    fit int32 and be >= 0). Expert ids >= self.num_experts are expert-parallel sentinels and contribute nothing.
+    Returns [T, H] in hidden_states.dtype. Differentiable in the hidden states, the routing weights and the expert
+    weights and biases.
     """
     if getattr(self, "has_post_expert_norm", False):
         raise ValueError(
