@@ -6,7 +6,9 @@ kernels in Pallas' TPU interpret mode; to jit them for the CPU, call them inside
 
 from .common.interpret import interpret_on_cpu
 from .moe.api import experts_forward
+from .moe.tuning import ExpertsBlocks
 from .ragged_dot.api import ragged_dot
+from .ragged_dot.tuning import MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
 from .rms_norm.api import fused_add_rms_norm, rms_norm, rms_norm_backward
 from .rotary.api import (
     apply_rotary,
@@ -18,6 +20,10 @@ from .rotary.api import (
 )
 
 __all__ = [
+    "ExpertsBlocks",
+    "MatmulBlocks",
+    "RaggedDotBlocks",
+    "TransposedMatmulBlocks",
     "apply_rotary",
     "apply_rotary_backward",
     "apply_rotary_from_positions",

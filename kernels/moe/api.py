@@ -19,20 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..common.interpret import interpret_eager_cpu_calls
-from ..common.validation import FLOAT_DTYPES, check_array
+from ..common.validation import FLOAT_DTYPES, check_array, is_concrete
 from ..ragged_dot import api as ragged_dot_api
+from ..ragged_dot import tuning as ragged_dot_tuning
 from . import small_batch, tuning
+from .tuning import ExpertsBlocks
 
 INDEX_DTYPES = (jnp.dtype(jnp.int32),)
 ACTIVATIONS = ("silu", "gelu_tanh")
 GATE_LAYOUTS = ("concatenated", "interleaved", None)
 
 
-def _is_concrete(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, jax.core.Tracer)
-
-
-def check_inputs(
+def _validate(
     hidden_states,
     top_k_index,
     top_k_weights,
@@ -44,8 +42,10 @@ def check_inputs(
     activation,
     gate_layout,
     weights_transposed,
+    blocks=None,
 ):
-    """Validate experts_forward's arguments (arrays or ShapeDtypeStructs); return (T, H, E, I)."""
+    """Validate experts_forward's arguments, `blocks` included; return ((T, H, E, I), small-batch plan or None,
+    layout), all decided before tracing."""
     check_array("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES[:2])
     check_array("top_k_index", top_k_index, ndim=2, dtypes=INDEX_DTYPES)
     check_array("top_k_weights", top_k_weights, ndim=2, dtypes=FLOAT_DTYPES)
@@ -87,13 +87,125 @@ def check_inputs(
         check_array("down_bias", down_bias, ndim=2, dtypes=FLOAT_DTYPES[:2])
         if tuple(down_bias.shape) != (num_experts, hidden):
             raise ValueError(f"down_bias: expected shape {(num_experts, hidden)}, got {tuple(down_bias.shape)}")
-    if _is_concrete(top_k_index) and top_k_index.size and int(np.min(np.asarray(top_k_index))) < 0:
+    if is_concrete(top_k_index) and top_k_index.size and int(np.min(np.asarray(top_k_index))) < 0:
         bad = np.argwhere(np.asarray(top_k_index) < 0)[0]
         raise ValueError(
             f"top_k_index: expected expert ids >= 0 (ids >= num_experts = {num_experts} are expert-parallel "
             f"sentinels), got top_k_index[{bad[0]}, {bad[1]}] = {int(np.asarray(top_k_index)[tuple(bad)])}"
         )
-    return tokens, hidden, num_experts, intermediate
+    plan, layout = _plan(
+        blocks,
+        hidden_states,
+        top_k_index,
+        gate_up_proj,
+        down_proj,
+        gate_up_bias,
+        down_bias,
+        activation=activation,
+        gate_layout=gate_layout,
+        weights_transposed=weights_transposed,
+        intermediate=intermediate,
+    )
+    return (tokens, hidden, num_experts, intermediate), plan, layout
+
+
+def check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, **kwargs):
+    """Validate experts_forward's arguments (arrays or ShapeDtypeStructs; keywords activation, gate_layout,
+    weights_transposed and optionally blocks), `blocks` included; return (T, H, E, I)."""
+    dims, _, _ = _validate(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, **kwargs
+    )
+    return dims
+
+
+def _check_blocks(blocks) -> ExpertsBlocks:
+    """The structure of `blocks=` (shape-independent): the fields' types and which path they belong to."""
+    ragged_dot_tuning.check_part("blocks", blocks, ExpertsBlocks)
+    blocks = blocks or ExpertsBlocks()
+    if blocks.path is not None and blocks.path not in tuning.PATHS:
+        raise ValueError(f"blocks.path: expected None or one of {tuning.PATHS}, got {blocks.path!r}")
+    for field in ("chunk", "vmem_limit_bytes"):
+        if getattr(blocks, field) is not None and blocks.path != "small_batch":
+            raise ValueError(
+                f"blocks.{field}: a tile of the small-batch kernel, so it needs path='small_batch', got "
+                f"path={blocks.path!r}"
+            )
+    ragged_dot_tuning.check_ragged_dot_blocks(blocks.gate_up, "blocks.gate_up")
+    ragged_dot_tuning.check_ragged_dot_blocks(blocks.down, "blocks.down")
+    return blocks
+
+
+def _plan(
+    blocks,
+    hidden_states,
+    top_k_index,
+    gate_up_proj,
+    down_proj,
+    gate_up_bias,
+    down_bias,
+    *,
+    activation,
+    gate_layout,
+    weights_transposed,
+    intermediate,
+):
+    """(small-batch plan or None for the grouped path, the static layout), from `blocks` and the tuning table.
+    Every kernel either path may run (the grouped matmuls serve both paths' backward) has its tiles checked here,
+    before tracing, with errors naming the field of `blocks`."""
+    blocks = _check_blocks(blocks)
+    tokens, hidden = hidden_states.shape
+    rows = tokens * top_k_index.shape[1]
+    dtype = hidden_states.dtype
+    spec = jax.ShapeDtypeStruct
+    sizes = spec((gate_up_proj.shape[0],), jnp.int32)
+    if blocks.gate_up is not None:
+        ragged_dot_api.check_inputs(
+            spec((rows, hidden), dtype),
+            gate_up_proj,
+            sizes,
+            preferred_element_type=dtype,
+            bias=gate_up_bias,
+            activation=activation,
+            gated=gate_layout,
+            blocks=blocks.gate_up,
+            owner="blocks.gate_up",
+            rhs_transposed=not weights_transposed,
+        )
+    if blocks.down is not None:
+        ragged_dot_api.check_inputs(
+            spec((rows, intermediate), dtype),
+            down_proj,
+            sizes,
+            preferred_element_type=dtype,
+            bias=down_bias,
+            row_scale=spec((rows,), jnp.float32),
+            blocks=blocks.down,
+            owner="blocks.down",
+            rhs_transposed=not weights_transposed,
+        )
+    plan = tuning.plan_small_batch(
+        tokens,
+        hidden,
+        intermediate,
+        gate_up_shape=gate_up_proj.shape,
+        down_shape=down_proj.shape,
+        weights_transposed=weights_transposed,
+        gate_layout=gate_layout,
+        has_gate_up_bias=gate_up_bias is not None,
+        hidden_dtype=dtype,
+        weight_dtype=gate_up_proj.dtype,
+        down_dtype=down_proj.dtype,
+        blocks=blocks,
+    )
+    layout = _Layout(
+        activation=activation,
+        gate_layout=gate_layout,
+        weights_transposed=weights_transposed,
+        intermediate=intermediate,
+        gate_up_blocks=blocks.gate_up,
+        down_blocks=blocks.down,
+    )
+    return plan, layout
 
 
 def route(top_k_index, num_experts):
@@ -120,6 +232,7 @@ def experts_forward(
     activation: str = "silu",
     gate_layout: str | None = "concatenated",
     weights_transposed: bool = False,
+    blocks: ExpertsBlocks | None = None,
 ) -> jax.Array:
     """transformers' MoE experts forward: y[t] = sum_j w[t,j] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = idx[t,j].
 
@@ -128,8 +241,9 @@ def experts_forward(
     weights_transposed. gate_layout: "concatenated" (gate rows first), "interleaved" (gate, up alternate), or None for
     experts without a gate (gate_up_proj is then the up projection [E, I, H] and the activation applies to it).
     Biases [E, 2I] and [E, H] are optional. Returns [T, H] in hidden_states' dtype; f32 accumulation throughout.
+    `blocks`: the path and the tiles of its kernels (an ExpertsBlocks, see tuning.py); None: the tuning table's.
     """
-    tokens, hidden, num_experts, intermediate = check_inputs(
+    (tokens, hidden, _, _), plan, layout = _validate(
         hidden_states,
         top_k_index,
         top_k_weights,
@@ -140,26 +254,10 @@ def experts_forward(
         activation=activation,
         gate_layout=gate_layout,
         weights_transposed=weights_transposed,
+        blocks=blocks,
     )
-    top_k = top_k_index.shape[1]
-    if tokens * top_k == 0:
+    if tokens * top_k_index.shape[1] == 0:
         return jnp.zeros((tokens, hidden), hidden_states.dtype)
-    plan = tuning.plan_small_batch(
-        tokens,
-        hidden,
-        intermediate,
-        gate_up_shape=gate_up_proj.shape,
-        down_shape=down_proj.shape,
-        weights_transposed=weights_transposed,
-        gate_layout=gate_layout,
-        has_gate_up_bias=gate_up_bias is not None,
-        hidden_dtype=hidden_states.dtype,
-        weight_dtype=gate_up_proj.dtype,
-        down_dtype=down_proj.dtype,
-    )
-    layout = _Layout(
-        activation=activation, gate_layout=gate_layout, weights_transposed=weights_transposed, intermediate=intermediate
-    )
     if plan is not None:
         return _small_batch(
             plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
@@ -173,6 +271,8 @@ class _Layout:
     gate_layout: str | None
     weights_transposed: bool
     intermediate: int
+    gate_up_blocks: ragged_dot_tuning.RaggedDotBlocks | None = None
+    down_blocks: ragged_dot_tuning.RaggedDotBlocks | None = None
 
 
 def _grouped(
@@ -195,6 +295,7 @@ def _grouped(
         activation=layout.activation,
         gated=layout.gate_layout,
         preferred_element_type=hidden_states.dtype,
+        blocks=layout.gate_up_blocks,
     )
     # The routing weight of each sorted row scales it in the down kernel's epilogue (sentinel slots weigh zero; their
     # rows sit past the last group and come out zero anyway), so the weighted rows are written once, in the
@@ -209,6 +310,7 @@ def _grouped(
         bias=down_bias,
         row_scale=weights.at[order].get(mode="promise_in_bounds"),
         preferred_element_type=hidden_states.dtype,
+        blocks=layout.down_blocks,
     )
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
     per_slot = y.at[inverse].get(mode="promise_in_bounds").reshape(tokens, top_k, hidden)

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..ragged_dot.kernel import apply_activation, matmul_precision
+from ..common.activation import apply_activation
+from ..ragged_dot.kernel import matmul_precision
 from . import touched
 
 

@@ -22,7 +22,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common import chip
+from ..common.blocks import LANES, check_tile, check_vmem_fit, sublane_multiple
 from ..ragged_dot import tuning as ragged_dot_tuning
+from ..ragged_dot.tuning import RaggedDotBlocks
 from .small_batch import WeightStream
 
 SMALL_BATCH_MAX_TOKENS = {"v5e": 128, "v6e": 256, "v7x": 64}
@@ -31,6 +33,33 @@ SMALL_BATCH_MAX_EXPERTS = 1024
 STEP_BYTES = 4 << 20
 VMEM_SHARE = 0.35
 F32_TEMPORARIES = 3
+
+
+PATHS = ("small_batch", "grouped")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsBlocks:
+    """`blocks=` of experts_forward: which path runs and the tiles of each. None anywhere is the tuning table's
+    choice, so `ExpertsBlocks()` is the table.
+
+    path              "small_batch" (one kernel: every touched expert over all tokens, small_batch.py), "grouped"
+                      (route, gate/up and down grouped matmuls, combine) or None: the small-batch kernel up to
+                      SMALL_BATCH_MAX_TOKENS tokens on the generation when it can serve the inputs, else grouped.
+    chunk             small-batch kernel: intermediate columns per grid step (of each of gate, up and down): a divisor
+                      of I that is whole layout tiles (128 lanes, or sublanes, on the axis the stored weights hold I
+                      on); only with path="small_batch".
+    vmem_limit_bytes  the small-batch kernel's scoped VMEM; only with path="small_batch".
+    gate_up, down     the RaggedDotBlocks of the grouped path's two grouped matmuls (gate/up with act(gate) * up
+                      fused; down with the routing weights as row scale). They also serve the backward of both paths:
+                      the small-batch kernel's gradient is the grouped path's.
+    """
+
+    path: str | None = None
+    chunk: int | None = None
+    vmem_limit_bytes: int | None = None
+    gate_up: RaggedDotBlocks | None = None
+    down: RaggedDotBlocks | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +80,50 @@ def _stored_i_axis(shape, logical_i_axis):
 def _legal(tc: int, i_axis: int, dim: int, sublanes: int) -> bool:
     if tc == dim:
         return True
-    return tc % (128 if i_axis == 2 else sublanes) == 0
+    return tc % (LANES if i_axis == 2 else sublanes) == 0
+
+
+def small_batch_unsupported(*, num_experts: int, gate_layout) -> str | None:
+    """Why the small-batch kernel cannot serve these inputs at any batch, or None."""
+    if gate_layout not in ("concatenated", None):
+        return (
+            f"gate_layout={gate_layout!r}: it reads gate and up as whole chunks of a concatenated gate_up_proj "
+            "(Mosaic cannot split a bf16 block into even and odd rows)"
+        )
+    if num_experts > SMALL_BATCH_MAX_EXPERTS:
+        return (
+            f"{num_experts} experts: its touched-expert list builds [E, E] matrices in VMEM, which compiles on every "
+            f"generation up to {SMALL_BATCH_MAX_EXPERTS} experts"
+        )
+    return None
+
+
+def small_batch_chunks(
+    intermediate: int,
+    *,
+    gate_up_shape,
+    down_shape,
+    weights_transposed: bool,
+    gate_layout,
+    has_gate_up_bias: bool,
+    weight_dtype,
+    down_dtype=None,
+) -> list[int]:
+    """The chunks the small-batch kernel can take, largest first: divisors of I that are whole layout tiles of
+    every block they cut (gate/up and down weights in their stored orientation, the gate/up bias on lanes)."""
+    up_axis, _ = _stored_i_axis(gate_up_shape, 2 if weights_transposed else 1)
+    down_axis, _ = _stored_i_axis(down_shape, 1 if weights_transposed else 2)
+    n_up = 2 * intermediate if gate_layout else intermediate
+    down_dtype = weight_dtype if down_dtype is None else down_dtype
+    sub = max(sublane_multiple(weight_dtype), sublane_multiple(down_dtype))
+
+    def legal(tc):
+        ok = _legal(tc, up_axis, n_up, sub) and _legal(tc, down_axis, intermediate, sub)
+        if has_gate_up_bias:
+            ok = ok and _legal(tc, 2, n_up, sub)  # bias blocks (1, tc): lanes
+        return ok
+
+    return [tc for tc in range(intermediate, 0, -1) if intermediate % tc == 0 and legal(tc)]
 
 
 def plan_small_batch(
@@ -68,52 +140,83 @@ def plan_small_batch(
     weight_dtype,
     down_dtype=None,
     info: pltpu.TpuInfo | None = None,
+    blocks: ExpertsBlocks | None = None,
 ) -> SmallBatchPlan | None:
+    """The small-batch kernel's plan, or None for the grouped path.
+
+    With `blocks.path` None this is the table (the token threshold, the STEP_BYTES chunk, the VMEM_SHARE budget);
+    with "small_batch" the kernel is planned at any batch, with `blocks.chunk` if given, and inputs it cannot serve
+    or blocks that do not fit VMEM raise ValueError naming the field (api.py has checked the fields' types).
+    """
     info = info or chip.current_tpu_info()
     gen = chip.generation_name(info)
-    if tokens == 0 or tokens > SMALL_BATCH_MAX_TOKENS.get(gen, 8) or gate_layout not in ("concatenated", None):
+    blocks = blocks or ExpertsBlocks()
+    forced = blocks.path == "small_batch"
+    if blocks.path == "grouped" or tokens == 0:
         return None
-    if gate_up_shape[0] > SMALL_BATCH_MAX_EXPERTS:
+    unsupported = small_batch_unsupported(num_experts=gate_up_shape[0], gate_layout=gate_layout)
+    if not forced and (tokens > SMALL_BATCH_MAX_TOKENS.get(gen, 8) or unsupported):
         return None
+    if unsupported:
+        raise ValueError(f"blocks.path: 'small_batch' cannot serve these inputs: {unsupported}; use 'grouped' or None")
     up_axis, swap_up = _stored_i_axis(gate_up_shape, 2 if weights_transposed else 1)
     down_axis, swap_down = _stored_i_axis(down_shape, 1 if weights_transposed else 2)
-    n_up = 2 * intermediate if gate_layout else intermediate
     down_dtype = weight_dtype if down_dtype is None else down_dtype
-    sub = max(ragged_dot_tuning.sublane_multiple(weight_dtype), ragged_dot_tuning.sublane_multiple(down_dtype))
+    options = small_batch_chunks(
+        intermediate,
+        gate_up_shape=gate_up_shape,
+        down_shape=down_shape,
+        weights_transposed=weights_transposed,
+        gate_layout=gate_layout,
+        has_gate_up_bias=has_gate_up_bias,
+        weight_dtype=weight_dtype,
+        down_dtype=down_dtype,
+    )
+    if not options:
+        if not forced:
+            return None
+        raise ValueError(
+            f"blocks.path: 'small_batch' cannot serve these inputs: no divisor of I = {intermediate} is whole layout "
+            "tiles of the weight and bias blocks it cuts; use 'grouped' or None"
+        )
     streams = 2 if gate_layout else 1
     wb = max(jnp.dtype(weight_dtype).itemsize, jnp.dtype(down_dtype).itemsize)
     hb = jnp.dtype(hidden_dtype).itemsize
 
-    def legal(tc):
-        ok = _legal(tc, up_axis, n_up, sub) and _legal(tc, down_axis, intermediate, sub)
-        if has_gate_up_bias:
-            ok = ok and _legal(tc, 2, n_up, sub)  # bias blocks (1, tc): lanes
-        return ok
-
-    options = [tc for tc in range(intermediate, 0, -1) if intermediate % tc == 0 and legal(tc)]
-    if not options:
-        return None
-
     def step_bytes(tc):
         return (streams + 1) * tc * hidden * wb
 
-    fitting = [tc for tc in options if step_bytes(tc) <= STEP_BYTES]
-    tc = fitting[0] if fitting else options[-1]
+    if blocks.chunk is not None:
+        tc = check_tile("blocks", "chunk", blocks.chunk)
+        if tc not in options:
+            raise ValueError(
+                f"blocks.chunk: expected a divisor of I = {intermediate} that is whole layout tiles of the blocks it "
+                f"cuts (128 lanes or {sublane_multiple(weight_dtype)} sublanes, by the weights' stored orientation): "
+                f"one of {options}, got {tc}"
+            )
+    else:
+        fitting = [tc for tc in options if step_bytes(tc) <= STEP_BYTES]
+        tc = fitting[0] if fitting else options[-1]
     working_set = (
         2 * step_bytes(tc)
         + 4 * tokens * hidden * hb
         + tokens * hidden * 4
         + F32_TEMPORARIES * tokens * (tc * streams + hidden) * 4
     )
-    budget = int(info.vmem_capacity_bytes * VMEM_SHARE)
-    if working_set > budget:
-        return None
+    if forced:
+        limit = blocks.vmem_limit_bytes
+        if limit is None:
+            limit = chip.scoped_vmem_limit(info, working_set, ragged_dot_tuning.VMEM_SLACK_BYTES)
+        check_vmem_fit("blocks", working_set, limit, info)
+    else:
+        if working_set > int(info.vmem_capacity_bytes * VMEM_SHARE):
+            return None
+        limit = chip.scoped_vmem_limit(info, working_set, ragged_dot_tuning.VMEM_SLACK_BYTES)
     up_streams = (
         (WeightStream(up_axis, 0), WeightStream(up_axis, intermediate // tc))
         if gate_layout
         else (WeightStream(up_axis, 0),)
     )
-    limit = chip.scoped_vmem_limit(info, working_set, ragged_dot_tuning.VMEM_SLACK_BYTES)
     return SmallBatchPlan(
         swap_gate_up=swap_up,
         swap_down=swap_down,
@@ -122,3 +225,99 @@ def plan_small_batch(
         tc=tc,
         vmem_limit_bytes=limit,
     )
+
+
+def choose_blocks(
+    tokens: int,
+    hidden: int,
+    intermediate: int,
+    *,
+    gate_up_shape,
+    down_shape,
+    weights_transposed: bool,
+    gate_layout,
+    has_gate_up_bias: bool,
+    hidden_dtype,
+    weight_dtype,
+    down_dtype=None,
+    info: pltpu.TpuInfo | None = None,
+) -> ExpertsBlocks:
+    """The table's choice as a `blocks=` value: the path, and the chunk when it is the small-batch kernel (the
+    grouped matmuls' tiles stay the ragged-dot table's)."""
+    plan = plan_small_batch(
+        tokens,
+        hidden,
+        intermediate,
+        gate_up_shape=gate_up_shape,
+        down_shape=down_shape,
+        weights_transposed=weights_transposed,
+        gate_layout=gate_layout,
+        has_gate_up_bias=has_gate_up_bias,
+        hidden_dtype=hidden_dtype,
+        weight_dtype=weight_dtype,
+        down_dtype=down_dtype,
+        info=info,
+    )
+    return ExpertsBlocks(path="grouped") if plan is None else ExpertsBlocks(path="small_batch", chunk=plan.tc)
+
+
+def candidate_blocks(
+    tokens: int,
+    hidden: int,
+    intermediate: int,
+    *,
+    gate_up_shape,
+    down_shape,
+    weights_transposed: bool,
+    gate_layout,
+    has_gate_up_bias: bool,
+    hidden_dtype,
+    weight_dtype,
+    down_dtype=None,
+    info: pltpu.TpuInfo | None = None,
+) -> list[ExpertsBlocks]:
+    """Paths and chunks worth modeling at this shape (choose_blocks' arguments), the table's choice first: the other
+    path, and the small-batch kernel at the legal chunks next to the table's (or to STEP_BYTES' when the table
+    takes the grouped path), each where the kernel serves the inputs and fits VMEM. The grouped matmuls' own tilings
+    are the ragged-dot table's (their candidates: ragged_dot.tuning.candidate_blocks)."""
+    info = info or chip.current_tpu_info()
+    kwargs = dict(
+        gate_up_shape=gate_up_shape,
+        down_shape=down_shape,
+        weights_transposed=weights_transposed,
+        gate_layout=gate_layout,
+        has_gate_up_bias=has_gate_up_bias,
+        hidden_dtype=hidden_dtype,
+        weight_dtype=weight_dtype,
+        down_dtype=down_dtype,
+        info=info,
+    )
+    table = choose_blocks(tokens, hidden, intermediate, **kwargs)
+    candidates = [table]
+    if table.path == "small_batch":
+        candidates.append(ExpertsBlocks(path="grouped"))
+    if tokens == 0 or small_batch_unsupported(num_experts=gate_up_shape[0], gate_layout=gate_layout):
+        return candidates
+    options = small_batch_chunks(
+        intermediate,
+        **{k: v for k, v in kwargs.items() if k not in ("hidden_dtype", "info")},
+    )
+    if not options:
+        return candidates
+    if table.path == "small_batch":
+        at = options.index(table.chunk)
+        chunks = [options[i] for i in (at - 1, at + 1) if 0 <= i < len(options)]
+    else:
+        streams = 2 if gate_layout else 1
+        wb = max(jnp.dtype(weight_dtype).itemsize, jnp.dtype(down_dtype or weight_dtype).itemsize)
+        fitting = [i for i, tc in enumerate(options) if (streams + 1) * tc * hidden * wb <= STEP_BYTES]
+        at = fitting[0] if fitting else len(options) - 1
+        chunks = [options[i] for i in (at - 1, at, at + 1) if 0 <= i < len(options)]
+    for tc in chunks:
+        candidate = ExpertsBlocks(path="small_batch", chunk=tc)
+        try:
+            plan_small_batch(tokens, hidden, intermediate, blocks=candidate, **kwargs)
+        except ValueError:  # too large for VMEM at this batch
+            continue
+        candidates.append(candidate)
+    return candidates

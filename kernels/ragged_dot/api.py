@@ -33,6 +33,11 @@ drops rows past M, so it never reads or writes out of bounds.
 Differentiable in lhs, rhs, bias and row_scale, including through the activation/gated epilogue (its backward
 recomputes the pre-activation with the forward kernel and differentiates the epilogue and the row scale in XLA).
 group_sizes and group_offset get no gradient.
+
+Tiles (`blocks=`, a `RaggedDotBlocks`): the blocks of each kernel the op runs, the forward one and the three of the
+backward (see `tuning.RaggedDotBlocks` for which is which); whatever is left None is the tuning table's choice, so
+None is the table. Given tiles are checked before tracing against the layout (sublane and lane tiles) and the VMEM of
+the generation being traced for. Being static, they are part of the jit cache key.
 """
 
 import dataclasses
@@ -43,14 +48,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..common import chip
+from ..common.activation import apply_activation
+from ..common.blocks import sublane_multiple
 from ..common.interpret import interpret_eager_cpu_calls
-from ..common.validation import check_array
-from . import kernel, reference, tuning
+from ..common.validation import check_array, is_concrete
+from . import kernel, metadata, tuning
+from .tuning import MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
 
 MATMUL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ACTIVATIONS = (None, "silu", "gelu_tanh")
 GATED = (None, "concatenated", "interleaved")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernels:
+    """The resolved blocks of every kernel one call runs (all fields set); None where that kernel does not run."""
+
+    forward: MatmulBlocks
+    recompute: MatmulBlocks | None
+    lhs_grad: MatmulBlocks
+    rhs_grad: TransposedMatmulBlocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +82,7 @@ class _Config:
     activation: str | None
     gated: str | None
     static_grid: bool
-
-
-def _is_concrete(x) -> bool:
-    """Values known now: a concrete jax or numpy array (not a tracer, not a ShapeDtypeStruct placeholder)."""
-    return isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, jax.core.Tracer)
+    kernels: _Kernels | None = None  # None when no kernel runs (M, N, K or the window empty)
 
 
 def _check_group_offset(group_offset):
@@ -81,7 +95,7 @@ def _check_group_offset(group_offset):
     if tuple(group_offset.shape) not in ((), (1,)):
         raise ValueError(f"group_offset: expected shape () or (1,), got {tuple(group_offset.shape)}")
     group_offset = jnp.asarray(group_offset).reshape(()).astype(jnp.int32)
-    if _is_concrete(group_offset):
+    if is_concrete(group_offset):
         return int(group_offset)
     return group_offset
 
@@ -91,21 +105,28 @@ def check_inputs(
     rhs,
     group_sizes,
     *,
-    preferred_element_type,
-    rhs_transposed,
-    group_offset,
-    num_local_groups,
-    bias,
-    activation,
-    gated,
+    preferred_element_type=None,
+    rhs_transposed=False,
+    group_offset=0,
+    num_local_groups=None,
+    bias=None,
+    activation=None,
+    gated=None,
     row_scale=None,
+    blocks=None,
+    owner="blocks",
 ):
-    """Validate ragged_dot's arguments; return (config, group_offset as int or traced int32 scalar, n_out)."""
+    """Validate ragged_dot's arguments (its defaults); return (config, group_offset as int or traced int32 scalar,
+    n_out).
+
+    `blocks` (a RaggedDotBlocks or None) is resolved into the blocks of every kernel the call runs; `owner` is how
+    errors name it (the MoE passes its own field, e.g. "blocks.gate_up")."""
     lhs_dtype = check_array("lhs", lhs, ndim=2, dtypes=MATMUL_DTYPES)
     rhs_dtype = check_array("rhs", rhs, ndim=3, dtypes=MATMUL_DTYPES)
     check_array("group_sizes", group_sizes, ndim=1, dtypes=(jnp.dtype(jnp.int32),))
     if not isinstance(rhs_transposed, (bool, np.bool_)):
         raise TypeError(f"rhs_transposed: expected a bool, got {type(rhs_transposed).__name__}")
+    blocks = tuning.check_ragged_dot_blocks(blocks, owner)
     m, k = lhs.shape
     num_groups = group_sizes.shape[0]
     rhs_groups = rhs.shape[0]
@@ -168,7 +189,7 @@ def check_inputs(
         check_array("row_scale", row_scale, ndim=1, dtypes=MATMUL_DTYPES)
         if row_scale.shape[0] != m:
             raise ValueError(f"row_scale: expected shape ({m},) (lhs rows), got {tuple(row_scale.shape)}")
-    if _is_concrete(group_sizes):
+    if is_concrete(group_sizes):
         sizes = np.asarray(group_sizes)
         if (sizes < 0).any():
             bad = int(np.flatnonzero(sizes < 0)[0])
@@ -185,19 +206,134 @@ def check_inputs(
         gated=gated,
         static_grid=False,
     )
-    return cfg, group_offset, (n // 2 if gated else n)
+    n_out = n // 2 if gated else n
+    if m and n_out and k and n_local:
+        kernels = _resolve_kernels(
+            cfg, blocks, owner, m=m, k=k, rhs=rhs, lhs_dtype=lhs_dtype, has_row_scale=row_scale is not None
+        )
+        cfg = dataclasses.replace(cfg, kernels=kernels)
+    return cfg, group_offset, n_out
 
 
 def _info():
     return chip.current_tpu_info()
 
 
+def _stored(rhs_shape, rhs_transposed):
+    """Whether the kernel reads rhs swapped, and the orientation it then reads (see tuning.stored_minor_to_major_
+    swapped): the swap is a bitcast of the weights as they sit in HBM, where the logical orientation would cost a
+    relayout copy of all of them."""
+    swapped = tuning.stored_minor_to_major_swapped(rhs_shape[1], rhs_shape[2])
+    return swapped, rhs_transposed != swapped
+
+
 def _as_stored(rhs, rhs_transposed):
-    """rhs in the orientation XLA stores it in (see tuning.stored_minor_to_major_swapped): the swap is a bitcast of
-    the weights as they sit in HBM, where the logical orientation would cost a relayout copy of all of them."""
-    if tuning.stored_minor_to_major_swapped(rhs.shape[1], rhs.shape[2]):
+    if _stored(rhs.shape, rhs_transposed)[0]:
         return jnp.swapaxes(rhs, 1, 2), not rhs_transposed
     return rhs, rhs_transposed
+
+
+def _fusable(gated, rhs_transposed, half_n, rhs_dtype) -> bool:
+    """Whether the gate and up halves can be read as whole, aligned blocks of rhs (no copy of the weights)."""
+    if gated is None:
+        return True
+    sub = sublane_multiple(rhs_dtype)
+    if gated == "concatenated":
+        # Gate/up blocks along N: lanes (multiples of 128) unless rhs is transposed (sublanes); the output block
+        # (tm, tn) is legal for tn = half_n or a multiple of 128.
+        return half_n % 128 == 0 if not rhs_transposed else half_n % sub == 0
+    # Interleaved: gate/up alternate along N; splitting a weight block into even/odd rows or lanes is not
+    # supported by Mosaic's strided loads for bf16, so this layout runs unfused. For decode the extra [M, N] f32
+    # pass is small beside the weights; for prefill it costs about one more read and write of the intermediate.
+    return False
+
+
+def _has_epilogue(cfg: _Config) -> bool:
+    return cfg.gated is not None or cfg.activation is not None
+
+
+def _forward_mode(cfg: _Config, rhs_shape, rhs_dtype):
+    """How the output is computed: ("plain", rhs_transposed) with no epilogue; ("unfused", rhs_transposed), the f32
+    matmul then the epilogue in XLA, for gated layouts whose halves are not whole blocks; ("fused", rhs_transposed)
+    otherwise. rhs_transposed is the orientation the kernel reads rhs in (its stored one where that is a bitcast
+    and, when gated, keeps the halves whole blocks)."""
+    swapped, stored_transposed = _stored(rhs_shape, cfg.rhs_transposed)
+    if not _has_epilogue(cfg):
+        return "plain", stored_transposed
+    half = (rhs_shape[1] if cfg.rhs_transposed else rhs_shape[2]) // 2
+    if not _fusable(cfg.gated, cfg.rhs_transposed, half, rhs_dtype):
+        return "unfused", stored_transposed
+    if swapped and _fusable(cfg.gated, stored_transposed, half, rhs_dtype):
+        return "fused", stored_transposed
+    return "fused", cfg.rhs_transposed
+
+
+def _resolve_kernels(cfg: _Config, blocks: RaggedDotBlocks, owner: str, *, m, k, rhs, lhs_dtype, has_row_scale):
+    """The blocks of every kernel this call runs, forward and backward (the table's where `blocks` leaves them
+    None). Resolved once, before tracing, so a bad tile fails here, named, whether or not a gradient is taken."""
+    rhs_shape, rhs_dtype = tuple(rhs.shape), jnp.dtype(rhs.dtype)
+    n_full = rhs_shape[1] if cfg.rhs_transposed else rhs_shape[2]
+    common = dict(num_groups=cfg.num_local_groups, rhs_dtype=rhs_dtype, info=_info())
+
+    def plain(part, *, k, lhs_dtype, out_dtype, rhs_transposed):
+        """A grouped matmul with no epilogue, rhs read in its stored orientation (as _plain_forward does)."""
+        n = rhs_shape[1] if rhs_transposed else rhs_shape[2]
+        return tuning.choose_blocks(
+            m,
+            k,
+            n,
+            lhs_dtype=lhs_dtype,
+            out_dtype=out_dtype,
+            rhs_transposed=_stored(rhs_shape, rhs_transposed)[1],
+            fixed=getattr(blocks, part),
+            owner=f"{owner}.{part}",
+            **common,
+        )
+
+    mode, fused_transposed = _forward_mode(cfg, rhs_shape, rhs_dtype)
+    if mode == "fused":
+        n_out = n_full // 2 if cfg.gated else n_full
+        forward = tuning.choose_blocks(
+            m,
+            k,
+            n_out,
+            lhs_dtype=lhs_dtype,
+            out_dtype=cfg.out_dtype,
+            rhs_transposed=fused_transposed,
+            gated=cfg.gated is not None,
+            half_n=n_out if cfg.gated else None,
+            fixed=blocks.forward,
+            owner=f"{owner}.forward",
+            **common,
+        )
+    else:
+        out_dtype = cfg.out_dtype if mode == "plain" else jnp.dtype(jnp.float32)
+        forward = plain("forward", k=k, lhs_dtype=lhs_dtype, out_dtype=out_dtype, rhs_transposed=cfg.rhs_transposed)
+    recompute = None
+    if _has_epilogue(cfg) or has_row_scale:
+        recompute = plain(
+            "recompute", k=k, lhs_dtype=lhs_dtype, out_dtype=jnp.float32, rhs_transposed=cfg.rhs_transposed
+        )
+    # The backward's cotangent g [M, N]: f32 once the epilogue or the row scale has been differentiated in XLA.
+    g_dtype = jnp.dtype(jnp.float32) if recompute is not None else cfg.out_dtype
+    lhs_grad = plain(
+        "lhs_grad", k=n_full, lhs_dtype=g_dtype, out_dtype=lhs_dtype, rhs_transposed=not cfg.rhs_transposed
+    )
+    a_dtype, b_dtype = (g_dtype, lhs_dtype) if cfg.rhs_transposed else (lhs_dtype, g_dtype)
+    p, q = (n_full, k) if cfg.rhs_transposed else (k, n_full)
+    rhs_grad = tuning.choose_transposed_blocks(
+        m,
+        p,
+        q,
+        num_groups=cfg.num_local_groups,
+        a_dtype=a_dtype,
+        b_dtype=b_dtype,
+        out_dtype=rhs_dtype,
+        info=common["info"],
+        fixed=blocks.rhs_grad,
+        owner=f"{owner}.rhs_grad",
+    )
+    return _Kernels(forward=forward, recompute=recompute, lhs_grad=lhs_grad, rhs_grad=rhs_grad)
 
 
 def _plain_forward(
@@ -207,6 +343,7 @@ def _plain_forward(
     group_sizes,
     group_offset,
     *,
+    blocks,
     out_dtype,
     rhs_transposed,
     n_local,
@@ -214,21 +351,8 @@ def _plain_forward(
     static_grid,
     row_scale=None,
 ):
-    """Grouped matmul (+ bias) with no epilogue, through the forward kernel."""
+    """Grouped matmul (+ bias) with no epilogue, through the forward kernel, with resolved `blocks`."""
     rhs, rhs_transposed = _as_stored(rhs, rhs_transposed)
-    m, k = lhs.shape
-    n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
-    blocks = tuning.choose_blocks(
-        m,
-        k,
-        n,
-        num_groups=n_local,
-        lhs_dtype=lhs.dtype,
-        rhs_dtype=rhs.dtype,
-        out_dtype=out_dtype,
-        rhs_transposed=rhs_transposed,
-        info=_info(),
-    )
     bias = () if bias2d is None else (bias2d[:, None, :],)
     return kernel.ragged_dot_forward(
         lhs,
@@ -250,74 +374,38 @@ def _scale_column(row_scale):
     return None if row_scale is None else row_scale.astype(jnp.float32)[:, None]
 
 
-def _fusable(gated, rhs_transposed, half_n, rhs_dtype) -> bool:
-    """Whether the gate and up halves can be read as whole, aligned blocks of rhs (no copy of the weights)."""
-    if gated is None:
-        return True
-    sub = tuning.sublane_multiple(rhs_dtype)
-    if gated == "concatenated":
-        # Gate/up blocks along N: lanes (multiples of 128) unless rhs is transposed (sublanes); the output block
-        # (tm, tn) is legal for tn = half_n or a multiple of 128.
-        return half_n % 128 == 0 if not rhs_transposed else half_n % sub == 0
-    # Interleaved: gate/up alternate along N; splitting a weight block into even/odd rows or lanes is not
-    # supported by Mosaic's strided loads for bf16, so this layout runs unfused. For decode the extra [M, N] f32
-    # pass is small beside the weights; for prefill it costs about one more read and write of the intermediate.
-    return False
+def _cfg_matmul(cfg: _Config, blocks, lhs, rhs, bias2d, group_sizes, group_offset, *, out_dtype, row_scale=None):
+    """The call's grouped matmul (+ bias, x row scale) with no epilogue, in out_dtype."""
+    return _plain_forward(
+        lhs,
+        rhs,
+        bias2d,
+        group_sizes,
+        group_offset,
+        blocks=blocks,
+        out_dtype=out_dtype,
+        rhs_transposed=cfg.rhs_transposed,
+        n_local=cfg.num_local_groups,
+        rhs_global=cfg.rhs_global,
+        static_grid=cfg.static_grid,
+        row_scale=row_scale,
+    )
 
 
 def _fused_forward(cfg: _Config, lhs, rhs, bias2d, row_scale, group_sizes, group_offset):
-    m, k = lhs.shape
-    n_full = rhs.shape[1] if cfg.rhs_transposed else rhs.shape[2]
-    if cfg.gated is None and cfg.activation is None:
-        return _plain_forward(
-            lhs,
-            rhs,
-            bias2d,
-            group_sizes,
-            group_offset,
-            out_dtype=cfg.out_dtype,
-            rhs_transposed=cfg.rhs_transposed,
-            n_local=cfg.num_local_groups,
-            rhs_global=cfg.rhs_global,
-            static_grid=cfg.static_grid,
-            row_scale=row_scale,
-        )
-    half = n_full // 2
-    if not _fusable(cfg.gated, cfg.rhs_transposed, half, rhs.dtype):
-        h = _plain_forward(
-            lhs,
-            rhs,
-            bias2d,
-            group_sizes,
-            group_offset,
-            out_dtype=jnp.float32,
-            rhs_transposed=cfg.rhs_transposed,
-            n_local=cfg.num_local_groups,
-            rhs_global=cfg.rhs_global,
-            static_grid=cfg.static_grid,
-        )
-        out = _epilogue(h, cfg)
+    blocks = cfg.kernels.forward
+    mode, rhs_transposed = _forward_mode(cfg, rhs.shape, rhs.dtype)
+    matmul = functools.partial(_cfg_matmul, cfg, blocks, lhs, rhs, bias2d, group_sizes, group_offset)
+    if mode == "plain":
+        return matmul(out_dtype=cfg.out_dtype, row_scale=row_scale)
+    if mode == "unfused":
+        out = _epilogue(matmul(out_dtype=jnp.float32), cfg)
         if row_scale is not None:
             out = out * row_scale.astype(jnp.float32)[:, None]
         return out.astype(cfg.out_dtype)
-    n_out = half if cfg.gated else n_full
-    rhs_transposed = cfg.rhs_transposed
-    stored, stored_transposed = _as_stored(rhs, rhs_transposed)
-    if _fusable(cfg.gated, stored_transposed, half, rhs.dtype):
-        rhs, rhs_transposed = stored, stored_transposed
-    blocks = tuning.choose_blocks(
-        m,
-        k,
-        n_out,
-        num_groups=cfg.num_local_groups,
-        lhs_dtype=lhs.dtype,
-        rhs_dtype=rhs.dtype,
-        out_dtype=cfg.out_dtype,
-        rhs_transposed=rhs_transposed,
-        gated=cfg.gated is not None,
-        half_n=half if cfg.gated else None,
-        info=_info(),
-    )
+    if rhs_transposed != cfg.rhs_transposed:  # read in the stored orientation: a bitcast of the weights
+        rhs = jnp.swapaxes(rhs, 1, 2)
+    half = (rhs.shape[1] if rhs_transposed else rhs.shape[2]) // 2
     if bias2d is None:
         bias = ()
     elif cfg.gated == "concatenated":
@@ -345,13 +433,13 @@ def _fused_forward(cfg: _Config, lhs, rhs, bias2d, row_scale, group_sizes, group
 def _epilogue(h, cfg: _Config):
     """act / act(gate) * up on the f32 pre-activation h [M, N] (rows outside the window are 0 and stay 0)."""
     if cfg.gated is None:
-        return reference.activation_reference(h, cfg.activation)
+        return apply_activation(h, cfg.activation)
     if cfg.gated == "concatenated":
         half = h.shape[1] // 2
         gate, up = h[:, :half], h[:, half:]
     else:
         gate, up = h[:, 0::2], h[:, 1::2]
-    return reference.activation_reference(gate, cfg.activation) * up
+    return apply_activation(gate, cfg.activation) * up
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -366,24 +454,13 @@ def _ragged_dot_fwd(cfg, lhs, rhs, bias2d, row_scale, group_sizes, group_offset)
 
 def _ragged_dot_bwd(cfg: _Config, saved, g):
     lhs, rhs, bias2d, row_scale, group_sizes, group_offset = saved
-    m, k = lhs.shape
+    m = lhs.shape[0]
     n_local = cfg.num_local_groups
-    has_epilogue = cfg.gated is not None or cfg.activation is not None
+    has_epilogue = _has_epilogue(cfg)
     d_row_scale = None
     if has_epilogue or row_scale is not None:
         # Recompute the pre-activation (f32); differentiate the row scale and the epilogue in XLA.
-        h = _plain_forward(
-            lhs,
-            rhs,
-            bias2d,
-            group_sizes,
-            group_offset,
-            out_dtype=jnp.float32,
-            rhs_transposed=cfg.rhs_transposed,
-            n_local=n_local,
-            rhs_global=cfg.rhs_global,
-            static_grid=cfg.static_grid,
-        )
+        h = _cfg_matmul(cfg, cfg.kernels.recompute, lhs, rhs, bias2d, group_sizes, group_offset, out_dtype=jnp.float32)
         g = g.astype(jnp.float32)
         if row_scale is not None:
             unscaled = _epilogue(h, cfg) if has_epilogue else h
@@ -399,6 +476,7 @@ def _ragged_dot_bwd(cfg: _Config, saved, g):
         None,
         group_sizes,
         group_offset,
+        blocks=cfg.kernels.lhs_grad,
         out_dtype=lhs.dtype,
         rhs_transposed=not cfg.rhs_transposed,
         n_local=n_local,
@@ -407,30 +485,19 @@ def _ragged_dot_bwd(cfg: _Config, saved, g):
     )
     # d rhs: per group, lhs[rows]^T @ g[rows] ([K, N]), or g[rows]^T @ lhs[rows] for the transposed layout.
     a, b = (g, lhs) if cfg.rhs_transposed else (lhs, g)
-    tblocks = tuning.choose_transposed_blocks(
-        m,
-        a.shape[1],
-        b.shape[1],
-        num_groups=n_local,
-        a_dtype=a.dtype,
-        b_dtype=b.dtype,
-        out_dtype=rhs.dtype,
-        info=_info(),
-    )
     drhs = kernel.transposed_ragged_dot(
         a,
         b,
         group_sizes,
         out_dtype=rhs.dtype,
-        blocks=tblocks,
+        blocks=cfg.kernels.rhs_grad,
         group_offset=group_offset,
         num_local_groups=n_local,
         static_grid=cfg.static_grid,
     )
     dbias = None
     if bias2d is not None:
-        local = reference.row_groups(group_sizes, m) - group_offset
-        local = jnp.where((local >= 0) & (local < n_local), local, n_local)
+        local = metadata.local_group_of_rows(group_sizes, m, group_offset, n_local)
         dbias = jax.ops.segment_sum(g.astype(jnp.float32), local, num_segments=n_local + 1)[:n_local]
         dbias = dbias.astype(bias2d.dtype)
     if cfg.rhs_global:
@@ -442,6 +509,22 @@ def _ragged_dot_bwd(cfg: _Config, saved, g):
 
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
+
+
+def _no_contraction(cfg: _Config, m, n_full, bias, row_scale, group_sizes, group_offset):
+    """K = 0: each row of a local group is its group's bias (zero without one) through the epilogue, scaled; every
+    other row is zero. Plain XLA: there is no matmul to run."""
+    local = metadata.local_group_of_rows(group_sizes, m, group_offset, cfg.num_local_groups)
+    in_window = local < cfg.num_local_groups
+    if bias is None:
+        pre = jnp.zeros((m, n_full), jnp.float32)
+    else:
+        index = jnp.minimum(local, cfg.num_local_groups - 1) + (group_offset if cfg.rhs_global else 0)
+        pre = jnp.where(in_window[:, None], bias.astype(jnp.float32)[index], 0.0)
+    out = _epilogue(pre, cfg)
+    if row_scale is not None:
+        out = out * row_scale.astype(jnp.float32)[:, None]
+    return jnp.where(in_window[:, None], out, 0.0).astype(cfg.out_dtype)
 
 
 @interpret_eager_cpu_calls
@@ -459,6 +542,7 @@ def ragged_dot(
     gated: str | None = None,
     row_scale: jax.Array | None = None,
     static_grid: bool = False,
+    blocks: RaggedDotBlocks | None = None,
 ) -> jax.Array:
     """Grouped matmul with `jax.lax.ragged_dot` semantics, an optional local group window and fused epilogue.
 
@@ -467,6 +551,7 @@ def ragged_dot(
     the promoted input dtype. row_scale [M] (f32/bf16) multiplies each output row last. See the module docstring for
     the window, the epilogue and what is checked when.
     `static_grid=True` sizes the kernel grid by the worst-case visit count instead of the real one (for comparison).
+    `blocks`: the tiles of the forward kernel and of the backward's three (a RaggedDotBlocks); None: the table's.
     """
     cfg, group_offset, n_out = check_inputs(
         lhs,
@@ -480,6 +565,7 @@ def ragged_dot(
         activation=activation,
         gated=gated,
         row_scale=row_scale,
+        blocks=blocks,
     )
     cfg = dataclasses.replace(cfg, static_grid=bool(static_grid))
     m, k = lhs.shape
@@ -488,20 +574,35 @@ def ragged_dot(
     if cfg.num_local_groups == 0:
         return jnp.zeros((m, n_out), cfg.out_dtype)
     if k == 0:
-        # Nothing to contract: each row is its group's bias (or zero) through the epilogue; the reference is exact.
         n_full = rhs.shape[1] if rhs_transposed else rhs.shape[2]
-        unit_rhs = jnp.zeros((rhs.shape[0],) + ((n_full, 1) if rhs_transposed else (1, n_full)), rhs.dtype)
-        return reference.ragged_dot_reference(
-            jnp.zeros((m, 1), lhs.dtype),
-            unit_rhs,
-            group_sizes,
-            preferred_element_type=cfg.out_dtype,
-            rhs_transposed=rhs_transposed,
-            group_offset=group_offset,
-            num_local_groups=cfg.num_local_groups,
-            bias=bias,
-            activation=activation,
-            gated=gated,
-            row_scale=row_scale,
-        )
+        return _no_contraction(cfg, m, n_full, bias, row_scale, group_sizes, group_offset)
     return _ragged_dot(cfg, lhs, rhs, bias, row_scale, group_sizes, group_offset)
+
+
+def candidate_blocks(lhs, rhs, group_sizes, **kwargs) -> list[RaggedDotBlocks]:
+    """Forward tilings worth modeling for this call of ragged_dot (same arguments; arrays or ShapeDtypeStructs),
+    the table's choice first (tuning.candidate_blocks at the forward kernel's shape), each as a `blocks=` value."""
+    kwargs.pop("blocks", None)
+    kwargs.pop("static_grid", None)
+    cfg, _, n_out = check_inputs(lhs, rhs, group_sizes, **kwargs)
+    if cfg.kernels is None:
+        return [RaggedDotBlocks()]
+    m, k = lhs.shape
+    rhs_shape = tuple(rhs.shape)
+    mode, rhs_transposed = _forward_mode(cfg, rhs_shape, rhs.dtype)
+    n_full = rhs_shape[1] if cfg.rhs_transposed else rhs_shape[2]
+    gated = mode == "fused" and cfg.gated is not None
+    forwards = tuning.candidate_blocks(
+        m,
+        k,
+        n_out if mode == "fused" else n_full,
+        num_groups=cfg.num_local_groups,
+        lhs_dtype=lhs.dtype,
+        rhs_dtype=rhs.dtype,
+        out_dtype=cfg.out_dtype if mode != "unfused" else jnp.float32,
+        rhs_transposed=rhs_transposed,
+        gated=gated,
+        half_n=n_out if gated else None,
+        info=_info(),
+    )
+    return [RaggedDotBlocks(forward=f) for f in forwards]

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common.activation import apply_activation
 from . import metadata
 from .metadata import F_FETCH_TILE, F_FIRST, F_GROUP, F_HI, F_KPIN, F_LO, F_TILE, NUM_FIELDS, group_bounds
 
@@ -69,17 +70,6 @@ def transposed_metadata(group_sizes, *, m, tm, group_offset, num_local_groups):
     fields[T_LAST] = (u == cnt[j] - 1).astype(jnp.int32)
     meta = jnp.concatenate([f.astype(jnp.int32) for f in fields] + [nv.reshape(1).astype(jnp.int32)])
     return meta, nv.astype(jnp.int32), V
-
-
-def apply_activation(x, activation):
-    if activation is None:
-        return x
-    if activation == "silu":
-        return x * jax.nn.sigmoid(x)
-    if activation == "gelu_tanh":
-        c = 0.7978845608028654  # sqrt(2 / pi)
-        return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * x * x * x)))
-    raise ValueError(f"activation: unsupported {activation!r}")
 
 
 def matmul_precision(dtype):

@@ -37,6 +37,17 @@ def group_bounds(group_sizes, m, group_offset, num_local_groups):
     return gs, ge
 
 
+def local_group_of_rows(group_sizes, m, group_offset, num_local_groups):
+    """Local group index of each of the m rows, num_local_groups for rows outside the window (and rows past the
+    groups), with the row ranges of group_bounds (so negative traced sizes count as zero, as in the kernels)."""
+    gs, ge = group_bounds(group_sizes, m, group_offset, num_local_groups)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    # Empty groups have ge == gs, so the first local group whose end is past the row is the row's own.
+    local = jnp.searchsorted(ge, rows, side="right").astype(jnp.int32)
+    in_window = (rows >= gs[0]) & (rows < ge[-1])
+    return jnp.where(in_window, local, num_local_groups)
+
+
 def forward_visits_bound(m: int, tm: int, num_local_groups: int) -> int:
     # Local groups cover one contiguous row range, so the visits of real groups number at most
     # (tiles they cover) + (groups with rows - 1), and every other tile gets exactly one zero visit. At most m groups

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common import chip
+from ..common.blocks import LANES, check_block_dim, check_vmem_fit, sublane_multiple
 
 # Upper bounds per generation. v5e's MXUs are 128 wide and its HBM half as fast, so its blocks are smaller.
 TM_MAX = {"v5e": 256, "v6e": 512, "v7x": 512}
@@ -47,25 +48,88 @@ F32_TEMPORARIES = 3
 
 
 @dataclasses.dataclass(frozen=True)
-class RaggedDotBlocks:
-    tm: int
-    tk: int
-    tn: int
-    vmem_limit_bytes: int
+class MatmulBlocks:
+    """Tiles of one call of the grouped-matmul kernel (kernel.ragged_dot_forward): out [M, N] = lhs [M, K] @ rhs[g].
+
+    Inside `RaggedDotBlocks` a field left None is the table's choice at that call's shape, searched with the given
+    fields held fixed, and a tile at least as large as its dimension means the whole dimension. The kernel itself
+    always receives every field set.
+    """
+
+    tm: int | None = None  # rows of lhs and of the output per m tile: a multiple of their sublane tile
+    tk: int | None = None  # contraction columns per grid step: a multiple of 128 (tk >= K: one step, no refetch)
+    tn: int | None = None  # output columns per grid step (of each of gate and up when gated): a multiple of 128
+    vmem_limit_bytes: int | None = None  # scoped VMEM asked of Mosaic; None: the working set + 50 % + slack
 
 
 @dataclasses.dataclass(frozen=True)
-class TransposedBlocks:
-    """Blocks of the transposed grouped matmul (the rhs gradient): out[g] = a[rows of g]^T @ b[rows of g]."""
+class TransposedMatmulBlocks:
+    """Tiles of the transposed grouped matmul (the rhs gradient): out[g] (P, Q) = a[rows of g]^T @ b[rows of g]."""
 
-    tm: int  # rows of a and b per visit (the contraction)
-    tp: int  # columns of a per output block
-    tq: int  # columns of b per output block
-    vmem_limit_bytes: int
+    tm: int | None = None  # rows of a and b per visit (the contraction): a multiple of their sublane tile
+    tp: int | None = None  # columns of a per output block: a multiple of 128
+    tq: int | None = None  # columns of b per output block: a multiple of 128
+    vmem_limit_bytes: int | None = None
 
 
-def sublane_multiple(dtype) -> int:
-    return 8 * (4 // jnp.dtype(dtype).itemsize)
+@dataclasses.dataclass(frozen=True)
+class RaggedDotBlocks:
+    """`blocks=` of ragged_dot: the tiles of every kernel the op runs, forward and backward. A part left None, or a
+    field left None in it, is the tuning table's choice for that kernel's shape: `RaggedDotBlocks()` is the table.
+
+    forward    the kernel that computes the output: lhs [M, K] @ rhs [K, N] with the epilogue fused (tn then counts
+               the columns of each of gate and up); for a gated layout that cannot be fused (interleaved, or halves
+               that are not whole blocks) the plain matmul of all N columns in f32, whose epilogue runs in XLA.
+    recompute  the backward's recomputation of the f32 pre-activation [M, N] (all N columns, no epilogue), run when
+               there is an activation, a gate or a row_scale to differentiate.
+    lhs_grad   d lhs = g [M, N] @ rhs^T: the forward kernel with rhs read the other way round, so its tk runs over N
+               and its tn over K.
+    rhs_grad   d rhs[g] = lhs[rows of g]^T @ g[rows of g], [K, N] (g^T @ lhs, [N, K], when rhs_transposed): the
+               transposed kernel with tm rows of the contraction per visit and (tp, tq) output blocks.
+    """
+
+    forward: MatmulBlocks | None = None
+    recompute: MatmulBlocks | None = None
+    lhs_grad: MatmulBlocks | None = None
+    rhs_grad: TransposedMatmulBlocks | None = None
+
+
+def check_part(owner: str, value, cls):
+    """A part of a blocks dataclass: None or an instance of `cls`."""
+    if value is not None and not isinstance(value, cls):
+        article = "an" if cls.__name__[0] in "AEIOU" else "a"
+        raise TypeError(f"{owner}: expected {article} {cls.__name__} or None, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_ragged_dot_blocks(blocks, owner: str = "blocks") -> RaggedDotBlocks:
+    """The structure of a `blocks=` argument (before any shape is known): a RaggedDotBlocks of the right parts."""
+    check_part(owner, blocks, RaggedDotBlocks)
+    blocks = blocks or RaggedDotBlocks()
+    for part in ("forward", "recompute", "lhs_grad"):
+        check_part(f"{owner}.{part}", getattr(blocks, part), MatmulBlocks)
+    check_part(f"{owner}.rhs_grad", blocks.rhs_grad, TransposedMatmulBlocks)
+    return blocks
+
+
+def _given_tile(owner: str, field: str, value, dim: int, multiple: int, why: str, dim_name: str) -> int | None:
+    """A caller's tile (None: the table chooses it), checked against the layout and clamped to the dimension."""
+    if value is None:
+        return None
+    return check_block_dim(owner, field, value, dim=dim, multiple=multiple, why=why, dim_name=dim_name)
+
+
+def _vmem_limit(owner: str, working_set: int, given, info, *, checked: bool) -> int:
+    """The scoped VMEM a kernel asks for: the caller's, else its working set + 50 % + slack. A caller's blocks
+    (`checked`) must fit it; the table's own choices are what they have always been and are proven by compiles."""
+    limit = given if given is not None else chip.scoped_vmem_limit(info, working_set, VMEM_SLACK_BYTES)
+    if checked:
+        check_vmem_fit(owner, working_set, limit, info)
+    return limit
+
+
+def _dtype_names(*dtypes) -> str:
+    return " / ".join(dict.fromkeys(str(jnp.dtype(d)) for d in dtypes))
 
 
 def _pow2_floor(x: int) -> int:
@@ -125,6 +189,27 @@ def choose_tm(m: int, num_groups: int, dtype, generation: str, rhs_transposed: b
     return m if m <= tm else tm
 
 
+def forward_working_set(tm, tk, tn, *, k, lhs_dtype, rhs_dtype, out_dtype, streams=1) -> int:
+    """VMEM bytes of the forward kernel: double-buffered lhs, weight and output blocks, the f32 accumulator (when K
+    takes several steps) and the body's f32 temporaries; `streams` weight streams (2: gate and up)."""
+    lb, rb, ob = (jnp.dtype(d).itemsize for d in (lhs_dtype, rhs_dtype, out_dtype))
+    ws = 2 * tm * tk * lb + 2 * streams * tk * tn * rb + 2 * tm * tn * ob
+    return ws + (0 if tk >= k else streams * tm * tn * 4) + F32_TEMPORARIES * streams * tm * tn * 4
+
+
+def _tn_options(n: int, gen: str, gated: bool, half_n) -> list[int]:
+    # In the transposed layout tn is the weight block's second-minor dim (sublanes); the output block is (tm, tn)
+    # either way, so tn is a multiple of 128 or all of n.
+    options = _tile_options(n, TN_MAX[gen], LANES, prefer_divisors=False)
+    if gated and half_n is not None:
+        options = [t for t in options if n % t == 0] or [n]
+    return options
+
+
+def _tk_options(k: int, gen: str) -> list[int]:
+    return _tile_options(k, TK_MAX[gen], LANES, prefer_divisors=True)
+
+
 def choose_blocks(
     m: int,
     k: int,
@@ -138,72 +223,149 @@ def choose_blocks(
     gated: bool = False,
     half_n: int | None = None,
     info: pltpu.TpuInfo | None = None,
-) -> RaggedDotBlocks:
+    fixed: MatmulBlocks | None = None,
+    owner: str = "blocks",
+) -> MatmulBlocks:
     """Blocks for the forward kernel (and the lhs-gradient kernel, which is the forward with rhs transposed).
 
     n is the width of the output. With `gated`, rhs has 2 * n columns and the gate/up blocks are tn wide each; for
     the concatenated layout tn must divide n (`half_n`), so the up block sits at a whole block index.
+
+    `fixed`: a caller's tiles (the `owner` part of blocks=, named in errors); its fields are checked against the
+    layout and held fixed while the table chooses the others, and the result is checked to fit VMEM.
     """
     info = info or chip.current_tpu_info()
     gen = _generation(info)
-    tm = choose_tm(m, num_groups, lhs_dtype, gen, rhs_transposed)
-    lb, rb, ob = (jnp.dtype(d).itemsize for d in (lhs_dtype, rhs_dtype, out_dtype))
-    # In the transposed layout tn is the weight block's second-minor dim (sublanes); the output block is (tm, tn)
-    # either way, so tn is a multiple of 128 or all of n.
-    n_multiple = 128
+    fixed = fixed or MatmulBlocks()
+    sub = max(sublane_multiple(lhs_dtype), sublane_multiple(out_dtype))
+    tm = _given_tile(owner, "tm", fixed.tm, m, sub, f"the sublane tile of {_dtype_names(lhs_dtype, out_dtype)}", "M")
+    tk = _given_tile(owner, "tk", fixed.tk, k, LANES, "lanes", "K")
+    tn = _given_tile(owner, "tn", fixed.tn, n, LANES, "lanes", "N")
+    if tn is not None and gated and half_n is not None and n % tn:
+        raise ValueError(
+            f"{owner}.tn: expected a divisor of the gated output width {n} (the up half's blocks start at a whole "
+            f"block), got {fixed.tn}"
+        )
+    if tm is None:
+        tm = choose_tm(m, num_groups, lhs_dtype, gen, rhs_transposed)
     budget = int(info.vmem_capacity_bytes * VMEM_SHARE[gen])
     streams = 2 if gated else 1
 
     def working_set(tk, tn):
-        single_k = tk >= k
-        ws = 2 * tm * tk * lb + 2 * streams * tk * tn * rb + 2 * tm * tn * ob
-        ws += (0 if single_k else streams * tm * tn * 4) + F32_TEMPORARIES * streams * tm * tn * 4
-        return ws
+        return forward_working_set(
+            tm, tk, tn, k=k, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype, out_dtype=out_dtype, streams=streams
+        )
 
-    tn_options = _tile_options(n, TN_MAX[gen], n_multiple, prefer_divisors=False)
-    if gated and half_n is not None:
-        tn_options = [t for t in tn_options if n % t == 0] or [n]
-    tk_options = _tile_options(k, TK_MAX[gen], 128, prefer_divisors=True)
+    tn_options = [tn] if tn is not None else _tn_options(n, gen, gated, half_n)
+    tk_options = [tk] if tk is not None else _tk_options(k, gen)
     # tk = K first: it lets consecutive visits of a group share the weight block (no refetch per m tile).
-    for tk in tk_options:
-        for tn in tn_options:
-            if working_set(tk, tn) <= budget:
-                return _blocks(tm, tk, tn, working_set(tk, tn), info)
-    tn, tk = tn_options[-1], tk_options[-1]
-    return _blocks(tm, tk, tn, working_set(tk, tn), info)
+    chosen = next(
+        ((tk, tn) for tk in tk_options for tn in tn_options if working_set(tk, tn) <= budget),
+        (tk_options[-1], tn_options[-1]),
+    )
+    ws = working_set(*chosen)
+    limit = _vmem_limit(owner, ws, fixed.vmem_limit_bytes, info, checked=fixed != MatmulBlocks())
+    return MatmulBlocks(tm=tm, tk=chosen[0], tn=chosen[1], vmem_limit_bytes=limit)
 
 
-def _blocks(tm, tk, tn, ws, info):
-    limit = chip.scoped_vmem_limit(info, ws, VMEM_SLACK_BYTES)
-    return RaggedDotBlocks(tm=tm, tk=tk, tn=tn, vmem_limit_bytes=limit)
+def candidate_blocks(
+    m: int,
+    k: int,
+    n: int,
+    *,
+    num_groups: int,
+    lhs_dtype,
+    rhs_dtype,
+    out_dtype,
+    rhs_transposed: bool,
+    gated: bool = False,
+    half_n: int | None = None,
+    info: pltpu.TpuInfo | None = None,
+) -> list[MatmulBlocks]:
+    """Legal forward-kernel blocks worth modeling at this shape (choose_blocks' arguments), the table's choice first.
 
-
-def choose_transposed_blocks(
-    m: int, p: int, q: int, *, num_groups: int, a_dtype, b_dtype, out_dtype, info: pltpu.TpuInfo | None = None
-) -> TransposedBlocks:
-    """Blocks for out[g] (p, q) = a[rows]^T (p, tm) @ b[rows] (tm, q): tm rows per visit, (tp, tq) output blocks.
-
-    Here tm is a contraction length: the larger the better, bounded by the masking waste as in the forward.
+    Each other candidate moves one tile a step from the table's choice and lets the table re-fit the rest to its
+    VMEM budget: tm halved and doubled (masking waste against per-visit cost), the next wider and narrower tn (step
+    size against lhs re-reads), and tk split (when the table keeps all of K) or all of K (when it splits it).
     """
     info = info or chip.current_tpu_info()
     gen = _generation(info)
+    kwargs = dict(
+        num_groups=num_groups,
+        lhs_dtype=lhs_dtype,
+        rhs_dtype=rhs_dtype,
+        out_dtype=out_dtype,
+        rhs_transposed=rhs_transposed,
+        gated=gated,
+        half_n=half_n,
+        info=info,
+    )
+    table = choose_blocks(m, k, n, **kwargs)
+    tn_options = _tn_options(n, gen, gated, half_n)
+    at = tn_options.index(table.tn) if table.tn in tn_options else 0
+    moves = [MatmulBlocks(tm=table.tm // 2), MatmulBlocks(tm=table.tm * 2)]
+    moves += [MatmulBlocks(tn=tn_options[i]) for i in (at - 1, at + 1) if 0 <= i < len(tn_options)]
+    smaller_k = [t for t in _tk_options(k, gen) if t < k]
+    if table.tk >= k and smaller_k:
+        moves.append(MatmulBlocks(tk=smaller_k[0]))
+    elif table.tk < k:
+        moves.append(MatmulBlocks(tk=k))
+    candidates = [table]
+    for move in moves:
+        try:
+            candidate = choose_blocks(m, k, n, fixed=move, **kwargs)
+        except (TypeError, ValueError):  # not a legal tile here, or too large for VMEM
+            continue
+        if candidate not in candidates:
+            candidates.append(candidate)
+    return candidates
+
+
+def transposed_working_set(tm, tp, tq, *, a_dtype, b_dtype, out_dtype) -> int:
     ab, bb, ob = (jnp.dtype(d).itemsize for d in (a_dtype, b_dtype, out_dtype))
+    return 2 * tm * tp * ab + 2 * tm * tq * bb + 2 * tp * tq * ob + (1 + F32_TEMPORARIES) * tp * tq * 4
+
+
+def choose_transposed_blocks(
+    m: int,
+    p: int,
+    q: int,
+    *,
+    num_groups: int,
+    a_dtype,
+    b_dtype,
+    out_dtype,
+    info: pltpu.TpuInfo | None = None,
+    fixed: TransposedMatmulBlocks | None = None,
+    owner: str = "blocks",
+) -> TransposedMatmulBlocks:
+    """Blocks for out[g] (p, q) = a[rows]^T (p, tm) @ b[rows] (tm, q): tm rows per visit, (tp, tq) output blocks.
+
+    Here tm is a contraction length: the larger the better, bounded by the masking waste as in the forward.
+    `fixed` and `owner` as in choose_blocks.
+    """
+    info = info or chip.current_tpu_info()
+    gen = _generation(info)
+    fixed = fixed or TransposedMatmulBlocks()
     sub = max(sublane_multiple(a_dtype), sublane_multiple(b_dtype))
-    tm = _pow2_floor(max(1, m // max(1, 2 * num_groups)))
-    tm = max(128 if m >= 128 else sub, min(TM_MAX[gen], tm))
-    tm = m if m <= tm else tm
+    tm = _given_tile(owner, "tm", fixed.tm, m, sub, f"the sublane tile of {_dtype_names(a_dtype, b_dtype)}", "M")
+    tp = _given_tile(owner, "tp", fixed.tp, p, LANES, "lanes", "P")
+    tq = _given_tile(owner, "tq", fixed.tq, q, LANES, "lanes", "Q")
+    if tm is None:
+        tm = _pow2_floor(max(1, m // max(1, 2 * num_groups)))
+        tm = max(128 if m >= 128 else sub, min(TM_MAX[gen], tm))
+        tm = m if m <= tm else tm
     budget = int(info.vmem_capacity_bytes * VMEM_SHARE[gen])
 
     def working_set(tp, tq):
-        return 2 * tm * tp * ab + 2 * tm * tq * bb + 2 * tp * tq * ob + (1 + F32_TEMPORARIES) * tp * tq * 4
+        return transposed_working_set(tm, tp, tq, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype)
 
-    tp_options = _tile_options(p, 1024, 128, prefer_divisors=False)
-    tq_options = _tile_options(q, 1024, 128, prefer_divisors=False)
-    for tp in tp_options:
-        for tq in tq_options:
-            if working_set(tp, tq) <= budget:
-                limit = chip.scoped_vmem_limit(info, working_set(tp, tq), VMEM_SLACK_BYTES)
-                return TransposedBlocks(tm=tm, tp=tp, tq=tq, vmem_limit_bytes=limit)
-    tp, tq = tp_options[-1], tq_options[-1]
-    limit = chip.scoped_vmem_limit(info, working_set(tp, tq), VMEM_SLACK_BYTES)
-    return TransposedBlocks(tm=tm, tp=tp, tq=tq, vmem_limit_bytes=limit)
+    tp_options = [tp] if tp is not None else _tile_options(p, 1024, LANES, prefer_divisors=False)
+    tq_options = [tq] if tq is not None else _tile_options(q, 1024, LANES, prefer_divisors=False)
+    chosen = next(
+        ((tp, tq) for tp in tp_options for tq in tq_options if working_set(tp, tq) <= budget),
+        (tp_options[-1], tq_options[-1]),
+    )
+    ws = working_set(*chosen)
+    limit = _vmem_limit(owner, ws, fixed.vmem_limit_bytes, info, checked=fixed != TransposedMatmulBlocks())
+    return TransposedMatmulBlocks(tm=tm, tp=chosen[0], tq=chosen[1], vmem_limit_bytes=limit)
