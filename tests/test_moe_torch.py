@@ -82,6 +82,27 @@ def test_ragged_dot_forward_and_autograd_match_torch(rand, rhs_transposed, dtype
     ladder.check_torch_gradients(tpu_kernels.ragged_dot, _torch_ragged_dot, inputs, rand=rand, rtol=tol, atol=tol)
 
 
+def test_ragged_dot_wrapper_takes_views_and_compiles_fullgraph(rand):
+    """int64 group sizes and a weight that is a transposed view (rhs_transposed over rhs.transpose(1, 2)), through the
+    wrapper in eager and under torch.compile(fullgraph=True), with autograd."""
+    rhs_base = _randn(rand, 4, 128, 256).requires_grad_()
+    inputs = {
+        "lhs": _randn(rand, 24, 128).requires_grad_(),
+        "rhs_base": rhs_base,
+        "group_sizes": _group_sizes(rand, 4, 24, fill=20).long(),
+    }
+
+    def fn(lhs, rhs_base, group_sizes):
+        return tpu_kernels.ragged_dot(lhs, rhs_base.transpose(1, 2), group_sizes, rhs_transposed=True)
+
+    def reference(lhs, rhs_base, group_sizes):
+        return _torch_ragged_dot(lhs, rhs_base, group_sizes, False)
+
+    assert not rhs_base.transpose(1, 2).is_contiguous()
+    ladder.check_torch_gradients(fn, reference, inputs, rand=rand, rtol=1e-4, atol=1e-4)
+    ladder.check_compiled_matches_eager(fn, inputs, rand=rand)
+
+
 def _experts_module(rand, *, has_bias=False, is_transposed=False, dtype=torch.float32):
     """A Qwen3-MoE experts module (random weights) set up as transformers' decorator does."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts

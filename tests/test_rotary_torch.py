@@ -309,6 +309,67 @@ ROPE_PARAMETERS = [
 ]
 
 
+def _rotary_call(name):
+    """One of the four rotary wrappers over projections [B, S, H, D] seen as [B, H, S, D] (transposed views, as
+    transformers passes q/k), with whatever tables, weights or positions it takes."""
+
+    def call(q_proj, k_proj, extra):
+        q, k = q_proj.transpose(1, 2), k_proj.transpose(1, 2)
+        if name == "apply_rotary":
+            return tpu_kernels.apply_rotary(q, k, extra["cos"], extra["sin"])
+        if name == "rms_norm_rope":
+            return tpu_kernels.rms_norm_rope(q, k, extra["q_weight"], extra["k_weight"], extra["cos"], extra["sin"])
+        if name == "apply_rotary_from_positions":
+            return tpu_kernels.apply_rotary_from_positions(q, k, extra["positions"], theta=1e6, scaling=YARN)
+        return tpu_kernels.rms_norm_rope_from_positions(
+            q, k, extra["q_weight"], extra["k_weight"], extra["positions"], theta=1e6, scaling=YARN
+        )
+
+    return call
+
+
+ROTARY_WRAPPERS = ["apply_rotary", "rms_norm_rope", "apply_rotary_from_positions", "rms_norm_rope_from_positions"]
+
+
+def _rotary_inputs(rand, dtype=torch.float32):
+    extra = {
+        "cos": _randn(rand, 1, 8, 128, dtype=dtype),
+        "sin": _randn(rand, 1, 8, 128, dtype=dtype),
+        "q_weight": _randn(rand, 128, dtype=dtype),
+        "k_weight": _randn(rand, 128, dtype=dtype),
+        "positions": _positions(rand, 1, 8, dtype=torch.int64),  # transformers' position_ids
+    }
+    q_proj = _randn(rand, 1, 8, 2, 128, dtype=dtype, requires_grad=True)
+    return q_proj, _randn(rand, 1, 8, 1, 128, dtype=dtype, requires_grad=True), extra
+
+
+@pytest.mark.parametrize("name", ROTARY_WRAPPERS)
+def test_every_rotary_wrapper_takes_transformers_inputs(rand, name):
+    """Each rotary op on what transformers passes: transposed q/k views, int64 positions, q/k that require grad, float16
+    (run as float32: one float16 rounding from the float32 result), and the wrapper under torch.compile(fullgraph=True)
+    with autograd."""
+    call = _rotary_call(name)
+    q_proj, k_proj, extra = _rotary_inputs(rand)
+    out_q, out_k = call(q_proj, k_proj, extra)
+    dense = call(q_proj.detach().contiguous(), k_proj.detach().contiguous(), extra)
+    for out, expected in zip((out_q, out_k), dense):
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    d_q, d_k = torch.autograd.grad(out_q.sum() + out_k.sum(), [q_proj, k_proj])
+    assert d_q.shape == q_proj.shape and torch.isfinite(d_q).all() and torch.isfinite(d_k).all()
+
+    half = {key: value.half() if value.is_floating_point() else value for key, value in extra.items()}
+    half_q, half_k = call(q_proj.detach().half(), k_proj.detach().half(), half)
+    for out, expected in zip((half_q, half_k), dense):
+        assert out.dtype == torch.float16
+        ladder.assert_close(
+            out.float().numpy(), expected.detach().numpy(), dtype=ladder.jnp.float16, rtol=4e-3, atol=4e-3
+        )
+
+    ladder.check_compiled_matches_eager(
+        lambda q_proj, k_proj: call(q_proj, k_proj, extra), {"q_proj": q_proj, "k_proj": k_proj}, rand=rand
+    )
+
+
 def test_rope_parameters_cross_as_canonical_json():
     """The rope parameters reach the JAX function as they were given, as one string that is the same for equal dicts
     (one jit / export cache entry, one compile guard) whatever their key order."""
