@@ -9,11 +9,13 @@ from .moe.api import experts_forward
 from .moe.tuning import ExpertsBlocks
 from .ragged_dot.api import ragged_dot
 from .ragged_dot.tuning import MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
-from .rms_norm.api import fused_add_rms_norm, rms_norm, rms_norm_backward
+from .rms_norm.api import RmsNormBlocks, fused_add_rms_norm, rms_norm, rms_norm_backward
 from .rotary.api import (
+    RotaryBlocks,
     apply_rotary,
     apply_rotary_backward,
     apply_rotary_from_positions,
+    apply_rotary_from_positions_backward,
     rms_norm_rope,
     rms_norm_rope_from_positions,
     rope_cos_sin,
@@ -27,10 +29,13 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_backward",
     "apply_rotary_from_positions",
+    "apply_rotary_from_positions_backward",
     "experts_forward",
     "fused_add_rms_norm",
     "interpret_on_cpu",
     "ragged_dot",
+    "RmsNormBlocks",
+    "RotaryBlocks",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_rope",
