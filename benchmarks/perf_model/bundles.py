@@ -154,6 +154,7 @@ class KernelSchedule:
     delay_slots: int
     guard: Region | None  # pipeline fill/drain guard
     conds: list[Region]  # kernel-level conditional regions (pl.when), program order
+    pipeline_regions: list[Region]  # conditional regions outside the guard: the pipeline's DMA issue, every step
     inner_loops: list[tuple[int, int, int | None]]  # (start, end, trip) of loops nested in the body; trip None:
     # not in the schedule (a run-time bound), counted once
     mxu_ops_body: list[tuple[int, str]]  # (addr, opcode) of vmatmul in the body
@@ -273,16 +274,19 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
 
     fwd = [(s, t) for s, t, _ in branches if start <= s < t <= end and not in_inner(s)]
     regions = [Region(s, t, max(0, t - (s + 1 + delay))) for s, t in fwd]
-    guard = None
+    guard, pipeline_regions = None, []
     if outer is not None and regions:
         # The guard is the branch that skips most of the body; it need not come first: a block fetched once (a fixed
         # BlockSpec: norm weights, a table) puts its conditional DMA issue before it. Regions inside it are pl.when
-        # bodies; regions before it run on fill/drain iterations too.
+        # bodies; regions outside it are the pipeline's own (the DMA issue of blocks whose index changes), not
+        # pl.whens: they run on fill/drain iterations too and are counted at every step.
         largest = max(regions, key=lambda r: r.skipped)
         others = [r for r in regions if r is not largest]
         encloses = all(largest.branch_addr < r.branch_addr and r.target <= largest.target for r in others)
         if largest.skipped > 0.5 * (end - start) or (others and largest is regions[0] and encloses):
-            guard, regions = largest, others
+            guard = largest
+            regions = [r for r in others if largest.branch_addr < r.branch_addr and r.target <= largest.target]
+            pipeline_regions = [r for r in others if r not in regions]
     body = end - start
     for t, e, itrip in inner:
         body += (e - t) * ((itrip or 1) - 1)
@@ -298,6 +302,7 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
         delay_slots=delay,
         guard=guard,
         conds=regions,
+        pipeline_regions=pipeline_regions,
         inner_loops=inner,
         mxu_ops_body=mxu,
         dmas=_dmas(bundles),

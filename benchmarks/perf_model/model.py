@@ -677,7 +677,8 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
     notes = []
     for k in kernels:
         warnings += [f"{k.hlo_name}: {w}" for w in k.warnings if f"{k.kernel_name}: {w}" not in warnings]
-        notes += [f"{k.hlo_name}: {n}" for n in k.notes]
+        base = re.sub(r"[.]\d+$", "", k.hlo_name)  # "ragged-dot-none.1": one note line for XLA's copies of a kernel
+        notes += [f"{base}: {n}" for n in k.notes]
     return ProgramModel(
         label=label,
         gen=gen,
