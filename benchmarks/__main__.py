@@ -1,8 +1,12 @@
-"""python -m benchmarks [--gen v5e|v6e|v7x] [--full] [--kernel NAME ...] [--out DIR] [--no-measure]
+"""python -m benchmarks [--gen v5e|v6e|v7x|all] [--full] [--kernel NAME ...] [--out DIR] [--no-measure] [--sweep]
 
 For each kernel: times it on the device that is present (a TPU, or the CPU in interpret mode for small shapes), models
 it and its default implementation for one TPU generation, prints a table and writes <out>/<kernel>.json and
 <out>/<kernel>.png. `make bench` runs this (BENCH_ARGS=... passes options).
+
+With --sweep, instead: models every candidate tiling of each kernel's ops (its tuning module's candidate_blocks) at a
+few shapes (--full: every shape), on each --gen given (all: v5e, v6e and v7x, the generations of the tuning tables),
+prints the table's choice beside the best candidate and writes <out>/<kernel>.sweep.json. Modeled only.
 """
 
 from benchmarks import device
@@ -18,8 +22,13 @@ import time  # noqa: E402
 def parse_args(argv=None):
     from benchmarks import suite
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
-    p.add_argument("--gen", default="v6e", choices=["v5e", "v6e", "v7x"], help="TPU generation to model (v6e)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=" ".join(__doc__.split("\n\n")[1:3]))
+    p.add_argument(
+        "--gen",
+        action="append",
+        choices=[*GENERATIONS, "all"],
+        help="TPU generation to model (default v6e); with --sweep repeatable, and all = every generation",
+    )
     p.add_argument(
         "--full",
         action="store_true",
@@ -32,11 +41,48 @@ def parse_args(argv=None):
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"), help="output directory")
     p.add_argument("--no-measure", action="store_true", help="model only; time nothing")
     p.add_argument("--workers", type=int, default=None, help="parallel model chunks (default 2)")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="model the candidate tilings per shape and report the best beside the tuning table's choice",
+    )
+    args = p.parse_args(argv)
+    gens = args.gen or ["v6e"]
+    args.gens = list(GENERATIONS) if "all" in gens else list(dict.fromkeys(gens))
+    if not args.sweep and len(args.gens) > 1:
+        p.error("--gen: one generation per benchmark run (several only with --sweep)")
+    args.gen = args.gens[0]
+    return args
+
+
+GENERATIONS = ("v5e", "v6e", "v7x")
+
+
+def sweep(args) -> int:
+    from tqdm import tqdm
+
+    from benchmarks import suite
+    from benchmarks import sweep as _sweep
+
+    start = time.monotonic()
+    kernels = args.kernel or suite.available()
+    results = []
+    with tqdm(total=0, unit="model", dynamic_ncols=True, file=sys.stderr) as bar:
+        for kernel in kernels:
+            result = _sweep.run_sweep(kernel, args.gens, full=args.full, workers=args.workers, bar=bar)
+            result["json"] = str(_sweep.write_sweep_json(result, args.out))
+            results.append(result)
+    for result in results:
+        print(_sweep.format_sweep(result))
+        print(f"wrote {result['json']}")
+    print(f"\nsweep done in {time.monotonic() - start:.0f} s (modeled: {', '.join(args.gens)}; nothing measured)")
+    return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.sweep:
+        return sweep(args)
     from tqdm import tqdm
 
     from benchmarks import harness, report, suite

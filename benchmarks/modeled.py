@@ -18,29 +18,36 @@ IMPLS = _suite.IMPLS
 CHUNK = 12  # functions per compile subprocess (a progress step each chunk; bounds a crash's loss)
 
 
-def _item(case: _suite.Case, impl: str):
+def _item(case: _suite.Case, impl: str, blocks=None):
     op = case.op
     args = op.model_args(case.shape) if op.model_args else op.specs(case.shape)
-    return op.function(impl, case.shape), args
+    return op.function(impl, case.shape, blocks=blocks), args
 
 
 def run(cases: list[_suite.Case], gen: str, *, bar=None, workers: int | None = None) -> dict:
     """{(case id, impl): ProgramModel, or the Exception that modeling raised}, for every impl that applies."""
-    workers = workers or 2
     keys = [(c, impl) for c in cases for impl, why_not in c.op.impls(c.shape).items() if why_not is None]
-    chunks = [keys[i : i + CHUNK] for i in range(0, len(keys), CHUNK)]
+    return run_items(
+        [((c.id, impl), lambda c=c, impl=impl: _item(c, impl)) for c, impl in keys], gen, bar=bar, workers=workers
+    )
+
+
+def run_items(items, gen: str, *, bar=None, workers: int | None = None) -> dict:
+    """{key: ProgramModel, or the Exception that modeling raised} for items (key, build), build() -> (fn, args)."""
+    workers = workers or 2
+    chunks = [items[i : i + CHUNK] for i in range(0, len(items), CHUNK)]
     results = {}
 
     def model_chunk(chunk):
-        items, out = [], {}
-        for case, impl in chunk:
+        built, out = [], {}
+        for key, build in chunk:
             try:
-                items.append(((case, impl), _item(case, impl)))
+                built.append((key, build()))
             except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
-                out[(case.id, impl)] = e
-        models = perf_model.model_functions([it for _, it in items], gen=gen) if items else []
-        for ((case, impl), _), m in zip(items, models):
-            out[(case.id, impl)] = m
+                out[key] = e
+        models = perf_model.model_functions([it for _, it in built], gen=gen) if built else []
+        for (key, _), m in zip(built, models):
+            out[key] = m
         return out, len(chunk)
 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:

@@ -51,6 +51,8 @@ class Op:
     baselines: tuple[Baseline, ...] = ()
     static: Callable[[Shape], dict] | None = None  # shape -> static keyword arguments bound (functools.partial)
     # to kernel, default and baselines (e.g. the activation)
+    candidates: Callable[[Shape, str], list] | None = None  # (shape, generation) -> the tilings `--sweep` models:
+    # the kernel's `blocks=` values from its tuning module's candidate_blocks, the table's choice first
 
     def impls(self, shape: Shape) -> dict[str, str | None]:
         """{impl: None if it applies to `shape`, else the reason it does not}: kernel, default, then baselines."""
@@ -59,15 +61,21 @@ class Op:
             out[BASELINE_PREFIX + b.name] = b.unsupported(shape)
         return out
 
-    def function(self, impl: str, shape: Shape) -> Callable:
-        """The function of `impl` for `shape` (picklable by reference, for the model's subprocess)."""
+    def function(self, impl: str, shape: Shape, blocks=None) -> Callable:
+        """The function of `impl` for `shape` (picklable by reference, for the model's subprocess); `blocks`: the
+        kernel's tiling (its `blocks=`; None: the tuning table's)."""
         if impl == "kernel":
             fn = self.kernel
         elif impl == "default":
             fn = self.default
         else:
             fn = {BASELINE_PREFIX + b.name: b.fn for b in self.baselines}[impl]
-        return functools.partial(fn, **self.static(shape)) if self.static else fn
+        static = self.static(shape) if self.static else {}
+        if blocks is not None:
+            if impl != "kernel":
+                raise ValueError(f"blocks: only the kernel takes a tiling, not {impl!r}")
+            static = dict(static, blocks=blocks)
+        return functools.partial(fn, **static) if static else fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +107,8 @@ class Suite:
     targets: Targets = Targets()
     batch_unit: str = "tokens"  # what the throughput counts: tokens/s
     quick_shapes: tuple[Shape, ...] | None = None  # modeled without --full (None: every shape)
+    sweep_shapes: tuple[Shape, ...] | None = None  # swept without --full (None: the quick shapes): a sweep models
+    # every candidate tiling of every op at each shape, so it gets a few representative ones
 
     def cases(self, shapes: tuple[Shape, ...] | None = None) -> list[Case]:
         return [Case(op, shape) for op in self.ops for shape in (self.shapes if shapes is None else shapes)]

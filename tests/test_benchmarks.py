@@ -261,3 +261,35 @@ def test_dense_masked_baseline_equals_the_reference():
     want = moe_reference.experts_forward_reference(*args, activation="silu")
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
     assert jnp.abs(want.astype(jnp.float32)).max() > 0
+
+
+SWEEP_SHAPE = shapes.Shape("tokens", 256, (("hidden", 256),), "bfloat16")
+
+
+def test_sweep_reports_the_tables_choice_and_the_best_candidate(tmp_path):
+    """--sweep on one small RMSNorm shape: every candidate tiling modeled, the table's choice (first) beside the
+    fastest, which is never slower; the choice, passed as blocks=, models as the benchmark's kernel column (no
+    blocks=) does; JSON written and every figure labeled modeled."""
+    from benchmarks import sweep
+
+    result = sweep.run_sweep("rms_norm", ["v6e"], shapes=[SWEEP_SHAPE])
+    assert result["modeled_labels"] == ["modeled v6e"] and not result["missing"]
+    rows = {r["op"]: r for r in result["rows"]}
+    assert set(rows) == {"rms_norm", "fused_add_rms_norm"}
+    for row in rows.values():
+        assert row["label"] == "modeled v6e" and len(row["candidates"]) >= 2, row
+        assert row["candidates"][0]["table_choice"] and row["choice"]["label"] == row["candidates"][0]["label"]
+        assert all("us" in c for c in row["candidates"]), row["candidates"]
+        assert row["best"]["us"] == min(c["us"] for c in row["candidates"]) <= row["choice"]["us"]
+        assert row["gain"] == pytest.approx(row["choice"]["us"] / row["best"]["us"]) and row["gain"] >= 1.0
+    table = sweep.format_sweep(result)
+    assert "sweep rms_norm / rms_norm — modeled v6e" in table and "table's choice" in table
+    for row in rows.values():
+        assert row["choice"]["label"] in table and f"{row['gain']:.3f}x" in table
+    path = sweep.write_sweep_json(result, tmp_path)
+    assert json.loads(path.read_text())["rows"][0]["candidates"]
+    bench = harness.run_kernel(
+        "rms_norm", harness.Config(gen="v6e", out=tmp_path, measure=False), dev=device.detect(), shapes=[SWEEP_SHAPE]
+    )
+    for bench_row in bench["rows"]:
+        assert rows[bench_row["op"]]["choice"]["us"] == pytest.approx(bench_row["modeled_kernel"]["us"], rel=1e-9)

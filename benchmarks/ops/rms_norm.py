@@ -3,24 +3,26 @@
 import jax
 import jax.numpy as jnp
 
-from tpu_kernels_jax.rms_norm import api, reference
+from tpu_kernels_jax.common import chip
+from tpu_kernels_jax.rms_norm import api, reference, tuning
 
 from .. import shapes
 from ..suite import Op, Suite, Targets
 
 EPS = 1e-6
+SWEEP = {(8, 2048), (4096, 2048), (4096, 4096), (32768, 4096)}  # (tokens, hidden) swept without --full
 
 
-def kernel_rms_norm(x, weight):
-    return api.rms_norm(x, weight, EPS)
+def kernel_rms_norm(x, weight, *, blocks=None):
+    return api.rms_norm(x, weight, EPS, blocks=blocks)
 
 
 def default_rms_norm(x, weight):
     return reference.rms_norm_reference(x, weight, EPS)
 
 
-def kernel_fused_add_rms_norm(x, residual, weight):
-    return api.fused_add_rms_norm(x, residual, weight, EPS)
+def kernel_fused_add_rms_norm(x, residual, weight, *, blocks=None):
+    return api.fused_add_rms_norm(x, residual, weight, EPS, blocks=blocks)
 
 
 def default_fused_add_rms_norm(x, residual, weight):
@@ -33,6 +35,11 @@ def _rows(shape):
 
 def _weight(shape):
     return jax.ShapeDtypeStruct((shape["hidden"],), jnp.dtype(shape.dtype))
+
+
+def _candidates(shape, gen):
+    """The tuning module's candidate row blocks for x of this shape on `gen` (both ops share one table)."""
+    return tuning.candidate_blocks(**api.tuning_arguments(_rows(shape)), info=chip.tpu_info_for(gen))
 
 
 def _row_bytes(shape):
@@ -49,6 +56,7 @@ SUITE = Suite(
             specs=lambda s: (_rows(s), _weight(s)),
             # read x, write out, read the weight once
             hbm_bytes=lambda s: 2 * _row_bytes(s) + s["hidden"] * jnp.dtype(s.dtype).itemsize,
+            candidates=_candidates,
         ),
         Op(
             name="fused_add_rms_norm",
@@ -57,9 +65,12 @@ SUITE = Suite(
             specs=lambda s: (_rows(s), _rows(s), _weight(s)),
             # read x and residual, write out and the sum, read the weight once
             hbm_bytes=lambda s: 4 * _row_bytes(s) + s["hidden"] * jnp.dtype(s.dtype).itemsize,
+            candidates=_candidates,
         ),
     ),
     shapes=shapes.RMS_NORM,
+    # decode, prefill and long prefill at Qwen3's hidden size and at 4096
+    sweep_shapes=tuple(s for s in shapes.RMS_NORM if (s["tokens"], s["hidden"]) in SWEEP),
     targets=Targets(
         goal=">= 85 % of the HBM roofline at >= 4096 tokens, faster than XLA at every shape",
         min_efficiency=0.85,

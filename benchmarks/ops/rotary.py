@@ -13,11 +13,14 @@ Targets, on the modeled v6e figures: >= 85 % of the HBM roofline at >= 64 tokens
 the fused norm + rope ops >= 1.5x the unfused XLA path at every shape.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_kernels_jax.rotary import api, reference
+from tpu_kernels_jax.common import chip
+from tpu_kernels_jax.rotary import api, reference, tuning
 
 from .. import shapes
 from ..suite import Op, Suite, Targets
@@ -48,27 +51,29 @@ QUICK_TOKENS = {
     ("gemma4-sliding", "prefill"): (2048,),
 }
 QUICK = tuple(s for s in shapes.ROTARY if s.batch in QUICK_TOKENS.get((s["model"], s["phase"]), ()))
+# `--sweep` without --full: decode at 64 and 256 tokens and one prefill, of Qwen3 (every candidate of every op each)
+SWEEP = tuple(s for s in QUICK if s["model"] == "qwen3-30b-a3b" and s.batch in (64, 256, 2048))
 
 
 # ------------------------------------------------------------------------------------- kernel and default paths
-def kernel_apply_rotary(q, k, cos, sin, *, model):
-    return api.apply_rotary(q, k, cos, sin)
+def kernel_apply_rotary(q, k, cos, sin, *, model, blocks=None):
+    return api.apply_rotary(q, k, cos, sin, blocks=blocks)
 
 
 def default_apply_rotary(q, k, cos, sin, *, model):
     return reference.apply_rotary_reference(q, k, cos, sin)
 
 
-def kernel_rms_norm_rope(q, k, q_weight, k_weight, cos, sin, *, model):
-    return api.rms_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=EPS)
+def kernel_rms_norm_rope(q, k, q_weight, k_weight, cos, sin, *, model, blocks=None):
+    return api.rms_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=EPS, blocks=blocks)
 
 
 def default_rms_norm_rope(q, k, q_weight, k_weight, cos, sin, *, model):
     return reference.rms_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps=EPS)
 
 
-def kernel_rms_norm_rope_from_positions(q, k, q_weight, k_weight, positions, *, model):
-    return api.rms_norm_rope_from_positions(q, k, q_weight, k_weight, positions, eps=EPS, **ROPE[model])
+def kernel_rms_norm_rope_from_positions(q, k, q_weight, k_weight, positions, *, model, blocks=None):
+    return api.rms_norm_rope_from_positions(q, k, q_weight, k_weight, positions, eps=EPS, blocks=blocks, **ROPE[model])
 
 
 def default_rms_norm_rope_from_positions(q, k, q_weight, k_weight, positions, *, model):
@@ -140,6 +145,16 @@ def _positions_arrays(s, seed):
     return normal(q), normal(k), normal(w), normal(w), jnp.asarray(positions)
 
 
+def _candidates(op, s, gen):
+    """The tuning module's candidate blocks for this op's q, k and tables (or positions) on `gen`."""
+    q, k = _qk(s)
+    if op == "rms_norm_rope_from_positions":
+        arguments = api.tuning_arguments(q, k, _positions(s), scaling=ROPE[s["model"]]["scaling"])
+    else:
+        arguments = api.tuning_arguments(q, k, (_table(s), _table(s)))
+    return tuning.candidate_blocks(**arguments, info=chip.tpu_info_for(gen))
+
+
 # ------------------------------------------------------------------------------------------------------- targets
 def _case(row):
     return row["case"]
@@ -205,6 +220,7 @@ SUITE = Suite(
     ops=(
         Op(
             name="apply_rotary",
+            candidates=functools.partial(_candidates, "apply_rotary"),
             kernel=kernel_apply_rotary,
             default=default_apply_rotary,
             specs=_tables_specs,
@@ -214,6 +230,7 @@ SUITE = Suite(
         ),
         Op(
             name="rms_norm_rope",
+            candidates=functools.partial(_candidates, "rms_norm_rope"),
             kernel=kernel_rms_norm_rope,
             default=default_rms_norm_rope,
             specs=_norm_specs,
@@ -223,6 +240,7 @@ SUITE = Suite(
         ),
         Op(
             name="rms_norm_rope_from_positions",
+            candidates=functools.partial(_candidates, "rms_norm_rope_from_positions"),
             kernel=kernel_rms_norm_rope_from_positions,
             default=default_rms_norm_rope_from_positions,
             specs=_positions_specs,
@@ -234,5 +252,6 @@ SUITE = Suite(
     ),
     shapes=shapes.ROTARY,
     quick_shapes=QUICK,
+    sweep_shapes=SWEEP,
     targets=Targets(goal=GOAL, custom=custom_targets),
 )

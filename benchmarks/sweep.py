@@ -1,0 +1,183 @@
+"""`python -m benchmarks --kernel K --sweep`: is the tuning table's tiling the best one the model knows of?
+
+For every op of a suite that lists candidate tilings (`Op.candidates`: its tuning module's `candidate_blocks`, the
+table's choice first) and every sweep shape, each candidate is modeled through the same path as the benchmark's kernel
+column (`modeled.run_items`, the static performance model) on each generation asked for, and the report puts the
+table's choice and its modeled time beside the fastest candidate and its time. gain = table's time / best time: 1.00x
+where the table's choice is the best (ties go to the table), above where another tiling is faster in the model.
+
+Every figure is modeled (labeled "modeled <gen>"), never measured: the sweep says where the table and the model
+disagree, which is where a measurement on the chip is worth taking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+from . import modeled
+from . import suite as _suite
+
+
+def blocks_dict(blocks) -> dict:
+    return dataclasses.asdict(blocks) if dataclasses.is_dataclass(blocks) else {"blocks": repr(blocks)}
+
+
+def blocks_label(blocks) -> str:
+    """The tile sizes of a tiling, e.g. "block_rows=512" (the derived VMEM limit left out: it follows the blocks)."""
+    fields = {k: v for k, v in blocks_dict(blocks).items() if v is not None and k != "vmem_limit_bytes"}
+    return " ".join(f"{k}={v}" for k, v in fields.items()) or "table default"
+
+
+def sweep_shapes(suite: _suite.Suite, full: bool):
+    if full:
+        return suite.shapes
+    return suite.sweep_shapes or suite.quick_shapes or suite.shapes
+
+
+def run_sweep(kernel: str, gens, *, full: bool = False, shapes=None, workers=None, bar=None) -> dict:
+    """Model every candidate tiling of every op of `kernel` at each shape, on each generation in `gens`. Returns a
+    JSON-ready result; `format_sweep` prints it."""
+    suite = _suite.get(kernel)
+    shapes = tuple(shapes) if shapes is not None else sweep_shapes(suite, full)
+    swept_ops = [op for op in suite.ops if op.candidates is not None]
+    result = {
+        "kernel": kernel,
+        "generations": list(gens),
+        "modeled_labels": [f"modeled {g}" for g in gens],
+        "full": full,
+        "missing": [op.name for op in suite.ops if op.candidates is None],
+        "rows": [],
+    }
+    for gen in gens:
+        plans = []  # (op, shape, [blocks] or the Exception listing them raised)
+        for op in swept_ops:
+            for shape in shapes:
+                try:
+                    plans.append((op, shape, list(op.candidates(shape, gen))))
+                except Exception as e:  # noqa: BLE001 - a shape the kernel cannot tile is reported, not fatal
+                    plans.append((op, shape, e))
+        items = []
+        for op, shape, cands in plans:
+            if isinstance(cands, Exception):
+                continue
+            case = _suite.Case(op, shape)
+            for i, blocks in enumerate(cands):
+                items.append(((case.id, i), lambda case=case, blocks=blocks: modeled._item(case, "kernel", blocks)))
+        if bar is not None:
+            bar.total = (bar.total or 0) + len(items)
+            bar.set_description(f"{kernel}: sweeping ({gen})")
+            bar.refresh()
+        models = modeled.run_items(items, gen, bar=bar, workers=workers)
+        for op, shape, cands in plans:
+            result["rows"].append(_row(op, shape, gen, cands, models))
+    return result
+
+
+def _row(op, shape, gen, cands, models) -> dict:
+    case = _suite.Case(op, shape)
+    row = {"op": op.name, "case": case.id, "shape": shape.as_dict(), "generation": gen, "label": f"modeled {gen}"}
+    if isinstance(cands, Exception):
+        return row | {"error": f"candidates: {type(cands).__name__}: {cands}"}
+    entries = []
+    for i, blocks in enumerate(cands):
+        m = models[(case.id, i)]
+        entry = {"blocks": blocks_dict(blocks), "label": blocks_label(blocks), "table_choice": i == 0}
+        if isinstance(m, Exception):
+            entry["error"] = f"{type(m).__name__}: {str(m).strip().splitlines()[-1] if str(m).strip() else ''}"
+        else:
+            entry["us"] = m.modeled_us
+            entry["warnings"] = list(m.warnings)
+        entries.append(entry)
+    row["candidates"] = entries
+    timed = [(e["us"], i) for i, e in enumerate(entries) if "us" in e]
+    if not timed or "us" not in entries[0]:
+        return row | {"error": "the table's choice has no modeled time" if timed else "no candidate modeled"}
+    best_us, best = min(timed)  # ties: the lower index, the table's choice first
+    row["choice"] = {"label": entries[0]["label"], "us": entries[0]["us"], "blocks": entries[0]["blocks"]}
+    row["best"] = {"label": entries[best]["label"], "us": best_us, "blocks": entries[best]["blocks"]}
+    row["gain"] = entries[0]["us"] / best_us
+    row["table_is_best"] = best == 0
+    return row
+
+
+# Below this gain the table's choice counts as the best: differences of a fraction of a percent are within what the
+# model's cycle counts resolve (a bundle or two per step).
+TIE_GAIN = 1.005
+
+
+def format_sweep(result: dict) -> str:
+    lines = []
+    for gen in result["generations"]:
+        label = f"modeled {gen}"
+        rows = [r for r in result["rows"] if r["generation"] == gen]
+        for op in dict.fromkeys(r["op"] for r in rows):
+            op_rows = [r for r in rows if r["op"] == op]
+            head = ["shape", "table's choice", f"{label} µs", "best candidate", f"{label} µs", "gain", "candidates"]
+            cells = []
+            for r in op_rows:
+                shape = " ".join(f"{k}={v}" for k, v in r["shape"].items() if k != "dtype")
+                if "gain" not in r:
+                    cells.append([shape, r.get("error", "error"), "", "", "", "", str(len(r.get("candidates", [])))])
+                    continue
+                best = "(the table's)" if r["table_is_best"] else r["best"]["label"]
+                cells.append(
+                    [
+                        shape,
+                        r["choice"]["label"],
+                        f"{r['choice']['us']:,.2f}",
+                        best,
+                        f"{r['best']['us']:,.2f}",
+                        f"{r['gain']:.3f}x",
+                        str(len(r["candidates"])),
+                    ]
+                )
+            widths = [max(len(head[i]), *(len(c[i]) for c in cells)) for i in range(len(head))]
+
+            def fmt(c, widths=widths):
+                return (
+                    "| "
+                    + " | ".join(
+                        x.ljust(w) if i < 2 or i == 3 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))
+                    )
+                    + " |"
+                )
+
+            lines += [f"\nsweep {result['kernel']} / {op} — {label} (every candidate tiling modeled; none measured)"]
+            lines += [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+            lines += [fmt(c) for c in cells]
+            lines.append(_summary(op_rows, label))
+    if result["missing"]:
+        lines.append(f"not swept (no candidate tilings): {', '.join(result['missing'])}")
+    lines.append(
+        "gain = the table's modeled time / the best candidate's: 1.000x where the table's choice is the fastest "
+        f"(ties go to the table); under {TIE_GAIN:.3f}x counts as a tie."
+    )
+    return "\n".join(lines)
+
+
+def _summary(rows, label) -> str:
+    done = [r for r in rows if "gain" in r]
+    if not done:
+        return f"{label}: no shape modeled"
+    losses = [r for r in done if r["gain"] >= TIE_GAIN]
+    ties = len(done) - len(losses)
+    text = f"{label}: the table's choice is the best (or within {TIE_GAIN - 1:.1%}) at {ties} of {len(done)} shapes"
+    if losses:
+        worst = max(losses, key=lambda r: r["gain"])
+        text += (
+            f"; it loses at {len(losses)}, most at {worst['case']}: {worst['best']['label']} "
+            f"{worst['best']['us']:,.2f} µs vs {worst['choice']['us']:,.2f} µs ({worst['gain']:.3f}x)"
+        )
+    errors = [r for r in rows if "gain" not in r]
+    if errors:
+        text += f"; {len(errors)} shape(s) not modeled"
+    return text
+
+
+def write_sweep_json(result: dict, out: pathlib.Path) -> pathlib.Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{result['kernel']}.sweep.json"
+    path.write_text(json.dumps(result, indent=1))
+    return path
