@@ -79,21 +79,94 @@ def rand():
     return RandomInputs()
 
 
-@pytest.fixture(params=["grouped", "small_batch"])
-def moe_path(request, monkeypatch):
-    """Force experts_forward's path (JAX and torch): the grouped matmuls at any batch, or the small-batch kernel at
-    any batch with the smallest legal intermediate chunks (several grid steps per expert). jit caches are cleared:
-    the path is chosen at trace time, and the torch ops keep one jitted function per shape."""
+# experts_forward's two paths, forced through blocks= (the JAX tests pass moe_blocks(path, ...) themselves).
+MOE_PATHS = ("grouped", "small_batch")
+# The kernel that marks each path in a traced program (and that the other path never runs).
+MOE_PATH_KERNELS = {"small_batch": "moe_experts_small_batch", "grouped": "ragged_dot_fwd"}
+
+
+def moe_blocks(
+    path,
+    gate_up_proj,
+    down_proj,
+    gate_up_bias=None,
+    *,
+    gate_layout="concatenated",
+    weights_transposed=False,
+    fallback=False,
+):
+    """blocks= forcing `path` for these weights: the grouped matmuls at any batch, or the small-batch kernel at any
+    batch with its smallest legal intermediate chunk (several grid steps per expert). With `fallback`, weights the
+    small-batch kernel cannot serve (interleaved gate/up, no legal chunk) get the grouped path instead."""
+    from tpu_kernels_jax.api import ExpertsBlocks
     from tpu_kernels_jax.moe import tuning
 
-    if request.param == "grouped":
-        monkeypatch.setattr(tuning, "SMALL_BATCH_MAX_TOKENS", {g: 0 for g in GENERATIONS})
-    else:
-        monkeypatch.setattr(tuning, "SMALL_BATCH_MAX_TOKENS", {g: 1 << 20 for g in GENERATIONS})
-        monkeypatch.setattr(tuning, "STEP_BYTES", 1)
+    grouped = ExpertsBlocks(path="grouped")
+    if path == "grouped":
+        return grouped
+    if tuning.small_batch_unsupported(num_experts=gate_up_proj.shape[0], gate_layout=gate_layout):
+        assert fallback, "the small-batch kernel cannot serve these inputs"
+        return grouped
+    chunks = tuning.small_batch_chunks(
+        down_proj.shape[1 if weights_transposed else 2],
+        gate_up_shape=tuple(gate_up_proj.shape),
+        down_shape=tuple(down_proj.shape),
+        weights_transposed=weights_transposed,
+        gate_layout=gate_layout,
+        has_gate_up_bias=gate_up_bias is not None,
+        weight_dtype=gate_up_proj.dtype,
+        down_dtype=down_proj.dtype,
+    )
+    if not chunks:
+        assert fallback, "the small-batch kernel has no legal chunk for these weights"
+        return grouped
+    return ExpertsBlocks(path="small_batch", chunk=chunks[-1])
+
+
+def assert_moe_path(fn, args, path):
+    """The program fn(*args) traces to holds the kernels of `path` and not the other's."""
+    text = str(jax.make_jaxpr(fn)(*args))
+    other = next(p for p in MOE_PATHS if p != path)
+    want, avoid = MOE_PATH_KERNELS[path], MOE_PATH_KERNELS[other]
+    assert want in text and avoid not in text, f"expected the {path} path ({want}, no {avoid})"
+
+
+@pytest.fixture(params=MOE_PATHS)
+def moe_path(request, monkeypatch):
+    """Force experts_forward's path in the torch tests through blocks= (moe_blocks; transformers' layouts the
+    small-batch kernel cannot serve take the grouped path). The torch op has no blocks argument, so the JAX function
+    it calls is wrapped to pass them, and every program it traces is asserted to hold the kernels of the path asked
+    for; a test whose op never reaches the wrapper fails. jit caches are cleared: the path is chosen at trace time,
+    and the torch ops keep one jitted function per shape."""
+    from tpu_kernels_jax.moe import api as moe_api
+
+    original = moe_api.experts_forward
+    traced = []
+
+    def forced(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None, **kw
+    ):
+        blocks = moe_blocks(
+            request.param,
+            gate_up_proj,
+            down_proj,
+            gate_up_bias,
+            gate_layout=kw.get("gate_layout", "concatenated"),
+            weights_transposed=kw.get("weights_transposed", False),
+            fallback=True,
+        )
+        args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
+        fn = functools.partial(original, blocks=blocks, **kw)
+        specs = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+        assert_moe_path(fn, specs, blocks.path)
+        traced.append(blocks.path)
+        return fn(*args)
+
+    monkeypatch.setattr(moe_api, "experts_forward", forced)
     jax.clear_caches()
     yield request.param
     jax.clear_caches()
+    assert traced, "the torch op did not call tpu_kernels_jax.moe.api.experts_forward: no path was forced"
 
 
 # ---------------------------------------------------------------------------------------------------------- rung 1
@@ -180,6 +253,7 @@ def check_gradients(
     names = names or [f"d arg {i}" for i in argnums]
     assert len(names) == len(argnums), "one name per differentiated argument"
     for name, a, e in zip(names, actual, expected):
+        assert a.dtype == e.dtype, f"{name}: dtype {a.dtype} != reference {e.dtype}"
         tol_a = atol.get(name) if isinstance(atol, dict) else atol
         tol_r = rtol.get(name) if isinstance(rtol, dict) else rtol
         assert_close(a, e, dtype=dtype, atol=tol_a, rtol=tol_r, what=name, context=repr(rand))

@@ -1,8 +1,9 @@
 """MoE experts_forward, JAX side, up the ladder: both kernel paths — grouped (route, gate/up grouped matmul with the
 fused epilogue, down grouped matmul, weighted combine) and small-batch (touched experts over all tokens in one
-kernel) — vs the dense masked reference in strict interpret mode (both weight layouts,
+kernel), each forced through blocks= — vs the dense masked reference in strict interpret mode (both weight layouts,
 gated concatenated / interleaved and ungated experts, biases, expert-parallel sentinels, T in {1, 7, 64}, bf16 and
-f32); gradients; bad input; TPU export; deviceless compile of the whole experts_forward (v6e: every decode benchmark
+f32); gradients; blocks= reaching every kernel, the table's choice and its candidates; bad input (blocks=
+included); TPU export; deviceless compile of the whole experts_forward (v6e: every decode benchmark
 shape; v5e and v7x: the quick benchmark set) (its backward is exported here and the grouped matmul backward compiled in
 test_ragged_dot.py). The torch side (transformers' experts interface, tiny models) is
 tests/test_moe_torch.py."""
@@ -17,6 +18,7 @@ import pytest
 
 from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, MOE_TOP_K, RAGGED_DOT_DECODE_TOKENS
 from tpu_kernels_jax import api as tk
+from tpu_kernels_jax.api import ExpertsBlocks, MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
 from tpu_kernels_jax.moe import api, touched
 from tpu_kernels_jax.moe import tuning as moe_tuning
 from tpu_kernels_jax.moe.reference import experts_forward_reference
@@ -75,27 +77,32 @@ def _case_args(rand, case):
     return (x, index, w.astype(dtype), gate_up, down, gate_up_bias, down_bias), kw
 
 
-# The small-batch kernel does not take an interleaved gate/up: it runs the grouped path whatever the batch. (The
-# 96-wide intermediate, unfused on the grouped path, is fine here: its gate_up is stored with I on the sublanes.)
+# The small-batch kernel does not take an interleaved gate/up: these run on the grouped path only (blocks= asking for
+# the small-batch kernel is a clear error, see BAD_INPUTS). (The 96-wide intermediate, unfused on the grouped path, is
+# fine there: its gate_up is stored with I on the sublanes.)
 GROUPED_ONLY = {"t7-interleaved-silu-bias-f32", "t64-interleaved-gelu-bf16-transposed"}
-SMALL_BATCH_KERNEL, GROUPED_KERNEL = "moe_experts_small_batch", "ragged_dot_fwd"
+PATH_CASES = [(c, p) for c in CASES for p in ladder.MOE_PATHS if p == "grouped" or c[0] not in GROUPED_ONLY]
 
 
-def assert_path(fn, args, path):
-    """The traced program holds the kernels of `path` and not the other's."""
-    text = str(jax.make_jaxpr(fn)(*args))
-    want, other = (
-        (SMALL_BATCH_KERNEL, GROUPED_KERNEL) if path == "small_batch" else (GROUPED_KERNEL, SMALL_BATCH_KERNEL)
+def forced_blocks(path, args, kw):
+    """blocks= forcing `path` for the arguments of experts_forward (ladder.moe_blocks)."""
+    _, _, _, gate_up, down, gate_up_bias, _ = args
+    return ladder.moe_blocks(
+        path,
+        gate_up,
+        down,
+        gate_up_bias,
+        gate_layout=kw.get("gate_layout", "concatenated"),
+        weights_transposed=kw.get("weights_transposed", False),
     )
-    assert want in text and other not in text, f"expected the {path} path ({want}, no {other})"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_experts_forward_matches_reference(rand, case, moe_path):
+@pytest.mark.parametrize("case,path", PATH_CASES, ids=[f"{c[0]}-{p}" for c, p in PATH_CASES])
+def test_experts_forward_matches_reference(rand, case, path):
     args, kw = _case_args(rand, case)
     dtype = case[6]
-    fn = functools.partial(tk.experts_forward, **kw)
-    assert_path(fn, args, "grouped" if case[0] in GROUPED_ONLY else moe_path)
+    fn = functools.partial(tk.experts_forward, blocks=forced_blocks(path, args, kw), **kw)
+    ladder.assert_moe_path(fn, args, path)
     out = ladder.check_against_reference(
         jax.jit(fn),
         jax.jit(functools.partial(experts_forward_reference, **kw)),
@@ -138,10 +145,10 @@ def test_path_choice():
         )
 
     limit = moe_tuning.SMALL_BATCH_MAX_TOKENS["v6e"]
-    assert_path(api.experts_forward, args(1, 128), "small_batch")
-    assert_path(api.experts_forward, args(limit, 128), "small_batch")
-    assert_path(api.experts_forward, args(limit + 1, 128), "grouped")
-    assert_path(api.experts_forward, args(4, moe_tuning.SMALL_BATCH_MAX_EXPERTS + 1), "grouped")
+    ladder.assert_moe_path(api.experts_forward, args(1, 128), "small_batch")
+    ladder.assert_moe_path(api.experts_forward, args(limit, 128), "small_batch")
+    ladder.assert_moe_path(api.experts_forward, args(limit + 1, 128), "grouped")
+    ladder.assert_moe_path(api.experts_forward, args(4, moe_tuning.SMALL_BATCH_MAX_EXPERTS + 1), "grouped")
 
 
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
@@ -156,20 +163,22 @@ def test_touched_experts_compiles_for_tpu(generation):
         )
 
 
-def test_mixed_weight_dtypes(rand, moe_path):
+@pytest.mark.parametrize("path", ladder.MOE_PATHS)
+def test_mixed_weight_dtypes(rand, path):
     """bf16 activations and gate/up weights with an f32 down_proj: each matmul runs in its operands' promoted dtype."""
     x = rand.normal((6, 128), BF16)
     index, w = routing(rand, 6, 8, 2)
     gate_up, _, _, _ = weights(rand, 8, 128, 128, gated=True, transposed=False, bias=False, dtype=BF16)
     _, down, _, _ = weights(rand, 8, 128, 128, gated=True, transposed=False, bias=False, dtype=F32)
     args = (x, index, w.astype(BF16), gate_up, down, None, None)
-    fn = functools.partial(tk.experts_forward, activation="silu")
-    assert_path(fn, args, moe_path)
+    fn = functools.partial(tk.experts_forward, activation="silu", blocks=forced_blocks(path, args, {}))
+    ladder.assert_moe_path(fn, args, path)
     reference = functools.partial(experts_forward_reference, activation="silu")
     ladder.check_against_reference(jax.jit(fn), jax.jit(reference), args, dtype=BF16, rand=rand)
 
 
-def test_sentinels_contribute_nothing(rand, moe_path):
+@pytest.mark.parametrize("path", ladder.MOE_PATHS)
+def test_sentinels_contribute_nothing(rand, path):
     """Replacing some routing ids by sentinels (>= E) gives the result of dropping those slots (weight zero)."""
     args, kw = _case_args(rand, CASES[1])
     x, index, w, gate_up, down, gate_up_bias, down_bias = args
@@ -177,18 +186,19 @@ def test_sentinels_contribute_nothing(rand, moe_path):
     drop = jnp.asarray(rand.rng.random(index.shape) < 0.4)
     with_sentinels = jnp.where(drop, experts + 5, index)
     without = jnp.where(drop, 0.0, w)  # same expert ids, the dropped slots weighted zero
-    fn = jax.jit(functools.partial(tk.experts_forward, **kw))
+    fn = jax.jit(functools.partial(tk.experts_forward, blocks=forced_blocks(path, args, kw), **kw))
     out_sentinel = ladder.run_interpreted(fn, x, with_sentinels, w, gate_up, down, gate_up_bias, down_bias)
     out_zero_weight = ladder.run_interpreted(fn, x, index, without, gate_up, down, gate_up_bias, down_bias)
     ladder.assert_close(out_sentinel, out_zero_weight, dtype=F32, **F32_TOL, context=repr(rand))
 
 
-def test_every_slot_a_sentinel_gives_zeros(rand, moe_path):
+@pytest.mark.parametrize("path", ladder.MOE_PATHS)
+def test_every_slot_a_sentinel_gives_zeros(rand, path):
     """A shard that holds none of the routed experts: the output is exactly zero, biases included."""
     args, kw = _case_args(rand, CASES[1])
     x, index, w, gate_up, down, gate_up_bias, down_bias = args
     sentinels = jnp.full_like(index, gate_up.shape[0]) + jnp.asarray(rand.rng.integers(0, 5, index.shape), jnp.int32)
-    fn = jax.jit(functools.partial(tk.experts_forward, **kw))
+    fn = jax.jit(functools.partial(tk.experts_forward, blocks=forced_blocks(path, args, kw), **kw))
     out = ladder.run_interpreted(fn, x, sentinels, w, gate_up, down, gate_up_bias, down_bias)
     assert out.shape == x.shape and bool(jnp.all(out == 0)), "sentinel-only routing produced nonzero output"
 
@@ -205,25 +215,108 @@ def test_no_tokens(rand):
 GRAD_CASES = [CASES[1], CASES[5]]  # f32 concatenated + biases; bf16 ungated + biases + sentinels
 
 
-@pytest.mark.parametrize("case", GRAD_CASES, ids=[c[0] for c in GRAD_CASES])
-def test_experts_forward_gradients(rand, case, moe_path):
+GRAD_PATH_CASES = [(c, p) for c in GRAD_CASES for p in ladder.MOE_PATHS]
+GRAD_NAMES = ["d hidden_states", "d top_k_weights", "d gate_up_proj", "d down_proj", "d gate_up_bias", "d down_bias"]
+
+
+@pytest.mark.parametrize("case,path", GRAD_PATH_CASES, ids=[f"{c[0]}-{p}" for c, p in GRAD_PATH_CASES])
+def test_experts_forward_gradients(rand, case, path):
     """d hidden_states, d top_k_weights, d gate_up_proj, d down_proj (and d biases) vs jax.grad of the reference."""
     args, kw = _case_args(rand, case)
     dtype = case[6]
     has_bias = args[5] is not None
-    argnums = (0, 2, 3, 4, 5, 6) if has_bias else (0, 2, 3, 4)
-    cotangent = rand.normal(args[0].shape)
-    kernel_grad = jax.grad(lambda *a: ladder.vjp_loss(tk.experts_forward(*a[:-1], **kw), a[-1]), argnums=argnums)
-    ref_grad = jax.grad(lambda *a: ladder.vjp_loss(experts_forward_reference(*a[:-1], **kw), a[-1]), argnums=argnums)
-    actual = ladder.run_interpreted(jax.jit(kernel_grad), *args, cotangent)
-    expected = jax.jit(ref_grad)(*args, cotangent)
-    names = ["d hidden_states", "d top_k_weights", "d gate_up_proj", "d down_proj", "d gate_up_bias", "d down_bias"]
     # bf16: the reference rounds the intermediate once as the kernel does, but its backward stays in f32 where the
     # kernel's rounds each grouped matmul's result to bf16; weight gradients sum over tokens.
     tol = dict(rtol=3e-2, atol=5e-2) if dtype == BF16 else dict(rtol=1e-4, atol=1e-4)
-    for what, a, e in zip(names, actual, expected):
-        assert a.dtype == e.dtype, f"{what}: dtype {a.dtype} != {e.dtype}"
-        ladder.assert_close(a, e, dtype=dtype, what=what, context=repr(rand), **tol)
+    ladder.check_gradients(
+        functools.partial(tk.experts_forward, blocks=forced_blocks(path, args, kw), **kw),
+        functools.partial(experts_forward_reference, **kw),
+        args,
+        argnums=(0, 2, 3, 4, 5, 6) if has_bias else (0, 2, 3, 4),
+        names=GRAD_NAMES if has_bias else GRAD_NAMES[:4],
+        rand=rand,
+        dtype=dtype,
+        **tol,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ blocks=
+def _qwen3_decode_specs(tokens):
+    return [jax.ShapeDtypeStruct(*sd) for sd in _decode_specs("qwen3-30b-a3b", tokens)]
+
+
+def test_blocks_reach_every_kernel():
+    """The small-batch chunk and VMEM limit reach its kernel; gate_up and down reach the grouped matmuls, forward
+    (grouped path) and backward (both paths: the small-batch gradient is the grouped path's). Each part carries a
+    distinct vmem_limit_bytes, found in the traced program's kernels."""
+    marks = iter((100 << 20) + 4096 * i for i in range(1, 20))  # above any working set here, below 128 MiB
+
+    def ragged(with_backward):
+        parts = dict(forward=MatmulBlocks(vmem_limit_bytes=next(marks)))
+        if with_backward:
+            parts.update(
+                recompute=MatmulBlocks(vmem_limit_bytes=next(marks)),
+                lhs_grad=MatmulBlocks(vmem_limit_bytes=next(marks)),
+                rhs_grad=TransposedMatmulBlocks(vmem_limit_bytes=next(marks)),
+            )
+        return RaggedDotBlocks(**parts)
+
+    specs = _qwen3_decode_specs(8)
+    for path in ladder.MOE_PATHS:
+        gate_up, down = ragged(True), ragged(True)
+        small = dict(chunk=384, vmem_limit_bytes=next(marks)) if path == "small_batch" else {}
+        blocks = ExpertsBlocks(path=path, gate_up=gate_up, down=down, **small)
+        forward = functools.partial(api.experts_forward, activation="silu", blocks=blocks)
+        text = str(jax.make_jaxpr(forward)(*specs))
+        grad_text = str(jax.make_jaxpr(jax.grad(lambda *a: ladder.vjp_loss(forward(*a)), argnums=(0, 2, 3, 4)))(*specs))
+        expected = {"gate_up.lhs_grad": gate_up.lhs_grad, "gate_up.rhs_grad": gate_up.rhs_grad}
+        expected.update({"down.recompute": down.recompute, "down.lhs_grad": down.lhs_grad})
+        expected.update({"down.rhs_grad": down.rhs_grad, "gate_up.recompute": gate_up.recompute})
+        for name, part in expected.items():
+            assert f"vmem_limit_bytes={part.vmem_limit_bytes}" in grad_text, f"{path}: blocks.{name} unused"
+        in_forward = {"gate_up.forward": gate_up.forward, "down.forward": down.forward}
+        for name, part in in_forward.items():
+            found = f"vmem_limit_bytes={part.vmem_limit_bytes}" in text
+            assert found == (path == "grouped"), f"{path}: blocks.{name} {'unused' if not found else 'ran'}"
+        if path == "small_batch":
+            assert f"vmem_limit_bytes={blocks.vmem_limit_bytes}" in text, "blocks.vmem_limit_bytes unused"
+
+
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+@pytest.mark.parametrize("tokens", [1, 64, 256, 1024])
+def test_choose_and_candidate_blocks(generation, tokens):
+    """tuning.choose_blocks names the path the table takes (and its chunk), candidate_blocks lists it first, then the
+    other path and small-batch chunks next to it, all distinct; experts_forward takes each as blocks= and traces
+    the kernels of its path."""
+    specs = _qwen3_decode_specs(tokens)
+    dims = MOE_MODELS["qwen3-30b-a3b"]
+    kwargs = dict(
+        gate_up_shape=specs[3].shape,
+        down_shape=specs[4].shape,
+        weights_transposed=False,
+        gate_layout="concatenated",
+        has_gate_up_bias=False,
+        hidden_dtype=BF16,
+        weight_dtype=BF16,
+    )
+    with jax.default_device(ladder.tpu_device(generation)):
+        table = moe_tuning.choose_blocks(tokens, dims["hidden"], dims["intermediate"], **kwargs)
+        small = tokens <= moe_tuning.SMALL_BATCH_MAX_TOKENS[generation]
+        assert table.path == ("small_batch" if small else "grouped"), table
+        ladder.assert_moe_path(functools.partial(api.experts_forward, activation="silu"), specs, table.path)
+        candidates = moe_tuning.candidate_blocks(tokens, dims["hidden"], dims["intermediate"], **kwargs)
+        assert candidates[0] == table and len(set(candidates)) == len(candidates), candidates
+        try:  # the small-batch kernel at this batch, whatever the threshold says
+            moe_tuning.plan_small_batch(
+                tokens, dims["hidden"], dims["intermediate"], blocks=ExpertsBlocks(path="small_batch"), **kwargs
+            )
+            paths = set(ladder.MOE_PATHS)
+        except ValueError:  # its working set [T, H] does not fit this generation's VMEM
+            paths = {"grouped"}
+        assert {c.path for c in candidates} == paths, candidates
+        for candidate in candidates:
+            fn = functools.partial(api.experts_forward, activation="silu", blocks=candidate)
+            ladder.assert_moe_path(fn, specs, candidate.path)
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -244,92 +337,182 @@ def _good(rand):
 
 
 BAD_INPUTS = [
-    (
+    ladder.BadInput(
         "negative routing id",
         dict(top_k_index=jnp.asarray([[0, 1], [2, -1], [0, 3], [1, 2], [3, 0]], jnp.int32)),
         ValueError,
         "top_k_index: expected expert ids >= 0 (ids >= num_experts = 4 are expert-parallel sentinels), "
         "got top_k_index[1, 1] = -1",
     ),
-    ("routing ids float", dict(top_k_index=jnp.zeros((5, 2))), TypeError, "top_k_index: expected dtype"),
-    (
+    ladder.BadInput("routing ids float", dict(top_k_index=jnp.zeros((5, 2))), TypeError, "top_k_index: expected dtype"),
+    ladder.BadInput(
         "routing ids int64",
         dict(top_k_index=np.zeros((5, 2), np.int64)),
         TypeError,
         "top_k_index: expected dtype in (int32), got int64",
     ),
-    (
+    ladder.BadInput(
         "routing shapes differ",
         dict(top_k_weights=jnp.ones((5, 3))),
         ValueError,
         "top_k_index / top_k_weights: expected the same shape [T=5, k]",
     ),
-    (
+    ladder.BadInput(
         "routing tokens",
         dict(top_k_index=jnp.zeros((4, 2), jnp.int32), top_k_weights=jnp.ones((4, 2))),
         ValueError,
         "top_k_index / top_k_weights: expected the same shape [T=5, k]",
     ),
-    (
+    ladder.BadInput(
         "hidden_states int",
         dict(hidden_states=jnp.zeros((5, 128), jnp.int32)),
         TypeError,
         "hidden_states: expected dtype",
     ),
-    (
+    ladder.BadInput(
         "hidden_states rank",
         dict(hidden_states=jnp.zeros((1, 5, 128))),
         ValueError,
         "hidden_states: expected 2 dimensions",
     ),
-    ("top_k_weights int", dict(top_k_weights=jnp.ones((5, 2), jnp.int32)), TypeError, "top_k_weights: expected dtype"),
-    (
+    ladder.BadInput(
+        "top_k_weights int", dict(top_k_weights=jnp.ones((5, 2), jnp.int32)), TypeError, "top_k_weights: expected dtype"
+    ),
+    ladder.BadInput(
         "gate_up_proj hidden",
         dict(gate_up_proj=jnp.zeros((4, 128, 96))),
         ValueError,
         "gate_up_proj: expected layout [E, N, H] with H = 128 (hidden_states' size), got shape (4, 128, 96)",
     ),
-    ("gate_up_proj rank", dict(gate_up_proj=jnp.zeros((128, 128))), ValueError, "gate_up_proj: expected 3 dimensions"),
-    (
+    ladder.BadInput(
+        "gate_up_proj rank", dict(gate_up_proj=jnp.zeros((128, 128))), ValueError, "gate_up_proj: expected 3 dimensions"
+    ),
+    ladder.BadInput(
         "gate_up_proj odd",
         dict(gate_up_proj=jnp.zeros((4, 127, 128))),
         ValueError,
         "gate_up_proj: a gated layout needs an even 2*I, got 127",
     ),
-    (
+    ladder.BadInput(
         "down_proj shape",
         dict(down_proj=jnp.zeros((4, 128, 32))),
         ValueError,
         "down_proj: expected shape (4, 128, 64), got (4, 128, 32)",
     ),
-    (
+    ladder.BadInput(
         "down_proj experts",
         dict(down_proj=jnp.zeros((3, 128, 64))),
         ValueError,
         "down_proj: expected shape (4, 128, 64)",
     ),
-    ("down_proj int", dict(down_proj=jnp.zeros((4, 128, 64), jnp.int32)), TypeError, "down_proj: expected dtype"),
-    (
+    ladder.BadInput(
+        "down_proj int", dict(down_proj=jnp.zeros((4, 128, 64), jnp.int32)), TypeError, "down_proj: expected dtype"
+    ),
+    ladder.BadInput(
         "gate_up_bias shape",
         dict(gate_up_bias=jnp.zeros((4, 64))),
         ValueError,
         "gate_up_bias: expected shape (4, 128), got (4, 64)",
     ),
-    ("down_bias shape", dict(down_bias=jnp.zeros((5, 128))), ValueError, "down_bias: expected shape (4, 128)"),
-    ("activation", dict(activation="relu"), ValueError, "activation: expected one of ('silu', 'gelu_tanh')"),
-    ("gate_layout", dict(gate_layout="stacked"), ValueError, "gate_layout: expected one of"),
+    ladder.BadInput(
+        "down_bias shape", dict(down_bias=jnp.zeros((5, 128))), ValueError, "down_bias: expected shape (4, 128)"
+    ),
+    ladder.BadInput(
+        "activation", dict(activation="relu"), ValueError, "activation: expected one of ('silu', 'gelu_tanh')"
+    ),
+    ladder.BadInput("gate_layout", dict(gate_layout="stacked"), ValueError, "gate_layout: expected one of"),
+    # blocks=: the structure, the path's fit to the inputs, the small-batch chunk and VMEM, the grouped matmuls' tiles.
+    ladder.BadInput(
+        "blocks type",
+        dict(blocks=RaggedDotBlocks()),
+        TypeError,
+        "blocks: expected an ExpertsBlocks or None, got RaggedDotBlocks",
+    ),
+    ladder.BadInput(
+        "blocks path",
+        dict(blocks=ExpertsBlocks(path="fast")),
+        ValueError,
+        "blocks.path: expected None or one of ('small_batch', 'grouped'), got 'fast'",
+    ),
+    ladder.BadInput(
+        "blocks chunk without the small-batch path",
+        dict(blocks=ExpertsBlocks(chunk=8)),
+        ValueError,
+        "blocks.chunk: a tile of the small-batch kernel, so it needs path='small_batch', got path=None",
+    ),
+    ladder.BadInput(
+        "blocks vmem limit on the grouped path",
+        dict(blocks=ExpertsBlocks(path="grouped", vmem_limit_bytes=16 << 20)),
+        ValueError,
+        "blocks.vmem_limit_bytes: a tile of the small-batch kernel, so it needs path='small_batch', got path='grouped'",
+    ),
+    ladder.BadInput(
+        "blocks small batch interleaved",
+        dict(gate_layout="interleaved", blocks=ExpertsBlocks(path="small_batch")),
+        ValueError,
+        "blocks.path: 'small_batch' cannot serve these inputs: gate_layout='interleaved'",
+    ),
+    ladder.BadInput(
+        "blocks small batch too many experts",
+        dict(
+            gate_up_proj=jax.ShapeDtypeStruct((1025, 128, 128), F32),
+            down_proj=jax.ShapeDtypeStruct((1025, 128, 64), F32),
+            gate_up_bias=None,
+            down_bias=None,
+            blocks=ExpertsBlocks(path="small_batch"),
+        ),
+        ValueError,
+        "blocks.path: 'small_batch' cannot serve these inputs: 1025 experts",
+    ),
+    ladder.BadInput(
+        "blocks small batch no legal chunk",  # the gate/up bias is cut on lanes: 128 columns, more than I = 64
+        dict(blocks=ExpertsBlocks(path="small_batch")),
+        ValueError,
+        "blocks.path: 'small_batch' cannot serve these inputs: no divisor of I = 64 is whole layout tiles",
+    ),
+    ladder.BadInput(
+        "blocks chunk not legal",
+        dict(gate_up_bias=None, blocks=ExpertsBlocks(path="small_batch", chunk=12)),
+        ValueError,
+        "blocks.chunk: expected a divisor of I = 64 that is whole layout tiles of the blocks it cuts (128 lanes or "
+        "8 sublanes, by the weights' stored orientation): one of [64, 32, 16, 8], got 12",
+    ),
+    ladder.BadInput(
+        "blocks chunk float",
+        dict(gate_up_bias=None, blocks=ExpertsBlocks(path="small_batch", chunk=8.0)),
+        TypeError,
+        "blocks.chunk: expected a positive int, got float 8.0",
+    ),
+    ladder.BadInput(
+        "blocks small batch vmem limit below its working set",
+        dict(gate_up_bias=None, blocks=ExpertsBlocks(path="small_batch", vmem_limit_bytes=4096)),
+        ValueError,
+        "blocks: these blocks need",
+    ),
+    ladder.BadInput(
+        "blocks gate_up part type",
+        dict(blocks=ExpertsBlocks(gate_up=MatmulBlocks())),
+        TypeError,
+        "blocks.gate_up: expected a RaggedDotBlocks or None, got MatmulBlocks",
+    ),
+    ladder.BadInput(
+        "blocks gate_up tile",
+        dict(blocks=ExpertsBlocks(gate_up=RaggedDotBlocks(forward=MatmulBlocks(tk=100)))),
+        ValueError,
+        "blocks.gate_up.forward.tk: expected a multiple of 128 (lanes) or at least K = 128, got 100",
+    ),
+    ladder.BadInput(
+        "blocks down backward tile",
+        dict(blocks=ExpertsBlocks(path="small_batch", down=RaggedDotBlocks(rhs_grad=TransposedMatmulBlocks(tp=64)))),
+        ValueError,
+        "blocks.down.rhs_grad.tp: expected a multiple of 128 (lanes) or at least P = 128, got 64",
+    ),
 ]
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+@ladder.bad_input_params(BAD_INPUTS)
 def test_bad_input_is_a_clear_error(rand, case):
-    _, changes, error, message = case
-    args = _good(rand)
-    kw = {name: changes.pop(name) for name in ("activation", "gate_layout") if name in changes}
-    args.update(changes)
-    with pytest.raises(error) as info:
-        tk.experts_forward(**args, **kw)
-    assert message in str(info.value), str(info.value)
+    ladder.assert_clear_error(case, lambda arguments: tk.experts_forward(**arguments), _good(rand), rand)
 
 
 # ------------------------------------------------------------------------------------------------ rung 2

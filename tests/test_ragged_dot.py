@@ -1,9 +1,10 @@
 """Ragged dot (grouped matmul), JAX side, up the ladder: kernel vs reference and vs `jax.lax.ragged_dot` in strict
 interpret mode (random group sizes with zeros, M from 0 to 4096, bf16 and f32, both rhs layouts, empty groups, one
 group holding every row, tail rows past sum(group_sizes), local group windows, fused bias / activation / gated
-epilogue, static grid); gradients w.r.t. lhs, rhs and bias; bad input; TPU export; deviceless compile for v5e / v6e /
-v7x of the prefill grouped matmuls at the benchmark shapes (the decode ones compile inside experts_forward, in
-test_moe.py) and of the backward.
+epilogue, static grid), each with the table's blocks and, where tiling matters, tiny ones forced through blocks=;
+gradients w.r.t. lhs, rhs, bias and row_scale; the kernels' activation against the reference's; bad input (blocks=
+included); TPU export; deviceless compile for v5e / v6e / v7x of the prefill grouped matmuls at the benchmark shapes
+(the decode ones compile inside experts_forward, in test_moe.py), of the backward and of the tiny blocks.
 
 Every interpret run is jitted (one XLA compile per shape instead of one per eager op), and shapes stay small: the
 simulator costs about a second per call on this machine."""
@@ -19,26 +20,29 @@ import pytest
 
 from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, RAGGED_DOT_PREFILL_ROWS
 from tpu_kernels_jax import api as tk
+from tpu_kernels_jax.api import MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
+from tpu_kernels_jax.common import activation as kernel_activation
+from tpu_kernels_jax.common.blocks import sublane_multiple
 from tpu_kernels_jax.ragged_dot import api, metadata, tuning
-from tpu_kernels_jax.ragged_dot.reference import ragged_dot_reference
+from tpu_kernels_jax.ragged_dot.reference import activation_reference, ragged_dot_reference
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 # f32 sums of a few hundred products: CPU and kernel summation orders differ by a few ulps of the largest term.
 F32_TOL = dict(rtol=1e-5, atol=1e-4)
 
 
-@pytest.fixture(params=["tuned_blocks", "small_blocks"])
-def block_regime(request, monkeypatch):
-    """Tuned blocks, and tiny ones (8-row m tiles, 128-wide k and n tiles) so multi-tile grids, k accumulation over
-    several steps, a masked partial last k block, partial last n blocks and tiles shared by several groups are all
-    exercised at test sizes."""
-    if request.param == "small_blocks":
-        monkeypatch.setattr(tuning, "TM_MAX", {g: 8 for g in tuning.TM_MAX})
-        monkeypatch.setattr(tuning, "TM_MIN", 8)
-        monkeypatch.setattr(tuning, "TM_MIN_TRANSPOSED", {})
-        monkeypatch.setattr(tuning, "TN_MAX", {g: 128 for g in tuning.TN_MAX})
-        monkeypatch.setattr(tuning, "TK_MAX", {g: 128 for g in tuning.TK_MAX})
-    return request.param
+def small_blocks(dtype) -> RaggedDotBlocks:
+    """Tiny tiles for every kernel of the op (one sublane tile of rows, 128-wide k and n tiles; the rhs gradient's
+    output blocks stay the table's), so multi-tile grids, k accumulation over several steps, a masked partial last k
+    block, partial last n blocks and tiles shared by several groups are all exercised at test sizes."""
+    tile = MatmulBlocks(tm=sublane_multiple(dtype), tk=128, tn=128)
+    return RaggedDotBlocks(
+        forward=tile, recompute=tile, lhs_grad=tile, rhs_grad=TransposedMatmulBlocks(tm=sublane_multiple(dtype))
+    )
+
+
+# What each block regime passes as blocks=: the tuning table's choice, or the tiny tiles.
+BLOCK_REGIMES = {"tuned_blocks": lambda dtype: None, "small_blocks": small_blocks}
 
 
 def group_sizes(rand, groups, fill):
@@ -94,10 +98,8 @@ SMALL_BLOCK_CASES = ("m64-k200-bf16-to-f32", "m129-n200-f32")
 REGIME_CASES = [(c, "tuned_blocks") for c in CASES] + [(c, "small_blocks") for c in CASES if c[0] in SMALL_BLOCK_CASES]
 
 
-@pytest.mark.parametrize(
-    "case,block_regime", REGIME_CASES, ids=[f"{c[0]}-{r}" for c, r in REGIME_CASES], indirect=["block_regime"]
-)
-def test_ragged_dot_matches_reference_and_lax(rand, block_regime, case):
+@pytest.mark.parametrize("case,regime", REGIME_CASES, ids=[f"{c[0]}-{r}" for c, r in REGIME_CASES])
+def test_ragged_dot_matches_reference_and_lax(rand, regime, case):
     _, m, k, n, groups, fill, dtype, transposed, preferred = case
     lhs = rand.normal((m, k), dtype)
     rhs = rand.normal(rhs_shape(groups, k, n, transposed), dtype)
@@ -105,7 +107,12 @@ def test_ragged_dot_matches_reference_and_lax(rand, block_regime, case):
     kw = dict(rhs_transposed=transposed, preferred_element_type=preferred)
     out_dtype = jnp.dtype(preferred or dtype)
     out = ladder.check_against_reference(
-        kernel_fn(**kw), reference_fn(**kw), (lhs, rhs, sizes), dtype=out_dtype, rand=rand, **tolerance(out_dtype)
+        kernel_fn(blocks=BLOCK_REGIMES[regime](dtype), **kw),
+        reference_fn(**kw),
+        (lhs, rhs, sizes),
+        dtype=out_dtype,
+        rand=rand,
+        **tolerance(out_dtype),
     )
     assert out.shape == (m, n) and out.dtype == out_dtype
     expected = lax_ragged_dot(lhs, rhs, sizes, rhs_transposed=transposed, out_dtype=out_dtype)
@@ -161,12 +168,12 @@ def test_special_group_layouts(rand, kind, static_grid):
     assert bool(jnp.all(out[fill:] == 0)), f"{kind}: rows past the groups are not exactly zero"
 
 
-@pytest.mark.parametrize("block_regime", ["small_blocks"], indirect=True)
-def test_static_grid_matches_dynamic_grid(rand, block_regime):
+def test_static_grid_matches_dynamic_grid(rand):
     lhs, rhs = rand.normal((96, 256), BF16), rand.normal((9, 256, 256), BF16)
     sizes = group_sizes(rand, 9, 83)
-    dynamic = ladder.run_interpreted(kernel_fn(), lhs, rhs, sizes)
-    static = ladder.run_interpreted(kernel_fn(static_grid=True), lhs, rhs, sizes)
+    blocks = small_blocks(BF16)
+    dynamic = ladder.run_interpreted(kernel_fn(blocks=blocks), lhs, rhs, sizes)
+    static = ladder.run_interpreted(kernel_fn(static_grid=True, blocks=blocks), lhs, rhs, sizes)
     assert bool(jnp.all(dynamic == static)), f"static and dynamic grids differ ({rand})"
     ladder.assert_close(static, reference_fn()(lhs, rhs, sizes), dtype=BF16, context=repr(rand))
 
@@ -243,17 +250,13 @@ EPILOGUE_REGIMES = [(c, "tuned_blocks") for c in EPILOGUE_CASES] + [
 ]
 
 
-@pytest.mark.parametrize(
-    "case,block_regime",
-    EPILOGUE_REGIMES,
-    ids=[f"{c[0]}-{r}" for c, r in EPILOGUE_REGIMES],
-    indirect=["block_regime"],
-)
-def test_fused_epilogue_matches_reference(rand, block_regime, case):
+@pytest.mark.parametrize("case,regime", EPILOGUE_REGIMES, ids=[f"{c[0]}-{r}" for c, r in EPILOGUE_REGIMES])
+def test_fused_epilogue_matches_reference(rand, regime, case):
     (lhs, rhs, sizes, bias), kw = _epilogue_args(rand, case)
     dtype = case[5]
+    blocks = BLOCK_REGIMES[regime](dtype)
     out = ladder.check_against_reference(
-        jax.jit(lambda l, r, s, b: tk.ragged_dot(l, r, s, bias=b, **kw)),
+        jax.jit(lambda l, r, s, b: tk.ragged_dot(l, r, s, bias=b, blocks=blocks, **kw)),
         jax.jit(lambda l, r, s, b: ragged_dot_reference(l, r, s, bias=b, **kw)),
         (lhs, rhs, sizes, bias),
         dtype=dtype,
@@ -277,10 +280,12 @@ GRAD_CASES = [
 GRAD_REGIMES = [(c, "tuned_blocks") for c in GRAD_CASES] + [(GRAD_CASES[0], "small_blocks")]
 
 
-@pytest.mark.parametrize(
-    "case,block_regime", GRAD_REGIMES, ids=[f"{c[0]}-{r}" for c, r in GRAD_REGIMES], indirect=["block_regime"]
-)
-def test_gradients_match_reference(rand, block_regime, case):
+# d rhs and d bias sum over a group's rows: bf16 inputs carry their rounding into those sums.
+GRAD_TOLERANCE = {jnp.dtype(BF16): dict(atol=5e-2), jnp.dtype(F32): dict(rtol=1e-5, atol=2e-4)}
+
+
+@pytest.mark.parametrize("case,regime", GRAD_REGIMES, ids=[f"{c[0]}-{r}" for c, r in GRAD_REGIMES])
+def test_gradients_match_reference(rand, regime, case):
     name, m, k, n, groups, dtype, transposed, with_bias, activation, gated, window, static_grid = case
     kw = dict(rhs_transposed=transposed, activation=activation, gated=gated)
     rhs_groups = groups
@@ -291,22 +296,17 @@ def test_gradients_match_reference(rand, block_regime, case):
     rhs = rand.normal(rhs_shape(rhs_groups, k, n, transposed), dtype, scale=0.2)
     bias = rand.normal((rhs_groups, n), dtype) if with_bias else None
     sizes = group_sizes(rand, groups, m - 5)
-    cotangent = rand.normal((m, n // 2 if gated else n))
-    argnums = (0, 1, 3) if with_bias else (0, 1)
-    kernel_grad = jax.grad(
-        lambda l, r, s, b, c: ladder.vjp_loss(tk.ragged_dot(l, r, s, bias=b, static_grid=static_grid, **kw), c),
-        argnums=argnums,
+    blocks = BLOCK_REGIMES[regime](dtype)
+    actual = ladder.check_gradients(
+        lambda l, r, s, b: tk.ragged_dot(l, r, s, bias=b, static_grid=static_grid, blocks=blocks, **kw),
+        lambda l, r, s, b: ragged_dot_reference(l, r, s, bias=b, **kw),
+        (lhs, rhs, sizes, bias),
+        argnums=(0, 1, 3) if with_bias else (0, 1),
+        names=["d lhs", "d rhs", "d bias"][: 3 if with_bias else 2],
+        rand=rand,
+        dtype=dtype,
+        **GRAD_TOLERANCE[jnp.dtype(dtype)],
     )
-    ref_grad = jax.grad(
-        lambda l, r, s, b, c: ladder.vjp_loss(ragged_dot_reference(l, r, s, bias=b, **kw), c), argnums=argnums
-    )
-    actual = ladder.run_interpreted(jax.jit(kernel_grad), lhs, rhs, sizes, bias, cotangent)
-    expected = jax.jit(ref_grad)(lhs, rhs, sizes, bias, cotangent)
-    # d rhs and d bias sum over a group's rows: bf16 inputs carry their rounding into those sums.
-    tol = dict(atol=5e-2) if dtype == BF16 else dict(rtol=1e-5, atol=2e-4)
-    for what, a, e in zip(["d lhs", "d rhs", "d bias"], actual, expected):
-        assert a.dtype == e.dtype, f"{what}: dtype {a.dtype} != {e.dtype}"
-        ladder.assert_close(a, e, dtype=dtype, what=what, context=f"{sizes} {rand}", **tol)
     assert bool(jnp.all(actual[0][m - 5 :] == 0)), "d lhs of rows past the groups is not exactly zero"
 
 
@@ -321,48 +321,203 @@ ROW_SCALE_CASES = [
 ROW_SCALE_REGIMES = [(c, "tuned_blocks") for c in ROW_SCALE_CASES] + [(ROW_SCALE_CASES[0], "small_blocks")]
 
 
-@pytest.mark.parametrize(
-    "case,block_regime",
-    ROW_SCALE_REGIMES,
-    ids=[f"{c[0]}-{r}" for c, r in ROW_SCALE_REGIMES],
-    indirect=["block_regime"],
-)
-def test_row_scale_and_its_gradient(rand, block_regime, case):
+@pytest.mark.parametrize("case,regime", ROW_SCALE_REGIMES, ids=[f"{c[0]}-{r}" for c, r in ROW_SCALE_REGIMES])
+def test_row_scale_and_its_gradient(rand, regime, case):
     """out[r] = row_scale[r] * (epilogue of lhs[r] @ rhs[g(r)] + bias): forward, and every gradient including
     d row_scale, against the reference."""
     _, m, k, n, groups, dtype, transposed, with_bias, activation, gated = case
-    kw = dict(rhs_transposed=transposed, activation=activation, gated=gated)
+    kw = dict(rhs_transposed=transposed, activation=activation, gated=gated, blocks=BLOCK_REGIMES[regime](dtype))
     lhs = rand.normal((m, k), dtype)
     rhs = rand.normal(rhs_shape(groups, k, n, transposed), dtype, scale=0.2)
     bias = rand.normal((groups, n), dtype) if with_bias else None
     scale = rand.normal((m,), F32)
     sizes = group_sizes(rand, groups, m - 3)
+    ref_kw = {key: value for key, value in kw.items() if key != "blocks"}
+
+    def kernel(l, r, sz, b, sc):
+        return tk.ragged_dot(l, r, sz, bias=b, row_scale=sc, **kw)
+
+    def reference(l, r, sz, b, sc):
+        return ragged_dot_reference(l, r, sz, bias=b, row_scale=sc, **ref_kw)
+
+    args = (lhs, rhs, sizes, bias, scale)
     out = ladder.check_against_reference(
-        jax.jit(lambda l, r, sz, b, sc: tk.ragged_dot(l, r, sz, bias=b, row_scale=sc, **kw)),
-        jax.jit(lambda l, r, sz, b, sc: ragged_dot_reference(l, r, sz, bias=b, row_scale=sc, **kw)),
-        (lhs, rhs, sizes, bias, scale),
-        dtype=dtype,
-        rand=rand,
-        **tolerance(dtype),
+        jax.jit(kernel), jax.jit(reference), args, dtype=dtype, rand=rand, **tolerance(dtype)
     )
     assert bool(jnp.all(out[m - 3 :] == 0)), "tail rows are not exactly zero"
-    cotangent = rand.normal(out.shape)
-    argnums = (0, 1, 3, 4) if with_bias else (0, 1, 4)
-    kernel_grad = jax.grad(
-        lambda l, r, sz, b, sc, c: ladder.vjp_loss(tk.ragged_dot(l, r, sz, bias=b, row_scale=sc, **kw), c),
-        argnums=argnums,
+    ladder.check_gradients(
+        kernel,
+        reference,
+        args,
+        argnums=(0, 1, 3, 4) if with_bias else (0, 1, 4),
+        names=["d lhs", "d rhs"] + (["d bias"] if with_bias else []) + ["d row_scale"],
+        rand=rand,
+        dtype=dtype,
+        **GRAD_TOLERANCE[jnp.dtype(dtype)],
     )
-    ref_grad = jax.grad(
-        lambda l, r, sz, b, sc, c: ladder.vjp_loss(ragged_dot_reference(l, r, sz, bias=b, row_scale=sc, **kw), c),
-        argnums=argnums,
+
+
+# ------------------------------------------------------------------------------------------------ activation
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("activation", kernel_activation.ACTIVATIONS)
+def test_kernel_activation_matches_the_reference(rand, activation, dtype):
+    """The activation the kernels' epilogues apply (common/activation.py, its own formula) is the reference's
+    (jax.nn's), in value and derivative (the backward differentiates the production one), over the range
+    pre-activations take (normal, scale 4: deep into both tails)."""
+    x = rand.normal((8, 1024), dtype, scale=4.0)
+    ladder.assert_close(
+        kernel_activation.apply_activation(x, activation),
+        activation_reference(x, activation),
+        dtype=dtype,
+        what=f"{activation} ({jnp.dtype(dtype)})",
+        context=repr(rand),
     )
-    actual = ladder.run_interpreted(jax.jit(kernel_grad), lhs, rhs, sizes, bias, scale, cotangent)
-    expected = jax.jit(ref_grad)(lhs, rhs, sizes, bias, scale, cotangent)
-    tol = dict(atol=5e-2) if dtype == BF16 else dict(rtol=1e-5, atol=2e-4)
-    names = ["d lhs", "d rhs"] + (["d bias"] if with_bias else []) + ["d row_scale"]
-    for what, a, e in zip(names, actual, expected):
-        assert a.dtype == e.dtype, f"{what}: dtype {a.dtype} != {e.dtype}"
-        ladder.assert_close(a, e, dtype=dtype, what=what, context=f"{sizes} {rand}", **tol)
+    derivative = jax.vmap(jax.grad(lambda v, f: f(v, activation).astype(F32)), in_axes=(0, None))
+    flat = x.reshape(-1)
+    ladder.assert_close(
+        derivative(flat, kernel_activation.apply_activation),
+        derivative(flat, activation_reference),
+        dtype=dtype,
+        what=f"d {activation} ({jnp.dtype(dtype)})",
+        context=repr(rand),
+    )
+    assert kernel_activation.apply_activation(x, None) is x
+
+
+# ------------------------------------------------------------------------------------------------ blocks=
+def _window_epilogue_specs(dtype=BF16):
+    spec = jax.ShapeDtypeStruct
+    return spec((96, 256), dtype), spec((6, 512, 256), dtype), spec((6,), jnp.int32), spec((96,), F32)
+
+
+def test_blocks_reach_every_kernel():
+    """Each part of blocks= goes to its kernel, forward and backward: with a distinct vmem_limit_bytes per part, the
+    traced gradient (gated epilogue and row scale: every one of the four kernels runs) holds each part's limit."""
+    limits = {part: (20 << 20) + 4096 * (i + 1) for i, part in enumerate(("forward", "recompute", "lhs_grad"))}
+    limits["rhs_grad"] = (20 << 20) + 4096 * 4
+    blocks = RaggedDotBlocks(
+        forward=MatmulBlocks(tm=32, vmem_limit_bytes=limits["forward"]),
+        recompute=MatmulBlocks(tm=32, vmem_limit_bytes=limits["recompute"]),
+        lhs_grad=MatmulBlocks(tm=32, vmem_limit_bytes=limits["lhs_grad"]),
+        rhs_grad=TransposedMatmulBlocks(tm=32, vmem_limit_bytes=limits["rhs_grad"]),
+    )
+
+    def loss(lhs, rhs, sizes, scale):
+        out = api.ragged_dot(
+            lhs,
+            rhs,
+            sizes,
+            rhs_transposed=True,
+            activation="silu",
+            gated="concatenated",
+            row_scale=scale,
+            blocks=blocks,
+        )
+        return ladder.vjp_loss(out)
+
+    text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 3)))(*_window_epilogue_specs()))
+    for part, limit in limits.items():
+        assert f"vmem_limit_bytes={limit}" in text, f"blocks.{part} did not reach its kernel"
+
+
+# (lhs, rhs, kwargs) shapes whose resolved blocks are compared: plain, fused gated, unfused interleaved, row scale.
+RESOLVE_CASES = [
+    ((512, 2048), (128, 1536, 2048), dict(rhs_transposed=True, activation="silu", gated="concatenated")),
+    ((4096, 768), (128, 2048, 768), dict(rhs_transposed=True)),
+    ((64, 256), (8, 256, 512), dict(activation="gelu_tanh", gated="interleaved")),
+    ((200, 704), (16, 2816, 704), dict(rhs_transposed=True, with_row_scale=True)),
+]
+
+
+def _resolved(lhs, rhs, kwargs, blocks):
+    spec = jax.ShapeDtypeStruct
+    kwargs = dict(kwargs)
+    row_scale = spec((lhs[0],), F32) if kwargs.pop("with_row_scale", False) else None
+    base = dict(preferred_element_type=BF16, rhs_transposed=False, group_offset=0, num_local_groups=None, bias=None)
+    base.update(activation=None, gated=None)
+    cfg, _, _ = api.check_inputs(
+        spec(lhs, BF16),
+        spec(rhs, BF16),
+        spec((rhs[0],), jnp.int32),
+        row_scale=row_scale,
+        blocks=blocks,
+        **{**base, **kwargs},
+    )
+    return cfg.kernels
+
+
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+def test_blocks_none_is_the_table_and_candidates_are_legal(generation):
+    """blocks=None and RaggedDotBlocks() resolve to the same kernels' blocks; the table's blocks passed back as
+    blocks= resolve to themselves; tuning.candidate_blocks lists the table's choice first, then distinct legal
+    blocks, each reproducing itself through blocks=."""
+    with jax.default_device(ladder.tpu_device(generation)):
+        for lhs, rhs, kwargs in RESOLVE_CASES:
+            table = _resolved(lhs, rhs, kwargs, None)
+            assert _resolved(lhs, rhs, kwargs, RaggedDotBlocks()) == table
+            as_given = RaggedDotBlocks(
+                forward=table.forward, recompute=table.recompute, lhs_grad=table.lhs_grad, rhs_grad=table.rhs_grad
+            )
+            assert _resolved(lhs, rhs, kwargs, as_given) == table
+            spec_kwargs = {k: v for k, v in kwargs.items() if k != "with_row_scale"}
+            candidates = api.candidate_blocks(
+                jax.ShapeDtypeStruct(lhs, BF16),
+                jax.ShapeDtypeStruct(rhs, BF16),
+                jax.ShapeDtypeStruct((rhs[0],), jnp.int32),
+                preferred_element_type=BF16,
+                **spec_kwargs,
+            )
+            forwards = [c.forward for c in candidates]
+            assert forwards[0] == table.forward, (lhs, rhs, kwargs)
+            assert len(forwards) == len(set(forwards)) >= 2, forwards
+            for candidate in candidates:
+                assert _resolved(lhs, rhs, kwargs, candidate).forward == candidate.forward
+
+
+SMALL_BLOCK_COMPILES = [
+    ("f32-bias-row-scale", (56, 128), (5, 128, 256), F32, dict()),
+    (
+        "bf16-t-concat-gelu-bias-row-scale",
+        (64, 128),
+        (5, 512, 128),
+        BF16,
+        dict(rhs_transposed=True, gated="concatenated"),
+    ),
+]
+
+
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+@pytest.mark.parametrize("case", SMALL_BLOCK_COMPILES, ids=[c[0] for c in SMALL_BLOCK_COMPILES])
+def test_small_blocks_compile_for_tpu(generation, case):
+    """The tiny tilings the interpret tests force (one sublane tile of rows, 128-wide k and n) are legal Mosaic
+    blocks on every generation: forward and backward, compiled (what blocks= validation promises)."""
+    _, lhs, rhs, dtype, kwargs = case
+    gated = kwargs.get("gated")
+    n = rhs[1] if kwargs.get("rhs_transposed") else rhs[2]
+
+    def loss(l, r, s, b, sc):
+        out = api.ragged_dot(
+            l,
+            r,
+            s,
+            bias=b,
+            row_scale=sc,
+            activation="gelu_tanh" if gated else None,
+            blocks=small_blocks(dtype),
+            **kwargs,
+        )
+        return ladder.vjp_loss(out)
+
+    ladder.compile_for_tpu(
+        jax.grad(loss, argnums=(0, 1, 3, 4)),
+        generation,
+        (lhs, dtype),
+        (rhs, dtype),
+        ((rhs[0],), jnp.int32),
+        ((rhs[0], n), dtype),
+        ((lhs[0],), F32),
+        label=f"ragged_dot small blocks {case[0]}",
+    )
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -373,118 +528,214 @@ def _good_args(rand):
 
 
 BAD_INPUTS = [
-    (
+    ladder.BadInput(
         "row_scale length",
         dict(row_scale=jnp.ones((15,))),
         ValueError,
         "row_scale: expected shape (16,) (lhs rows), got (15,)",
     ),
-    ("row_scale int", dict(row_scale=jnp.ones((16,), jnp.int32)), TypeError, "row_scale: expected dtype"),
-    (
+    ladder.BadInput(
+        "row_scale int", dict(row_scale=jnp.ones((16,), jnp.int32)), TypeError, "row_scale: expected dtype"
+    ),
+    ladder.BadInput(
         "negative size",
         dict(group_sizes=jnp.asarray([3, -1, 7, 2], jnp.int32)),
         ValueError,
         "group_sizes: expected sizes >= 0, got group_sizes[1] = -1",
     ),
-    (
+    ladder.BadInput(
         "sizes past M",
         dict(group_sizes=jnp.asarray([3, 9, 7, 2], jnp.int32)),
         ValueError,
         "group_sizes: the sizes sum to 21, more than lhs's 16 rows",
     ),
-    ("contraction mismatch", dict(rhs=jnp.zeros((4, 64, 256))), ValueError, "rhs: contraction dimension 64"),
-    (
+    ladder.BadInput(
+        "contraction mismatch", dict(rhs=jnp.zeros((4, 64, 256))), ValueError, "rhs: contraction dimension 64"
+    ),
+    ladder.BadInput(
         "contraction mismatch transposed",
         dict(rhs=jnp.zeros((4, 128, 256)), rhs_transposed=True),
         ValueError,
         "rhs: contraction dimension 256 of rhs (4, 128, 256) (layout [G, N, K] (rhs_transposed=True))",
     ),
-    ("lhs int", dict(lhs=jnp.zeros((16, 128), jnp.int32)), TypeError, "lhs: expected dtype"),
-    ("lhs float16", dict(lhs=jnp.zeros((16, 128), F16)), TypeError, "lhs: expected dtype"),
-    ("rhs int", dict(rhs=jnp.zeros((4, 128, 256), jnp.int8)), TypeError, "rhs: expected dtype"),
-    (
+    ladder.BadInput("lhs int", dict(lhs=jnp.zeros((16, 128), jnp.int32)), TypeError, "lhs: expected dtype"),
+    ladder.BadInput("lhs float16", dict(lhs=jnp.zeros((16, 128), F16)), TypeError, "lhs: expected dtype"),
+    ladder.BadInput("rhs int", dict(rhs=jnp.zeros((4, 128, 256), jnp.int8)), TypeError, "rhs: expected dtype"),
+    ladder.BadInput(
         "group_sizes float",
         dict(group_sizes=jnp.asarray([3.0, 0, 7, 2])),
         TypeError,
         "group_sizes: expected dtype in (int32), got float32",
     ),
-    (
+    ladder.BadInput(
         "group_sizes int64",
         dict(group_sizes=np.asarray([3, 0, 7, 2], np.int64)),
         TypeError,
         "group_sizes: expected dtype in (int32), got int64",
     ),
-    ("lhs rank 3", dict(lhs=jnp.zeros((2, 8, 128))), ValueError, "lhs: expected 2 dimensions"),
-    ("rhs rank 2", dict(rhs=jnp.zeros((128, 256))), ValueError, "rhs: expected 3 dimensions"),
-    (
+    ladder.BadInput("lhs rank 3", dict(lhs=jnp.zeros((2, 8, 128))), ValueError, "lhs: expected 2 dimensions"),
+    ladder.BadInput("rhs rank 2", dict(rhs=jnp.zeros((128, 256))), ValueError, "rhs: expected 3 dimensions"),
+    ladder.BadInput(
         "group_sizes rank 2",
         dict(group_sizes=jnp.zeros((1, 4), jnp.int32)),
         ValueError,
         "group_sizes: expected 1 dimensions",
     ),
-    ("lhs a list", dict(lhs=[[1.0]]), TypeError, "lhs: expected a jax array, got list"),
-    ("rhs groups", dict(rhs=jnp.zeros((3, 128, 256))), ValueError, "rhs: expected 4 groups (len(group_sizes))"),
-    (
+    ladder.BadInput("lhs a list", dict(lhs=[[1.0]]), TypeError, "lhs: expected a jax array, got list"),
+    ladder.BadInput(
+        "rhs groups", dict(rhs=jnp.zeros((3, 128, 256))), ValueError, "rhs: expected 4 groups (len(group_sizes))"
+    ),
+    ladder.BadInput(
         "window too many groups",
         dict(num_local_groups=5),
         ValueError,
         "num_local_groups: expected 0 <= num_local_groups <= 4",
     ),
-    (
+    ladder.BadInput(
         "window past the end",
         dict(rhs=jnp.zeros((2, 128, 256)), num_local_groups=2, group_offset=3),
         ValueError,
         "group_offset: the window [group_offset, group_offset + num_local_groups) = [3, 5)",
     ),
-    (
+    ladder.BadInput(
         "window negative offset",
         dict(rhs=jnp.zeros((2, 128, 256)), num_local_groups=2, group_offset=-1),
         ValueError,
         "group_offset: the window",
     ),
-    (
+    ladder.BadInput(
         "window rhs groups",
         dict(rhs=jnp.zeros((3, 128, 256)), num_local_groups=2, group_offset=1),
         ValueError,
         "rhs: expected 2 groups (the local window, num_local_groups) or 4",
     ),
-    ("window offset float", dict(group_offset=1.0), TypeError, "group_offset: expected an int"),
-    (
+    ladder.BadInput("window offset float", dict(group_offset=1.0), TypeError, "group_offset: expected an int"),
+    ladder.BadInput(
         "window offset shape",
         dict(group_offset=jnp.zeros((2,), jnp.int32)),
         ValueError,
         "group_offset: expected shape () or (1,)",
     ),
-    ("window count float", dict(num_local_groups=2.0), TypeError, "num_local_groups: expected an int"),
-    ("activation", dict(activation="relu"), ValueError, "activation: expected one of"),
-    ("gated", dict(gated="split", activation="silu"), ValueError, "gated: expected one of"),
-    (
+    ladder.BadInput("window count float", dict(num_local_groups=2.0), TypeError, "num_local_groups: expected an int"),
+    ladder.BadInput("activation", dict(activation="relu"), ValueError, "activation: expected one of"),
+    ladder.BadInput("gated", dict(gated="split", activation="silu"), ValueError, "gated: expected one of"),
+    ladder.BadInput(
         "gated odd N",
         dict(rhs=jnp.zeros((4, 128, 255)), gated="concatenated"),
         ValueError,
         "rhs: gated='concatenated' needs an even number of output columns N, got N = 255",
     ),
-    ("bias shape", dict(bias=jnp.zeros((4, 128))), ValueError, "bias: expected shape (4, 256)"),
-    ("bias int", dict(bias=jnp.zeros((4, 256), jnp.int32)), TypeError, "bias: expected dtype"),
-    (
+    ladder.BadInput("bias shape", dict(bias=jnp.zeros((4, 128))), ValueError, "bias: expected shape (4, 256)"),
+    ladder.BadInput("bias int", dict(bias=jnp.zeros((4, 256), jnp.int32)), TypeError, "bias: expected dtype"),
+    ladder.BadInput(
         "preferred_element_type int",
         dict(preferred_element_type=jnp.int32),
         TypeError,
         "preferred_element_type: expected one of",
     ),
-    ("rhs_transposed not bool", dict(rhs_transposed="yes"), TypeError, "rhs_transposed: expected a bool"),
+    ladder.BadInput(
+        "rhs_transposed not bool", dict(rhs_transposed="yes"), TypeError, "rhs_transposed: expected a bool"
+    ),
+    # blocks=: the structure, then each kernel's tiles against the layout and VMEM.
+    ladder.BadInput(
+        "blocks not RaggedDotBlocks",
+        dict(blocks=MatmulBlocks(tm=8)),
+        TypeError,
+        "blocks: expected a RaggedDotBlocks or None, got MatmulBlocks",
+    ),
+    ladder.BadInput(
+        "blocks part type",
+        dict(blocks=RaggedDotBlocks(forward=TransposedMatmulBlocks())),
+        TypeError,
+        "blocks.forward: expected a MatmulBlocks or None, got TransposedMatmulBlocks",
+    ),
+    ladder.BadInput(
+        "blocks tm sublanes f32",
+        dict(blocks=RaggedDotBlocks(forward=MatmulBlocks(tm=12))),
+        ValueError,
+        "blocks.forward.tm: expected a multiple of 8 (the sublane tile of float32) or at least M = 16, got 12",
+    ),
+    ladder.BadInput(
+        "blocks tm sublanes bf16",
+        lambda rand: dict(
+            lhs=rand.normal((32, 128), BF16),
+            rhs=rand.normal((4, 128, 256), BF16),
+            blocks=RaggedDotBlocks(forward=MatmulBlocks(tm=8)),
+        ),
+        ValueError,
+        "blocks.forward.tm: expected a multiple of 16 (the sublane tile of bfloat16) or at least M = 32, got 8",
+    ),
+    ladder.BadInput(
+        "blocks tm zero",
+        dict(blocks=RaggedDotBlocks(forward=MatmulBlocks(tm=0))),
+        ValueError,
+        "blocks.forward.tm: expected a positive int, got 0",
+    ),
+    ladder.BadInput(
+        "blocks tn float",
+        dict(blocks=RaggedDotBlocks(forward=MatmulBlocks(tn=128.0))),
+        TypeError,
+        "blocks.forward.tn: expected a positive int, got float 128.0",
+    ),
+    ladder.BadInput(
+        "blocks tk lanes",
+        dict(blocks=RaggedDotBlocks(forward=MatmulBlocks(tk=64))),
+        ValueError,
+        "blocks.forward.tk: expected a multiple of 128 (lanes) or at least K = 128, got 64",
+    ),
+    ladder.BadInput(
+        "blocks tn lanes",
+        dict(blocks=RaggedDotBlocks(forward=MatmulBlocks(tn=100))),
+        ValueError,
+        "blocks.forward.tn: expected a multiple of 128 (lanes) or at least N = 256, got 100",
+    ),
+    ladder.BadInput(
+        "blocks gated tn not a divisor",
+        lambda rand: dict(
+            rhs=rand.normal((4, 128, 768)),
+            activation="silu",
+            gated="concatenated",
+            blocks=RaggedDotBlocks(forward=MatmulBlocks(tn=256)),
+        ),
+        ValueError,
+        "blocks.forward.tn: expected a divisor of the gated output width 384",
+    ),
+    ladder.BadInput(
+        "blocks recompute tm",
+        dict(activation="silu", blocks=RaggedDotBlocks(recompute=MatmulBlocks(tm=3))),
+        ValueError,
+        "blocks.recompute.tm: expected a multiple of 8",
+    ),
+    ladder.BadInput(
+        "blocks lhs_grad tk runs over N",
+        dict(blocks=RaggedDotBlocks(lhs_grad=MatmulBlocks(tk=200))),
+        ValueError,
+        "blocks.lhs_grad.tk: expected a multiple of 128 (lanes) or at least K = 256, got 200",
+    ),
+    ladder.BadInput(
+        "blocks rhs_grad tp",
+        dict(blocks=RaggedDotBlocks(rhs_grad=TransposedMatmulBlocks(tp=64))),
+        ValueError,
+        "blocks.rhs_grad.tp: expected a multiple of 128 (lanes) or at least P = 128, got 64",
+    ),
+    ladder.BadInput(
+        "blocks vmem limit past the core",
+        dict(blocks=RaggedDotBlocks(forward=MatmulBlocks(vmem_limit_bytes=1 << 40))),
+        ValueError,
+        "blocks.forward.vmem_limit_bytes: expected 1 to",
+    ),
+    ladder.BadInput(
+        "blocks vmem limit below the working set",
+        dict(blocks=RaggedDotBlocks(rhs_grad=TransposedMatmulBlocks(vmem_limit_bytes=4096))),
+        ValueError,
+        "blocks.rhs_grad: these blocks need",
+    ),
 ]
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+@ladder.bad_input_params(BAD_INPUTS)
 def test_bad_input_is_a_clear_error(rand, case):
-    _, changes, error, message = case
-    args = _good_args(rand)
-    args.update(changes)
-    lhs, rhs, sizes = args.pop("lhs"), args.pop("rhs"), args.pop("group_sizes")
-    with pytest.raises(error) as info:
-        tk.ragged_dot(lhs, rhs, sizes, **args)
-    assert message in str(info.value), str(info.value)
+    ladder.assert_clear_error(case, lambda arguments: tk.ragged_dot(**arguments), _good_args(rand), rand)
 
 
 def test_bad_input_is_caught_before_tracing():
