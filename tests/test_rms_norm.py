@@ -1,5 +1,8 @@
 """RMSNorm, JAX side, up the ladder: reference vs kernel (interpret mode), gradients, bad input, TPU export,
-deviceless compile for v5e / v6e / v7x at every benchmark shape."""
+deviceless compile for v5e / v6e / v7x at every benchmark shape. Tilings other than the table's are forced through
+`blocks=`."""
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +11,7 @@ import pytest
 
 from benchmarks.shapes import RMS_NORM_HIDDENS, RMS_NORM_TOKENS
 from tpu_kernels_jax import api as tk
+from tpu_kernels_jax.common.blocks import sublane_multiple
 from tpu_kernels_jax.rms_norm import api, tuning
 from tpu_kernels_jax.rms_norm.reference import fused_add_rms_norm_reference, rms_norm_reference
 
@@ -15,28 +19,37 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # Hidden sizes from 64 to 16384, with sizes that are not multiples of 128 (200, 1000, 2816).
 HIDDENS = [64, 200, 1000, 2048, 2816, 16384]
 LEADING = [(1,), (7,), (3, 5), (130,)]
+SMALL_SLAB_BYTES = 4096
+
+
+def small_blocks(hidden, dtype) -> tk.RmsNormBlocks:
+    """Row blocks of a 4 KiB slab (at least one sublane tile of rows, in the dtype the kernels run in: float16 runs
+    as float32), so grids of many steps and a ragged last row block are exercised at small test shapes."""
+    dtype = jnp.dtype(jnp.float32 if jnp.dtype(dtype) == jnp.float16 else dtype)
+    multiple = sublane_multiple(dtype)
+    return tk.RmsNormBlocks(
+        block_rows=max(multiple, SMALL_SLAB_BYTES // (hidden * dtype.itemsize) // multiple * multiple)
+    )
 
 
 @pytest.fixture(params=["tuned_blocks", "small_blocks"])
-def block_regime(request, monkeypatch):
-    """Run each check with the tuned blocks and with tiny ones, so grids of many steps and a ragged last row block
-    (rows not a multiple of block_rows) are exercised even at small test shapes."""
-    if request.param == "small_blocks":
-        monkeypatch.setattr(tuning, "TARGET_SLAB_BYTES", {g: 4096 for g in tuning.TARGET_SLAB_BYTES})
-    return request.param
+def blocks_for(request):
+    """blocks_for(hidden, dtype): None (the tuning table's) or small_blocks: each check runs with both."""
+    return small_blocks if request.param == "small_blocks" else (lambda hidden, dtype: None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("hidden", HIDDENS)
 @pytest.mark.parametrize("weight_kind", ["weight", "no_weight", "offset_weight"])
-def test_rms_norm_matches_reference(rand, block_regime, dtype, hidden, weight_kind):
-    leading = LEADING[hidden % len(LEADING)]
+def test_rms_norm_matches_reference(rand, blocks_for, dtype, hidden, weight_kind):
+    leading = LEADING[HIDDENS.index(hidden) % len(LEADING)]  # 1 to 130 rows: one block, or many with small blocks
     x = rand.normal(leading + (hidden,), dtype, scale=3.0, offset=0.5)
     weight = None if weight_kind == "no_weight" else rand.normal((hidden,), dtype)
     offset = 1.0 if weight_kind == "offset_weight" else 0.0
     eps = float(rand.uniform((), 1e-6, 1e-2))
+    blocks = blocks_for(hidden, dtype)
     ladder.check_against_reference(
-        lambda x, w: tk.rms_norm(x, w, eps, weight_offset=offset),
+        lambda x, w: tk.rms_norm(x, w, eps, weight_offset=offset, blocks=blocks),
         lambda x, w: rms_norm_reference(x, w, eps, weight_offset=offset),
         (x, weight),
         dtype=dtype,
@@ -46,12 +59,13 @@ def test_rms_norm_matches_reference(rand, block_regime, dtype, hidden, weight_ki
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("hidden", [64, 200, 4096])
-def test_fused_add_rms_norm_matches_reference(rand, block_regime, dtype, hidden):
+def test_fused_add_rms_norm_matches_reference(rand, blocks_for, dtype, hidden):
     x = rand.normal((37, hidden), dtype)
     residual = rand.normal((37, hidden), dtype, scale=2.0)
     weight = rand.normal((hidden,), jnp.float32)
+    blocks = blocks_for(hidden, dtype)
     out, total = ladder.check_against_reference(
-        lambda x, r, w: tk.fused_add_rms_norm(x, r, w, 1e-5),
+        lambda x, r, w: tk.fused_add_rms_norm(x, r, w, 1e-5, blocks=blocks),
         lambda x, r, w: fused_add_rms_norm_reference(x, r, w, 1e-5),
         (x, residual, weight),
         dtype=dtype,
@@ -77,79 +91,189 @@ def test_zero_rows_give_an_empty_result(rand, fn):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("with_weight", [True, False])
-def test_rms_norm_gradients(rand, block_regime, dtype, with_weight):
+def test_rms_norm_gradients(rand, blocks_for, dtype, with_weight):
     x = rand.normal((45, 384), dtype, scale=2.0)
     weight = rand.normal((384,), dtype) if with_weight else None
-    argnums = (0, 1) if with_weight else (0,)
-    cot = rand.cotangents(lambda x, w: rms_norm_reference(x, w, 1e-5, weight_offset=0.5), x, weight)
-    kernel_grad = jax.grad(
-        lambda x, w: ladder.vjp_loss(tk.rms_norm(x, w, 1e-5, weight_offset=0.5), cot), argnums=argnums
-    )
-    ref_grad = jax.grad(
-        lambda x, w: ladder.vjp_loss(rms_norm_reference(x, w, 1e-5, weight_offset=0.5), cot), argnums=argnums
-    )
-    actual = ladder.run_interpreted(jax.jit(kernel_grad), x, weight)
-    expected = ref_grad(x, weight)
+    blocks = blocks_for(384, dtype)
     # The weight gradient sums over every row: bf16 inputs carry their rounding into a long f32 sum.
-    for name, a, e in zip(["d x", "d weight"], actual, expected):
-        ladder.assert_close(
-            a, e, dtype=dtype, atol=5e-2 if dtype == jnp.bfloat16 else 1e-4, what=name, context=repr(rand)
-        )
+    ladder.check_gradients(
+        lambda x, w: tk.rms_norm(x, w, 1e-5, weight_offset=0.5, blocks=blocks),
+        lambda x, w: rms_norm_reference(x, w, 1e-5, weight_offset=0.5),
+        (x, weight),
+        argnums=(0, 1) if with_weight else (0,),
+        names=["d x", "d weight"] if with_weight else ["d x"],
+        rand=rand,
+        dtype=dtype,
+        atol=5e-2 if dtype == jnp.bfloat16 else 1e-4,
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-def test_fused_add_rms_norm_gradients(rand, block_regime, dtype):
+def test_fused_add_rms_norm_gradients(rand, blocks_for, dtype):
     x = rand.normal((33, 256), dtype)
     residual = rand.normal((33, 256), dtype)
     weight = rand.normal((256,), jnp.float32)
-    cot = rand.cotangents(fused_add_rms_norm_reference, x, residual, weight)
-    kernel_grad = jax.grad(lambda x, r, w: ladder.vjp_loss(tk.fused_add_rms_norm(x, r, w), cot), argnums=(0, 1, 2))
-    ref_grad = jax.grad(lambda x, r, w: ladder.vjp_loss(fused_add_rms_norm_reference(x, r, w), cot), argnums=(0, 1, 2))
-    actual = ladder.run_interpreted(jax.jit(kernel_grad), x, residual, weight)
-    expected = ref_grad(x, residual, weight)
-    for name, a, e in zip(["d x", "d residual", "d weight"], actual, expected):
-        ladder.assert_close(
-            a, e, dtype=dtype, atol=5e-2 if dtype == jnp.bfloat16 else 1e-4, what=name, context=repr(rand)
-        )
+    blocks = blocks_for(256, dtype)
+    ladder.check_gradients(
+        lambda x, r, w: tk.fused_add_rms_norm(x, r, w, blocks=blocks),
+        fused_add_rms_norm_reference,
+        (x, residual, weight),
+        argnums=(0, 1, 2),
+        names=["d x", "d residual", "d weight"],
+        rand=rand,
+        dtype=dtype,
+        atol=5e-2 if dtype == jnp.bfloat16 else 1e-4,
+    )
+
+
+@pytest.mark.parametrize("fn", ["rms_norm", "fused_add_rms_norm"])
+def test_blocks_reach_the_forward_and_backward_kernels(fn):
+    """A gradient runs the backward kernel with the blocks its forward was given (the custom_vjp's static blocks);
+    vmem_limit_bytes left None is derived from the blocks, a given one is passed through."""
+    x, w = jax.ShapeDtypeStruct((100, 256), jnp.float32), jax.ShapeDtypeStruct((256,), jnp.float32)
+    for blocks, limit in ((tk.RmsNormBlocks(block_rows=16), 16 << 20), (tk.RmsNormBlocks(24, 20 << 20), 20 << 20)):
+        if fn == "rms_norm":
+            op = lambda x, w: tk.rms_norm(x, w, blocks=blocks)  # noqa: E731
+        else:
+            op = lambda x, w: tk.fused_add_rms_norm(x, x, w, blocks=blocks)  # noqa: E731
+        calls = ladder.pallas_calls(jax.grad(lambda x, w: ladder.vjp_loss(op(x, w)), argnums=(0, 1)), x, w)
+        steps = -(-100 // blocks.block_rows)
+        assert [(c.name, c.grid, c.vmem_limit_bytes) for c in calls] == [
+            ("rms_norm_fwd", (steps,), limit),
+            ("rms_norm_bwd", (steps,), limit),
+        ], calls
+    # The table's choice is what blocks=None and RmsNormBlocks() run with.
+    table = tuning.choose_blocks(100, 256, jnp.float32, streams=api.STREAMS)
+    for blocks in (None, tk.RmsNormBlocks()):
+        calls = ladder.pallas_calls(lambda x, w: tk.rms_norm(x, w, blocks=blocks), x, w)
+        assert [(c.grid, c.vmem_limit_bytes) for c in calls] == [((1,), table.vmem_limit_bytes)], calls
 
 
 # ------------------------------------------------------------------------------------------------------ bad input
+BadInput = ladder.BadInput
+# A working set of 256 rows of 8192 f32 (88 MiB with the 4 row streams double-buffered and the f32 temporaries): more
+# than a v7x core's 64 MiB of VMEM, within the 96 MiB a v6e kernel may ask for.
+BIG_X = jax.ShapeDtypeStruct((4096, 8192), jnp.float32)
 BAD_INPUTS = [
-    ("x scalar", lambda r: dict(x=r.normal((), jnp.float32)), ValueError, "x: expected at least 1 dimension"),
-    ("x empty hidden", lambda r: dict(x=r.normal((4, 0))), ValueError, "x: expected a non-empty last"),
-    ("x int", lambda r: dict(x=r.integers(0, 9, (4, 128))), TypeError, "x: expected dtype"),
-    ("x float64", lambda r: dict(x=jax.ShapeDtypeStruct((4, 128), jnp.float64)), TypeError, "got float64"),
-    ("x a list", lambda r: dict(x=[[1.0, 2.0]]), TypeError, "x: expected a jax array, got list"),
-    ("weight length", lambda r: dict(weight=r.normal((127,))), ValueError, "weight: expected shape (128,)"),
-    ("weight rank", lambda r: dict(weight=r.normal((1, 128))), ValueError, "weight: expected 1 dimensions"),
-    ("weight int", lambda r: dict(weight=r.integers(0, 3, (128,))), TypeError, "weight: expected dtype"),
-    ("eps negative", lambda r: dict(eps=-1e-6), ValueError, "eps: expected a finite number >= 0, got -1e-06"),
-    ("eps nan", lambda r: dict(eps=float("nan")), ValueError, "eps: expected a finite number >= 0, got nan"),
-    ("eps inf", lambda r: dict(eps=float("inf")), ValueError, "eps: expected a finite number >= 0, got inf"),
-    ("eps array", lambda r: dict(eps=jnp.float32(1e-6)), TypeError, "eps: expected a Python float"),
-    ("offset nan", lambda r: dict(weight_offset=float("nan")), ValueError, "weight_offset: expected a finite"),
-    ("residual shape", lambda r: dict(residual=r.normal((4, 64))), ValueError, "residual: expected the shape of x"),
-    (
+    BadInput("x scalar", lambda r: dict(x=r.normal((), jnp.float32)), ValueError, "x: expected at least 1 dimension"),
+    BadInput("x empty hidden", lambda r: dict(x=r.normal((4, 0))), ValueError, "x: expected a non-empty last"),
+    BadInput("x int", lambda r: dict(x=r.integers(0, 9, (4, 128))), TypeError, "x: expected dtype"),
+    BadInput("x float64", dict(x=jax.ShapeDtypeStruct((4, 128), jnp.float64)), TypeError, "got float64"),
+    BadInput("x a list", dict(x=[[1.0, 2.0]]), TypeError, "x: expected a jax array, got list"),
+    BadInput("weight length", lambda r: dict(weight=r.normal((127,))), ValueError, "weight: expected shape (128,)"),
+    BadInput("weight rank", lambda r: dict(weight=r.normal((1, 128))), ValueError, "weight: expected 1 dimensions"),
+    BadInput("weight int", lambda r: dict(weight=r.integers(0, 3, (128,))), TypeError, "weight: expected dtype"),
+    BadInput("eps negative", dict(eps=-1e-6), ValueError, "eps: expected a finite number >= 0, got -1e-06"),
+    BadInput("eps nan", dict(eps=float("nan")), ValueError, "eps: expected a finite number >= 0, got nan"),
+    BadInput("eps inf", dict(eps=float("inf")), ValueError, "eps: expected a finite number >= 0, got inf"),
+    BadInput("eps array", dict(eps=jnp.float32(1e-6)), TypeError, "eps: expected a Python float"),
+    BadInput("offset nan", dict(weight_offset=float("nan")), ValueError, "weight_offset: expected a finite"),
+    BadInput(
+        "residual shape", lambda r: dict(residual=r.normal((4, 64))), ValueError, "residual: expected the shape of x"
+    ),
+    BadInput(
         "residual dtype",
         lambda r: dict(residual=r.normal((4, 128), jnp.bfloat16)),
         TypeError,
         "residual: expected dtype",
     ),
+    BadInput("blocks a dict", dict(blocks={"block_rows": 8}), TypeError, "blocks: expected an RmsNormBlocks or None"),
+    BadInput(
+        "blocks of another kernel",
+        dict(blocks=tk.RotaryBlocks(1, 8)),
+        TypeError,
+        "blocks: expected an RmsNormBlocks or None, got RotaryBlocks",
+    ),
+    BadInput(
+        "block_rows a float",
+        dict(blocks=tk.RmsNormBlocks(block_rows=8.0)),
+        TypeError,
+        "blocks.block_rows: expected a positive int, got float 8.0",
+    ),
+    BadInput(
+        "block_rows 0", dict(blocks=tk.RmsNormBlocks(0)), ValueError, "blocks.block_rows: expected a positive int"
+    ),
+    BadInput(
+        "block_rows not a sublane multiple",
+        lambda r: dict(x=r.normal((40, 128)), blocks=tk.RmsNormBlocks(12)),
+        ValueError,
+        "blocks.block_rows: expected a multiple of 8 (the sublane tile of float32 rows",
+    ),
+    BadInput(
+        "block_rows not a bf16 sublane multiple",
+        lambda r: dict(x=r.normal((40, 128), jnp.bfloat16), blocks=tk.RmsNormBlocks(8)),
+        ValueError,
+        "blocks.block_rows: expected a multiple of 16 (the sublane tile of bfloat16 rows",
+    ),
+    BadInput(
+        "residual call block_rows not a sublane multiple",
+        lambda r: dict(x=r.normal((40, 128)), residual=r.normal((40, 128)), blocks=tk.RmsNormBlocks(20)),
+        ValueError,
+        "blocks.block_rows: expected a multiple of 8",
+    ),
+    BadInput(
+        "vmem_limit_bytes over the core's VMEM",
+        dict(blocks=tk.RmsNormBlocks(8, 1 << 40)),
+        ValueError,
+        "blocks.vmem_limit_bytes: expected 1 to 134217728 bytes (the VMEM of a v6e core)",
+    ),
+    BadInput(
+        "vmem_limit_bytes a float",
+        dict(blocks=tk.RmsNormBlocks(8, 16e6)),
+        TypeError,
+        "blocks.vmem_limit_bytes: expected a positive int",
+    ),
+    BadInput(
+        "blocks too large for v7x VMEM",
+        dict(x=BIG_X, weight=None, blocks=tk.RmsNormBlocks(256), generation="v7x"),
+        ValueError,
+        "blocks: these blocks need 88.1 MiB of VMEM, more than the 64 MiB of a v7x core",
+    ),
+    BadInput(
+        "blocks over the vmem limit given",
+        dict(x=BIG_X, weight=None, blocks=tk.RmsNormBlocks(256, 64 << 20), generation="v6e"),
+        ValueError,
+        "blocks: these blocks need 88.1 MiB of VMEM, more than the vmem_limit_bytes of 64.0 MiB on v6e",
+    ),
 ]
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input_is_a_clear_error(rand, case):
-    _, make, error, message = case
-    args = dict(x=rand.normal((4, 128)), weight=rand.normal((128,)), eps=1e-6, weight_offset=0.0)
-    args.update(make(rand))
-    residual = args.pop("residual", None)
-    with pytest.raises(error) as info:
+def _call_rms_norm(args):
+    """rms_norm, or fused_add_rms_norm when a residual is given; traced for `generation` when given (else the
+    CPU host's default target, v6e)."""
+    args = dict(args)
+    generation, residual = args.pop("generation", None), args.pop("residual", None)
+    x, weight, eps = args.pop("x"), args.pop("weight"), args.pop("eps")
+    with jax.default_device(ladder.tpu_device(generation)) if generation else contextlib.nullcontext():
         if residual is None:
-            tk.rms_norm(args["x"], args["weight"], args["eps"], weight_offset=args["weight_offset"])
+            return tk.rms_norm(x, weight, eps, **args)
+        return tk.fused_add_rms_norm(x, residual, weight, eps, **args)
+
+
+@ladder.bad_input_params(BAD_INPUTS)
+def test_bad_input_is_a_clear_error(rand, case):
+    good = dict(x=rand.normal((4, 128)), weight=rand.normal((128,)), eps=1e-6, weight_offset=0.0)
+    ladder.assert_clear_error(case, _call_rms_norm, good, rand)
+
+
+@pytest.mark.parametrize("fn", ["rms_norm_backward", "fused_add_rms_norm_gradient"])
+def test_bad_blocks_of_the_backward_are_a_clear_error(rand, fn):
+    x = rand.normal((40, 128), jnp.bfloat16)
+    bad = tk.RmsNormBlocks(block_rows=24)
+    with pytest.raises(ValueError, match=r"blocks\.block_rows: expected a multiple of 16"):
+        if fn == "rms_norm_backward":
+            tk.rms_norm_backward(x, x, None, blocks=bad)
         else:
-            tk.fused_add_rms_norm(args["x"], residual, args["weight"], args["eps"], weight_offset=args["weight_offset"])
-    assert message in str(info.value)
+            jax.grad(lambda x: ladder.vjp_loss(tk.fused_add_rms_norm(x, x, blocks=bad)))(x)
+
+
+def test_blocks_fit_is_judged_per_generation():
+    """The blocks too large for a v7x core fit a v6e one: the VMEM check reads the generation being traced for."""
+    blocks = tk.RmsNormBlocks(block_rows=256)
+    with jax.default_device(ladder.tpu_device("v6e")):
+        calls = ladder.pallas_calls(lambda x: tk.rms_norm(x, blocks=blocks), BIG_X)
+    assert [c.grid for c in calls] == [(16,)], calls
+    assert 88 << 20 < calls[0].vmem_limit_bytes <= 96 << 20, calls  # derived: the working set fits under it
 
 
 def test_hidden_too_large_for_vmem_is_a_clear_error(rand):
@@ -205,6 +329,27 @@ def test_compiles_for_tpu_across_sizes_and_backward(generation, shape, dtype):
         w,
         label="fused_add_rms_norm_backward",
     )
+
+
+@pytest.mark.parametrize("generation", ["v6e", "v7x"])
+def test_candidate_blocks_compile_for_tpu(generation):
+    """The sweep's candidates (the table's choice first) are legal tilings: each compiles, forward and backward."""
+    x = ((4096, 4096), jnp.bfloat16)
+    w = ((4096,), jnp.bfloat16)
+    with jax.default_device(ladder.tpu_device(generation)):
+        candidates = tuning.candidate_blocks(**api.tuning_arguments(jax.ShapeDtypeStruct(*x)))
+    table = tuning.choose_blocks(4096, 4096, jnp.bfloat16, streams=4, info=api.chip.tpu_info_for(generation))
+    assert candidates[0] == table and len(candidates) >= 3, candidates
+    assert len({c.block_rows for c in candidates}) == len(candidates), candidates
+    for blocks in candidates:
+        ladder.compile_for_tpu(
+            jax.grad(lambda x, w: ladder.vjp_loss(api.fused_add_rms_norm(x, x, w, blocks=blocks)), argnums=(0, 1)),
+            generation,
+            x,
+            w,
+            label=f"fused_add_rms_norm gradient, {blocks.block_rows}-row blocks",
+            min_kernels=2,
+        )
 
 
 def test_tuning_follows_the_traced_generation():

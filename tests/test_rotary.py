@@ -1,6 +1,9 @@
 """Rotary embeddings, JAX side, up the ladder: reference vs kernel (interpret mode) for apply_rotary, its backward,
 fused per-head RMSNorm + RoPE and cos/sin from positions; gradients; bad input; TPU export; deviceless compile for
-v5e / v6e / v7x at the benchmark shapes (Qwen3-30B-A3B and Gemma 4 attention, decode and prefill)."""
+v5e / v6e / v7x at the benchmark shapes (Qwen3-30B-A3B and Gemma 4 attention, decode and prefill). Tilings and the
+factor-row path other than the table's are forced through `blocks=`."""
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -13,15 +16,15 @@ from tpu_kernels_jax import api as tk
 from tpu_kernels_jax.rotary import api, frequencies, reference, tuning
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+RotaryBlocks = tk.RotaryBlocks
 
 
-@pytest.fixture(params=["tuned_blocks", "small_blocks"])
-def block_regime(request, monkeypatch):
-    """Tuned blocks, and tiny ones so grids of many steps and ragged last blocks are covered at test sizes."""
-    if request.param == "small_blocks":
-        monkeypatch.setattr(tuning, "TARGET_BLOCK_BYTES", {g: 1 for g in tuning.TARGET_BLOCK_BYTES})
-        monkeypatch.setattr(tuning, "MIN_BLOCK_BYTES", 1)
-    return request.param
+def _reference_tables(positions, *, head_dim, theta, rotary_dim=None, scaling=None, interleaved=False):
+    """cos/sin [B, S, r] from positions by the reference (transformers' rotary-embedding formula), on the inverse
+    frequencies of transformers' rope init functions."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    inv_freq, attention_scaling, _ = frequencies.inverse_frequencies(head_dim, theta, rotary_dim, scaling)
+    return reference.cos_sin_from_positions(positions, inv_freq, attention_scaling, interleaved=interleaved)
 
 
 def _shapes(layout, batch, seq, hq, hk, head_dim):
@@ -41,17 +44,16 @@ CASES = [
     ("partial-padded", "bhsd", 2, 16, 2, 1, 128, 64, False, F32, F32, 2),  # GPT-NeoX-like rotary_pct 0.5
     ("partial-interleaved", "bhsd", 1, 8, 2, 2, 128, 32, True, F32, BF16, 1),
 ]
-# Multi-step grids with ragged last blocks: these cases run again with tiny blocks.
-SMALL_BLOCK_CASES = ("bshd-f32-cos", "partial-padded")
-
-
-REGIME_CASES = [(c, "tuned_blocks") for c in CASES] + [(c, "small_blocks") for c in CASES if c[0] in SMALL_BLOCK_CASES]
+# Multi-step grids with ragged last blocks: these cases run again with the smallest blocks (one sequence, one sublane
+# tile of tokens of the q/k and table dtypes: 16 for bf16 q with f32 tables, 8 for f32).
+SMALL_BLOCKS = {"bshd-f32-cos": RotaryBlocks(block_batch=1, block_seq=16), "partial-padded": RotaryBlocks(1, 8)}
+BLOCK_CASES = [(c, None) for c in CASES] + [(c, SMALL_BLOCKS[c[0]]) for c in CASES if c[0] in SMALL_BLOCKS]
 
 
 @pytest.mark.parametrize(
-    "case,block_regime", REGIME_CASES, ids=[f"{c[0]}-{r}" for c, r in REGIME_CASES], indirect=["block_regime"]
+    "case,blocks", BLOCK_CASES, ids=[f"{c[0]}-{'small' if b else 'tuned'}_blocks" for c, b in BLOCK_CASES]
 )
-def test_apply_rotary_matches_reference(rand, block_regime, case):
+def test_apply_rotary_matches_reference(rand, case, blocks):
     _, layout, batch, seq, hq, hk, head_dim, rotary_dim, interleaved, dtype, cos_dtype, cos_batch = case
     q_shape, k_shape = _shapes(layout, batch, seq, hq, hk, head_dim)
     q, k = rand.normal(q_shape, dtype, scale=2.0), rand.normal(k_shape, dtype)
@@ -61,7 +63,7 @@ def test_apply_rotary_matches_reference(rand, block_regime, case):
     )
     kw = dict(interleaved=interleaved, layout=layout)
     ladder.check_against_reference(
-        lambda q, k, c, s: tk.apply_rotary(q, k, c, s, **kw),
+        lambda q, k, c, s: tk.apply_rotary(q, k, c, s, blocks=blocks, **kw),
         jax.jit(lambda q, k, c, s: reference.apply_rotary_reference(q, k, c, s, **kw)),
         (q, k, cos, sin),
         dtype=dtype,
@@ -82,7 +84,16 @@ def test_transformers_tables_rotate_as_the_formula(rand):
     ladder.assert_close(pairs(out), pairs(q), dtype=F32, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", [CASES[6]], ids=lambda c: c[0])
+# The cos/sin gradients are per-token sums over heads (api._table_gradients): per-sequence tables, a table shared by
+# the batch, a decode batch's one shared row (summed over its tokens too), interleaved pairs in bshd, partial rotary.
+GRADIENT_CASES = [
+    CASES[6],
+    ("decode-shared-row", "bhsd", 4, 1, 2, 1, 128, 128, False, F32, F32, 1),
+    ("interleaved-bshd-shared", "bshd", 2, 9, 2, 1, 64, 64, True, F32, F32, 1),
+]
+
+
+@pytest.mark.parametrize("case", GRADIENT_CASES, ids=lambda c: c[0])
 def test_apply_rotary_gradients(rand, case):
     _, layout, batch, seq, hq, hk, head_dim, rotary_dim, interleaved, dtype, cos_dtype, cos_batch = case
     q_shape, k_shape = _shapes(layout, batch, seq, hq, hk, head_dim)
@@ -93,16 +104,17 @@ def test_apply_rotary_gradients(rand, case):
         rand.normal((cos_batch, seq, rotary_dim), cos_dtype),
     )
     kw = dict(interleaved=interleaved, layout=layout)
-    cot = rand.cotangents(lambda *a: reference.apply_rotary_reference(*a, **kw), *args)
-    kernel_grad = jax.grad(lambda *a: ladder.vjp_loss(tk.apply_rotary(*a, **kw), cot), argnums=(0, 1, 2, 3))
-    ref_grad = jax.grad(
-        lambda *a: ladder.vjp_loss(reference.apply_rotary_reference(*a, **kw), cot), argnums=(0, 1, 2, 3)
-    )
-    actual = ladder.run_interpreted(jax.jit(kernel_grad), *args)
-    expected = ref_grad(*args)
     # cos/sin gradients sum over heads (and the shared batch): a bf16 input carries its rounding into that sum.
-    for name, a, e in zip(["d q", "d k", "d cos", "d sin"], actual, expected):
-        ladder.assert_close(a, e, dtype=dtype, atol=6e-2 if dtype == BF16 else 1e-4, what=name, context=repr(rand))
+    ladder.check_gradients(
+        lambda *a: tk.apply_rotary(*a, **kw),
+        lambda *a: reference.apply_rotary_reference(*a, **kw),
+        args,
+        argnums=(0, 1, 2, 3),
+        names=["d q", "d k", "d cos", "d sin"],
+        rand=rand,
+        dtype=dtype,
+        atol=6e-2 if dtype == BF16 else 1e-4,
+    )
 
 
 @pytest.mark.parametrize("interleaved", [True])
@@ -153,23 +165,45 @@ def test_rms_norm_rope_gradients(rand, dtype):
     q, k = rand.normal((2, 4, 16, 128), dtype, scale=2.0), rand.normal((2, 2, 16, 128), dtype)
     qw, kw_ = rand.normal((128,), dtype), rand.normal((128,), dtype)
     cos, sin = rand.normal((1, 16, 128), dtype), rand.normal((1, 16, 128), dtype)
-    args = (q, k, qw, kw_, cos, sin)
-    cot = rand.cotangents(lambda *a: reference.rms_norm_rope_reference(*a, eps=1e-5), *args)
-    kernel_grad = jax.grad(lambda *a: ladder.vjp_loss(tk.rms_norm_rope(*a, eps=1e-5), cot), argnums=tuple(range(6)))
-    ref_grad = jax.grad(
-        lambda *a: ladder.vjp_loss(reference.rms_norm_rope_reference(*a, eps=1e-5), cot), argnums=tuple(range(6))
+    names = ["d q", "d k", "d q_weight", "d k_weight", "d cos", "d sin"]
+    atol = 1e-1 if dtype == BF16 else 2e-4
+    atols = {name: atol for name in names}
+    if dtype != BF16:
+        # A weight gradient sums over every token and head terms up to ~100: f32 rounding in a different summation
+        # order is relative to the terms, not to a small (cancelled) sum (seed 2787238278: 4e-4 off at 1.26, terms
+        # ~69).
+        for name in ("d q_weight", "d k_weight"):
+            atols[name] = lambda e: atol + 2e-5 * float(jnp.max(jnp.abs(e)))
+    ladder.check_gradients(
+        lambda *a: tk.rms_norm_rope(*a, eps=1e-5),
+        lambda *a: reference.rms_norm_rope_reference(*a, eps=1e-5),
+        (q, k, qw, kw_, cos, sin),
+        argnums=tuple(range(6)),
+        names=names,
+        rand=rand,
+        dtype=dtype,
+        atol=atols,
+        rtol=5e-2 if dtype == BF16 else 1e-4,
     )
-    actual = ladder.run_interpreted(jax.jit(kernel_grad), *args)
-    expected = ref_grad(*args)
-    for name, a, e in zip(["d q", "d k", "d q_weight", "d k_weight", "d cos", "d sin"], actual, expected):
-        atol = 1e-1 if dtype == BF16 else 2e-4
-        if name.endswith("_weight") and dtype != BF16:
-            # A sum over every token and head of terms up to ~100: f32 rounding in a different summation order is
-            # relative to the terms, not to a small (cancelled) sum (seed 2787238278: 4e-4 off at 1.26, terms ~69).
-            atol += 2e-5 * float(jnp.max(jnp.abs(e)))
-        ladder.assert_close(
-            a, e, dtype=dtype, atol=atol, rtol=5e-2 if dtype == BF16 else 1e-4, what=name, context=repr(rand)
-        )
+
+
+def test_blocks_reach_the_forward_and_backward_kernels():
+    """A gradient runs the transpose-rotation kernel with the blocks its forward was given (static in the
+    custom_vjp); the per-head norm's gradient is an RMSNorm backward with the RMSNorm table's blocks."""
+    q, k = jax.ShapeDtypeStruct((2, 4, 40, 128), F32), jax.ShapeDtypeStruct((2, 2, 40, 128), F32)
+    w, table = jax.ShapeDtypeStruct((128,), F32), jax.ShapeDtypeStruct((1, 40, 128), F32)
+    positions = jax.ShapeDtypeStruct((1, 40), jnp.int32)
+    blocks = RotaryBlocks(block_batch=1, block_seq=16, vmem_limit_bytes=20 << 20)
+    ops = {
+        "tables": lambda q, k, w, t, p: tk.rms_norm_rope(q, k, w, w, t, t, blocks=blocks),
+        "positions": lambda q, k, w, t, p: tk.rms_norm_rope_from_positions(q, k, w, w, p, theta=1e4, blocks=blocks),
+    }
+    for op in ops.values():
+        grad = jax.grad(lambda *a, op=op: ladder.vjp_loss(op(*a)), argnums=(0, 1, 2))
+        calls = ladder.pallas_calls(grad, q, k, w, table, positions)
+        rotary = [(c.name, c.grid, c.vmem_limit_bytes) for c in calls if "rope" in c.name]
+        assert rotary == [("rms_norm_rope", (2, 3), 20 << 20), ("rope_bwd", (2, 3), 20 << 20)], calls
+        assert sorted(c.name for c in calls if "rope" not in c.name) == ["rms_norm_bwd"] * 2, calls
 
 
 # --------------------------------------------------------------------------------------------- cos/sin in-kernel
@@ -202,7 +236,7 @@ def test_apply_rotary_from_positions_matches_reference(rand, case):
     q, k = rand.normal((2, 4, 16, head_dim)), rand.normal((2, 2, 16, head_dim))
     positions = rand.integers(0, 60000, (2, 16))
     kw = dict(theta=theta, rotary_dim=rotary_dim, scaling=scaling)
-    cos, sin = api.rope_cos_sin(positions, head_dim=head_dim, **kw)
+    cos, sin = _reference_tables(positions, head_dim=head_dim, **kw)
     # Angles are the same f32 products; the kernel's cos/sin implementation may differ from XLA's in the last bits,
     # amplified by angles up to ~6e4 rad.
     ladder.check_against_reference(
@@ -237,7 +271,7 @@ def test_proportional_zero_frequencies_skip_transcendentals(rand, monkeypatch, f
         q, k = rand.normal((batch, 4, seq, 512), F32), rand.normal((batch, 2, seq, 512), F32)
         qw, kw_ = rand.normal((512,), F32), rand.normal((512,), F32)
         positions = rand.integers(0, 40000, (batch, seq) if seq == 1 else (1, seq))
-        cos, sin = api.rope_cos_sin(positions, head_dim=512, **opts)
+        cos, sin = _reference_tables(positions, head_dim=512, **opts)
         tol = dict(rtol=1e-4, atol=1e-3)  # f32 angles up to 4e4 rad: cos/sin implementations differ in the last bits
         ladder.check_against_reference(
             lambda *a: tk.rms_norm_rope_from_positions(*a, eps=1e-6, **opts),
@@ -280,7 +314,7 @@ def test_from_positions_layouts_norm_and_gradients(rand, layout, interleaved, dt
     qw, kw_ = rand.normal((256,), F32), rand.normal((256,), F32)
     positions = rand.integers(0, 1000, (1, 8))
     opts = dict(theta=1e4, interleaved=interleaved, layout=layout)
-    cos, sin = api.rope_cos_sin(positions, head_dim=256, theta=1e4, interleaved=interleaved)
+    cos, sin = _reference_tables(positions, head_dim=256, theta=1e4, interleaved=interleaved)
     ladder.check_against_reference(
         lambda *a: tk.rms_norm_rope_from_positions(*a, eps=1e-6, **opts),
         lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(
@@ -292,22 +326,23 @@ def test_from_positions_layouts_norm_and_gradients(rand, layout, interleaved, dt
         names=["q", "k"],
     )
 
-    def rotated(q, k):
-        return reference.apply_rotary_reference(q, k, cos, sin, interleaved=interleaved, layout=layout)
-
-    cot = rand.cotangents(rotated, q, k)
-    grad = jax.grad(
-        lambda q, k: ladder.vjp_loss(tk.apply_rotary_from_positions(q, k, positions, **opts), cot), argnums=(0, 1)
+    ladder.check_gradients(
+        lambda q, k: tk.apply_rotary_from_positions(q, k, positions, **opts),
+        lambda q, k: reference.apply_rotary_reference(q, k, cos, sin, interleaved=interleaved, layout=layout),
+        (q, k),
+        argnums=(0, 1),
+        names=["d q", "d k"],
+        rand=rand,
+        dtype=dtype,
+        atol=5e-2 if dtype == BF16 else 1e-4,
     )
-    ref = jax.grad(lambda q, k: ladder.vjp_loss(rotated(q, k), cot), argnums=(0, 1))
-    for name, a, e in zip(["d q", "d k"], ladder.run_interpreted(jax.jit(grad), q, k), ref(q, k)):
-        ladder.assert_close(a, e, dtype=dtype, atol=5e-2 if dtype == BF16 else 1e-4, what=name, context=repr(rand))
 
 
 # Token-major blocks (bshd, and every decode batch) take their per-token factor rows by broadcast loads from VMEM up to
-# kernel.BROADCAST_LOAD_MAX_TOKENS tokens a block, in registers above it: both paths, forced, on the cases that
-# stress them (blocks of several sequences with their own or a shared table, a lane-aligned rotary prefix, q's row
-# sums on the MXU, ragged multi-step grids).
+# tuning.BROADCAST_LOAD_MAX_TOKENS tokens a block, in registers above it: both paths, forced by
+# RotaryBlocks.broadcast_loads, on the cases that stress them (blocks of several sequences with their own or a shared
+# table, a lane-aligned rotary prefix, q's row sums on the MXU, multi-step grids of one sublane tile a step). The path
+# reached is read from the traced program: broadcast loads take one VMEM scratch operand.
 # (id, op, layout, batch, seq, q heads, k heads, head_dim, rotary_dim, dtype, small blocks)
 FACTOR_ROW_CASES = [
     ("apply-per-sequence-table", "apply", "bshd", 3, 9, 2, 4, 128, 128, F32, False),
@@ -319,26 +354,25 @@ FACTOR_ROW_CASES = [
 
 @pytest.mark.parametrize("factor_rows", ["broadcast_loads", "in_registers"])
 @pytest.mark.parametrize("case", FACTOR_ROW_CASES, ids=[c[0] for c in FACTOR_ROW_CASES])
-def test_token_major_factor_rows(rand, monkeypatch, case, factor_rows):
+def test_token_major_factor_rows(rand, case, factor_rows):
     _, op, layout, batch, seq, hq, hk, head_dim, rotary_dim, dtype, small_blocks = case
-    kernel = api.kernel
-    monkeypatch.setattr(kernel, "BROADCAST_LOAD_MAX_TOKENS", 1 << 20 if factor_rows == "broadcast_loads" else 0)
-    seen = _record_results(monkeypatch, kernel, "uses_broadcast_loads")
-    if small_blocks:
-        monkeypatch.setattr(tuning, "TARGET_BLOCK_BYTES", {g: 1 for g in tuning.TARGET_BLOCK_BYTES})
-        monkeypatch.setattr(tuning, "MIN_BLOCK_BYTES", 1)
-    jax.clear_caches()  # the path is chosen at trace time
+    sizes = dict(block_batch=1, block_seq=8) if small_blocks else {}  # 8: one sublane tile of f32 q/k and positions
+    blocks = RotaryBlocks(**sizes, broadcast_loads=factor_rows == "broadcast_loads")
     q_shape, k_shape = _shapes(layout, batch, seq, hq, hk, head_dim)
     q, k = rand.normal(q_shape, dtype, scale=2.0, offset=0.5), rand.normal(k_shape, dtype)
     qw, kw_ = rand.normal((head_dim,), dtype), rand.normal((head_dim,), F32)
     positions = rand.integers(0, 40000, (batch, seq) if seq == 1 else (1, seq))
-    cos, sin = api.rope_cos_sin(positions, head_dim=head_dim, theta=1e4, rotary_dim=rotary_dim)
+    cos, sin = _reference_tables(positions, head_dim=head_dim, theta=1e4, rotary_dim=rotary_dim)
     ref_kw = dict(layout=layout)
     tol = dict(rtol=1e-4, atol=1e-3) if dtype == F32 else {}
     if op == "apply":
         cos, sin = rand.normal((batch, seq, rotary_dim), dtype), rand.normal((batch, seq, rotary_dim), dtype)
+        kernel_fn, args = (
+            (lambda q, k, c, s: tk.apply_rotary(q, k, c, s, layout=layout, blocks=blocks)),
+            (q, k, cos, sin),
+        )
         ladder.check_against_reference(
-            lambda q, k, c, s: tk.apply_rotary(q, k, c, s, layout=layout),
+            kernel_fn,
             lambda q, k, c, s: reference.apply_rotary_reference(q, k, c, s, **ref_kw),
             (q, k, cos, sin),
             dtype=dtype,
@@ -348,8 +382,12 @@ def test_token_major_factor_rows(rand, monkeypatch, case, factor_rows):
         )
     elif op == "norm":
         cos, sin = cos.astype(dtype), sin.astype(dtype)
+        kernel_fn, args = (
+            (lambda *a: tk.rms_norm_rope(*a, eps=1e-6, layout=layout, blocks=blocks)),
+            (q, k, qw, kw_, cos, sin),
+        )
         ladder.check_against_reference(
-            lambda *a: tk.rms_norm_rope(*a, eps=1e-6, layout=layout),
+            kernel_fn,
             lambda *a: reference.rms_norm_rope_reference(*a, eps=1e-6, **ref_kw),
             (q, k, qw, kw_, cos, sin),
             dtype=dtype,
@@ -357,43 +395,46 @@ def test_token_major_factor_rows(rand, monkeypatch, case, factor_rows):
             names=["q", "k"],
         )
     else:
-        ladder.check_against_reference(
-            lambda *a: tk.rms_norm_rope_from_positions(*a, eps=1e-6, theta=1e4, rotary_dim=rotary_dim, layout=layout),
-            lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(q, k, qw, kw_, cos, sin, eps=1e-6, **ref_kw),
+        kernel_fn, args = (
+            lambda *a: tk.rms_norm_rope_from_positions(
+                *a, eps=1e-6, theta=1e4, rotary_dim=rotary_dim, layout=layout, blocks=blocks
+            ),
             (q, k, qw, kw_, positions),
+        )
+        ladder.check_against_reference(
+            kernel_fn,
+            lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(q, k, qw, kw_, cos, sin, eps=1e-6, **ref_kw),
+            args,
             dtype=dtype,
             rand=rand,
             names=["q", "k"],
             **tol,
         )
-    jax.clear_caches()
-    assert seen and set(seen) == {factor_rows == "broadcast_loads"}, f"broadcast loads used: {seen}"
+    calls = ladder.pallas_calls(kernel_fn, *args)
+    assert [c.scratch_operands for c in calls] == [int(blocks.broadcast_loads)], f"{factor_rows}: {calls}"
+    if small_blocks:
+        assert calls[0].grid == (1, seq // 8), calls
 
 
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
-def test_token_major_factor_rows_compile_for_tpu(monkeypatch, generation):
+def test_token_major_factor_rows_compile_for_tpu(generation):
     """Rung 3 for both factor-row paths: Qwen3's fused norm + rope from positions in bshd at prefill (128-token
-    blocks: the unrolled broadcast-load body at its benchmark size) and at a 256-token decode batch."""
-    kernel = api.kernel
-    seen = _record_results(monkeypatch, kernel, "uses_broadcast_loads")
-    w, op = ((128,), BF16), lambda q, k, w, p: api.rms_norm_rope_from_positions(q, k, w, w, p, theta=1e6, layout="bshd")
-    for limit in (kernel.BROADCAST_LOAD_MAX_TOKENS, 0):
-        monkeypatch.setattr(kernel, "BROADCAST_LOAD_MAX_TOKENS", limit)
+    blocks: the unrolled broadcast-load body at its benchmark size) and at a 256-token decode batch. The table's
+    blocks take broadcast loads at both; RotaryBlocks(broadcast_loads=False) keeps its sizes, in registers."""
+    w = ((128,), BF16)
+    for blocks in (None, RotaryBlocks(broadcast_loads=False)):
+
+        def op(q, k, w, p, blocks=blocks):
+            return api.rms_norm_rope_from_positions(q, k, w, w, p, theta=1e6, layout="bshd", blocks=blocks)
+
         for batch, seq in ((1, 2048), (256, 1)):
-            jax.clear_caches()
-            seen.clear()
             q, k = ((batch, seq, 32, 128), BF16), ((batch, seq, 4, 128), BF16)
-            ladder.compile_for_tpu(
-                op,
-                generation,
-                q,
-                k,
-                w,
-                ((batch, seq) if seq > 1 else (batch, 1), jnp.int32),
-                label=f"factor rows {'broadcast loads' if limit else 'in registers'}",
-            )
-            assert seen == [bool(limit)], f"broadcast loads used at {(batch, seq)} with limit {limit}: {seen}"
-    jax.clear_caches()
+            pos = ((batch, seq) if seq > 1 else (batch, 1), jnp.int32)
+            label = f"factor rows {'in registers' if blocks else 'broadcast loads'}"
+            ladder.compile_for_tpu(op, generation, q, k, w, pos, label=label)
+            with jax.default_device(ladder.tpu_device(generation)):
+                calls = ladder.pallas_calls(op, *(jax.ShapeDtypeStruct(*a) for a in (q, k, w, pos)))
+            assert [c.scratch_operands for c in calls] == [0 if blocks else 1], f"{label} at {(batch, seq)}: {calls}"
 
 
 # How the kernel reads positions and packs cos/sin (kernel.PositionsLayout): each case forces a token block and asserts
@@ -415,19 +456,6 @@ POSITION_LAYOUTS = [
 ]
 
 
-def _force_positions_blocks(monkeypatch, block_seq):
-    """Token blocks of block_seq (one sequence each) for the next kernel calls; returns the PositionsLayouts they
-    reach (appended as each call traces)."""
-    original_blocks = tuning.choose_blocks
-
-    def forced_blocks(**kwargs):
-        blocks = original_blocks(**kwargs)
-        return tuning.RotaryBlocks(block_batch=1, block_seq=block_seq, vmem_limit_bytes=blocks.vmem_limit_bytes)
-
-    monkeypatch.setattr(tuning, "choose_blocks", forced_blocks)
-    return _record_results(monkeypatch, api.kernel, "positions_layout")
-
-
 def _record_results(monkeypatch, module, name):
     """Wrap module.name for this test; returns the list of its results, appended as each call traces."""
     seen, original = [], getattr(module, name)
@@ -440,8 +468,15 @@ def _record_results(monkeypatch, module, name):
     return seen
 
 
-def _position_layout_op(norm, layout, rotary_dim, interleaved):
-    opts = dict(theta=1e4, interleaved=interleaved, rotary_dim=rotary_dim, layout=layout)
+def _position_layout_op(norm, layout, rotary_dim, interleaved, block_seq):
+    """The op of a POSITION_LAYOUTS case at its forced token block (one sequence a step)."""
+    opts = dict(
+        theta=1e4,
+        interleaved=interleaved,
+        rotary_dim=rotary_dim,
+        layout=layout,
+        blocks=RotaryBlocks(block_batch=1, block_seq=block_seq),
+    )
     if norm:
         return lambda q, k, qw, kw_, p: api.rms_norm_rope_from_positions(q, k, qw, kw_, p, eps=1e-6, **opts)
     return lambda q, k, p: api.apply_rotary_from_positions(q, k, p, **opts)
@@ -450,14 +485,16 @@ def _position_layout_op(norm, layout, rotary_dim, interleaved):
 @pytest.mark.parametrize("case", POSITION_LAYOUTS, ids=[c[0] for c in POSITION_LAYOUTS])
 def test_positions_layouts_and_cos_sin_packing(rand, monkeypatch, case):
     _, layout, batch, seq, rows, head_dim, rotary_dim, interleaved, norm, dtype, ts, mode, packing = case
-    seen = _force_positions_blocks(monkeypatch, ts)
+    seen = _record_results(monkeypatch, api.kernel, "positions_layout")
     q_shape, k_shape = _shapes(layout, batch, seq, 4, 2, head_dim)
     q, k = rand.normal(q_shape, dtype), rand.normal(k_shape, dtype)
     qw, kw_ = rand.normal((head_dim,), F32), rand.normal((head_dim,), F32)
     positions = rand.integers(0, 40000, (rows, seq) if seq > 1 else (rows, 1))
-    cos, sin = api.rope_cos_sin(positions, head_dim=head_dim, theta=1e4, interleaved=interleaved, rotary_dim=rotary_dim)
+    cos, sin = _reference_tables(
+        positions, head_dim=head_dim, theta=1e4, interleaved=interleaved, rotary_dim=rotary_dim
+    )
     ref_kw = dict(interleaved=interleaved, layout=layout)
-    op = _position_layout_op(norm, layout, rotary_dim, interleaved)
+    op = _position_layout_op(norm, layout, rotary_dim, interleaved, ts)
     if norm:
         ladder.check_against_reference(
             op,
@@ -501,12 +538,12 @@ def test_positions_layouts_compile_for_tpu(monkeypatch, generation):
         mode,
         packing,
     ) in POSITION_LAYOUTS:
-        seen = _force_positions_blocks(monkeypatch, ts)
+        seen = _record_results(monkeypatch, api.kernel, "positions_layout")
         q_shape, k_shape = _shapes(layout, batch, seq, 4, 2, head_dim)
         args = [(q_shape, dtype), (k_shape, dtype)] + ([((head_dim,), F32)] * 2 if norm else [])
         args.append(((rows, seq) if seq > 1 else (rows, 1), jnp.int32))
         ladder.compile_for_tpu(
-            _position_layout_op(norm, layout, rotary_dim, interleaved),
+            _position_layout_op(norm, layout, rotary_dim, interleaved, ts),
             generation,
             *args,
             label=f"positions {mode}/{packing}",
@@ -516,137 +553,253 @@ def test_positions_layouts_compile_for_tpu(monkeypatch, generation):
 
 
 # ------------------------------------------------------------------------------------------------------ bad input
-def _base(r):
+BadInput = ladder.BadInput
+# bhsd f32, 32 + 32 heads x 128, cos/sin f32: 194 KiB of VMEM a token (blocks double-buffered, f32 temporaries), so
+# 384-token blocks need 72.8 MiB: more than a v7x core's 64 MiB, within the 96 MiB a v6e kernel may ask for.
+BIG_QK = jax.ShapeDtypeStruct((1, 32, 4096, 128), F32)
+BIG_TABLE = jax.ShapeDtypeStruct((1, 4096, 128), F32)
+BIG = dict(q=BIG_QK, k=BIG_QK, cos=BIG_TABLE, sin=BIG_TABLE)
+
+
+def _base(r, *, batch=2, seq=8, dtype=F32, table_batch=1):
+    """q [batch, 4, seq, 128], k [batch, 2, seq, 128] in dtype; f32 cos/sin [table_batch, seq, 128]."""
     return dict(
-        q=r.normal((2, 4, 8, 128)), k=r.normal((2, 2, 8, 128)), cos=r.normal((1, 8, 128)), sin=r.normal((1, 8, 128))
+        q=r.normal((batch, 4, seq, 128), dtype),
+        k=r.normal((batch, 2, seq, 128), dtype),
+        cos=r.normal((table_batch, seq, 128)),
+        sin=r.normal((table_batch, seq, 128)),
     )
 
 
+def _traced_for(generation):
+    """Trace for `generation` (None: the CPU host's default target, v6e)."""
+    return jax.default_device(ladder.tpu_device(generation)) if generation else contextlib.nullcontext()
+
+
+def _call_apply_rotary(args):
+    args = dict(args)
+    with _traced_for(args.pop("generation", None)):
+        return tk.apply_rotary(args.pop("q"), args.pop("k"), args.pop("cos"), args.pop("sin"), **args)
+
+
 BAD_INPUTS = [
-    ("q rank", lambda r: dict(q=r.normal((2, 4, 128))), ValueError, "q: expected 4 dimensions"),
-    ("q int", lambda r: dict(q=r.integers(0, 3, (2, 4, 8, 128))), TypeError, "q: expected dtype"),
-    ("q float16", lambda r: dict(q=r.normal((2, 4, 8, 128), jnp.float16)), TypeError, "q: expected dtype"),
-    ("q a list", lambda r: dict(q=[[1.0]]), TypeError, "q: expected a jax array, got list"),
-    ("k dtype", lambda r: dict(k=r.normal((2, 2, 8, 128), BF16)), TypeError, "k: expected dtype"),
-    ("k seq", lambda r: dict(k=r.normal((2, 2, 9, 128))), ValueError, "k: expected the batch, seq and head_dim of q"),
-    ("k head_dim", lambda r: dict(k=r.normal((2, 2, 8, 64))), ValueError, "k: expected the batch, seq and head_dim"),
-    (
+    BadInput("q rank", lambda r: dict(q=r.normal((2, 4, 128))), ValueError, "q: expected 4 dimensions"),
+    BadInput("q int", lambda r: dict(q=r.integers(0, 3, (2, 4, 8, 128))), TypeError, "q: expected dtype"),
+    BadInput("q float16", lambda r: dict(q=r.normal((2, 4, 8, 128), jnp.float16)), TypeError, "q: expected dtype"),
+    BadInput("q a list", dict(q=[[1.0]]), TypeError, "q: expected a jax array, got list"),
+    BadInput("k dtype", lambda r: dict(k=r.normal((2, 2, 8, 128), BF16)), TypeError, "k: expected dtype"),
+    BadInput(
+        "k seq", lambda r: dict(k=r.normal((2, 2, 9, 128))), ValueError, "k: expected the batch, seq and head_dim of q"
+    ),
+    BadInput(
+        "k head_dim", lambda r: dict(k=r.normal((2, 2, 8, 64))), ValueError, "k: expected the batch, seq and head_dim"
+    ),
+    BadInput(
         "odd rotary dim",
         lambda r: dict(cos=r.normal((1, 8, 65)), sin=r.normal((1, 8, 65))),
         ValueError,
         "rotary_dim (cos.shape[-1]): expected an even number > 0",
     ),
-    (
+    BadInput(
         "rotary_dim > head_dim",
         lambda r: dict(cos=r.normal((1, 8, 256)), sin=r.normal((1, 8, 256))),
         ValueError,
         "rotary_dim (cos.shape[-1]): expected at most head_dim = 128, got 256",
     ),
-    ("rotary_dim != cos", lambda r: dict(rotary_dim=64), ValueError, "rotary_dim: expected the width of cos and sin"),
-    (
+    BadInput("rotary_dim != cos", dict(rotary_dim=64), ValueError, "rotary_dim: expected the width of cos and sin"),
+    BadInput(
         "cos seq mismatch",
         lambda r: dict(cos=r.normal((1, 7, 128)), sin=r.normal((1, 7, 128))),
         ValueError,
         "cos: expected shape (2 or 1, 8, rotary_dim)",
     ),
-    (
+    BadInput(
         "cos batch mismatch",
         lambda r: dict(cos=r.normal((3, 8, 128)), sin=r.normal((3, 8, 128))),
         ValueError,
         "cos: expected shape (2 or 1, 8, rotary_dim)",
     ),
-    ("cos rank", lambda r: dict(cos=r.normal((8, 128))), ValueError, "cos: expected 3 dimensions"),
-    ("sin shape", lambda r: dict(sin=r.normal((1, 8, 64))), ValueError, "sin: expected the shape of cos (1, 8, 128)"),
-    ("sin dtype", lambda r: dict(sin=r.normal((1, 8, 128), BF16)), TypeError, "sin: expected dtype"),
-    ("layout", lambda r: dict(layout="sbhd"), ValueError, "layout: expected 'bhsd' or 'bshd', got 'sbhd'"),
-    ("interleaved", lambda r: dict(interleaved="yes"), TypeError, "interleaved: expected a bool"),
+    BadInput("cos rank", lambda r: dict(cos=r.normal((8, 128))), ValueError, "cos: expected 3 dimensions"),
+    BadInput(
+        "sin shape", lambda r: dict(sin=r.normal((1, 8, 64))), ValueError, "sin: expected the shape of cos (1, 8, 128)"
+    ),
+    BadInput("sin dtype", lambda r: dict(sin=r.normal((1, 8, 128), BF16)), TypeError, "sin: expected dtype"),
+    BadInput("layout", dict(layout="sbhd"), ValueError, "layout: expected 'bhsd' or 'bshd', got 'sbhd'"),
+    BadInput("interleaved", dict(interleaved="yes"), TypeError, "interleaved: expected a bool"),
+    BadInput("blocks a tuple", dict(blocks=(1, 8)), TypeError, "blocks: expected a RotaryBlocks or None, got tuple"),
+    BadInput(
+        "blocks of another kernel",
+        dict(blocks=tk.RmsNormBlocks(8)),
+        TypeError,
+        "blocks: expected a RotaryBlocks or None, got RmsNormBlocks",
+    ),
+    BadInput(
+        "block_seq not a sublane multiple",
+        dict(blocks=RotaryBlocks(1, 4)),
+        ValueError,
+        "blocks.block_seq: expected a multiple of 8 (whole sublane tiles of the float32 blocks",
+    ),
+    BadInput(
+        "block_seq not a multiple of bf16 q's sublane tile",
+        lambda r: dict(_base(r, seq=24, dtype=BF16), blocks=RotaryBlocks(1, 8)),
+        ValueError,
+        "blocks.block_seq: expected a multiple of 16 (whole sublane tiles of the bfloat16 and float32 blocks",
+    ),
+    BadInput(
+        "block_batch a float",
+        dict(blocks=RotaryBlocks(1.0, 8)),
+        TypeError,
+        "blocks.block_batch: expected a positive int, got float 1.0",
+    ),
+    BadInput("block_batch 0", dict(blocks=RotaryBlocks(0, 8)), ValueError, "blocks.block_batch: expected a positive"),
+    BadInput(
+        "block_seq without block_batch",
+        dict(blocks=RotaryBlocks(block_seq=8)),
+        ValueError,
+        "blocks: expected both block_batch and block_seq, or neither",
+    ),
+    BadInput(
+        "broadcast loads for head-major blocks",
+        dict(blocks=RotaryBlocks(broadcast_loads=True)),
+        ValueError,
+        "blocks.broadcast_loads: only token-major blocks (layout 'bshd', or a decode call)",
+    ),
+    BadInput(
+        "broadcast_loads not a bool",
+        dict(blocks=RotaryBlocks(broadcast_loads=1)),
+        TypeError,
+        "blocks.broadcast_loads: expected True, False or None, got int",
+    ),
+    BadInput(
+        "decode block_batch",
+        lambda r: dict(_base(r, batch=6, seq=1, table_batch=6), blocks=RotaryBlocks(2, 1)),
+        ValueError,
+        "blocks.block_batch: a decode call (seq 1) runs its 6 sequences as one sequence of 6 tokens",
+    ),
+    BadInput(
+        "vmem_limit_bytes over the core's VMEM",
+        dict(blocks=RotaryBlocks(1, 8, vmem_limit_bytes=1 << 40)),
+        ValueError,
+        "blocks.vmem_limit_bytes: expected 1 to 134217728 bytes (the VMEM of a v6e core)",
+    ),
+    BadInput(
+        "blocks too large for v7x VMEM",
+        dict(**BIG, blocks=RotaryBlocks(1, 384), generation="v7x"),
+        ValueError,
+        "blocks: these blocks need 72.8 MiB of VMEM, more than the 64 MiB of a v7x core",
+    ),
+    BadInput(
+        "blocks over the vmem limit given",
+        dict(**BIG, blocks=RotaryBlocks(1, 384, vmem_limit_bytes=32 << 20), generation="v6e"),
+        ValueError,
+        "blocks: these blocks need 72.8 MiB of VMEM, more than the vmem_limit_bytes of 32.0 MiB on v6e",
+    ),
 ]
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+@ladder.bad_input_params(BAD_INPUTS)
 def test_bad_input_is_a_clear_error(rand, case):
-    _, make, error, message = case
-    args = _base(rand)
-    args.update(make(rand))
-    with pytest.raises(error) as info:
-        tk.apply_rotary(args.pop("q"), args.pop("k"), args.pop("cos"), args.pop("sin"), **args)
-    assert message in str(info.value)
+    ladder.assert_clear_error(case, _call_apply_rotary, _base(rand), rand)
+
+
+def test_blocks_fit_is_judged_per_generation():
+    """The blocks too large for a v7x core fit a v6e one: the VMEM check reads the generation being traced for."""
+    blocks = RotaryBlocks(1, 384)
+    with _traced_for("v6e"):
+        calls = ladder.pallas_calls(lambda *a: tk.apply_rotary(*a, blocks=blocks), *BIG.values())
+    assert [c.grid for c in calls] == [(1, 11)], calls
+    assert 72 << 20 < calls[0].vmem_limit_bytes <= 96 << 20, calls  # derived: the working set fits under it
+
+
+def _call_rms_norm_rope(args):
+    args = dict(args)
+    positional = [args.pop(name) for name in ("q", "k", "q_weight", "k_weight", "cos", "sin")]
+    return tk.rms_norm_rope(*positional, **args)
 
 
 BAD_NORM_INPUTS = [
-    ("q_weight shape", dict(q_weight=(64,)), ValueError, "q_weight: expected shape (128,)"),
-    ("k_weight missing", dict(k_weight=None), ValueError, "k_weight: expected a [128] norm weight, got None"),
-    ("eps negative", dict(eps=-1.0), ValueError, "eps: expected a finite number >= 0"),
+    BadInput("q_weight shape", lambda r: dict(q_weight=r.normal((64,))), ValueError, "q_weight: expected shape (128,)"),
+    BadInput("k_weight missing", dict(k_weight=None), ValueError, "k_weight: expected a [128] norm weight, got None"),
+    BadInput("eps negative", dict(eps=-1.0), ValueError, "eps: expected a finite number >= 0"),
+    BadInput(
+        "block_seq not a sublane multiple",
+        dict(blocks=RotaryBlocks(1, 4)),
+        ValueError,
+        "blocks.block_seq: expected a multiple of 8",
+    ),
 ]
 
 
-@pytest.mark.parametrize("case", BAD_NORM_INPUTS, ids=[c[0] for c in BAD_NORM_INPUTS])
+@ladder.bad_input_params(BAD_NORM_INPUTS)
 def test_bad_norm_input_is_a_clear_error(rand, case):
-    _, change, error, message = case
-    a = _base(rand)
-    weights = dict(q_weight=rand.normal((128,)), k_weight=rand.normal((128,)))
-    eps = change.pop("eps", 1e-6) if "eps" in change else 1e-6
-    for name, value in change.items():
-        weights[name] = None if value is None else rand.normal(value)
-    with pytest.raises(error, match=None) as info:
-        tk.rms_norm_rope(a["q"], a["k"], weights["q_weight"], weights["k_weight"], a["cos"], a["sin"], eps=eps)
-    assert message in str(info.value)
+    good = dict(_base(rand), q_weight=rand.normal((128,)), k_weight=rand.normal((128,)), eps=1e-6)
+    ladder.assert_clear_error(case, _call_rms_norm_rope, good, rand)
+
+
+def _call_from_positions(args):
+    args = dict(args)
+    return tk.apply_rotary_from_positions(args.pop("q"), args.pop("k"), args.pop("positions"), **args)
 
 
 BAD_POSITION_INPUTS = [
-    (
+    BadInput(
         "positions beyond float32's exact range",
-        lambda r: dict(positions=jnp.full((2, 8), 1 << 24, jnp.int32)),
+        dict(positions=jnp.full((2, 8), 1 << 24, jnp.int32)),
         ValueError,
         "positions: expected values in [0, 16777216)",
     ),
-    (
+    BadInput(
         "negative positions",
-        lambda r: dict(positions=jnp.full((1, 8), -1, jnp.int32)),
+        dict(positions=jnp.full((1, 8), -1, jnp.int32)),
         ValueError,
         "positions: expected values in [0, 16777216)",
     ),
-    ("positions float", lambda r: dict(positions=r.normal((2, 8))), TypeError, "positions: expected dtype in (int32)"),
-    (
+    BadInput(
+        "positions float", lambda r: dict(positions=r.normal((2, 8))), TypeError, "positions: expected dtype in (int32)"
+    ),
+    BadInput(
         "positions shape",
         lambda r: dict(positions=r.integers(0, 9, (2, 9))),
         ValueError,
         "positions: expected shape (2 or 1, 8)",
     ),
-    ("odd rotary_dim", lambda r: dict(rotary_dim=63), ValueError, "rotary_dim: expected an even number > 0"),
-    ("rotary_dim > head_dim", lambda r: dict(rotary_dim=130), ValueError, "rotary_dim: expected at most head_dim"),
-    ("theta", lambda r: dict(theta=float("nan")), ValueError, "theta: expected a finite number"),
-    ("scaling type", lambda r: dict(scaling={"rope_type": "longrope"}), ValueError, "scaling['rope_type']"),
-    (
+    BadInput("odd rotary_dim", dict(rotary_dim=63), ValueError, "rotary_dim: expected an even number > 0"),
+    BadInput("rotary_dim > head_dim", dict(rotary_dim=130), ValueError, "rotary_dim: expected at most head_dim"),
+    BadInput("theta", dict(theta=float("nan")), ValueError, "theta: expected a finite number"),
+    BadInput("scaling type", dict(scaling={"rope_type": "longrope"}), ValueError, "scaling['rope_type']"),
+    BadInput(
         "scaling missing key",
-        lambda r: dict(scaling={"rope_type": "llama3", "factor": 8.0}),
+        dict(scaling={"rope_type": "llama3", "factor": 8.0}),
         ValueError,
         "scaling: rope_type 'llama3' needs",
     ),
-    (
+    BadInput(
         "scaling unknown key",
-        lambda r: dict(scaling={"rope_type": "linear", "factor": 2.0, "beta": 1}),
+        dict(scaling={"rope_type": "linear", "factor": 2.0, "beta": 1}),
         ValueError,
         "unexpected key(s) ['beta']",
     ),
-    (
+    BadInput(
         "scaling factor",
-        lambda r: dict(scaling={"rope_type": "linear", "factor": -2.0}),
+        dict(scaling={"rope_type": "linear", "factor": -2.0}),
         ValueError,
         "scaling['factor']: expected a number > 0",
     ),
+    BadInput(
+        "block_seq not a sublane multiple of int32 positions",
+        dict(blocks=RotaryBlocks(1, 4)),
+        ValueError,
+        "blocks.block_seq: expected a multiple of 8 (whole sublane tiles of the float32 and int32 blocks",
+    ),
+    BadInput("blocks a dict", dict(blocks={"block_seq": 8}), TypeError, "blocks: expected a RotaryBlocks or None"),
 ]
 
 
-@pytest.mark.parametrize("case", BAD_POSITION_INPUTS, ids=[c[0] for c in BAD_POSITION_INPUTS])
+@ladder.bad_input_params(BAD_POSITION_INPUTS)
 def test_bad_position_input_is_a_clear_error(rand, case):
-    _, make, error, message = case
-    a = _base(rand)
-    args = dict(positions=rand.integers(0, 100, (2, 8)), theta=1e4)
-    args.update(make(rand))
-    with pytest.raises(error) as info:
-        tk.apply_rotary_from_positions(a["q"], a["k"], args.pop("positions"), **args)
-    assert message in str(info.value)
+    base = _base(rand)
+    good = dict(q=base["q"], k=base["k"], positions=rand.integers(0, 100, (2, 8)), theta=1e4)
+    ladder.assert_clear_error(case, _call_from_positions, good, rand)
 
 
 def test_head_too_large_for_vmem_is_a_clear_error():
@@ -778,6 +931,59 @@ def test_tuning_follows_the_traced_generation():
             info=info,
         ).block_seq
     assert blocks["v5e"] < blocks["v6e"], blocks
+
+
+@pytest.mark.parametrize("case", SCALINGS, ids=[c[0] for c in SCALINGS])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_cos_sin_matches_reference(rand, case, interleaved):
+    """The tables rope_cos_sin builds (one transcendental per distinct angle) are the reference's (each lane's)."""
+    _, scaling, rotary_dim = case
+    positions = rand.integers(0, 60000, (3, 20))
+    kw = dict(head_dim=128, theta=1e6, rotary_dim=rotary_dim, scaling=scaling, interleaved=interleaved)
+    for actual, expected in zip(api.rope_cos_sin(positions, **kw), _reference_tables(positions, **kw)):
+        ladder.assert_close(actual, expected, dtype=F32, rtol=1e-6, atol=1e-6)
+
+
+# The sweep's shapes here: Qwen3's bhsd prefill on cos/sin tables (head-major blocks) and its fused norm + rope from
+# positions at a 256-token decode batch (token-major, broadcast loads unrolled up to 256 tokens).
+CANDIDATE_SHAPES = [("apply_rotary-prefill", 1, 2048), ("rms_norm_rope_from_positions-decode", 256, 1)]
+
+
+@pytest.mark.parametrize("case", CANDIDATE_SHAPES, ids=[c[0] for c in CANDIDATE_SHAPES])
+def test_candidate_blocks_compile_for_tpu(case):
+    """The sweep's candidates are legal tilings (each compiles on v6e), the table's choice first, and the choice is
+    what the op runs with by default."""
+    name, batch, seq = case
+    q = jax.ShapeDtypeStruct((batch, 32, seq, 128), BF16)
+    k = jax.ShapeDtypeStruct((batch, 4, seq, 128), BF16)
+    w, table = jax.ShapeDtypeStruct((128,), BF16), jax.ShapeDtypeStruct((1, seq, 128), BF16)
+    positions = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    if name.startswith("apply_rotary"):
+        arrays, tables = (q, k, table, table), (table, table)
+
+        def op(q, k, c, s, blocks=None):
+            return api.apply_rotary(q, k, c, s, blocks=blocks)
+    else:
+        arrays, tables = (q, k, w, positions), positions
+
+        def op(q, k, w, p, blocks=None):
+            return api.rms_norm_rope_from_positions(q, k, w, w, p, theta=1e6, blocks=blocks)
+
+    with jax.default_device(ladder.tpu_device("v6e")):
+        arguments = api.tuning_arguments(q, k, tables)
+        candidates = tuning.candidate_blocks(**arguments)
+        default = ladder.pallas_calls(op, *arrays)
+    assert candidates[0] == tuning.choose_blocks(**arguments, info=api.chip.tpu_info_for("v6e")), candidates
+    assert len(candidates) >= 4 and len({(c.block_batch, c.block_seq) for c in candidates}) == len(candidates)
+    kernel_seq = seq if seq > 1 else batch  # a decode batch runs as one sequence of its tokens
+    assert default[0].grid == (1, kernel_seq // candidates[0].block_seq), (default, candidates[0])
+    for blocks in candidates:
+        ladder.compile_for_tpu(
+            lambda *a, blocks=blocks: op(*a, blocks=blocks),
+            "v6e",
+            *((a.shape, a.dtype) for a in arrays),
+            label=f"{name}, {blocks.block_batch} x {blocks.block_seq}-token blocks",
+        )
 
 
 def test_inverse_frequencies_default_formula():
