@@ -467,3 +467,26 @@ def test_nested_pl_when_on_scalar_prefetch_is_evaluated_per_step():
     (k,) = m.kernels
     assert not m.warnings, m.warnings
     assert k.step_cycles_min < k.step_cycles_mean < k.step_cycles_max, (k.step_cycles_min, k.step_cycles_max)
+
+
+def pallas_copy_edge(x, block_rows=576):
+    """A copy whose row block does not divide the rows: the last block is partial (the compiler branches for it)."""
+    rows, cols = x.shape
+    spec = pl.BlockSpec((block_rows, cols), lambda i: (i, 0))
+    return pl.pallas_call(
+        _copy_kernel,
+        grid=(pl.cdiv(rows, block_rows),),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(x)
+
+
+def test_partial_edge_block_is_clipped_and_its_branches_are_not_taken_for_pl_whens():
+    """4096 rows in blocks of 576: 8 steps, the last one 64 rows; the bytes are the array's, once in and once out.
+    The compiler's edge-block branches are no pl.when (the kernel has none): noted, not warned about."""
+    m = perf_model.model_function(pallas_copy_edge, (_sds((4096, 1024), jnp.float32),), gen="v7x")
+    (k,) = m.kernels
+    assert k.steps == 8 and k.hbm_bytes_in == k.hbm_bytes_out == 4096 * 1024 * 4
+    assert not m.warnings, m.warnings
+    assert any("no pl.when in the kernel" in n for n in m.notes), m.notes

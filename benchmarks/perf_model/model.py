@@ -448,6 +448,13 @@ def _model_kernel(
             # One step and nothing to skip by program id: every region counts as run (an upper bound on that step).
             notes.append(f"no grid: its {len(sched.conds)} conditional region(s) in the schedule counted as run")
             skip = np.zeros((steps, len(sched.conds)), bool)
+        elif not conds:
+            # No pl.when to map them to: the compiler's own branches (e.g. a partial edge block when the block does
+            # not divide the array), which run on some steps only; counted on all (an upper bound on compute).
+            notes.append(
+                "conditional regions the compiler made (no pl.when in the kernel) counted as run on every step"
+            )
+            skip = np.zeros((steps, len(sched.conds)), bool)
         else:
             if conds or sched.conds:
                 warnings.append(
@@ -571,6 +578,12 @@ def _topology_device(topology: str):
         return topologies.get_topology_desc(topology, "tpu").devices[0]
     except Exception:  # noqa: BLE001 - no libtpu: trace for the host's default
         return None
+
+
+def trace_device(gen: str):
+    """The deviceless device of `gen`'s topology (None without libtpu): under `jax.default_device` of it, code that
+    asks which chip it runs on (tuning tables) answers for `gen`, as the model's own traces do."""
+    return _topology_device(C.get_chip(C.canonical_gen(gen)).topology)
 
 
 def _prepare(fn, args, chip):
