@@ -12,11 +12,14 @@ disagree, which is where a measurement on the chip is worth taking.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
 
-from . import modeled
+import jax
+
+from . import modeled, perf_model
 from . import suite as _suite
 
 
@@ -25,9 +28,18 @@ def blocks_dict(blocks) -> dict:
 
 
 def blocks_label(blocks) -> str:
-    """The tile sizes of a tiling, e.g. "block_rows=512" (the derived VMEM limit left out: it follows the blocks)."""
-    fields = {k: v for k, v in blocks_dict(blocks).items() if v is not None and k != "vmem_limit_bytes"}
-    return " ".join(f"{k}={v}" for k, v in fields.items()) or "table default"
+    """The tile sizes of a tiling, e.g. "block_rows=512", "forward(tm=64 tk=2048 tn=768)" (parts left None and the
+    derived VMEM limit left out: they follow the tiles)."""
+    return _fields_label(blocks_dict(blocks)) or "table default"
+
+
+def _fields_label(fields: dict) -> str:
+    parts = []
+    for name, value in fields.items():
+        if value is None or name == "vmem_limit_bytes":
+            continue
+        parts.append(f"{name}({_fields_label(value)})" if isinstance(value, dict) else f"{name}={value}")
+    return " ".join(parts)
 
 
 def sweep_shapes(suite: _suite.Suite, full: bool):
@@ -52,12 +64,15 @@ def run_sweep(kernel: str, gens, *, full: bool = False, shapes=None, workers=Non
     }
     for gen in gens:
         plans = []  # (op, shape, [blocks] or the Exception listing them raised)
-        for op in swept_ops:
-            for shape in shapes:
-                try:
-                    plans.append((op, shape, list(op.candidates(shape, gen))))
-                except Exception as e:  # noqa: BLE001 - a shape the kernel cannot tile is reported, not fatal
-                    plans.append((op, shape, e))
+        device = perf_model.trace_device(gen)
+        # Under gen's device, candidate lists that ask the traced-for chip (tuning modules do) answer for gen.
+        with jax.default_device(device) if device is not None else contextlib.nullcontext():
+            for op in swept_ops:
+                for shape in shapes:
+                    try:
+                        plans.append((op, shape, list(op.candidates(shape, gen))))
+                    except Exception as e:  # noqa: BLE001 - a shape the kernel cannot tile is reported, not fatal
+                        plans.append((op, shape, e))
         items = []
         for op, shape, cands in plans:
             if isinstance(cands, Exception):

@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpu_kernels_jax.common import chip
 from tpu_kernels_jax.moe import api as moe_api
+from tpu_kernels_jax.moe import tuning as moe_tuning
 
 from .. import shapes
 from ..suite import Baseline, Op, Suite, Targets
@@ -20,7 +22,7 @@ from . import _moe
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 
-def kernel_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
+def kernel_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation, blocks=None):
     return moe_api.experts_forward(
         hidden_states,
         top_k_index,
@@ -30,6 +32,7 @@ def kernel_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down
         activation=activation,
         gate_layout="concatenated",
         weights_transposed=False,
+        blocks=blocks,
     )
 
 
@@ -122,6 +125,25 @@ def _flops(s):
     return 2 * _moe.rows_of(s) * s["hidden"] * 3 * s["intermediate"]
 
 
+def _candidates(s, gen):
+    """experts_forward's candidate paths and small-batch chunks at this shape (the tuning module's, on `gen`)."""
+    up, down = _weights_specs(s)
+    return moe_tuning.candidate_blocks(
+        _moe.tokens_of(s),
+        s["hidden"],
+        s["intermediate"],
+        gate_up_shape=up.shape,
+        down_shape=down.shape,
+        weights_transposed=False,
+        gate_layout="concatenated",
+        has_gate_up_bias=False,
+        hidden_dtype=BF16,
+        weight_dtype=up.dtype,
+        down_dtype=down.dtype,
+        info=chip.tpu_info_for(gen),
+    )
+
+
 def _tokamax_unsupported(s):
     return _moe.tokamax_available() or _moe.tokamax_unsupported(s)
 
@@ -144,9 +166,12 @@ SUITE = Suite(
                 Baseline("dense masked", dense_masked_experts),
             ),
             static=lambda s: {"activation": s["activation"]},
+            candidates=_candidates,
         ),
     ),
     shapes=shapes.MOE,
     quick_shapes=shapes.MOE_QUICK,
+    # `--sweep` without --full: Qwen3's decode at 1, 8 and 64 tokens, where the small-batch path and its chunk decide
+    sweep_shapes=tuple(s for s in shapes.MOE_QUICK if s["model"] == "qwen3-30b-a3b" and s.batch in (1, 8, 64)),
     targets=Targets(goal=_moe.GOAL, beats_default=True, custom=_moe.custom_targets),
 )

@@ -22,16 +22,15 @@ from . import _moe
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 
-def kernel_gate_up(lhs, rhs, group_sizes, *, activation):
-    return ragged_dot_api.ragged_dot(
-        lhs,
-        rhs,
-        group_sizes,
-        rhs_transposed=True,
-        activation=activation,
-        gated="concatenated",
-        preferred_element_type=BF16,
-    )
+def _kernel_options(op, activation):
+    """ragged_dot's keyword arguments for each op (the kernel path and its candidate tilings share them)."""
+    if op == "gate_up":
+        return dict(rhs_transposed=True, activation=activation, gated="concatenated", preferred_element_type=BF16)
+    return dict(rhs_transposed=True, preferred_element_type=F32)
+
+
+def kernel_gate_up(lhs, rhs, group_sizes, *, activation, blocks=None):
+    return ragged_dot_api.ragged_dot(lhs, rhs, group_sizes, blocks=blocks, **_kernel_options("gate_up", activation))
 
 
 def xla_gate_up(lhs, rhs, group_sizes, *, activation):
@@ -42,8 +41,8 @@ def tokamax_gate_up(lhs, rhs, group_sizes, *, activation):
     return _moe.gated_epilogue(_moe.tokamax_ragged_dot(lhs, rhs, group_sizes, out_dtype=F32), activation, BF16)
 
 
-def kernel_down(lhs, rhs, group_sizes, *, activation=None):
-    return ragged_dot_api.ragged_dot(lhs, rhs, group_sizes, rhs_transposed=True, preferred_element_type=F32)
+def kernel_down(lhs, rhs, group_sizes, *, activation=None, blocks=None):
+    return ragged_dot_api.ragged_dot(lhs, rhs, group_sizes, blocks=blocks, **_kernel_options("down", activation))
 
 
 def xla_down(lhs, rhs, group_sizes, *, activation=None):
@@ -95,6 +94,12 @@ def _flops(op, s):
     return 2 * _moe.rows_of(s) * k * n
 
 
+def _candidates(op, s, gen):
+    """The forward kernel's candidate tilings (ragged_dot_api.candidate_blocks) for this op's call; the sweep runs this
+    under gen's device, which the tuning table reads."""
+    return ragged_dot_api.candidate_blocks(*_specs(op, s), **_kernel_options(op, s["activation"]))
+
+
 def _tokamax_unsupported(s):
     return _moe.tokamax_available() or _moe.tokamax_unsupported(s)
 
@@ -112,8 +117,16 @@ def _op(name, kernel, default, tokamax):
         default_name="XLA ragged_dot",
         baselines=(Baseline("tokamax", tokamax, _tokamax_unsupported),),
         static=lambda s: {"activation": s["activation"]},
+        candidates=functools.partial(_candidates, name),
     )
 
+
+# `--sweep` without --full: Qwen3's decode at 8 and 256 tokens and its 4096-row prefill
+SWEEP = tuple(
+    s
+    for s in shapes.RAGGED_DOT_QUICK
+    if s["model"] == "qwen3-30b-a3b" and (s["phase"], s.batch) in {("decode", 8), ("decode", 256), ("prefill", 4096)}
+)
 
 SUITE = Suite(
     kernel="ragged_dot",
@@ -123,6 +136,7 @@ SUITE = Suite(
     ),
     shapes=shapes.RAGGED_DOT,
     quick_shapes=shapes.RAGGED_DOT_QUICK,
+    sweep_shapes=SWEEP,
     targets=Targets(goal=_moe.GOAL, beats_default=True, custom=_moe.custom_targets),
     batch_unit="tokens (decode) / rows (prefill)",
 )

@@ -17,6 +17,7 @@ from .model import (
     compile_deviceless_many,
     model_function,
     model_functions,
+    trace_device,
     xla_op_estimates,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "compile_deviceless_many",
     "model_function",
     "model_functions",
+    "trace_device",
     "xla_op_estimates",
 ]
