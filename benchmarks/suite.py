@@ -6,6 +6,10 @@ Pallas kernel path and the default implementation of the same operation, the pla
 performance targets it is held to. `benchmarks/test_<kernel>.py` is its pytest-benchmark suite (a few lines: the shared
 `measure` fixture does the timing). Adding both files is all a new kernel needs; `python -m benchmarks` finds it.
 
+An op whose kernel takes `blocks=` also lists its candidate tilings (`Op.candidates`, from the kernel's
+`tuning.candidate_blocks`): `python -m benchmarks --kernel K --sweep` (benchmarks/sweep.py) models each one at the
+suite's `sweep_shapes` and reports the best beside the table's choice.
+
 Every function handed to the performance model is compiled in a subprocess and pickled by reference: `kernel` and
 `default` must be module-level functions of the ops module (or functools.partials of them).
 """
