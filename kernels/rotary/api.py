@@ -350,7 +350,8 @@ def _tuning_shape(q, k, shape: _Shape, *, rotary_dim, table_dtypes, from_positio
 def _blocks(blocks, q, k, shape: _Shape, **tuning_kw) -> RotaryBlocks | None:
     """The checked blocks, every field set (None when q and k are empty: no kernel runs)."""
     tuning.check_blocks_type(blocks)
-    if shape.seq == 1 and blocks is not None and isinstance(blocks.block_batch, int) and blocks.block_batch != 1:
+    batch_given = blocks is not None and isinstance(blocks.block_batch, (int, np.integer))
+    if shape.seq == 1 and batch_given and blocks.block_batch != 1:
         raise ValueError(
             f"blocks.block_batch: a decode call (seq 1) runs its {shape.batch} sequences as one sequence of "
             f"{shape.batch} tokens, so its blocks count tokens in block_seq: expected 1 or None, "
