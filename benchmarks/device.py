@@ -6,18 +6,17 @@ implementation's "cpu XLA"): CPU timings say the kernel runs, never how fast a T
 are timed (interpret mode simulates every DMA); the others show "—".
 
 `prepare_environment()` must run before jax (or torch) is imported: without a TPU it applies the project's
-deviceless settings (tests/environment.py), with one it leaves jax free to find the TPU.
+deviceless settings (`benchmarks.deviceless`), with one it leaves jax free to find the TPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
-import importlib.util
 import os
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from . import deviceless
+
 CPU_INTERPRET = "cpu interpret"
 CPU_XLA = "cpu XLA"
 # On a CPU, time only cases that move at most this many HBM bytes (the quick default) / with --full.
@@ -33,18 +32,11 @@ def tpu_visible() -> bool:
     return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
-def _environment_module():
-    spec = importlib.util.spec_from_file_location("tpu_kernels_test_environment", ROOT / "tests" / "environment.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def prepare_environment() -> None:
     if tpu_visible():
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # the model's compile subprocesses load libtpu too
     else:
-        _environment_module().apply()
+        deviceless.apply()
 
 
 @dataclasses.dataclass(frozen=True)

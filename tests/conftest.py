@@ -6,16 +6,18 @@ pytest puts tests/ on sys.path (rootdir conftest, "prepend" import mode), which 
 
 import importlib.util
 import json
+import os
 import pathlib
 import sys
 
-import environment
 import pytest
-
-environment.apply()
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # `benchmarks` (shapes declared once, the harness); appended: never shadows a library
+
+import environment  # noqa: E402  (benchmarks.deviceless, on the path from the line above)
+
+environment.apply()
 # The JAX kernels (`tpu_kernels_jax`) and the torch package (`tpu_kernels`) are installed editable by the Makefile.
 if importlib.util.find_spec("torch") is None:
     # A JAX-only environment (the jax 0.12 / Python 3.12 compatibility run): modules that need torch run in the main
@@ -44,6 +46,7 @@ def pytest_sessionfinish(session, exitstatus):
     if COMPILE_STATS:
         import jax
 
-        out = ROOT / "build" / f"compile_stats-jax{jax.__version__}.json"
+        worker = os.environ.get("PYTEST_XDIST_WORKER")  # one file per xdist worker: they would overwrite each other
+        out = ROOT / "build" / f"compile_stats-jax{jax.__version__}{'-' + worker if worker else ''}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(COMPILE_STATS, indent=1))

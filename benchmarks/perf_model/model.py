@@ -23,18 +23,13 @@ import tempfile
 import jax
 import numpy as np
 
+from ..deviceless import DEVICELESS_ENV
 from . import bundles as B
 from . import chips as C
 from . import traffic as T
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 
-DEVICELESS_ENV = {
-    "JAX_PLATFORMS": "cpu",
-    "TPU_SKIP_MDS_QUERY": "1",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-}
 
 # Gathers and scatters stay on the TensorCore when modeling. XLA offloads some to the SparseCore (v5p/v6e/v7x), but an
 # offloaded op carries no cycle estimate (it would count as 0 µs) and its async form cannot be printed back from the
