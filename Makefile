@@ -14,8 +14,8 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml scripts/requirements.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) scripts/requirements.py test bench | $(PY) -m pip install -q -r /dev/stdin
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) scripts/requirements.py test bench | $(PY) -m pip install -q --no-compile -r /dev/stdin
+	$(PY) -m pip install -q --no-compile --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -26,10 +26,14 @@ lint: venv
 build: venv
 	$(PY) scripts/build_hub.py
 
-# The main suite, and beside it (second core) the JAX-only tests under Python 3.12 + jax 0.12 (scripts/jax_compat.sh).
-test: lint build
-	@mkdir -p build; scripts/jax_compat.sh -q $(PYTEST_ARGS) > build/jax012-tests.log 2>&1 & compat=$$!; \
-	$(PY) -m pytest $(PYTEST_ARGS); main=$$?; \
+# The JAX-only tests under Python 3.12 + jax 0.12 (scripts/jax_compat.sh, which makes its own environment) start
+# first, in the background at a lower priority, so that they fill the time the cores are not busy with the main
+# environment's install and the main suite; the main suite runs on two xdist workers (TEST_WORKERS).
+TEST_WORKERS ?= 2
+test:
+	@mkdir -p build; nice -n 10 scripts/jax_compat.sh -q $(PYTEST_ARGS) > build/jax012-tests.log 2>&1 & compat=$$!; \
+	$(MAKE) --no-print-directory lint build && \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS); main=$$?; \
 	wait $$compat; compat_rc=$$?; \
 	echo "=== JAX-only tests under Python 3.12 + jax 0.12 (full log: build/jax012-tests.log) ==="; \
 	tail -n 15 build/jax012-tests.log; \

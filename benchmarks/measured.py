@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
 
 from . import device as _device
@@ -107,11 +108,16 @@ def run(
         "--rootdir",
         str(HERE.parent),
     ] + (["--bench-full"] if full else [])
+    # Run from a pytest-xdist worker (the test suite's), the nested session would read the worker's variable and
+    # pytest-benchmark would disable itself as if under xdist; the nested session is a plain single-process one.
+    xdist_worker = os.environ.pop("PYTEST_XDIST_WORKER", None)
     try:
         with open(log_path, "w") as log, contextlib.redirect_stdout(log):
-            code = pytest.main(args, plugins=[_Progress(bar)])
+            code = pytest.main([*args, "-p", "no:xdist"], plugins=[_Progress(bar)])
     finally:
         _PLANNED.pop(kernel, None)
+        if xdist_worker is not None:
+            os.environ["PYTEST_XDIST_WORKER"] = xdist_worker
     error = None if code == 0 else f"pytest exited with {int(code)}; see {log_path}"
     if not json_path.exists():
         return {}, error or f"pytest-benchmark wrote no {json_path}"

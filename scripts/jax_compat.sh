@@ -21,9 +21,9 @@ fi
 stamp=$venv/.installed-$(cksum pyproject.toml | cut -d' ' -f1)
 if [ ! -e "$stamp" ]; then
     [ -x $venv/bin/python ] || "$python312" -m venv $venv || exit 1
-    "$python312" scripts/requirements.py --jax-compat | $venv/bin/python -m pip install -q -r /dev/stdin || exit 1
+    "$python312" scripts/requirements.py --jax-compat | $venv/bin/python -m pip install -q --no-compile -r /dev/stdin || exit 1
     # The JAX kernels by their one import name (tpu_kernels_jax); torch's package is installed too but never imported.
-    $venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+    $venv/bin/python -m pip install -q --no-compile --no-deps --no-build-isolation -e . || exit 1
     rm -f $venv/.installed-* && touch "$stamp"
 fi
 # The main environment runs every test. Here the JAX modules run once more, without the repeats that only vary sizes:
