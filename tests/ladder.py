@@ -133,42 +133,65 @@ def assert_moe_path(fn, args, path):
     assert want in text and avoid not in text, f"expected the {path} path ({want}, no {avoid})"
 
 
-@pytest.fixture(params=MOE_PATHS)
-def moe_path(request, monkeypatch):
-    """Force experts_forward's path in the torch tests through blocks= (moe_blocks; transformers' layouts the
-    small-batch kernel cannot serve take the grouped path). The torch op has no blocks argument, so the JAX function
-    it calls is wrapped to pass them, and every program it traces is asserted to hold the kernels of the path asked
-    for; a test whose op never reaches the wrapper fails. jit caches are cleared: the path is chosen at trace time,
-    and the torch ops keep one jitted function per shape."""
-    from tpu_kernels_jax.moe import api as moe_api
+class MoePath:
+    """One of experts_forward's paths for the torch tests: `blocks(experts, tokens, top_k)` is the blocks= that
+    forces it for an experts module's weights (moe_blocks with fallback: transformers' layouts the small-batch kernel
+    cannot serve take the grouped path), asserted first to trace to that path's kernels in the op's own JAX function
+    (the JSON the op receives included) at [tokens, H] with top_k slots."""
 
-    original = moe_api.experts_forward
-    traced = []
+    def __init__(self, path):
+        self.path = path
+        self.asked = 0
 
-    def forced(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None, **kw
-    ):
+    def blocks(self, experts, tokens, top_k):
+        from tpu_kernels import moe_ops
+
+        has_gate = getattr(experts, "has_gate", True)
+        gate_up = experts.gate_up_proj if has_gate else experts.up_proj
+        bias = (
+            (experts.gate_up_proj_bias if has_gate else experts.up_proj_bias)
+            if getattr(experts, "has_bias", False)
+            else None
+        )
+        down_bias = experts.down_proj_bias if getattr(experts, "has_bias", False) else None
+        gate_layout = (
+            ("concatenated" if getattr(experts, "is_concatenated", True) else "interleaved") if has_gate else None
+        )
+        transposed = bool(getattr(experts, "is_transposed", False))
+
+        def spec(t):
+            return None if t is None else jax.ShapeDtypeStruct(tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+        weights = [spec(t) for t in (gate_up, experts.down_proj, bias, down_bias)]
         blocks = moe_blocks(
-            request.param,
-            gate_up_proj,
-            down_proj,
-            gate_up_bias,
-            gate_layout=kw.get("gate_layout", "concatenated"),
-            weights_transposed=kw.get("weights_transposed", False),
+            self.path,
+            *weights[:3],
+            gate_layout=gate_layout,
+            weights_transposed=transposed,
             fallback=True,
         )
-        args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
-        fn = functools.partial(original, blocks=blocks, **kw)
-        specs = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+        hidden, dtype = weights[0].shape[1 if transposed else 2], weights[0].dtype
+        routing = [jax.ShapeDtypeStruct((tokens, top_k), t) for t in (jnp.int32, dtype)]
+        specs = [jax.ShapeDtypeStruct((tokens, hidden), dtype), *routing, *weights]
+        fn = functools.partial(
+            moe_ops.experts_forward_op.jax_fn,
+            activation=moe_ops.activation_name(experts.act_fn),
+            gate_layout=gate_layout or "none",
+            weights_transposed=transposed,
+            blocks=moe_ops.experts_blocks_json(blocks),
+        )
         assert_moe_path(fn, specs, blocks.path)
-        traced.append(blocks.path)
-        return fn(*args)
+        self.asked += 1
+        return blocks
 
-    monkeypatch.setattr(moe_api, "experts_forward", forced)
-    jax.clear_caches()
-    yield request.param
-    jax.clear_caches()
-    assert traced, "the torch op did not call tpu_kernels_jax.moe.api.experts_forward: no path was forced"
+
+@pytest.fixture(params=MOE_PATHS)
+def moe_path(request):
+    """The path the test forces, as a MoePath: its experts_forward calls pass blocks=moe_path.blocks(...); a test
+    that never asks for them fails."""
+    forced = MoePath(request.param)
+    yield forced
+    assert forced.asked, "the test never asked moe_path for blocks: no path was forced"
 
 
 # ---------------------------------------------------------------------------------------------------------- rung 1

@@ -2,7 +2,9 @@
 transformers passes (int64 expert ids, float16 models, views, tensors that require grad), transformers' experts
 interface in tiny random Qwen3-MoE and Gemma 4 models (same logits as "eager", same greedy tokens, the whole model
 under torch.compile(fullgraph=True), and with every layer we provide), and bad input. The experts_forward checks run
-on both of its paths (the `moe_path` fixture: grouped matmuls, small-batch kernel)."""
+on both of its paths (the `moe_path` fixture's blocks=: grouped matmuls, small-batch kernel)."""
+
+import functools
 
 import ladder
 import numpy as np
@@ -159,7 +161,7 @@ def test_experts_forward_matches_dense_experts_with_sentinels(rand, has_bias, is
     x = _randn(rand, 9, experts.gate_up_proj.shape[2 if not is_transposed else 1])
     index, weights = _routing(rand, 9, experts.num_experts, 3, sentinels=True)
     with torch.no_grad():
-        out = tpu_kernels.experts_forward(experts, x, index, weights)
+        out = tpu_kernels.experts_forward(experts, x, index, weights, blocks=moe_path.blocks(experts, 9, 3))
     torch.testing.assert_close(out, _dense_experts(experts, x, index, weights), rtol=1e-5, atol=1e-5)
 
 
@@ -175,6 +177,7 @@ def _op_args(experts, x, index, weights):
         "silu",
         "concatenated",
         False,
+        "",
     )
 
 
@@ -207,7 +210,7 @@ def test_op_functions_export_for_tpu(rand, tokens):
     x, grad = _randn(rand, tokens, 128, dtype=torch.float16), _randn(rand, tokens, 128, dtype=torch.float16)
     index, weights = _routing(rand, tokens, experts.num_experts, 2)
     args = (x, index.int(), weights, experts.gate_up_proj.detach(), experts.down_proj.detach(), None, None)
-    args += ("silu", "concatenated", False)
+    args += ("silu", "concatenated", False, "")
     ladder.export_torch_op_for_tpu(moe_ops.experts_forward_op, args)
     wrt = "hidden_states,top_k_weights,gate_up_proj,down_proj"
     ladder.export_torch_op_for_tpu(moe_ops.experts_forward_op.backward_op, (grad, *args, wrt))
@@ -226,7 +229,7 @@ def test_experts_forward_autograd_matches_eager(rand, moe_path):
     params = [experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias, experts.down_proj_bias]
     cotangent = _randn(rand, 7, 128)
 
-    out = tpu_kernels.experts_forward(experts, x, index, weights)
+    out = tpu_kernels.experts_forward(experts, x, index, weights, blocks=moe_path.blocks(experts, 7, 2))
     grads = torch.autograd.grad((out * cotangent).sum(), [x, weights, *params])
     expected = _dense_experts(experts, x, index, weights)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -245,9 +248,10 @@ def test_experts_forward_takes_transformers_inputs(rand, moe_path):
     assert not x.is_contiguous()
     index, weights = _routing(rand, 9, experts.num_experts, 2)
     assert index.dtype == torch.int64
-    out = tpu_kernels.experts_forward(experts, x, index, weights)
+    blocks = moe_path.blocks(experts, 9, 2)
+    out = tpu_kernels.experts_forward(experts, x, index, weights, blocks=blocks)
     with torch.no_grad():
-        as_int32 = tpu_kernels.experts_forward(experts, x.contiguous(), index.int(), weights)
+        as_int32 = tpu_kernels.experts_forward(experts, x.contiguous(), index.int(), weights, blocks=blocks)
         expected = _dense_experts(experts, x, index, weights)
     torch.testing.assert_close(out, as_int32, rtol=0, atol=0)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -290,6 +294,23 @@ def test_experts_forward_compiles_fullgraph_with_autograd(rand):
 MODELS = {"qwen3_moe": tiny_models.qwen3_moe, "gemma4_moe": lambda seed: tiny_models.gemma4(seed, moe=True)}
 
 
+FORCED_IMPLEMENTATION = "tpu_ragged_dot_blocks"
+
+
+def _forced_implementation(model, tokens, moe_path):
+    """An experts implementation passing moe_path's blocks for this model's experts at this batch (transformers calls
+    it with three arguments); every layer's experts must get the same blocks."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    config = model.config.get_text_config()
+    top_k = getattr(config, "num_experts_per_tok", None) or config.top_k_experts
+    modules = [m for m in model.modules() if isinstance(getattr(m, "down_proj", None), torch.nn.Parameter)]
+    assert modules, "no experts module in the model"
+    (blocks,) = set(moe_path.blocks(m, tokens.numel(), top_k) for m in modules)
+    ALL_EXPERTS_FUNCTIONS.register(FORCED_IMPLEMENTATION, functools.partial(tpu_kernels.experts_forward, blocks=blocks))
+    return FORCED_IMPLEMENTATION
+
+
 def _logits(model, tokens, implementation):
     model.set_experts_implementation(implementation)
     with torch.no_grad():
@@ -301,7 +322,7 @@ def test_model_logits_match_eager_f32(rand, model_name, moe_path):
     model = MODELS[model_name](rand.seed)
     tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (2, 13)))
     expected = _logits(model, tokens, "eager")
-    actual = _logits(model, tokens, EXPERTS_IMPLEMENTATION)
+    actual = _logits(model, tokens, _forced_implementation(model, tokens, moe_path))
     assert torch.isfinite(actual).all()
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
@@ -320,7 +341,7 @@ def test_model_logits_in_half_precision_are_as_accurate_as_eager(rand, model_nam
     tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (16, 32)))
     exact = _logits(model, tokens, "eager")
     model = model.to(dtype)
-    ours = _logits(model, tokens, EXPERTS_IMPLEMENTATION)
+    ours = _logits(model, tokens, _forced_implementation(model, tokens, moe_path))
     eager = _logits(model, tokens, "eager")
     assert torch.isfinite(ours).all()
     ours_error, eager_error = (ours - exact).abs(), (eager - exact).abs()
@@ -474,6 +495,18 @@ BAD_EXPERTS_INPUTS = [
         _experts_with(act_fn=torch.nn.ReLU()),
         ValueError,
         "self.act_fn: experts_forward supports SiLU and tanh-approximated GELU activations, got ReLU",
+    ),
+    ladder.BadInput(
+        "blocks not ExpertsBlocks",
+        {"blocks": {"path": "grouped"}},
+        TypeError,
+        "blocks: expected an ExpertsBlocks or None, got dict",
+    ),
+    ladder.BadInput(
+        "blocks chunk without its path",
+        {"blocks": tpu_kernels.jax.ExpertsBlocks(chunk=64)},
+        ValueError,
+        "blocks.chunk: a tile of the small-batch kernel, so it needs path='small_batch'",
     ),
     ladder.BadInput(
         "num_experts",

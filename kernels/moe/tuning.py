@@ -17,6 +17,7 @@ in chunks of 176: 98 %; modeled v6e). 4 MiB gives 256-column chunks for Qwen3 (2
 """
 
 import dataclasses
+import typing
 
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
@@ -60,6 +61,34 @@ class ExpertsBlocks:
     vmem_limit_bytes: int | None = None
     gate_up: RaggedDotBlocks | None = None
     down: RaggedDotBlocks | None = None
+
+    def to_dict(self) -> dict:
+        """These blocks as nested dicts of plain values (None fields stay None), e.g. to cross as JSON."""
+        return _to_dict(self)
+
+    @classmethod
+    def from_dict(cls, value: dict | None) -> "ExpertsBlocks | None":
+        """The inverse of to_dict; None stays None (the tuning table). Missing keys are None."""
+        return _from_dict(cls, value)
+
+
+def _to_dict(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_dict(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
+
+
+def _from_dict(cls, value):
+    """A dict back into the dataclass `cls`, each field a nested dataclass where its annotation names one."""
+    if value is None:
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {}
+    for field in dataclasses.fields(cls):
+        part = next((t for t in typing.get_args(hints[field.name]) if dataclasses.is_dataclass(t)), None)
+        item = value.get(field.name)
+        fields[field.name] = _from_dict(part, item) if part is not None and isinstance(item, dict) else item
+    return cls(**fields)
 
 
 @dataclasses.dataclass(frozen=True)

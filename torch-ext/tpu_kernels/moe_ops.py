@@ -2,15 +2,18 @@
 function transformers' experts interface calls (`ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", experts_forward)`).
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import torch
 
 from tpu_kernels_jax.moe import api as moe_api
+from tpu_kernels_jax.moe.tuning import ExpertsBlocks
 from tpu_kernels_jax.ragged_dot import api as ragged_dot_api
 
 from . import _torch_checks as checks
-from ._op_registry import define_op
+from ._op_registry import define_op, static_json
 
 _NO_GATE = "none"  # gate_layout=None as a torch schema string
 
@@ -37,6 +40,7 @@ def _experts_forward_jax(
     activation: str,
     gate_layout: str,
     weights_transposed: bool,
+    blocks: str,
 ) -> jax.Array:
     out = moe_api.experts_forward(
         _f32(hidden_states),
@@ -49,8 +53,19 @@ def _experts_forward_jax(
         activation=activation,
         gate_layout=None if gate_layout == _NO_GATE else gate_layout,
         weights_transposed=weights_transposed,
+        blocks=ExpertsBlocks.from_dict(json.loads(blocks)) if blocks else None,
     )
     return out.astype(hidden_states.dtype)
+
+
+def experts_blocks_json(blocks: ExpertsBlocks | None) -> str:
+    """experts_forward's `blocks` as the op's static string: canonical JSON of ExpertsBlocks.to_dict(), or "" for
+    None (the tuning table)."""
+    if blocks is None:
+        return ""
+    if not isinstance(blocks, ExpertsBlocks):  # checked here too: under tracing moe_api.check_inputs does not run
+        raise TypeError(f"blocks: expected an ExpertsBlocks or None, got {type(blocks).__name__} {blocks!r}")
+    return static_json("blocks", blocks.to_dict())
 
 
 def _fake_ragged_dot(lhs, rhs, group_sizes, rhs_transposed):
@@ -117,7 +132,12 @@ def activation_name(act_fn) -> str:
 
 
 def experts_forward(
-    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    blocks: ExpertsBlocks | None = None,
 ) -> torch.Tensor:
     """transformers' experts interface: register with
     `ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", kernel.experts_forward)` and load the model with
@@ -129,6 +149,11 @@ def experts_forward(
     fit int32 and be >= 0). Expert ids >= self.num_experts are expert-parallel sentinels and contribute nothing.
     Returns [T, H] in hidden_states.dtype. Differentiable in the hidden states, the routing weights and the expert
     weights and biases.
+
+    `blocks` (keyword-only; transformers' three-argument call leaves it None, the tuning table's choice): an
+    ExpertsBlocks (tpu_kernels_jax.moe.tuning, also `kernel.jax.ExpertsBlocks`) forcing the path and the tiles of
+    its kernels, forward and backward. Blocks that do not fit these inputs raise the JAX api's errors, which name
+    the field (e.g. "blocks.chunk: ...").
     """
     if getattr(self, "has_post_expert_norm", False):
         raise ValueError(
@@ -177,8 +202,10 @@ def experts_forward(
             activation=activation,
             gate_layout=None if gate_layout == _NO_GATE else gate_layout,
             weights_transposed=transposed,
+            blocks=blocks,
         )
     if gate_up.shape[0] != self.num_experts:
         raise ValueError(f"self.num_experts: {self.num_experts} does not match the {gate_up.shape[0]} expert weights")
     tensors = (hidden_states, top_k_index, top_k_weights, gate_up, self.down_proj, gate_up_bias, down_bias)
-    return experts_forward_op(*(checks.contiguous(x) for x in tensors), activation, gate_layout, transposed)
+    static = (activation, gate_layout, transposed, experts_blocks_json(blocks))
+    return experts_forward_op(*(checks.contiguous(x) for x in tensors), *static)
