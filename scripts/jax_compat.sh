@@ -29,7 +29,10 @@ fi
 # The main environment runs every test. Here the JAX modules run once more, without the repeats that only vary sizes:
 # the tiny-block reruns and the benchmark-shape compile sweeps (each kernel's other compile tests stay: the lowering
 # is what differs between jax versions), and without the perf model (a benchmarks tool run in the main environment).
-# That keeps the two runs, side by side on two cores, inside CI's time. Two xdist workers: at the lower priority
-# `make test` gives this run they take what the main suite leaves idle, and both cores once it has finished.
-exec $venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist worksteal -k "not small_blocks and not at_benchmark_shapes \
-and not experts_forward_compiles_for_tpu and not prefill_grouped_matmuls_compile and not test_perf_model" "$@"
+# The MoE gradient checks run in the main environment only: experts_forward's gradient is the ragged dot backward kernels
+# (their gradient tests run here) composed in JAX, on both paths (the small-batch path's custom_vjp is the grouped
+# path's), and they are this run's longest tests (14-39 s each under jax 0.12). One process, not xdist workers: the
+# tests share jitted kernels, which two workers would each compile (a fresh-clone run took longer with two).
+exec $venv/bin/python -m pytest -p no:cacheprovider -k "not small_blocks and not at_benchmark_shapes \
+and not experts_forward_compiles_for_tpu and not prefill_grouped_matmuls_compile and not test_perf_model \
+and not test_experts_forward_gradients" "$@"
