@@ -11,7 +11,6 @@ once per module, each printing a JSON report that the tests below check one prop
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +22,6 @@ import pytest
 from hub import REPO_ID, build_hub
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPROCESS_ENV = environment.DEVICELESS_ENV
 # Every op of the build, with the backward op the registry derives for it.
 EXPECTED_OPS = tuple(
     name + suffix
@@ -254,9 +252,8 @@ def reports(hub_root, tmp_path_factory) -> dict[str, dict]:
     work = tmp_path_factory.mktemp("probe")
     script = work / "probe.py"
     script.write_text(_PROBE)
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_KERNELS", "PYTHONPATH")}
-    env.update(SUBPROCESS_ENV)
-    env["LOCAL_KERNELS"] = f"{REPO_ID}={hub_root}"
+    env = environment.subprocess_env(LOCAL_KERNELS=f"{REPO_ID}={hub_root}")
+    env.pop("PYTHONPATH", None)
     procs = {
         mode: subprocess.Popen(
             [sys.executable, str(script), mode, str(hub_root)],

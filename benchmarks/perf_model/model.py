@@ -23,7 +23,7 @@ import tempfile
 import jax
 import numpy as np
 
-from ..deviceless import DEVICELESS_ENV
+from ..deviceless import subprocess_env
 from . import bundles as B
 from . import chips as C
 from . import traffic as T
@@ -214,8 +214,7 @@ def compile_deviceless_many(
         out_path = os.path.join(tmp, "out.json")
         with open(payload, "wb") as f:
             pickle.dump(([p for p in sys.path if p], blob, dump_dir if dump else None), f)
-        env = dict(os.environ)
-        env.update(DEVICELESS_ENV)
+        env = subprocess_env()
         env.pop("TPU_ACCELERATOR_TYPE", None)  # the topology, not the host, names the chip
         flags = f"{env.get('LIBTPU_INIT_ARGS', '')} {MODELING_LIBTPU_FLAGS}".strip()
         if dump:
