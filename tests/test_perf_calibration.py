@@ -1,0 +1,75 @@
+"""The static TPU performance model against measured TPU timings (benchmarks/calibration).
+
+Every in-fit measured point is modeled once (one compile subprocess per generation measured); per family the median
+modeled/measured must be within 5 % and every point within 0.8-1.25. The failure message holds the whole table,
+as `python -m benchmarks.calibration` prints it.
+"""
+
+import os
+import pathlib
+import sys
+
+for _k, _v in {
+    "JAX_PLATFORMS": "cpu",
+    "TPU_SKIP_MDS_QUERY": "1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}.items():
+    os.environ.setdefault(_k, _v)
+_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import pytest  # noqa: E402
+
+from benchmarks.calibration import table  # noqa: E402
+
+MEDIAN_BOUNDS = (0.95, 1.05)
+POINT_BOUNDS = (0.8, 1.25)
+
+
+@pytest.fixture(scope="module")
+def all_points():
+    points, _ = table.collect_points()
+    return points
+
+
+@pytest.fixture(scope="module")
+def rows():
+    points, _ = table.collect_points(quick=True)  # each module's test-suite subset
+    fit = [p for p in points if p.in_fit]
+    out = []
+    for gen in dict.fromkeys(p.gen for p in fit):
+        out += table.model_points(fit, gen)
+    return out
+
+
+def test_points_have_a_source_and_unique_names(all_points):
+    assert all_points
+    assert not [p.name for p in all_points if not p.source.strip()]
+    names = [p.name for p in all_points]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    # A point left out of the fit says why.
+    assert not [p.name for p in all_points if not p.in_fit and not p.note.strip()]
+
+
+def test_every_in_fit_point_is_modeled(rows):
+    assert not [r for r in rows if r["error"]], table.markdown(rows)
+
+
+def test_family_median_ratio_within_5pct(rows):
+    lo, hi = MEDIAN_BOUNDS
+    off = {}
+    for gen in dict.fromkeys(r["gen"] for r in rows):
+        for family, s in table.family_summary([r for r in rows if r["gen"] == gen]).items():
+            if not lo <= s["median"] <= hi:
+                off[f"{family} ({gen})"] = round(s["median"], 3)
+    assert not off, f"median modeled/measured outside {lo}-{hi}: {off}\n\n{table.markdown(rows)}"
+
+
+def test_every_in_fit_point_within_bounds(rows):
+    lo, hi = POINT_BOUNDS
+    off = {
+        r["name"]: r["ratio"] and round(r["ratio"], 3) for r in rows if r["ratio"] is None or not lo <= r["ratio"] <= hi
+    }
+    assert not off, f"modeled/measured outside {lo}-{hi}: {off}\n\n{table.markdown(rows)}"
