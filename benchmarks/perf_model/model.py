@@ -88,6 +88,8 @@ class XlaOpModel:
     name: str
     estimated_cycles: int
     modeled_s: float
+    basis: str = "estimated_cycles"  # or "bytes_moved": a layout copy, costed by the bytes it reads and writes
+    bytes_moved: int | None = None
 
 
 @dataclasses.dataclass
@@ -314,6 +316,25 @@ def xla_op_estimates(hlo: str) -> list[tuple[str, int]]:
     return [(m.group(1), int(m.group(2))) for m in _EST_RE.finditer(hlo)]
 
 
+_COPY_RE = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(\w+)\[([\d,]*)\]\{[^}]*\}\s+(?:copy|transpose)\(", re.M)
+
+
+def layout_copies(hlo: str) -> dict[str, int]:
+    """{instruction: bytes read + written} for each top-level copy / transpose: a change of layout (XLA picks a
+    layout per array; handing an array to a kernel in another one costs a copy). XLA's cycle estimate for these is
+    several times what they take (a 268 MB relayout estimated at 1.50 ms on v6e, 2 x 268 MB / 1.64 TB/s = 0.33 ms;
+    0.31 ms was measured between two layouts of one weight), so the model costs them by the bytes they move."""
+    out = {}
+    for m in _COPY_RE.finditer(hlo):
+        dims = [int(d) for d in m.group(3).split(",") if d]
+        try:
+            itemsize = np.dtype(jax.numpy.dtype(m.group(2))).itemsize
+        except TypeError:
+            continue
+        out[m.group(1)] = 2 * int(np.prod(dims, dtype=np.int64)) * itemsize
+    return out
+
+
 # --------------------------------------------------------------------------- model
 
 
@@ -375,6 +396,35 @@ def _schedule_traffic(sched: B.KernelSchedule, steps: int, grid_known: bool, sel
     return reads, writes, _bound(lower, upper)
 
 
+def _runtime_loop_trips(info, sched: B.KernelSchedule) -> list | None:
+    """Per schedule loop with no trip count (address order), its total iterations per grid step from the kernel's
+    evaluation (kernel_eval: the jaxpr's run-time-bounded loops, program order); None when they cannot be matched."""
+    if info is None or info.evaluated is None or not sched.unsized_loops:
+        return None
+    loops = [lp for lp in info.evaluated.loops if lp.runtime]
+    if len(loops) != len(sched.unsized_loops) or any(lp.trips is None for lp in loops):
+        return None
+    return [lp.trips for lp in loops]
+
+
+def _runtime_loop_cycles(sched: B.KernelSchedule, runtime_trips: list, skip: np.ndarray) -> np.ndarray:
+    """Cycles per step the run-time loops add to the schedule's count (which runs each once per iteration of the
+    counted loops around it): (trips - once) x the loop's bundles, except where a region around the loop is skipped
+    (its bundles are already taken out with the region)."""
+    steps = skip.shape[0]
+    extra = np.zeros(steps)
+    unsized = [lp for lp in sched.inner_loops if lp[2] is None]
+    for (t, e, _), trips in zip(unsized, runtime_trips):
+        once = 1
+        for t2, e2, trip2 in sched.inner_loops:
+            if trip2 is not None and t2 <= t < e2 and (t2, e2) != (t, e):
+                once *= trip2
+        around = [i for i, r in enumerate(sched.conds) if r.branch_addr < t < r.target]
+        skipped = skip[:, around].any(axis=1) if around else np.zeros(steps, bool)
+        extra += np.where(skipped, 0.0, (e - t) * (np.asarray(trips, np.float64) - once))
+    return extra
+
+
 def _bound(lower: bool, upper: bool) -> str:
     return "approximate" if lower and upper else "lower" if lower else "upper" if upper else "exact"
 
@@ -402,7 +452,15 @@ def _model_kernel(
     # The Mosaic body says whether loops are sized at run time when it is MLIR text (XLA's own kernels); a
     # pallas_call's jaxpr says it for kernels whose body is serialized as bytecode (tokamax's).
     runtime_loops = body_has_runtime_loops(body) or (info is not None and info.runtime_loops)
-    if sched.unsized_loops:
+    runtime_trips = _runtime_loop_trips(info, sched)
+    manual_in = manual_out = np.zeros(1)
+    manual_bound = "exact"
+    if sched.unsized_loops and runtime_trips is not None:
+        notes.append(
+            f"the trips of {len(runtime_trips)} loop(s) sized at run time come from evaluating the kernel on the "
+            "concrete inputs"
+        )
+    elif sched.unsized_loops:
         what = f"{len(sched.unsized_loops)} inner loop(s) at {', '.join(hex(a) for a in sched.unsized_loops)}"
         if runtime_loops:
             notes.append(
@@ -461,16 +519,22 @@ def _model_kernel(
         grid = info.grid
         blocks = [dataclasses.asdict(b) for b in info.blocks]
         jaxpr_bound = "exact" if all(b.exact for b in info.blocks if b.memory_space == "vmem") else "upper"
-        # Operands the BlockSpec pipeline does not move are moved by DMA instructions of the schedule: SMEM operands
-        # and scalar prefetch (copied in before the body and out after it), and the kernel's own DMAs when every
-        # operand is manual (memory_space=ANY). When manual and pipelined operands mix, the schedule's HBM<->VMEM
-        # DMAs cannot be told apart, so the manual ones are left out.
-        spaces = {b.memory_space for b in info.blocks}
-        manual = "any" in spaces
-        if manual and "vmem" in spaces:
-            warnings.append("manual DMAs (memory_space=ANY) beside pipelined blocks: the manual ones are not counted")
-        all_manual = manual and "vmem" not in spaces
-        select = (lambda d: True) if all_manual else (lambda d: "smem" in (d.source, d.dest))
+        # SMEM operands and scalar prefetch are copied in before the body and out after it by DMA instructions of the
+        # schedule, counted there. The kernel's own DMAs (make_async_copy, emit_pipeline) are counted from its jaxpr
+        # (kernel_eval: each dma_start with its slice's bytes, at every iteration of the loops around it).
+        select = lambda d: "smem" in (d.source, d.dest)  # noqa: E731
+        evaluated = info.evaluated
+        if evaluated is not None:
+            manual_in, manual_out = evaluated.dma_in, evaluated.dma_out
+            manual_bound = _bound(evaluated.dmas_lower, evaluated.dmas_upper)
+            if evaluated.remote_bytes.any():
+                notes.append(
+                    f"{int(evaluated.remote_bytes.sum())} bytes of DMAs to other devices (ICI) not timed: the model "
+                    "has one core"
+                )
+        elif any(b.memory_space == "any" for b in info.blocks):
+            warnings.append("kernel control flow not evaluated: its manual DMAs are not counted")
+            manual_bound = "lower"
     else:
         steps = max(1, trip - 2) if sched.has_loop and sched.trip_count_static else 1
         in_b = np.zeros(steps)
@@ -486,7 +550,7 @@ def _model_kernel(
     sched_in, sched_out, sched_bound = _schedule_traffic(sched, steps, grid_known, select)
     in_b, out_b = in_b + sched_in, out_b + sched_out
     hbm_from_schedule = int(sched_in.sum() + sched_out.sum())
-    bounds = {jaxpr_bound, sched_bound} - {"exact"}
+    bounds = {jaxpr_bound, sched_bound, manual_bound} - {"exact"}
     hbm_bytes_bound = _bound(bool(bounds & {"lower", "approximate"}), bool(bounds & {"upper", "approximate"}))
 
     # Cycles per step from the skip pattern (distinct patterns only).
@@ -496,6 +560,8 @@ def _model_kernel(
         if len(region_sizes)
         else np.full(steps, sched.body, np.int64)
     )
+    if runtime_trips is not None:
+        step_cycles = step_cycles + _runtime_loop_cycles(sched, runtime_trips, skip)
     # MXU ops per step
     patterns, inv = (
         np.unique(skip, axis=0, return_inverse=True) if skip.size else (np.zeros((1, 0), bool), np.zeros(steps, int))
@@ -509,24 +575,24 @@ def _model_kernel(
 
     clk, bw = chip.clock_hz, chip.hbm_bytes_per_s
     compute = step_cycles / clk
-    # Pipeline: while step s computes, step s+1's inputs arrive and step s-1's outputs leave.
+    # Pipeline: while step s computes, step s+1's inputs arrive and step s-1's outputs leave. The kernel's own DMAs
+    # are issued within the step and overlap its compute (they are asynchronous; emit_pipeline double-buffers them).
     dma = np.zeros(steps)
     if steps > 1:
         dma[:-1] += in_b[1:]
         dma[1:] += out_b[:-1]
+    manual = np.broadcast_to(manual_in + manual_out, (steps,)) if steps else np.zeros(0)
+    dma = dma + manual
     dma_t = dma / bw
     per_step = np.maximum(compute, dma_t)
     n_fill = max(0, trip - steps) if sched.has_loop else 0
     fixed_cycles = sched.prologue + sched.epilogue + n_fill * sched.fill_cycles()
-    total = (
-        (in_b[0] / bw if steps else 0.0)
-        + per_step.sum()
-        + (out_b[-1] / bw if steps else 0.0)
-        + fixed_cycles / clk
-        + chip.launch_overhead_s
-    )
+    ends_s = (in_b[0] + out_b[-1]) / bw if steps else 0.0  # the first step's inputs, the last one's outputs
+    total = ends_s + per_step.sum() + fixed_cycles / clk + chip.launch_overhead_s
+    in_b = in_b + np.broadcast_to(manual_in, in_b.shape)  # the totals count both the pipeline's and the kernel's DMAs
+    out_b = out_b + np.broadcast_to(manual_out, out_b.shape)
     hbm_bytes = int(in_b.sum() + out_b.sum())
-    bound = "compute" if compute.sum() >= dma_t.sum() + (in_b[0] + out_b[-1]) / bw else "hbm"
+    bound = "compute" if compute.sum() >= dma_t.sum() + ends_s else "hbm"
     return KernelModel(
         label=label,
         hlo_name=hlo_name,
@@ -671,9 +737,13 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
             _model_kernel(chip, hlo_name, files, infos[match] if match is not None else None, label, body=body)
         )
     mosaic_names = {n for n, _ in calls}
+    copies = layout_copies(hlo)
     xla_ops = []
     for n, c in xla_op_estimates(hlo):
         if n in mosaic_names:
+            continue
+        if n in copies:
+            xla_ops.append(XlaOpModel(label, n, c, chip.stream_s(copies[n]), "bytes_moved", copies[n]))
             continue
         if c >= _NO_ESTIMATE_CYCLES:  # XLA's "no estimate" (INT64_MAX), e.g. a sort: not a time
             warnings.append(f"{n}: XLA gives no cycle estimate (estimated_cycles = {c}); counted as 0")

@@ -26,6 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import kernel_eval as KE
+
 
 def _is_literal(x) -> bool:
     return type(x).__name__ == "Literal" or (hasattr(x, "val") and not hasattr(x, "count"))
@@ -156,11 +158,19 @@ class PallasCallInfo:
     in_bytes: np.ndarray  # per grid step: bytes fetched for this step's inputs
     out_bytes: np.ndarray  # per grid step: bytes written back after this step
     blocks: list[BlockTraffic]
-    cond_taken: list[np.ndarray | None]  # per top-level cond: bool per step (True = body runs)
-    dot_flops_per_step: np.ndarray  # logical dot flops per step (top level + taken pl.when bodies)
     cost_estimate: dict | None
     warnings: list[str]
     runtime_loops: bool = False  # the kernel body holds a while loop (e.g. a fori_loop to a traced bound)
+    evaluated: KE.KernelEval | None = None  # its control flow and manual DMAs per step (None: not evaluated)
+
+    @property
+    def cond_taken(self) -> list:
+        """Per grid-level conditional region, program order: bool per step (True = it runs), or None."""
+        return self.evaluated.conds if self.evaluated else []
+
+    @property
+    def dot_flops_per_step(self) -> np.ndarray:
+        return self.evaluated.dot_flops if self.evaluated else np.zeros(self.steps)
 
 
 def _block_sizes(bm) -> list[tuple[str, int]]:
@@ -248,131 +258,6 @@ def _eval_index_map(bm, pids, scalars, steps):
     return np.stack([np.asarray(o).reshape(steps) for o in outs], axis=1) if outs else np.zeros((steps, 0), np.int32)
 
 
-def _dot_flops(eqn) -> int:
-    try:
-        (lc, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval.shape
-        out = eqn.outvars[0].aval.shape
-        k = math.prod(lhs[i] for i in lc)
-        return 2 * math.prod(out) * k
-    except Exception:  # noqa: BLE001
-        return 0
-
-
-def _jaxpr_dot_flops(jaxpr) -> int:
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            total += _dot_flops(eqn)
-        else:
-            for sub, _ in _sub_closed_jaxprs(eqn):
-                total += _jaxpr_dot_flops(sub)
-            if eqn.primitive.name not in ("cond",):
-                for br in eqn.params.get("branches", ()) or ():
-                    total += _jaxpr_dot_flops(br.jaxpr)
-    return total
-
-
-class _KnownRef:
-    """A kernel ref whose contents are known on the host (a scalar-prefetch operand)."""
-
-    def __init__(self, value):
-        self.value = np.asarray(value)
-
-
-def _read_known_ref(eqn, ref: _KnownRef, leaves, steps):
-    """A `get` of scalars from a known ref, at every step: leaves are the indexer's operands (per step). None when
-    the read is not of single elements (a slice) or the indexer layout is not the one expected."""
-    if any(x is None for x in leaves):
-        return None
-    try:
-        indexers = jax.tree_util.tree_unflatten(eqn.params["tree"], leaves)
-        value = ref.value
-        for indexer in indexers:
-            idx = indexer.indices
-            if any(not isinstance(i, np.ndarray) for i in idx):
-                return None  # a slice: not a scalar read
-            value = value[tuple(np.broadcast_to(i, (steps,)) for i in idx)]
-        return np.asarray(value).reshape(steps)
-    except Exception:  # noqa: BLE001 - another jax's indexer layout: unknown
-        return None
-
-
-def _kernel_conds(kjaxpr, grid, pids, steps, warnings, known_refs=None):
-    """Per pl.when region, in program order (nested ones after their parent, as the schedule lays them out): a bool
-    per step, False where the region is skipped while its parent runs, or None (data it cannot see), and the logical
-    dot flops per step. known_refs: {kernel operand index: contents} (concrete scalar prefetch), so that conditions on
-    scalar-prefetched metadata are evaluated too."""
-    env: dict[Any, Any] = {kjaxpr.invars[i]: _KnownRef(v) for i, v in (known_refs or {}).items()}
-    conds, flops = [], np.zeros(steps, np.int64)
-    _walk_conds(kjaxpr, env, np.ones(steps, bool), grid, pids, steps, conds, flops, warnings)
-    return conds, flops
-
-
-def _walk_conds(jaxpr, env, runs, grid, pids, steps, conds, flops, warnings):
-    """Evaluate `jaxpr` per step as far as program ids and known refs allow; `runs`: the steps where it runs."""
-
-    def read(v):
-        if _is_literal(v):
-            return np.broadcast_to(np.asarray(v.val), (steps,) + np.shape(v.val))
-        return env.get(v)
-
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        outs = None
-        if name == "program_id":
-            outs = [pids[eqn.params["axis"]]]
-        elif name == "num_programs":
-            outs = [np.full(steps, grid[eqn.params["axis"]], np.int32)]
-        elif name == "dot_general":
-            flops += runs * _dot_flops(eqn)
-        elif name == "get" and isinstance(env.get(eqn.invars[0]), _KnownRef):
-            value = _read_known_ref(eqn, env[eqn.invars[0]], [read(v) for v in eqn.invars[1:]], steps)
-            outs = None if value is None else [value]
-        elif name == "cond":
-            idx = read(eqn.invars[0])
-            branches = eqn.params["branches"]
-            if idx is None:
-                warnings.append("a pl.when/cond depends on data: its region is modeled as always run")
-                taken = np.ones(steps, bool)
-                conds.append(None)
-            else:
-                taken = np.asarray(idx).reshape(steps) == len(branches) - 1
-                conds.append(~runs | taken)  # skipped only where the parent runs and this one does not
-            if all(not b.jaxpr.eqns for b in branches[:-1]):
-                # pl.when: one body. Its nested pl.whens are regions of their own, evaluated in its environment.
-                body = branches[-1]
-                inner = dict(
-                    zip(
-                        body.jaxpr.invars,
-                        (read(v) if not isinstance(env.get(v), _KnownRef) else env[v] for v in eqn.invars[1:]),
-                    )
-                )
-                inner.update(zip(body.jaxpr.constvars, body.consts))
-                _walk_conds(body.jaxpr, inner, runs & taken, grid, pids, steps, conds, flops, warnings)
-            else:  # an if/else: one region, each branch's flops where it runs
-                flops += (runs & taken) * _jaxpr_dot_flops(branches[-1].jaxpr)
-                for b in branches[:-1]:
-                    flops += (runs & ~taken) * _jaxpr_dot_flops(b.jaxpr)
-        elif not eqn.effects and not _sub_closed_jaxprs(eqn) and "branches" not in eqn.params:
-            invals = [read(v) for v in eqn.invars]
-            if invals and all(x is not None and not isinstance(x, _KnownRef) for x in invals):
-                try:
-                    prim, params = eqn.primitive, eqn.params
-                    with jax.default_device(jax.devices("cpu")[0]):
-                        res = jax.vmap(lambda *a, prim=prim, params=params: prim.bind(*a, **params))(*invals)
-                    outs = list(res) if prim.multiple_results else [res]
-                    outs = [np.asarray(o) for o in outs]
-                except Exception:  # noqa: BLE001
-                    outs = None
-        else:
-            for sub, _ in _sub_closed_jaxprs(eqn):
-                flops += runs * _jaxpr_dot_flops(sub)
-        if outs is not None:
-            for v, o in zip(eqn.outvars, outs):
-                env[v] = o
-
-
 def analyze_pallas_calls(fn, args, trace_device=None) -> tuple[list[PallasCallInfo], list[str]]:
     """Find and analyse every pallas_call in fn(*args). Returns (calls, warnings).
 
@@ -420,6 +305,9 @@ def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
     in_bytes = np.zeros(steps, np.int64)
     out_bytes = np.zeros(steps, np.int64)
     blocks = []
+    # Kernel operands whose contents are known at every step (for conditions on data): scalar prefetch, and the
+    # blocks of concrete inputs. The kernel's operands are the scalar prefetch, then one per block mapping.
+    known = {i: KE.KnownRef(v) for i, v in enumerate(scalars) if v is not None}
     for i, bm in enumerate(gm.block_mappings):
         kind = "input" if i < gm.num_inputs else "output"
         arr = tuple(bm.array_aval.shape)
@@ -434,6 +322,9 @@ def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
             # moved by the kernel's own DMAs. Both are DMA instructions of the compiled schedule, counted there.
             shape = tuple(s for _, s in sizes)
             blocks.append(BlockTraffic(origin, kind, shape, arr, str(dtype), 0, 0, False, space))
+            operand = invals[n_dyn + nidx + i] if kind == "input" else None
+            if space == "smem" and operand is not None and shape == arr:
+                known[nidx + i] = KE.KnownRef(operand)
             continue
         idx_invars = bm.index_map_jaxpr.jaxpr.invars[len(grid) :]
         exact = True
@@ -453,6 +344,9 @@ def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
                 start = idx[:, d].astype(np.int64) * (bs if k == "blocked" else 1)
                 nb *= np.clip(dim - start, 0, bs)
             per_step = nb
+            operand = invals[n_dyn + nidx + i] if kind == "input" else None
+            if operand is not None:
+                known[nidx + i] = KE.KnownRef(operand, idx, sizes)
             if kind == "input":
                 changed = np.ones(steps, bool)
                 if steps > 1:
@@ -474,16 +368,16 @@ def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
     kjaxpr = p["jaxpr"]
     kjaxpr = getattr(kjaxpr, "jaxpr", kjaxpr)
     try:
-        known = {i: np.asarray(v) for i, v in enumerate(scalars)} if nidx and scalars_known else None
-        conds, flops = _kernel_conds(kjaxpr, grid, pids if pids else [], steps, warnings, known)
+        evaluated = KE.evaluate_kernel(kjaxpr, grid, pids if pids else [], steps, known)
+        warnings += evaluated.warnings
     except Exception as e:  # noqa: BLE001
-        warnings.append(f"kernel conditions not evaluated ({type(e).__name__}: {e})")
-        conds, flops = [], np.zeros(steps, np.int64)
+        warnings.append(f"kernel control flow not evaluated ({type(e).__name__}: {e})")
+        evaluated = None
     ce = p.get("cost_estimate")
     ce = None if ce is None else {k: getattr(ce, k, None) for k in ("flops", "transcendentals", "bytes_accessed")}
     global_warnings.extend(f"{name}: {w}" for w in warnings)
     runtime_loops = _has_while(kjaxpr)
-    return PallasCallInfo(name, grid, steps, in_bytes, out_bytes, blocks, conds, flops, ce, warnings, runtime_loops)
+    return PallasCallInfo(name, grid, steps, in_bytes, out_bytes, blocks, ce, warnings, runtime_loops, evaluated)
 
 
 def _inner_jaxprs(eqn):

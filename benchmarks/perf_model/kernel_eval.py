@@ -1,0 +1,482 @@
+"""Evaluate a Pallas kernel's scalar control flow on the host, for every grid step at once.
+
+What the schedule cannot say is decided here, from the kernel's jaxpr and the concrete inputs:
+  * which conditional regions run at each step (`pl.when`, if/else, switch), on program ids, scalar prefetch and the
+    blocks of concrete inputs;
+  * how many times each loop runs (`fori_loop`, `scan`, `while`), also when its bounds are run-time values;
+  * the manual DMAs (`make_async_copy`, and `emit_pipeline`, which is made of them): every `dma_start` is counted
+    with the bytes of its slice, at every iteration of the loops around it, under the conditions that guard it.
+
+Values are numpy arrays with the grid step as leading axis (a scalar is shape (steps,)), or None when unknown. Only
+small values are evaluated (scalars, index vectors): the kernel's vector work is not, it is the schedule's business.
+Primitives without a numpy rule are applied with jax (vmapped over the steps), which is slow but rare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+# Values with more elements per step than this are not evaluated (the kernel's vector data, not its control flow).
+_MAX_ELEMENTS = 4096
+# Loop iterations evaluated one by one per kernel, summed over all loops; past it a loop's body is evaluated once with
+# unknown carries and its trips taken from its bounds when they are known (tokamax's largest shapes run ~10^4).
+_MAX_ITERATIONS = 200_000
+
+_INT_DIV = {
+    "div": lambda a, b: np.where(b != 0, np.trunc(np.true_divide(a, np.where(b == 0, 1, b))), 0).astype(
+        np.result_type(a, b)
+    ),
+    "rem": lambda a, b: np.fmod(a, np.where(b == 0, 1, b)),
+}
+_NUMPY = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "max": np.maximum,
+    "min": np.minimum,
+    "eq": np.equal,
+    "ne": np.not_equal,
+    "lt": np.less,
+    "le": np.less_equal,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+    "and": np.bitwise_and,
+    "or": np.bitwise_or,
+    "xor": np.bitwise_xor,
+    "not": lambda a: np.logical_not(a) if a.dtype == bool else np.invert(a),
+    "neg": np.negative,
+    "abs": np.abs,
+    "sign": np.sign,
+    "shift_left": np.left_shift,
+    "shift_right_arithmetic": np.right_shift,
+}
+
+
+class KnownRef:
+    """A kernel ref whose contents are known on the host: a scalar-prefetch operand or an SMEM input (the whole
+    array), or a concrete input's block (`block_index`: the block's index per step and array dimension; `dims`:
+    (kind, size) per array dimension as the BlockSpec gives them; squeezed dimensions are not indexed in the kernel)."""
+
+    def __init__(self, value, block_index=None, dims=None):
+        self.value = np.asarray(value)
+        self.block_index = block_index
+        self.dims = dims
+
+
+@dataclasses.dataclass
+class LoopTrips:
+    """One loop of the kernel, in program order: its total iterations per grid step (summed over the iterations of
+    the loops around it), or None where unknown; `runtime`: its bounds are run-time values (a while loop, or a fori to
+    a traced bound), i.e. the schedule has no trip count for it."""
+
+    runtime: bool
+    trips: np.ndarray | None
+
+
+@dataclasses.dataclass
+class KernelEval:
+    conds: list  # per grid-level conditional region, program order: bool per step (False = skipped) or None
+    dot_flops: np.ndarray  # logical dot_general flops per step
+    dma_in: np.ndarray  # manual DMA bytes from HBM per step
+    dma_out: np.ndarray  # manual DMA bytes to HBM per step
+    dma_count: np.ndarray  # manual DMAs issued per step (HBM <-> on-chip)
+    remote_bytes: np.ndarray  # DMAs to another device (ICI), per step; not HBM traffic of this core
+    loops: list[LoopTrips]
+    dmas_upper: bool = False  # a DMA under a condition the model cannot see: counted as issued
+    dmas_lower: bool = False  # a DMA in a loop whose trips are unknown: counted once
+    warnings: list = dataclasses.field(default_factory=list)
+
+
+def _is_literal(x) -> bool:
+    return type(x).__name__ == "Literal" or (hasattr(x, "val") and not hasattr(x, "count"))
+
+
+def _memory_space(aval) -> str:
+    ms = getattr(aval, "memory_space", None)
+    if ms is None and hasattr(aval, "ref"):
+        ms = getattr(aval.ref, "memory_space", None)
+    return str(ms).lower() if ms is not None else ""
+
+
+def _is_hbm(space: str) -> bool:
+    return "any" in space or "hbm" in space
+
+
+class _Evaluator:
+    def __init__(self, grid, pids, steps, warnings):
+        self.grid, self.pids, self.steps = grid, pids, steps
+        self.warnings = warnings
+        self.conds: list = []
+        self.flops = np.zeros(steps, np.float64)
+        self.dma_in = np.zeros(steps, np.float64)
+        self.dma_out = np.zeros(steps, np.float64)
+        self.dma_count = np.zeros(steps, np.float64)
+        self.remote = np.zeros(steps, np.float64)
+        self.loops: list[LoopTrips] = []
+        self.dmas_upper = self.dmas_lower = False
+        self.budget = _MAX_ITERATIONS
+        self._loop_by_eqn: dict[int, LoopTrips] = {}
+
+    # ------------------------------------------------------------------ values
+    def _small(self, aval) -> bool:
+        shape = getattr(aval, "shape", None)
+        return shape is not None and math.prod(shape) <= _MAX_ELEMENTS and not hasattr(aval, "inner_aval")  # not a ref
+
+    def _apply(self, eqn, invals):
+        name = eqn.primitive.name
+        try:
+            if name in _NUMPY:
+                return [np.asarray(_NUMPY[name](*invals))]
+            if name in _INT_DIV and all(np.issubdtype(x.dtype, np.integer) for x in invals):
+                return [np.asarray(_INT_DIV[name](*invals))]
+            if name == "select_n":
+                which, *cases = invals
+                return [np.choose(np.asarray(which).astype(np.int64), np.broadcast_arrays(*cases))]
+            if name == "convert_element_type":
+                return [np.asarray(invals[0]).astype(np.dtype(eqn.params["new_dtype"]))]
+            if name == "integer_pow":
+                return [np.power(invals[0], eqn.params["y"])]
+            if name == "clamp":
+                lo, x, hi = invals
+                return [np.clip(x, lo, hi)]
+        except Exception:  # noqa: BLE001 - fall back to jax
+            pass
+        return self._bind(eqn, invals)
+
+    def _bind(self, eqn, invals):
+        try:
+            prim = eqn.primitive
+            bind_params = prim.get_bind_params(eqn.params)
+            subfuns = ()
+            if isinstance(bind_params, tuple):  # jax < 0.10: (subfuns, params)
+                subfuns, bind_params = bind_params
+            with jax.default_device(jax.devices("cpu")[0]):
+                res = jax.vmap(lambda *a: prim.bind(*subfuns, *a, **bind_params))(*invals)
+            outs = list(res) if prim.multiple_results else [res]
+            return [np.asarray(o) for o in outs]
+        except Exception:  # noqa: BLE001
+            return None
+
+    # ------------------------------------------------------------------ refs
+    def _read_ref(self, eqn, ref: KnownRef, leaves):
+        """A `get` of scalars from a known ref at every step (None for a slice or an unexpected indexer layout)."""
+        if any(x is None for x in leaves):
+            return None
+        try:
+            indexers = jax.tree_util.tree_unflatten(eqn.params["tree"], leaves)
+            if ref.block_index is not None and len(indexers) != 1:
+                return None
+            value = ref.value
+            for indexer in indexers:
+                idx = indexer.indices
+                if any(not isinstance(i, np.ndarray) for i in idx):
+                    return None  # a slice: not a scalar read
+                idx = [np.broadcast_to(i, (self.steps,)).astype(np.int64) for i in idx]
+                if ref.block_index is not None:
+                    idx = _absolute_index(ref, idx)
+                    if idx is None:
+                        return None
+                value = value[tuple(idx)]
+            return np.asarray(value).reshape(self.steps)
+        except Exception:  # noqa: BLE001 - another jax's indexer layout: unknown
+            return None
+
+    def _dma(self, eqn, weight, sure):
+        try:
+            src, dst, _, _, device_id = eqn.params["tree"].unflatten([v.aval for v in eqn.invars])
+            nbytes = math.prod(src.shape) * np.dtype(src.dtype).itemsize
+        except Exception as e:  # noqa: BLE001 - another jax's DMA layout
+            self.warnings.append(f"a manual DMA could not be sized ({type(e).__name__}): not counted")
+            return
+        if not sure.all():
+            self.dmas_upper = True
+        if device_id is not None:
+            self.remote += weight * nbytes
+            return
+        s_hbm, d_hbm = _is_hbm(_memory_space(src)), _is_hbm(_memory_space(dst))
+        if s_hbm:
+            self.dma_in += weight * nbytes
+        if d_hbm:
+            self.dma_out += weight * nbytes
+        if s_hbm or d_hbm:
+            self.dma_count += weight
+
+    # ------------------------------------------------------------------ walk
+    def run(self, jaxpr, env, weight, sure, grid_level, consts=()):
+        """Evaluate `jaxpr` (env: invar -> value). weight: times it runs per step (0 where it does not); sure: steps
+        where that is known (False under a condition the model cannot see). grid_level: outside every loop, where its
+        conditionals are regions of the grid step in the schedule. Returns its outputs."""
+        env = dict(env)
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = c
+
+        def read(v):
+            if _is_literal(v):
+                return np.broadcast_to(np.asarray(v.val), (self.steps,) + np.shape(v.val))
+            return env.get(v)
+
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            outs = None
+            if name == "program_id":
+                outs = [self.pids[eqn.params["axis"]]]
+            elif name == "num_programs":
+                outs = [np.full(self.steps, self.grid[eqn.params["axis"]], np.int32)]
+            elif name == "dot_general":
+                self.flops += weight * _dot_flops(eqn)
+            elif name == "get" and isinstance(env.get(eqn.invars[0]), KnownRef):
+                value = self._read_ref(eqn, env[eqn.invars[0]], [read(v) for v in eqn.invars[1:]])
+                outs = None if value is None else [value]
+            elif name == "dma_start":
+                self._dma(eqn, weight, sure)
+            elif name == "cond":
+                outs = self._cond(eqn, read, env, weight, sure, grid_level)
+            elif name == "scan":
+                outs = self._scan(eqn, read, env, weight, sure)
+            elif name == "while":
+                outs = self._while(eqn, read, env, weight, sure)
+            elif name == "run_scoped":
+                # Its operands are the body's constvars; its invars are the scratch it allocates (unknown).
+                body = eqn.params["jaxpr"]
+                consts = [_pass(env, read, v) for v in eqn.invars]
+                outs = self.run(body, {}, weight, sure, grid_level, consts)
+            elif _sub_jaxprs(eqn):
+                # A call (jit-wrapped jnp function, custom_jvp/vjp...): evaluate it inline.
+                sub, sub_consts = _sub_jaxprs(eqn)[0]
+                outs = self.run(
+                    sub,
+                    _bind_invars(sub, [_pass(env, read, v) for v in eqn.invars]),
+                    weight,
+                    sure,
+                    grid_level,
+                    sub_consts,
+                )
+            elif not eqn.effects:
+                invals = [read(v) for v in eqn.invars]
+                if (
+                    invals
+                    and all(isinstance(x, np.ndarray) for x in invals)
+                    and all(self._small(v.aval) for v in eqn.outvars)
+                ):
+                    outs = self._apply(eqn, invals)
+            if outs is not None:
+                for v, o in zip(eqn.outvars, outs):
+                    if type(v).__name__ != "DropVar":
+                        env[v] = o
+        return [_pass(env, read, v) for v in jaxpr.outvars]
+
+    def _cond(self, eqn, read, env, weight, sure, grid_level):
+        """Regions as Mosaic lowers a cond: `if idx != 0 {cond(idx - 1, branches[1:])} else {branches[0]}`; an empty
+        branch makes no region. Branch outputs are merged per step when the index is known."""
+        idx = read(eqn.invars[0])
+        branches = eqn.params["branches"]
+        operands = [_pass(env, read, v) for v in eqn.invars[1:]]
+        if idx is None:
+            if grid_level:
+                self.warnings.append(
+                    "a pl.when/cond depends on data the model cannot see: its region is modeled as run"
+                )
+        else:
+            idx = np.asarray(idx).reshape(self.steps).astype(np.int64)
+        results = self._cond_cascade(idx, 0, branches, operands, weight, sure, grid_level)
+        if idx is None or any(r is None for r in results):
+            return None
+        return results
+
+    def _cond_cascade(self, idx, offset, branches, operands, weight, sure, grid_level):
+        """Branches[i] runs where idx == offset + i (the last one also above). Returns the merged outputs."""
+
+        def region(runs):
+            if grid_level:
+                self.conds.append(None if runs is None else ((weight == 0) | runs))
+
+        def within(runs):
+            """(weight, sure) of code that runs where `runs` (None: unknown, counted as run, not sure)."""
+            return (weight, np.zeros_like(sure)) if runs is None else (weight * runs, sure)
+
+        def walk(branch, runs):
+            w, s = within(runs)
+            return self.run(branch.jaxpr, _bind_invars(branch.jaxpr, operands), w, s, grid_level, branch.consts)
+
+        then_runs = None if idx is None else idx != offset
+        region(then_runs)
+        if len(branches) > 2:
+            then_out = self._cond_cascade(idx, offset + 1, branches[1:], operands, *within(then_runs), grid_level)
+        else:
+            then_out = walk(branches[1], then_runs)
+        else_runs = None if idx is None else idx == offset
+        if branches[0].jaxpr.eqns:
+            region(else_runs)
+        else_out = walk(branches[0], else_runs)
+        if idx is None:
+            return [None] * len(then_out)
+        merged = []
+        for t, e in zip(then_out, else_out):
+            if not isinstance(t, np.ndarray) or not isinstance(e, np.ndarray):
+                merged.append(None)
+                continue
+            mask = then_runs.reshape((self.steps,) + (1,) * (t.ndim - 1))
+            merged.append(np.where(mask, t, e))
+        return merged
+
+    def _loop_record(self, eqn, runtime):
+        """The record of loop `eqn` (one per loop of the kernel, however often its code is evaluated)."""
+        rec = self._loop_by_eqn.get(id(eqn))
+        if rec is None:
+            rec = self._loop_by_eqn[id(eqn)] = LoopTrips(runtime, np.zeros(self.steps, np.float64))
+            self.loops.append(rec)
+        return rec
+
+    def _scan(self, eqn, read, env, weight, sure):
+        p = eqn.params
+        body = p["jaxpr"]
+        n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
+        vals = [_pass(env, read, v) for v in eqn.invars]
+        consts, carry, xs = vals[:n_consts], vals[n_consts : n_consts + n_carry], vals[n_consts + n_carry :]
+        rec = self._loop_record(eqn, runtime=False)
+        if rec.trips is not None:
+            rec.trips = rec.trips + weight * length
+        if length * max(1, len(body.jaxpr.eqns)) > self.budget:
+            self.run(
+                body.jaxpr,
+                _bind_invars(body.jaxpr, consts + [None] * (n_carry + len(xs))),
+                weight * length,
+                sure,
+                False,
+                body.consts,
+            )
+            return None
+        self.budget -= length * max(1, len(body.jaxpr.eqns))
+        order = range(length - 1, -1, -1) if p.get("reverse") else range(length)
+        for i in order:
+            x_i = [x[:, i] if isinstance(x, np.ndarray) and x.ndim >= 2 else None for x in xs]
+            outs = self.run(
+                body.jaxpr, _bind_invars(body.jaxpr, consts + carry + x_i), weight, sure, False, body.consts
+            )
+            carry = outs[:n_carry]
+        return carry + [None] * (len(eqn.outvars) - n_carry)
+
+    def _while(self, eqn, read, env, weight, sure):
+        p = eqn.params
+        cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        vals = [_pass(env, read, v) for v in eqn.invars]
+        cconsts, bconsts, carry = vals[:nc], vals[nc : nc + nb], vals[nc + nb :]
+        rec = self._loop_record(eqn, runtime=not _static_fori(eqn))
+        active = weight > 0
+        trips = np.zeros(self.steps, np.float64)
+        while True:
+            (pred,) = self.run(cj.jaxpr, _bind_invars(cj.jaxpr, cconsts + carry), weight, sure, False, cj.consts)
+            if not isinstance(pred, np.ndarray):
+                break
+            active = active & pred.reshape(self.steps).astype(bool)
+            if not active.any():
+                if rec.trips is not None:
+                    rec.trips = rec.trips + weight * trips
+                return carry
+            cost = max(1, len(bj.jaxpr.eqns))
+            if self.budget < cost:
+                break
+            self.budget -= cost
+            trips += active
+            outs = self.run(bj.jaxpr, _bind_invars(bj.jaxpr, bconsts + carry), weight * active, sure, False, bj.consts)
+            carry = [
+                np.where(active.reshape((self.steps,) + (1,) * (n.ndim - 1)), n, o)
+                if isinstance(n, np.ndarray) and isinstance(o, np.ndarray) and n.shape == o.shape
+                else None
+                for n, o in zip(outs, carry)
+            ]
+        # Trips unknown (a condition on data the model cannot see, or too many to evaluate): the body once more,
+        # with unknown carries, its DMAs counted once (a lower bound).
+        self.dmas_lower = True
+        self.run(bj.jaxpr, _bind_invars(bj.jaxpr, bconsts + [None] * len(carry)), weight, sure, False, bj.consts)
+        rec.trips = None
+        return None
+
+
+def _absolute_index(ref: KnownRef, idx):
+    """Indices into a block (one per dimension the kernel sees) -> indices into the whole array, per step."""
+    seen = iter(idx)
+    out = []
+    for d, (kind, size) in enumerate(ref.dims):
+        start = ref.block_index[:, d].astype(np.int64)
+        if kind == "squeezed":
+            out.append(start)
+            continue
+        i = next(seen, None)
+        if i is None:
+            return None
+        out.append(start * (size if kind == "blocked" else 1) + i)
+    if next(seen, None) is not None:
+        return None
+    return out
+
+
+def _pass(env, read, v):
+    """A value to hand to a sub-jaxpr: known refs stay refs."""
+    x = env.get(v) if not _is_literal(v) else None
+    return x if isinstance(x, KnownRef) else read(v)
+
+
+def _bind_invars(jaxpr, vals):
+    return dict(zip(jaxpr.invars, list(vals) + [None] * (len(jaxpr.invars) - len(vals))))
+
+
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "call")
+
+
+def _sub_jaxprs(eqn):
+    out = []
+    for k in _CALL_PARAMS:
+        j = eqn.params.get(k)
+        if j is None:
+            continue
+        if hasattr(j, "jaxpr") and hasattr(j, "consts"):
+            out.append((j.jaxpr, list(j.consts)))
+        elif hasattr(j, "eqns"):
+            out.append((j, []))
+    return out
+
+
+def _dot_flops(eqn) -> int:
+    try:
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        out = eqn.outvars[0].aval.shape
+        return 2 * math.prod(out) * math.prod(lhs[i] for i in lc)
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _static_fori(eqn) -> bool:
+    """A fori_loop's while with literal bounds: the carry starts (i, upper, ...) from literals; Mosaic makes it a
+    counted loop, whose trip count is in the schedule."""
+    n_consts = eqn.params.get("cond_nconsts", 0) + eqn.params.get("body_nconsts", 0)
+    carry = eqn.invars[n_consts:]
+    return len(carry) >= 2 and all(_is_literal(v) for v in carry[:2])
+
+
+def evaluate_kernel(kjaxpr, grid, pids, steps, known_refs: dict[int, Any] | None = None) -> KernelEval:
+    """Evaluate kernel jaxpr `kjaxpr` at every grid step. pids: program ids per grid axis (arrays of `steps`);
+    known_refs: {kernel operand index: KnownRef}."""
+    warnings: list[str] = []
+    ev = _Evaluator(tuple(grid), list(pids), steps, warnings)
+    env = {kjaxpr.invars[i]: r for i, r in (known_refs or {}).items()}
+    ev.run(kjaxpr, env, np.ones(steps, np.float64), np.ones(steps, bool), True)
+    return KernelEval(
+        conds=ev.conds,
+        dot_flops=ev.flops,
+        dma_in=ev.dma_in,
+        dma_out=ev.dma_out,
+        dma_count=ev.dma_count,
+        remote_bytes=ev.remote,
+        loops=ev.loops,
+        dmas_upper=ev.dmas_upper,
+        dmas_lower=ev.dmas_lower,
+        warnings=sorted(set(warnings)),
+    )
