@@ -126,6 +126,7 @@ def _point(variant: str, tiles, size: int, seconds: float) -> MeasuredPoint:
         args=(x, y),
         in_fit=not small,
         dispatch_included=True,
+        timing=HOW,
         note=DISPATCH_NOTE if small else "",
     )
 

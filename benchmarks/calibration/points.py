@@ -14,7 +14,9 @@ class MeasuredPoint:
     `fn(*args)` is the timed program, picklable by reference (a module-level function or a functools.partial of
     one), with `args` as `perf_model.model_function` takes them (ShapeDtypeStructs, or concrete arrays where values
     decide the work: group sizes). `measured_s` is the source's figure as it stands, in seconds; `dispatch_included`
-    says the timing wrapped each call from the host (Python dispatch and launch are in it)."""
+    says the timing wrapped each call from the host (Python dispatch and launch are in it): such a figure is compared
+    with the model's time plus the host's dispatch, estimated from the same source's dispatch-dominated points (those
+    out of the fit: measured - modeled there, median), see table.py."""
 
     family: str  # kernels whose model shares its mechanisms: "pallas_matmul", "xla_matmul", "tokamax_ragged_dot", ...
     name: str  # unique, short: what and at which configuration
@@ -25,4 +27,5 @@ class MeasuredPoint:
     args: tuple[Any, ...]
     in_fit: bool = True  # False: shown in the table, left out of the calibration (the reason goes in `note`)
     dispatch_included: bool = False
+    timing: str = ""  # how it was timed; dispatch-included points timed the same way share one dispatch estimate
     note: str = ""

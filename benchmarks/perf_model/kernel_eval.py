@@ -87,6 +87,8 @@ class KernelEval:
     dma_count: np.ndarray  # manual DMAs issued per step (HBM <-> on-chip)
     remote_bytes: np.ndarray  # DMAs to another device (ICI), per step; not HBM traffic of this core
     loops: list[LoopTrips]
+    pipeline_steps: np.ndarray  # iterations per step of the loops that issue or wait on DMAs themselves (a manual
+    # pipeline's steps: emit_pipeline's loop, a fori_loop of copies), each paying the chip's per-step cost
     dmas_upper: bool = False  # a DMA under a condition the model cannot see: counted as issued
     dmas_lower: bool = False  # a DMA in a loop whose trips are unknown: counted once
     warnings: list = dataclasses.field(default_factory=list)
@@ -117,6 +119,7 @@ class _Evaluator:
         self.dma_out = np.zeros(steps, np.float64)
         self.dma_count = np.zeros(steps, np.float64)
         self.remote = np.zeros(steps, np.float64)
+        self.pipeline_steps = np.zeros(steps, np.float64)
         self.loops: list[LoopTrips] = []
         self.dmas_upper = self.dmas_lower = False
         self.budget = _MAX_ITERATIONS
@@ -341,6 +344,8 @@ class _Evaluator:
         rec = self._loop_record(eqn, runtime=False)
         if rec.trips is not None:
             rec.trips = rec.trips + weight * length
+        if _moves_data(body.jaxpr):
+            self.pipeline_steps += weight * length
         if length * max(1, len(body.jaxpr.eqns)) > self.budget:
             self.run(
                 body.jaxpr,
@@ -378,6 +383,8 @@ class _Evaluator:
             if not active.any():
                 if rec.trips is not None:
                     rec.trips = rec.trips + weight * trips
+                if _moves_data(bj.jaxpr):
+                    self.pipeline_steps += weight * trips
                 return carry
             cost = max(1, len(bj.jaxpr.eqns))
             if self.budget < cost:
@@ -415,6 +422,27 @@ def _absolute_index(ref: KnownRef, idx):
     if next(seen, None) is not None:
         return None
     return out
+
+
+def _moves_data(jaxpr) -> bool:
+    """Whether `jaxpr` starts or waits on DMAs itself (in its conditionals and calls, not in nested loops)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("dma_start", "dma_wait"):
+            return True
+        if eqn.primitive.name in ("scan", "while"):
+            continue
+        for j in _all_sub_jaxprs(eqn):
+            if _moves_data(j):
+                return True
+    return False
+
+
+def _all_sub_jaxprs(eqn):
+    for v in eqn.params.values():
+        for j in v if isinstance(v, (tuple, list)) else (v,):
+            j = getattr(j, "jaxpr", j)
+            if hasattr(j, "eqns"):
+                yield j
 
 
 def _pass(env, read, v):
@@ -476,6 +504,7 @@ def evaluate_kernel(kjaxpr, grid, pids, steps, known_refs: dict[int, Any] | None
         dma_count=ev.dma_count,
         remote_bytes=ev.remote,
         loops=ev.loops,
+        pipeline_steps=ev.pipeline_steps,
         dmas_upper=ev.dmas_upper,
         dmas_lower=ev.dmas_lower,
         warnings=sorted(set(warnings)),

@@ -76,6 +76,8 @@ class KernelModel:
     # time
     compute_s: float
     hbm_s: float
+    pipeline_steps: float  # grid iterations + iterations of the kernel's own DMA loops
+    step_overhead_s: float  # their per-step cost (chips.Calibration.step_overhead_s each)
     modeled_s: float
     bound: str  # "compute" or "hbm" (which dominates summed over steps)
     warnings: list  # something the model expected to read and could not (a mismatch worth looking into)
@@ -573,7 +575,7 @@ def _model_kernel(
     mxu_flops = float(2 * macs_per_pattern[inv].sum()) if steps else 0.0
     mxu_ops_mean = float(nops_per_pattern[inv].mean()) if steps else 0.0
 
-    clk, bw = chip.clock_hz, chip.hbm_bytes_per_s
+    clk, bw = chip.clock_hz, chip.dma_bytes_per_s
     compute = step_cycles / clk
     # Pipeline: while step s computes, step s+1's inputs arrive and step s-1's outputs leave. The kernel's own DMAs
     # are issued within the step and overlap its compute (they are asynchronous; emit_pipeline double-buffers them).
@@ -587,8 +589,14 @@ def _model_kernel(
     per_step = np.maximum(compute, dma_t)
     n_fill = max(0, trip - steps) if sched.has_loop else 0
     fixed_cycles = sched.prologue + sched.epilogue + n_fill * sched.fill_cycles()
+    # Every pipeline step (grid steps with the fill/drain iterations, and the iterations of the kernel's own DMA
+    # loops) pays the chip's per-step cost on top of its cycles and DMA time.
+    pipeline_steps = (steps + n_fill) if sched.has_loop else 0
+    if info is not None and info.evaluated is not None:
+        pipeline_steps += float(info.evaluated.pipeline_steps.sum())
+    step_overhead_s = pipeline_steps * chip.step_overhead_s
     ends_s = (in_b[0] + out_b[-1]) / bw if steps else 0.0  # the first step's inputs, the last one's outputs
-    total = ends_s + per_step.sum() + fixed_cycles / clk + chip.launch_overhead_s
+    total = ends_s + per_step.sum() + fixed_cycles / clk + step_overhead_s + chip.launch_overhead_s
     in_b = in_b + np.broadcast_to(manual_in, in_b.shape)  # the totals count both the pipeline's and the kernel's DMAs
     out_b = out_b + np.broadcast_to(manual_out, out_b.shape)
     hbm_bytes = int(in_b.sum() + out_b.sum())
@@ -620,6 +628,8 @@ def _model_kernel(
         blocks=blocks,
         compute_s=float(compute.sum() + fixed_cycles / clk),
         hbm_s=hbm_bytes / bw,
+        pipeline_steps=float(pipeline_steps),
+        step_overhead_s=float(step_overhead_s),
         modeled_s=float(total),
         bound=bound,
         warnings=warnings,
