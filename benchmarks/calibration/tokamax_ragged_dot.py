@@ -332,6 +332,7 @@ def _measured_point(entry: dict, provenance: dict, constant_group_sizes: bool = 
         args=(lhs, rhs, group_sizes),
         in_fit=True,
         dispatch_included=False,
+        timing=TIMING,
         note=note,
     )
 
