@@ -492,3 +492,176 @@ def test_partial_edge_block_is_clipped_and_its_branches_are_not_taken_for_pl_whe
     assert k.steps == 8 and k.hbm_bytes_in == k.hbm_bytes_out == 4096 * 1024 * 4
     assert not m.warnings, m.warnings
     assert any("no pl.when in the kernel" in n for n in m.notes), m.notes
+
+
+# ------------------------------------------------------------------ kernel control flow, manual DMAs, copies
+
+
+def _if_else_kernel(x_ref, w_ref, o_ref):
+    def heavy():
+        acc = x_ref[...]
+        for _ in range(4):
+            acc = jnp.dot(acc, w_ref[...], preferred_element_type=jnp.float32).astype(x_ref.dtype)
+        o_ref[...] = acc
+
+    def light():
+        o_ref[...] = x_ref[...] * 2
+
+    jax.lax.cond(pl.program_id(0) % 4 == 0, heavy, light)  # `%` is a jit-wrapped jnp function: evaluated too
+
+
+def pallas_if_else(x, w):
+    return pl.pallas_call(
+        _if_else_kernel,
+        grid=(x.shape[0] // 256,),
+        in_specs=[pl.BlockSpec((256, 512), lambda i: (i, 0)), pl.BlockSpec((512, 512), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((256, 512), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(x, w)
+
+
+def test_if_else_branches_are_charged_only_where_they_run():
+    """A two-branch lax.cond is two regions of the schedule (the true branch, then the false one): each step is
+    charged the branch it takes. Heavy steps (4 matmuls) every fourth step, light ones (a scale) otherwise."""
+    x, w = _sds((4096, 512), jnp.bfloat16), _sds((512, 512), jnp.bfloat16)
+    m = perf_model.model_function(pallas_if_else, (x, w), gen="v6e")
+    (k,) = m.kernels
+    assert not m.warnings, m.warnings
+    assert k.step_cycles_max > 5 * k.step_cycles_min, (k.step_cycles_min, k.step_cycles_max)
+    expected_mean = (k.step_cycles_max + 3 * k.step_cycles_min) / 4
+    assert k.step_cycles_mean == pytest.approx(expected_mean), (k.step_cycles_mean, expected_mean)
+
+
+def _flagged_kernel(flags_ref, x_ref, w_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+    @pl.when(flags_ref[pl.program_id(0)] > 0)
+    def _():
+        o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32).astype(o_ref.dtype)
+
+
+def pallas_flagged(flags, x, w):
+    """A pl.when on data: an SMEM input (not scalar prefetch) says which row blocks get the matmul."""
+    return pl.pallas_call(
+        _flagged_kernel,
+        grid=(x.shape[0] // 256,),
+        in_specs=[
+            pl.BlockSpec(memory_space=pltpu.SMEM),
+            pl.BlockSpec((256, 512), lambda i: (i, 0)),
+            pl.BlockSpec((512, 512), lambda i: (0, 0)),
+        ],
+        out_specs=pl.BlockSpec((256, 512), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(flags, x, w)
+
+
+def test_pl_when_on_a_concrete_input_is_decided_per_step():
+    rng = np.random.default_rng()
+    flags = rng.integers(0, 2, 16).astype(np.int32)
+    flags[:2] = (0, 1)  # both kinds of step
+    m = perf_model.model_function(
+        pallas_flagged, (flags, _sds((4096, 512), jnp.bfloat16), _sds((512, 512), jnp.bfloat16))
+    )
+    (k,) = m.kernels
+    assert not m.warnings, m.warnings
+    share = flags.mean()
+    expected = k.step_cycles_min + share * (k.step_cycles_max - k.step_cycles_min)
+    assert k.step_cycles_min < k.step_cycles_max
+    assert k.step_cycles_mean == pytest.approx(expected), (k.step_cycles_mean, expected, flags)
+
+
+def _scale_body(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+
+def _emit_pipeline_kernel(x_hbm, o_hbm, *, block):
+    spec = pl.BlockSpec((block, x_hbm.shape[1]), lambda i: (i, 0))
+    pltpu.emit_pipeline(_scale_body, grid=(x_hbm.shape[0] // block,), in_specs=[spec], out_specs=[spec])(x_hbm, o_hbm)
+
+
+def pallas_emit_pipeline_scale(x, block=256):
+    """A grid-less kernel that pipelines by hand: operands in HBM (pl.ANY), emit_pipeline inside."""
+    return pl.pallas_call(
+        functools.partial(_emit_pipeline_kernel, block=block),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(x)
+
+
+def _page_gather_kernel(n_ref, idx_ref, x_hbm, o_ref, buf, sem):
+    def body(i, carry):
+        copy = pltpu.make_async_copy(x_hbm.at[idx_ref[i]], buf, sem)
+        copy.start()
+        copy.wait()
+        o_ref[i] = buf[...]
+        return carry
+
+    jax.lax.fori_loop(0, n_ref[0], body, 0)  # a loop sized at run time (from scalar prefetch)
+
+
+def pallas_page_gather(n, idx, pages):
+    """Gathers pages[idx[i]] for i < n[0] with manual DMAs, as paged attention reads its KV pages."""
+    rows = idx.shape[0]
+    return pl.pallas_call(
+        _page_gather_kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((rows,) + pages.shape[1:], lambda *_: (0, 0, 0)),
+            scratch_shapes=[pltpu.VMEM(pages.shape[1:], pages.dtype), pltpu.SemaphoreType.DMA],
+        ),
+        out_shape=jax.ShapeDtypeStruct((rows,) + pages.shape[1:], pages.dtype),
+    )(n, idx, pages)
+
+
+def test_emit_pipeline_traffic_and_steps_are_counted_from_the_kernel():
+    """emit_pipeline's DMAs are the kernel's own: every block in and out once (exact), 32 pipeline steps, and the
+    time is the stream's, not one loop trip's."""
+    x = _sds((8192, 1024), jnp.float32)
+    m = perf_model.model_function(pallas_emit_pipeline_scale, (x,), gen="v6e")
+    (k,) = m.kernels
+    assert not m.warnings, m.warnings
+    assert k.hbm_bytes == 2 * 8192 * 1024 * 4 and k.hbm_bytes_bound == "exact"
+    assert k.pipeline_steps == 8192 // 256
+    chip = perf_model.get_chip("v6e")
+    assert m.modeled_s >= k.hbm_bytes / chip.dma_bytes_per_s
+
+
+def test_manual_page_gathers_in_a_run_time_loop_are_counted_with_their_trips():
+    """make_async_copy of one page per iteration of a fori_loop to a run-time bound: the bytes are the pages
+    gathered (n of them, not one), the loop's cycles run n times."""
+    rng = np.random.default_rng()
+    pages = _sds((512, 16, 1024), jnp.bfloat16)
+    page_bytes = 16 * 1024 * 2
+    idx = rng.integers(0, 512, 64).astype(np.int32)
+    models = []
+    for n in (16, 48):
+        m = perf_model.model_function(pallas_page_gather, (np.array([n], np.int32), idx, pages), gen="v6e")
+        (k,) = m.kernels
+        assert not m.warnings, m.warnings
+        out_bytes = 64 * page_bytes  # the whole VMEM output block is written back
+        assert k.hbm_bytes_in - k.hbm_bytes_from_schedule == n * page_bytes, (k.hbm_bytes_in, n)
+        assert k.hbm_bytes_out == out_bytes
+        assert any("come from evaluating the kernel" in note for note in m.notes), m.notes
+        models.append(k)
+    # Three times the iterations: three times the loop's cycles (the rest of the kernel is the same).
+    loop_cycles = [k.step_cycles_mean for k in models]
+    assert loop_cycles[1] > 2 * loop_cycles[0], loop_cycles
+
+
+def relayout(x):
+    return jnp.swapaxes(x, 0, 1) * 1  # the transpose is a layout-changing copy of x
+
+
+def test_layout_copies_are_costed_by_the_bytes_they_move():
+    x = _sds((8192, 16384), jnp.bfloat16)  # 268 MB
+    m = perf_model.model_function(relayout, (x,), gen="v6e")
+    copies = [op for op in m.xla_ops if op.basis == "bytes_moved"]
+    assert copies, [op.name for op in m.xla_ops]
+    (copy,) = copies
+    chip = perf_model.get_chip("v6e")
+    assert copy.bytes_moved == 2 * 8192 * 16384 * 2
+    assert copy.modeled_s == pytest.approx(copy.bytes_moved / chip.dma_bytes_per_s)
+    assert copy.modeled_s < copy.estimated_cycles / chip.clock_hz  # XLA's estimate is several times higher

@@ -372,7 +372,7 @@ class _Evaluator:
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
         vals = [_pass(env, read, v) for v in eqn.invars]
         cconsts, bconsts, carry = vals[:nc], vals[nc : nc + nb], vals[nc + nb :]
-        rec = self._loop_record(eqn, runtime=not _static_fori(eqn))
+        rec = self._loop_record(eqn, runtime=not static_fori(eqn))
         active = weight > 0
         trips = np.zeros(self.steps, np.float64)
         while True:
@@ -431,13 +431,14 @@ def _moves_data(jaxpr) -> bool:
             return True
         if eqn.primitive.name in ("scan", "while"):
             continue
-        for j in _all_sub_jaxprs(eqn):
+        for j in all_sub_jaxprs(eqn):
             if _moves_data(j):
                 return True
     return False
 
 
-def _all_sub_jaxprs(eqn):
+def all_sub_jaxprs(eqn):
+    """Every jaxpr an eqn holds (call bodies, cond branches, loop bodies, run_scoped regions)."""
     for v in eqn.params.values():
         for j in v if isinstance(v, (tuple, list)) else (v,):
             j = getattr(j, "jaxpr", j)
@@ -481,7 +482,7 @@ def _dot_flops(eqn) -> int:
         return 0
 
 
-def _static_fori(eqn) -> bool:
+def static_fori(eqn) -> bool:
     """A fori_loop's while with literal bounds: the carry starts (i, upper, ...) from literals; Mosaic makes it a
     counted loop, whose trip count is in the schedule."""
     n_consts = eqn.params.get("cond_nconsts", 0) + eqn.params.get("body_nconsts", 0)

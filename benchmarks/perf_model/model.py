@@ -329,10 +329,10 @@ def layout_copies(hlo: str) -> dict[str, int]:
     out = {}
     for m in _COPY_RE.finditer(hlo):
         dims = [int(d) for d in m.group(3).split(",") if d]
-        try:
-            itemsize = np.dtype(jax.numpy.dtype(m.group(2))).itemsize
-        except TypeError:
+        bits = re.fullmatch(r"(?:bf|f|s|u|c)(\d+)(?:e\d+m\d+\w*)?|(pred)", m.group(2))
+        if bits is None:
             continue
+        itemsize = 1 if bits.group(2) else max(1, int(bits.group(1)) // 8)  # HLO types: bf16, f32, s8, pred...
         out[m.group(1)] = 2 * int(np.prod(dims, dtype=np.int64)) * itemsize
     return out
 

@@ -380,28 +380,12 @@ def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
     return PallasCallInfo(name, grid, steps, in_bytes, out_bytes, blocks, ce, warnings, runtime_loops, evaluated)
 
 
-def _inner_jaxprs(eqn):
-    """Every jaxpr an eqn holds (call bodies, cond branches, loop bodies, run_scoped regions)."""
-    for v in eqn.params.values():
-        for j in v if isinstance(v, (tuple, list)) else (v,):
-            j = getattr(j, "jaxpr", j)
-            if hasattr(j, "eqns"):
-                yield j
-
-
 def _has_while(jaxpr) -> bool:
     """Whether a while loop (trip count decided at run time; fori_loops with static bounds trace to scan or to a
     while whose bounds are literals, which Mosaic unrolls into a counted loop) appears anywhere in `jaxpr`."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "while" and not _static_fori(eqn):
+        if eqn.primitive.name == "while" and not KE.static_fori(eqn):
             return True
-        if any(_has_while(j) for j in _inner_jaxprs(eqn)):
+        if any(_has_while(j) for j in KE.all_sub_jaxprs(eqn)):
             return True
     return False
-
-
-def _static_fori(eqn) -> bool:
-    """A fori_loop's while with literal bounds: the carry starts (i, upper, ...) from literals."""
-    n_consts = eqn.params.get("cond_nconsts", 0) + eqn.params.get("body_nconsts", 0)
-    carry = eqn.invars[n_consts:]
-    return len(carry) >= 2 and all(_is_literal(v) for v in carry[:2])
