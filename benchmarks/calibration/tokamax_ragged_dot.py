@@ -37,6 +37,8 @@ Dimension numbers (lax.ragged_dot_general's, rhs dimensions counted with the gro
 
 `points()` gives one MeasuredPoint per measured entry (entries with an empty config dict were not measured and are
 not in tokamax_v5e.json). `QUICK_POINTS` names a subset that compiles fast enough for the test suite.
+`verify_against_tokamax()` binds every point's arguments as the rebuilt calls pass them and finds each in tokamax's own
+autotuning cache (same key, config and median): the rebuilt calls are keyed exactly as the measurements.
 `python -m benchmarks.calibration.tokamax_ragged_dot --write-json` rebuilds tokamax_v5e.json from the installed
 tokamax files.
 """
@@ -335,6 +337,44 @@ def _measured_point(entry: dict, provenance: dict, constant_group_sizes: bool = 
         timing=TIMING,
         note=note,
     )
+
+
+def verify_against_tokamax(device_kind: str = "TPU v5 lite") -> list[str]:
+    """Bind every point's arguments as `pallas_ragged_dot` / `xla_ragged_dot` pass them and look the bound arguments
+    up in the installed tokamax's own autotuning cache: each must find its entry, with the same config and median.
+    Returns the mismatches (empty: every rebuilt call is keyed exactly as tokamax's measurement)."""
+    _tokamax()
+    from tokamax._src.ops.ragged_dot import base, pallas_mosaic_tpu
+
+    problems = []
+    for e in load()["points"]:
+        pallas = e["family"] == FAMILIES["pallas"]
+        op = pallas_mosaic_tpu.PallasMosaicTpuRaggedDot() if pallas else base.RaggedDot()
+        lhs = jax.ShapeDtypeStruct(tuple(e["lhs"]["shape"]), jnp.dtype(e["lhs"]["dtype"]))
+        rhs = jax.ShapeDtypeStruct(tuple(e["rhs"]["shape"]), jnp.dtype(e["rhs"]["dtype"]))
+        gs = np.asarray(e["group_sizes"], np.int32)
+        bound = op.bind(
+            lhs,
+            rhs,
+            group_sizes=_group_sizes(gs, tuple(e["group_sizes"])),
+            ragged_dot_dimension_numbers=_dimension_numbers(e["direction"]),
+            precision=None,
+            preferred_element_type=None,
+            return_residuals=e["return_residuals"],
+            activation=None,
+        )
+        data = op.get_autotuning_cache(device_kind).get(bound.autotuning_cache_key)
+        if data is None:
+            problems.append(f"{e['name']}: not in tokamax's cache")
+            continue
+        config = data.fastest_config
+        got = {k: getattr(config, k) for k in e["config"]} if pallas else {}
+        median = data[config].median_evaluation_time_ms
+        if got != e["config"] or abs(median - e["median_ms"]) > 1e-9:
+            problems.append(
+                f"{e['name']}: tokamax has {got} at {median} ms, the JSON {e['config']} at {e['median_ms']}"
+            )
+    return problems
 
 
 def points(names=None, *, quick: bool = False, constant_group_sizes: bool = True) -> list[MeasuredPoint]:
