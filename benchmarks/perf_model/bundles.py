@@ -157,6 +157,8 @@ class KernelSchedule:
     pipeline_regions: list[Region]  # conditional regions outside the guard: the pipeline's DMA issue, every step
     inner_loops: list[tuple[int, int, int | None]]  # (start, end, trip) of loops nested in the body; trip None:
     # not in the schedule (a run-time bound), counted once
+    loop_regions: list[tuple[int, Region]]  # forward branches inside inner loops: (index of the innermost loop in
+    # inner_loops, the region), address order; counted as run at every iteration unless the caller knows better
     mxu_ops_body: list[tuple[int, str]]  # (addr, opcode) of vmatmul in the body
     dmas: list[Dma]  # every DMA of the schedule, in address order (one issued in a loop's delay slots under the
     # loop's exit test runs once, after the loop: it is listed unpredicated)
@@ -273,6 +275,15 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
         return any(t <= a < e for t, e, _ in inner)
 
     fwd = [(s, t) for s, t, _ in branches if start <= s < t <= end and not in_inner(s)]
+    loop_regions = []
+    for s_, t_, _ in branches:
+        around = [i for i, (lt, le, _) in enumerate(inner) if lt <= s_ < le]
+        if not around or t_ <= s_:
+            continue
+        i = min(around, key=lambda k: inner[k][1] - inner[k][0])  # the innermost loop around the branch
+        lt, le, _ = inner[i]
+        if t_ <= le - (delay + 1):  # inside the loop (not its exit, not past its back-edge)
+            loop_regions.append((i, Region(s_, t_, max(0, t_ - (s_ + 1 + delay)))))
     regions = [Region(s, t, max(0, t - (s + 1 + delay))) for s, t in fwd]
     guard, pipeline_regions = None, []
     if outer is not None and regions:
@@ -304,6 +315,7 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
         conds=regions,
         pipeline_regions=pipeline_regions,
         inner_loops=inner,
+        loop_regions=loop_regions,
         mxu_ops_body=mxu,
         dmas=_dmas(bundles),
         loop_span=(start, end),

@@ -25,7 +25,7 @@ import numpy as np
 _MAX_ELEMENTS = 4096
 # Loop iterations evaluated one by one per kernel, summed over all loops; past it a loop's body is evaluated once with
 # unknown carries and its trips taken from its bounds when they are known (tokamax's largest shapes run ~10^4).
-_MAX_ITERATIONS = 200_000
+_MAX_ITERATIONS = 5_000_000
 
 _INT_DIV = {
     "div": lambda a, b: np.where(b != 0, np.trunc(np.true_divide(a, np.where(b == 0, 1, b))), 0).astype(
@@ -69,13 +69,27 @@ class KnownRef:
 
 
 @dataclasses.dataclass
-class LoopTrips:
-    """One loop of the kernel, in program order: its total iterations per grid step (summed over the iterations of
-    the loops around it), or None where unknown; `runtime`: its bounds are run-time values (a while loop, or a fori to
-    a traced bound), i.e. the schedule has no trip count for it."""
+class Construct:
+    """A loop or a conditional region of the kernel, in program order (the order of their code in the schedule).
+    `executions`: per grid step, a loop's iterations or a region's runs, summed over every execution of the code
+    around it (None: unknown). `runtime`: a loop whose bounds are run-time values (a while loop, or a fori to a traced
+    bound), i.e. with no trip count in the schedule. `depth`: the loops around it."""
 
+    kind: str  # "loop" | "region"
     runtime: bool
-    trips: np.ndarray | None
+    executions: np.ndarray | None
+    depth: int
+    vector_work: bool = False  # a region whose code does vector work itself (not only scalar bookkeeping and DMA
+    # issue, which the compiler predicates instead of branching over): the regions the schedule keeps as branches
+    dots: bool = False  # a region whose code has matmuls itself (vmatmuls in the schedule)
+    loops: bool = False  # a region with a loop in it
+
+    @property
+    def trips(self):
+        return self.executions
+
+
+LoopTrips = Construct
 
 
 @dataclasses.dataclass
@@ -86,12 +100,16 @@ class KernelEval:
     dma_out: np.ndarray  # manual DMA bytes to HBM per step
     dma_count: np.ndarray  # manual DMAs issued per step (HBM <-> on-chip)
     remote_bytes: np.ndarray  # DMAs to another device (ICI), per step; not HBM traffic of this core
-    loops: list[LoopTrips]
+    constructs: list[Construct]
     pipeline_steps: np.ndarray  # iterations per step of the loops that issue or wait on DMAs themselves (a manual
     # pipeline's steps: emit_pipeline's loop, a fori_loop of copies), each paying the chip's per-step cost
     dmas_upper: bool = False  # a DMA under a condition the model cannot see: counted as issued
     dmas_lower: bool = False  # a DMA in a loop whose trips are unknown: counted once
     warnings: list = dataclasses.field(default_factory=list)
+
+    @property
+    def loops(self) -> list[Construct]:
+        return [c for c in self.constructs if c.kind == "loop"]
 
 
 def _is_literal(x) -> bool:
@@ -120,10 +138,11 @@ class _Evaluator:
         self.dma_count = np.zeros(steps, np.float64)
         self.remote = np.zeros(steps, np.float64)
         self.pipeline_steps = np.zeros(steps, np.float64)
-        self.loops: list[LoopTrips] = []
+        self.constructs: list[Construct] = []
+        self._by_key: dict = {}
+        self.depth = 0
         self.dmas_upper = self.dmas_lower = False
         self.budget = _MAX_ITERATIONS
-        self._loop_by_eqn: dict[int, LoopTrips] = {}
 
     # ------------------------------------------------------------------ values
     def _small(self, aval) -> bool:
@@ -189,12 +208,38 @@ class _Evaluator:
         except Exception:  # noqa: BLE001 - another jax's indexer layout: unknown
             return None
 
-    def _dma(self, eqn, weight, sure):
+    def _dma_bytes(self, eqn, src, read):
+        """Bytes of a DMA's slice, per step when its size is a run-time value (`pl.ds(start, size)` with a traced
+        size: read from the evaluated operands, else the whole dimension, an upper bound)."""
+        itemsize = np.dtype(src.dtype).itemsize
+        if all(isinstance(d, (int, np.integer)) for d in src.shape):
+            return math.prod(src.shape) * itemsize
+        values = [v.aval if hasattr(v.aval, "inner_aval") else read(v) for v in eqn.invars]
+        src_values = eqn.params["tree"].unflatten(values)[0]
+        indexers = [t for t in getattr(src_values, "transforms", ()) if hasattr(t, "indices")]
+        if len(indexers) != 1 or len(getattr(src_values, "transforms", ())) != 1:
+            raise TypeError("a DMA slice of run-time size behind other transforms")
+        full = src_values.ref.shape
+        nbytes = np.full(self.steps, itemsize, np.float64)
+        for dim, index in zip(full, indexers[0].indices):
+            if type(index).__name__ != "Slice":
+                continue  # an integer index: that dimension is dropped
+            size = index.size
+            if isinstance(size, (int, np.integer)):
+                nbytes = nbytes * int(size)
+            elif isinstance(size, np.ndarray):
+                nbytes = nbytes * np.broadcast_to(size, (self.steps,))
+            else:
+                self.dmas_upper = True
+                nbytes = nbytes * dim
+        return nbytes
+
+    def _dma(self, eqn, weight, sure, read):
         try:
             src, dst, _, _, device_id = eqn.params["tree"].unflatten([v.aval for v in eqn.invars])
-            nbytes = math.prod(src.shape) * np.dtype(src.dtype).itemsize
+            nbytes = self._dma_bytes(eqn, src, read)
         except Exception as e:  # noqa: BLE001 - another jax's DMA layout
-            self.warnings.append(f"a manual DMA could not be sized ({type(e).__name__}): not counted")
+            self.warnings.append(f"a manual DMA could not be sized ({type(e).__name__}: {e}): not counted")
             return
         if not sure.all():
             self.dmas_upper = True
@@ -236,7 +281,7 @@ class _Evaluator:
                 value = self._read_ref(eqn, env[eqn.invars[0]], [read(v) for v in eqn.invars[1:]])
                 outs = None if value is None else [value]
             elif name == "dma_start":
-                self._dma(eqn, weight, sure)
+                self._dma(eqn, weight, sure, read)
             elif name == "cond":
                 outs = self._cond(eqn, read, env, weight, sure, grid_level)
             elif name == "scan":
@@ -294,9 +339,16 @@ class _Evaluator:
     def _cond_cascade(self, idx, offset, branches, operands, weight, sure, grid_level):
         """Branches[i] runs where idx == offset + i (the last one also above). Returns the merged outputs."""
 
-        def region(runs):
+        def region(runs, which):
             if grid_level:
                 self.conds.append(None if runs is None else ((weight == 0) | runs))
+            code = branches[1:] if which == "then" else branches[:1]
+            rec = self._construct((id(branches), offset, which), "region", False)
+            rec.vector_work = any(_vector_work(b.jaxpr) for b in code)
+            rec.dots = any(_vector_work(b.jaxpr, dots_only=True) for b in code)
+            rec.loops = any(_has_loop(b.jaxpr) for b in code)
+            if rec.executions is not None:
+                rec.executions = None if runs is None else rec.executions + weight * runs
 
         def within(runs):
             """(weight, sure) of code that runs where `runs` (None: unknown, counted as run, not sure)."""
@@ -307,14 +359,14 @@ class _Evaluator:
             return self.run(branch.jaxpr, _bind_invars(branch.jaxpr, operands), w, s, grid_level, branch.consts)
 
         then_runs = None if idx is None else idx != offset
-        region(then_runs)
+        region(then_runs, "then")
         if len(branches) > 2:
             then_out = self._cond_cascade(idx, offset + 1, branches[1:], operands, *within(then_runs), grid_level)
         else:
             then_out = walk(branches[1], then_runs)
         else_runs = None if idx is None else idx == offset
         if branches[0].jaxpr.eqns:
-            region(else_runs)
+            region(else_runs, "else")
         else_out = walk(branches[0], else_runs)
         if idx is None:
             return [None] * len(then_out)
@@ -327,23 +379,42 @@ class _Evaluator:
             merged.append(np.where(mask, t, e))
         return merged
 
-    def _loop_record(self, eqn, runtime):
-        """The record of loop `eqn` (one per loop of the kernel, however often its code is evaluated)."""
-        rec = self._loop_by_eqn.get(id(eqn))
+    def _construct(self, key, kind, runtime, depth=None):
+        """The record of one loop or region of the kernel (one per construct, however often its code is evaluated),
+        in the order first met, which is program order."""
+        rec = self._by_key.get(key)
         if rec is None:
-            rec = self._loop_by_eqn[id(eqn)] = LoopTrips(runtime, np.zeros(self.steps, np.float64))
-            self.loops.append(rec)
+            depth = self.depth if depth is None else depth
+            rec = self._by_key[key] = Construct(kind, runtime, np.zeros(self.steps, np.float64), depth)
+            self.constructs.append(rec)
         return rec
 
+    def _loop_record(self, eqn, runtime):
+        return self._construct(id(eqn), "loop", runtime, depth=self.depth - 1)  # called inside its own body
+
     def _scan(self, eqn, read, env, weight, sure):
+        self.depth += 1
+        try:
+            return self._scan_body(eqn, read, env, weight, sure)
+        finally:
+            self.depth -= 1
+
+    def _while(self, eqn, read, env, weight, sure):
+        self.depth += 1
+        try:
+            return self._while_body(eqn, read, env, weight, sure)
+        finally:
+            self.depth -= 1
+
+    def _scan_body(self, eqn, read, env, weight, sure):
         p = eqn.params
         body = p["jaxpr"]
         n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
         vals = [_pass(env, read, v) for v in eqn.invars]
         consts, carry, xs = vals[:n_consts], vals[n_consts : n_consts + n_carry], vals[n_consts + n_carry :]
         rec = self._loop_record(eqn, runtime=False)
-        if rec.trips is not None:
-            rec.trips = rec.trips + weight * length
+        if rec.executions is not None:
+            rec.executions = rec.executions + weight * length
         if _moves_data(body.jaxpr):
             self.pipeline_steps += weight * length
         if length * max(1, len(body.jaxpr.eqns)) > self.budget:
@@ -366,7 +437,7 @@ class _Evaluator:
             carry = outs[:n_carry]
         return carry + [None] * (len(eqn.outvars) - n_carry)
 
-    def _while(self, eqn, read, env, weight, sure):
+    def _while_body(self, eqn, read, env, weight, sure):
         p = eqn.params
         cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
@@ -381,8 +452,8 @@ class _Evaluator:
                 break
             active = active & pred.reshape(self.steps).astype(bool)
             if not active.any():
-                if rec.trips is not None:
-                    rec.trips = rec.trips + weight * trips
+                if rec.executions is not None:
+                    rec.executions = rec.executions + weight * trips
                 if _moves_data(bj.jaxpr):
                     self.pipeline_steps += weight * trips
                 return carry
@@ -402,7 +473,7 @@ class _Evaluator:
         # with unknown carries, its DMAs counted once (a lower bound).
         self.dmas_lower = True
         self.run(bj.jaxpr, _bind_invars(bj.jaxpr, bconsts + [None] * len(carry)), weight, sure, False, bj.consts)
-        rec.trips = None
+        rec.executions = None
         return None
 
 
@@ -422,6 +493,37 @@ def _absolute_index(ref: KnownRef, idx):
     if next(seen, None) is not None:
         return None
     return out
+
+
+def _vector_work(jaxpr, dots_only=False) -> bool:
+    """Whether `jaxpr` computes on vectors (or, with dots_only, multiplies matrices) itself: in calls, not in nested
+    loops or conditionals."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("scan", "while", "cond", "dma_start", "dma_wait"):
+            continue
+        if name == "dot_general":
+            return True
+        subs = _sub_jaxprs(eqn)
+        if subs:
+            if any(_vector_work(j, dots_only) for j, _ in subs):
+                return True
+            continue
+        if dots_only:
+            continue
+        for v in list(eqn.outvars) + (list(eqn.invars[1:2]) if name == "swap" else []):
+            aval = getattr(v, "aval", None)
+            shape = getattr(aval, "shape", ())
+            if not hasattr(aval, "inner_aval") and math.prod(shape) > 1:
+                return True
+    return False
+
+
+def _has_loop(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("scan", "while") or any(_has_loop(j) for j in all_sub_jaxprs(eqn)):
+            return True
+    return False
 
 
 def _moves_data(jaxpr) -> bool:
@@ -504,7 +606,7 @@ def evaluate_kernel(kjaxpr, grid, pids, steps, known_refs: dict[int, Any] | None
         dma_out=ev.dma_out,
         dma_count=ev.dma_count,
         remote_bytes=ev.remote,
-        loops=ev.loops,
+        constructs=ev.constructs,
         pipeline_steps=ev.pipeline_steps,
         dmas_upper=ev.dmas_upper,
         dmas_lower=ev.dmas_lower,

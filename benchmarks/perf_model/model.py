@@ -327,7 +327,8 @@ def layout_copies(hlo: str) -> dict[str, int]:
     several times what they take (a 268 MB relayout estimated at 1.50 ms on v6e, 2 x 268 MB / 1.64 TB/s = 0.33 ms;
     0.31 ms was measured between two layouts of one weight), so the model costs them by the bytes they move."""
     out = {}
-    for m in _COPY_RE.finditer(hlo):
+    entry = re.search(r"^ENTRY .*?^\}", hlo, re.M | re.S)  # top-level ops only (fused computations hold copies too)
+    for m in _COPY_RE.finditer(entry.group(0) if entry else hlo):
         dims = [int(d) for d in m.group(3).split(",") if d]
         bits = re.fullmatch(r"(?:bf|f|s|u|c)(\d+)(?:e\d+m\d+\w*)?|(pred)", m.group(2))
         if bits is None:
@@ -398,33 +399,163 @@ def _schedule_traffic(sched: B.KernelSchedule, steps: int, grid_known: bool, sel
     return reads, writes, _bound(lower, upper)
 
 
-def _runtime_loop_trips(info, sched: B.KernelSchedule) -> list | None:
-    """Per schedule loop with no trip count (address order), its total iterations per grid step from the kernel's
-    evaluation (kernel_eval: the jaxpr's run-time-bounded loops, program order); None when they cannot be matched."""
-    if info is None or info.evaluated is None or not sched.unsized_loops:
-        return None
-    loops = [lp for lp in info.evaluated.loops if lp.runtime]
-    if len(loops) != len(sched.unsized_loops) or any(lp.trips is None for lp in loops):
-        return None
-    return [lp.trips for lp in loops]
+def _loop_constructs(info, sched: B.KernelSchedule) -> dict[int, object]:
+    """{index in sched.inner_loops: the kernel_eval Construct of that loop}, matched level by level: the loops directly
+    inside a matched loop (or at the top) pair up in order when the schedule and the kernel's jaxpr have as many
+    there; a level whose counts differ (the compiler added or unrolled a loop) is left unmatched, and so is what is
+    inside it."""
+    if info is None or info.evaluated is None or not sched.inner_loops:
+        return {}
+    constructs = info.evaluated.constructs
+    loops = sched.inner_loops
+
+    def sched_children(parent):
+        def inside(i, j):  # loop i inside loop j
+            return j != i and loops[j][0] <= loops[i][0] and loops[i][1] <= loops[j][1]
+
+        out = []
+        for i in range(len(loops)):
+            around = [j for j in range(len(loops)) if inside(i, j)]
+            innermost = min(around, key=lambda j: loops[j][1] - loops[j][0]) if around else None
+            if innermost == parent:
+                out.append(i)
+        return sorted(out, key=lambda i: loops[i][0])
+
+    def jaxpr_children(parent):
+        if parent is None:
+            return [c for c in constructs if c.kind == "loop" and c.depth == 0]
+        at = next(k for k, c in enumerate(constructs) if c is parent)
+        out = []
+        for c in constructs[at + 1 :]:
+            if c.depth <= parent.depth:
+                break
+            if c.kind == "loop" and c.depth == parent.depth + 1:
+                out.append(c)
+        return out
+
+    matched = {}
+
+    def match(sched_parent, jaxpr_parent):
+        mine, theirs = sched_children(sched_parent), jaxpr_children(jaxpr_parent)
+        if len(mine) != len(theirs):
+            return
+        for i, c in zip(mine, theirs):
+            matched[i] = c
+            match(i, c)
+
+    match(None, None)
+    return matched
 
 
-def _runtime_loop_cycles(sched: B.KernelSchedule, runtime_trips: list, skip: np.ndarray) -> np.ndarray:
-    """Cycles per step the run-time loops add to the schedule's count (which runs each once per iteration of the
-    counted loops around it): (trips - once) x the loop's bundles, except where a region around the loop is skipped
-    (its bundles are already taken out with the region)."""
+def _region_constructs(info, sched: B.KernelSchedule, loops: dict) -> dict[int, object]:
+    """{index in sched.loop_regions: the Construct of that region}, per matched loop: the schedule's branches inside
+    the loop and the kernel's regions inside it that do vector work (the compiler predicates scalar-only ones), in
+    order, when their counts agree."""
+    constructs = info.evaluated.constructs if info is not None and info.evaluated is not None else []
+    out = {}
+    for i, loop in loops.items():
+        at = next(k for k, c in enumerate(constructs) if c is loop)
+        inside = []
+        for c in constructs[at + 1 :]:
+            if c.depth <= loop.depth:
+                break
+            if c.kind == "region" and c.depth == loop.depth + 1 and c.vector_work:
+                inside.append(c)
+        mine = [k for k, (li, _) in enumerate(sched.loop_regions) if li == i]
+        out.update(_align_regions(sched, mine, inside))
+    return out
+
+
+def _align_regions(sched: B.KernelSchedule, mine: list[int], theirs: list) -> dict[int, object]:
+    """Pair the kernel's regions (`theirs`, program order) with schedule branches (`mine`, address order), in order,
+    every one of theirs paired, a branch with matmuls (vmatmul in it) only with a region with matmuls, one around a
+    loop only with one around a loop, and the other way round; schedule branches left over are the compiler's own (an
+    edge-tile path, a guard around a loop the kernel does not branch over). The pairing with the most matmul regions
+    paired wins, then the one pairing each region with its earliest candidate; none when no pairing is consistent."""
+    n, m = len(theirs), len(mine)
+    if n == 0 or n > m:
+        return {}
+    mxu = [addr for addr, _ in sched.mxu_ops_body]
+    kinds = []
+    for k in mine:
+        r = sched.loop_regions[k][1]
+        kinds.append(
+            (
+                any(r.branch_addr < a < r.target for a in mxu),
+                any(r.branch_addr < t < r.target for t, _, _ in sched.inner_loops),
+            )
+        )
+    has_mxu = [k[0] for k in kinds]
+    neg = float("-inf")
+    # best[j][i]: best score pairing theirs[:j] within mine[:i]
+    best = [[0.0] * (m + 1)] + [[neg] * (m + 1) for _ in range(n)]
+    for j in range(1, n + 1):
+        for i in range(1, m + 1):
+            skip = best[j][i - 1]
+            pair = neg
+            if kinds[i - 1] == (theirs[j - 1].dots, theirs[j - 1].loops) and best[j - 1][i - 1] > neg:
+                pair = best[j - 1][i - 1] + (2.0 if has_mxu[i - 1] else 1.0)
+            best[j][i] = max(skip, pair)
+    if best[n][m] == neg:
+        return {}
+    out, j, i = {}, n, m
+    while j > 0:
+        if best[j][i] == best[j][i - 1]:
+            i -= 1
+            continue
+        out[mine[i - 1]] = theirs[j - 1]
+        i, j = i - 1, j - 1
+    return out
+
+
+def _loop_cycles(sched: B.KernelSchedule, info, skip: np.ndarray) -> tuple[np.ndarray | None, list[str]]:
+    """Cycles per step to add to the schedule's count, which runs each loop's body its static trips (once when sized
+    at run time) and each branch inside a loop at every iteration, from the kernel's evaluation: a run-time loop's
+    (iterations - once) x its bundles; a branch's (runs - runs of what encloses it) x its bundles. Nothing where a grid
+    region around the loop is skipped at that step (its bundles are taken out with the region). None when nothing
+    could be matched."""
+    loops = _loop_constructs(info, sched)
+    if not loops:
+        return None, []
     steps = skip.shape[0]
     extra = np.zeros(steps)
-    unsized = [lp for lp in sched.inner_loops if lp[2] is None]
-    for (t, e, _), trips in zip(unsized, runtime_trips):
+    notes = []
+
+    def skipped_at(addr):
+        around = [k for k, r in enumerate(sched.conds) if r.branch_addr < addr < r.target]
+        return skip[:, around].any(axis=1) if around else np.zeros(steps, bool)
+
+    runtime = 0
+    for i, loop in loops.items():
+        t, e, trip = sched.inner_loops[i]
+        if trip is not None or loop.executions is None:
+            continue
         once = 1
         for t2, e2, trip2 in sched.inner_loops:
             if trip2 is not None and t2 <= t < e2 and (t2, e2) != (t, e):
                 once *= trip2
-        around = [i for i, r in enumerate(sched.conds) if r.branch_addr < t < r.target]
-        skipped = skip[:, around].any(axis=1) if around else np.zeros(steps, bool)
-        extra += np.where(skipped, 0.0, (e - t) * (np.asarray(trips, np.float64) - once))
-    return extra
+        extra += np.where(skipped_at(t), 0.0, (e - t) * (np.asarray(loop.executions, np.float64) - once))
+        runtime += 1
+    if runtime:
+        notes.append(f"the trips of {runtime} loop(s) sized at run time come from evaluating the kernel on the inputs")
+    regions = _region_constructs(info, sched, loops)
+    for k, rc in regions.items():
+        i, r = sched.loop_regions[k]
+        loop = loops.get(i)
+        if rc.executions is None or loop is None or loop.executions is None:
+            continue
+        parent = loop.executions
+        for k2, rc2 in regions.items():  # the innermost matched region around this one
+            i2, r2 = sched.loop_regions[k2]
+            if k2 != k and i2 == i and r2.branch_addr < r.branch_addr and r.target <= r2.target:
+                parent = rc2.executions if rc2.executions is not None else parent
+        extra += np.where(skipped_at(r.branch_addr), 0.0, r.skipped * (rc.executions - parent))
+    unmatched = len(sched.loop_regions) - len(regions)
+    if regions:
+        notes.append(f"{len(regions)} branch(es) inside loops charged where they run (from the kernel's evaluation)")
+    if unmatched:
+        notes.append(f"{unmatched} branch(es) inside loops not matched to the kernel's code: counted as run")
+    return extra, notes
 
 
 def _bound(lower: bool, upper: bool) -> str:
@@ -454,15 +585,10 @@ def _model_kernel(
     # The Mosaic body says whether loops are sized at run time when it is MLIR text (XLA's own kernels); a
     # pallas_call's jaxpr says it for kernels whose body is serialized as bytecode (tokamax's).
     runtime_loops = body_has_runtime_loops(body) or (info is not None and info.runtime_loops)
-    runtime_trips = _runtime_loop_trips(info, sched)
+    unsized_matched = {i for i, _ in _loop_constructs(info, sched).items() if sched.inner_loops[i][2] is None}
     manual_in = manual_out = np.zeros(1)
     manual_bound = "exact"
-    if sched.unsized_loops and runtime_trips is not None:
-        notes.append(
-            f"the trips of {len(runtime_trips)} loop(s) sized at run time come from evaluating the kernel on the "
-            "concrete inputs"
-        )
-    elif sched.unsized_loops:
+    if sched.unsized_loops and len(unsized_matched) < len(sched.unsized_loops):
         what = f"{len(sched.unsized_loops)} inner loop(s) at {', '.join(hex(a) for a in sched.unsized_loops)}"
         if runtime_loops:
             notes.append(
@@ -562,8 +688,10 @@ def _model_kernel(
         if len(region_sizes)
         else np.full(steps, sched.body, np.int64)
     )
-    if runtime_trips is not None:
-        step_cycles = step_cycles + _runtime_loop_cycles(sched, runtime_trips, skip)
+    loop_extra, loop_notes = _loop_cycles(sched, info, skip)
+    if loop_extra is not None:
+        step_cycles = step_cycles + loop_extra
+    notes += loop_notes
     # MXU ops per step
     patterns, inv = (
         np.unique(skip, axis=0, return_inverse=True) if skip.size else (np.zeros((1, 0), bool), np.zeros(steps, int))
@@ -749,7 +877,11 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
     mosaic_names = {n for n, _ in calls}
     copies = layout_copies(hlo)
     xla_ops = []
-    for n, c in xla_op_estimates(hlo):
+    estimated = xla_op_estimates(hlo)
+    # A copy XLA gives no estimate (e.g. an output written from VMEM to HBM twice) is still a copy: counted by bytes.
+    seen = {n for n, _ in estimated}
+    estimated += [(n, 0) for n in copies if n not in seen]
+    for n, c in estimated:
         if n in mosaic_names:
             continue
         if n in copies:
