@@ -16,16 +16,14 @@ from . import suite as _suite
 
 NOTES = (
     "modeled = static performance model (benchmarks/perf_model): the compiled kernel's bundle schedule and its HBM "
-    "traffic, never a run on a TPU. It ignores DMA contention and efficiency, clock throttling and data-dependent "
-    "stalls; Pallas launch overhead is an assumed 1 us per kernel.",
-    "Known bias: a Pallas kernel's HBM time is modeled at the full table bandwidth, while XLA's own estimates (used "
-    "for the default implementation's XLA ops) assume ~81% of it for a streaming op, so an HBM-bound kernel gets up "
-    "to ~1.2x credit against a default of the same traffic.",
+    "traffic, never a run on a TPU, calibrated against measured v5e timings (docs/perf_model.md): DMAs at 0.80 of "
+    "the table HBM bandwidth, 0.14 us per pipeline step, an assumed 1 us launch per kernel; v6e and v7x use the same "
+    "constants. It ignores DMA contention, DMA shape effects, clock throttling and data-dependent stalls.",
     "roofline = max(minimum HBM bytes / HBM bandwidth, matmul flops / bf16 peak) for the generation's chip.",
     "efficiency = roofline / modeled kernel time; speedup = modeled default time / modeled kernel time.",
     "default = the plain JAX path of the same operation (the kernel's reference), compiled by XLA.",
-    "A default/baseline holding a kernel whose run time and HBM traffic the model can only bound from below (loops "
-    "sized at run time: XLA's own ragged dot kernels, tokamax's; see the model notes) is floored at the roofline "
+    "A default/baseline holding a kernel whose run time and HBM traffic the model can only bound from below (a grid "
+    "sized at run time inside XLA: XLA's own ragged dot kernels; see the model notes) is floored at the roofline "
     "where its modeled time is below it (marked * in the table): a lower bound that favours the baseline.",
 )
 
@@ -127,9 +125,9 @@ def build_row(case: _suite.Case, chip, models: dict, stats: dict, batch_unit: st
         "measured": _measured_entry(stats, case, shape.batch, hbm_bytes),
     }
     # A kernel whose loops are sized at run time with nothing in the program to size them (XLA's own Mosaic kernels
-    # for lax.ragged_dot, tokamax's manual pipeline) is modeled with each loop once: its time and HBM bytes are lower
-    # bounds. Such an implementation is floored at the op's roofline (as if it moved the minimum bytes at full
-    # bandwidth), a lower bound that favours it.
+    # for lax.ragged_dot) is modeled with each loop once: its time and HBM bytes are lower bounds. Such an
+    # implementation is floored at the op's roofline (as if it moved the minimum bytes at full bandwidth), a lower
+    # bound that favours it.
     for entry in (default, *baselines.values()):
         partial = any(k["hbm_bytes_bound"] in ("lower", "approximate") for k in entry.get("kernels", []))
         if "us" in entry and partial and entry["us"] < _us(roof_s):
