@@ -33,6 +33,8 @@ _INT_DIV = {
     ),
     "rem": lambda a, b: np.fmod(a, np.where(b == 0, 1, b)),
 }
+# Hints and barriers: their value is their operand's (pl.multiple_of is in every emit_pipeline index computation).
+_IDENTITY = ("multiple_of", "optimization_barrier", "copy", "copy_p")
 _NUMPY = {
     "add": np.add,
     "sub": np.subtract,
@@ -140,6 +142,8 @@ class _Evaluator:
         self.pipeline_steps = np.zeros(steps, np.float64)
         self.constructs: list[Construct] = []
         self._by_key: dict = {}
+        self._facts: dict = {}  # id(eqn) -> facts (the eqn is kept in them, so the id stays its own)
+        self._literals: dict = {}  # id(literal) -> (literal, its per-step array)
         self.depth = 0
         self.dmas_upper = self.dmas_lower = False
         self.budget = _MAX_ITERATIONS
@@ -161,6 +165,8 @@ class _Evaluator:
                 return [np.choose(np.asarray(which).astype(np.int64), np.broadcast_arrays(*cases))]
             if name == "convert_element_type":
                 return [np.asarray(invals[0]).astype(np.dtype(eqn.params["new_dtype"]))]
+            if name in _IDENTITY:
+                return list(invals)
             if name == "integer_pow":
                 return [np.power(invals[0], eqn.params["y"])]
             if name == "clamp":
@@ -255,6 +261,15 @@ class _Evaluator:
             self.dma_count += weight
 
     # ------------------------------------------------------------------ walk
+    def _eqn_facts(self, eqn):
+        """(primitive name, called jaxprs, whether it is effect-free with small outputs), computed once per eqn: loop
+        bodies are evaluated thousands of times."""
+        facts = self._facts.get(id(eqn))
+        if facts is None:
+            small = not eqn.effects and all(self._small(v.aval) for v in eqn.outvars)
+            facts = self._facts[id(eqn)] = (eqn.primitive.name, _sub_jaxprs(eqn), small, eqn)
+        return facts[:3]
+
     def run(self, jaxpr, env, weight, sure, grid_level, consts=()):
         """Evaluate `jaxpr` (env: invar -> value). weight: times it runs per step (0 where it does not); sure: steps
         where that is known (False under a condition the model cannot see). grid_level: outside every loop, where its
@@ -263,13 +278,18 @@ class _Evaluator:
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = c
 
+        literals = self._literals
+
         def read(v):
             if _is_literal(v):
-                return np.broadcast_to(np.asarray(v.val), (self.steps,) + np.shape(v.val))
+                key = id(v)
+                if key not in literals:
+                    literals[key] = (v, np.broadcast_to(np.asarray(v.val), (self.steps,) + np.shape(v.val)))
+                return literals[key][1]
             return env.get(v)
 
         for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
+            name, subs, small_outs = self._eqn_facts(eqn)
             outs = None
             if name == "program_id":
                 outs = [self.pids[eqn.params["axis"]]]
@@ -293,9 +313,9 @@ class _Evaluator:
                 body = eqn.params["jaxpr"]
                 consts = [_pass(env, read, v) for v in eqn.invars]
                 outs = self.run(body, {}, weight, sure, grid_level, consts)
-            elif _sub_jaxprs(eqn):
+            elif subs:
                 # A call (jit-wrapped jnp function, custom_jvp/vjp...): evaluate it inline.
-                sub, sub_consts = _sub_jaxprs(eqn)[0]
+                sub, sub_consts = subs[0]
                 outs = self.run(
                     sub,
                     _bind_invars(sub, [_pass(env, read, v) for v in eqn.invars]),
@@ -304,13 +324,9 @@ class _Evaluator:
                     grid_level,
                     sub_consts,
                 )
-            elif not eqn.effects:
+            elif small_outs:
                 invals = [read(v) for v in eqn.invars]
-                if (
-                    invals
-                    and all(isinstance(x, np.ndarray) for x in invals)
-                    and all(self._small(v.aval) for v in eqn.outvars)
-                ):
+                if invals and all(isinstance(x, np.ndarray) for x in invals):
                     outs = self._apply(eqn, invals)
             if outs is not None:
                 for v, o in zip(eqn.outvars, outs):
