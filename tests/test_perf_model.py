@@ -668,3 +668,22 @@ def test_layout_copies_are_costed_by_the_bytes_they_move():
     assert copy.bytes_moved == 2 * 8192 * 16384 * 2
     assert copy.modeled_s == pytest.approx(copy.bytes_moved / chip.dma_bytes_per_s)
     assert copy.modeled_s < copy.estimated_cycles / chip.clock_hz  # XLA's estimate is several times higher
+
+
+def test_a_pipeline_too_long_to_evaluate_whole_is_sampled_and_scaled(monkeypatch):
+    """emit_pipeline over 512 steps with an evaluation budget for ~100 of them: the loop's trip count is known (a
+    fori_loop to a known bound), so a sample of its iterations is scaled to it: the bytes come out as the whole
+    pipeline's (within 1 %), the figure is marked approximate and noted."""
+    from benchmarks.perf_model import kernel_eval
+
+    x = _sds((512 * 8, 1024), jnp.float32)
+    exact = perf_model.model_function(functools.partial(pallas_emit_pipeline_scale, block=8), (x,), gen="v6e")
+    (k_exact,) = exact.kernels
+    monkeypatch.setattr(kernel_eval, "_MAX_ITERATIONS", 1)  # every loop gets its minimum sample (1024 iterations)
+    monkeypatch.setattr(kernel_eval, "_MIN_SAMPLE", 100)
+    sampled = perf_model.model_function(functools.partial(pallas_emit_pipeline_scale, block=8), (x,), gen="v5e")
+    (k,) = sampled.kernels
+    assert k_exact.hbm_bytes_bound == "exact" and k.hbm_bytes_bound == "approximate"
+    assert k.hbm_bytes == pytest.approx(2 * 512 * 8 * 1024 * 4, rel=0.01)
+    assert k.pipeline_steps == pytest.approx(512, rel=0.01)
+    assert any("sample of its iterations" in n for n in sampled.notes), sampled.notes

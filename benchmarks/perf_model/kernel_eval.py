@@ -26,6 +26,8 @@ _MAX_ELEMENTS = 4096
 # Loop iterations evaluated one by one per kernel, summed over all loops; past it a loop's body is evaluated once with
 # unknown carries and its trips taken from its bounds when they are known (tokamax's largest shapes run ~10^4).
 _MAX_ITERATIONS = 5_000_000
+# Iterations a loop too long for the budget is sampled for, at least (its trip count known, the sample is scaled).
+_MIN_SAMPLE = 1024
 
 _INT_DIV = {
     "div": lambda a, b: np.where(b != 0, np.trunc(np.true_divide(a, np.where(b == 0, 1, b))), 0).astype(
@@ -107,6 +109,7 @@ class KernelEval:
     # pipeline's steps: emit_pipeline's loop, a fori_loop of copies), each paying the chip's per-step cost
     dmas_upper: bool = False  # a DMA under a condition the model cannot see: counted as issued
     dmas_lower: bool = False  # a DMA in a loop whose trips are unknown: counted once
+    extrapolated: bool = False  # a loop too long to evaluate whole: a sample of its iterations, scaled to its trips
     warnings: list = dataclasses.field(default_factory=list)
 
     @property
@@ -146,6 +149,7 @@ class _Evaluator:
         self._literals: dict = {}  # id(literal) -> (literal, its per-step array)
         self.depth = 0
         self.dmas_upper = self.dmas_lower = False
+        self.extrapolated = False  # a loop too long to evaluate whole was sampled and scaled
         self.budget = _MAX_ITERATIONS
 
     # ------------------------------------------------------------------ values
@@ -433,24 +437,24 @@ class _Evaluator:
             rec.executions = rec.executions + weight * length
         if _moves_data(body.jaxpr):
             self.pipeline_steps += weight * length
-        if length * max(1, len(body.jaxpr.eqns)) > self.budget:
-            self.run(
-                body.jaxpr,
-                _bind_invars(body.jaxpr, consts + [None] * (n_carry + len(xs))),
-                weight * length,
-                sure,
-                False,
-                body.consts,
-            )
-            return None
-        self.budget -= length * max(1, len(body.jaxpr.eqns))
+        cost = max(1, len(body.jaxpr.eqns))
+        # Too long to evaluate whole: a sample of its iterations, scaled to its length (as for a long fori_loop).
+        sample = length
+        if length * cost > self.budget // 2:
+            sample = int(max(1, min(length, max(_MIN_SAMPLE, self.budget // 2 // cost))))
+        self.budget -= sample * cost
+        before = self._snapshot() if sample < length else None
         order = range(length - 1, -1, -1) if p.get("reverse") else range(length)
-        for i in order:
+        for i in list(order)[:sample]:
             x_i = [x[:, i] if isinstance(x, np.ndarray) and x.ndim >= 2 else None for x in xs]
             outs = self.run(
                 body.jaxpr, _bind_invars(body.jaxpr, consts + carry + x_i), weight, sure, False, body.consts
             )
             carry = outs[:n_carry]
+        if before is not None:
+            self._scale_since(before, np.full(self.steps, length / sample))
+            self.extrapolated = True
+            return None
         return carry + [None] * (len(eqn.outvars) - n_carry)
 
     def _while_body(self, eqn, read, env, weight, sure):
@@ -462,21 +466,35 @@ class _Evaluator:
         rec = self._loop_record(eqn, runtime=not static_fori(eqn))
         active = weight > 0
         trips = np.zeros(self.steps, np.float64)
+        cost = max(1, len(bj.jaxpr.eqns))
+        total = _fori_trips(cj, nc, carry)
+        # A loop too long to evaluate whole but with its trip count known (a fori_loop to a known bound: emit_pipeline's
+        # loop over its steps): evaluate a sample of its iterations and scale what they added to the whole count.
+        sample = None
+        if total is not None and total.max() * cost > self.budget // 2:
+            sample = int(max(1, min(total.max(), max(_MIN_SAMPLE, self.budget // 2 // cost))))
+            before = self._snapshot()
+        iterations = 0
         while True:
             (pred,) = self.run(cj.jaxpr, _bind_invars(cj.jaxpr, cconsts + carry), weight, sure, False, cj.consts)
             if not isinstance(pred, np.ndarray):
                 break
             active = active & pred.reshape(self.steps).astype(bool)
-            if not active.any():
+            done = not active.any()
+            if not done and sample is not None and iterations >= sample:
+                self._scale_since(before, np.where(trips > 0, total / np.maximum(trips, 1), 1.0))
+                self.extrapolated = True
+                trips, done = np.where(weight > 0, total, 0.0), True
+            if done:
                 if rec.executions is not None:
                     rec.executions = rec.executions + weight * trips
                 if _moves_data(bj.jaxpr):
                     self.pipeline_steps += weight * trips
-                return carry
-            cost = max(1, len(bj.jaxpr.eqns))
-            if self.budget < cost:
+                return carry if sample is None or iterations < sample else None
+            if sample is None and self.budget < cost:
                 break
-            self.budget -= cost
+            self.budget -= cost  # a sampled loop evaluates its sample whatever is left
+            iterations += 1
             trips += active
             outs = self.run(bj.jaxpr, _bind_invars(bj.jaxpr, bconsts + carry), weight * active, sure, False, bj.consts)
             carry = [
@@ -491,6 +509,43 @@ class _Evaluator:
         self.run(bj.jaxpr, _bind_invars(bj.jaxpr, bconsts + [None] * len(carry)), weight, sure, False, bj.consts)
         rec.executions = None
         return None
+
+    def _snapshot(self):
+        counters = {k: getattr(self, k).copy() for k in _COUNTERS}
+        constructs = {id(c): (c, None if c.executions is None else c.executions.copy()) for c in self.constructs}
+        return counters, constructs
+
+    def _scale_since(self, before, factor):
+        """Scale what was added since `before` by `factor` (per step): a sampled loop's share becomes the whole's."""
+        counters, constructs = before
+        for k in _COUNTERS:
+            now = getattr(self, k)
+            setattr(self, k, counters[k] + (now - counters[k]) * factor)
+        for c in self.constructs:
+            if c.executions is None:
+                continue
+            start = constructs.get(id(c), (c, np.zeros(self.steps)))[1]
+            start = np.zeros(self.steps) if start is None else start
+            c.executions = start + (c.executions - start) * factor
+
+
+# The evaluator's per-step totals that a sampled loop scales.
+_COUNTERS = ("flops", "dma_in", "dma_out", "dma_count", "remote", "pipeline_steps")
+
+
+def _fori_trips(cond_jaxpr, n_consts, carry):
+    """Iterations left of a fori_loop's while (its condition `i < upper` on the first two carries), per step; None if
+    the loop is not of that form or the bounds are unknown."""
+    jaxpr = cond_jaxpr.jaxpr
+    if len(jaxpr.eqns) != 1 or jaxpr.eqns[0].primitive.name != "lt" or len(carry) < 2:
+        return None
+    lhs, rhs = jaxpr.eqns[0].invars
+    if lhs is not jaxpr.invars[n_consts] or rhs is not jaxpr.invars[n_consts + 1]:
+        return None
+    i, upper = carry[0], carry[1]
+    if not isinstance(i, np.ndarray) or not isinstance(upper, np.ndarray):
+        return None
+    return np.maximum(upper.reshape(-1).astype(np.float64) - i.reshape(-1), 0.0)
 
 
 def _absolute_index(ref: KnownRef, idx):
@@ -626,5 +681,6 @@ def evaluate_kernel(kjaxpr, grid, pids, steps, known_refs: dict[int, Any] | None
         pipeline_steps=ev.pipeline_steps,
         dmas_upper=ev.dmas_upper,
         dmas_lower=ev.dmas_lower,
+        extrapolated=ev.extrapolated,
         warnings=sorted(set(warnings)),
     )

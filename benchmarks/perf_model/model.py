@@ -655,6 +655,12 @@ def _model_kernel(
         if evaluated is not None:
             manual_in, manual_out = evaluated.dma_in, evaluated.dma_out
             manual_bound = _bound(evaluated.dmas_lower, evaluated.dmas_upper)
+            if evaluated.extrapolated:
+                manual_bound = "approximate"
+                notes.append(
+                    "a loop too long to evaluate whole (a pipeline of many steps) was evaluated for a sample of its "
+                    "iterations, scaled to its trip count: its DMAs, branches and steps are an estimate"
+                )
             if evaluated.remote_bytes.any():
                 notes.append(
                     f"{int(evaluated.remote_bytes.sum())} bytes of DMAs to other devices (ICI) not timed: the model "
