@@ -5,24 +5,9 @@ modeled/measured must be within 5 % and every point within 0.8-1.25. The failure
 as `python -m benchmarks.calibration` prints it.
 """
 
-import os
-import pathlib
-import sys
+import pytest
 
-for _k, _v in {
-    "JAX_PLATFORMS": "cpu",
-    "TPU_SKIP_MDS_QUERY": "1",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-}.items():
-    os.environ.setdefault(_k, _v)
-_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-import pytest  # noqa: E402
-
-from benchmarks.calibration import table  # noqa: E402
+from benchmarks.calibration import table
 
 MEDIAN_BOUNDS = (0.95, 1.05)
 POINT_BOUNDS = (0.8, 1.25)

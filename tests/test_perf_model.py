@@ -6,30 +6,16 @@ The kernels below are module-level so the subprocess can import them by referenc
 """
 
 import functools
-import os
-import pathlib
-import sys
 
-for _k, _v in {
-    "JAX_PLATFORMS": "cpu",
-    "TPU_SKIP_MDS_QUERY": "1",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-}.items():
-    os.environ.setdefault(_k, _v)
-_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import tpu as pltpu  # noqa: E402
-
-from benchmarks import perf_model  # noqa: E402
-from benchmarks.perf_model import bundles as perf_bundles  # noqa: E402
+from benchmarks import perf_model
+from benchmarks.perf_model import bundles as perf_bundles
 
 GENS = ("v5e", "v6e", "v7x")
 

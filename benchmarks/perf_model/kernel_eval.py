@@ -271,7 +271,7 @@ class _Evaluator:
         facts = self._facts.get(id(eqn))
         if facts is None:
             small = not eqn.effects and all(self._small(v.aval) for v in eqn.outvars)
-            facts = self._facts[id(eqn)] = (eqn.primitive.name, _sub_jaxprs(eqn), small, eqn)
+            facts = self._facts[id(eqn)] = (eqn.primitive.name, sub_jaxprs(eqn), small, eqn)
         return facts[:3]
 
     def run(self, jaxpr, env, weight, sure, grid_level, consts=()):
@@ -575,7 +575,7 @@ def _vector_work(jaxpr, dots_only=False) -> bool:
             continue
         if name == "dot_general":
             return True
-        subs = _sub_jaxprs(eqn)
+        subs = sub_jaxprs(eqn)
         if subs:
             if any(_vector_work(j, dots_only) for j, _ in subs):
                 return True
@@ -629,12 +629,15 @@ def _bind_invars(jaxpr, vals):
     return dict(zip(jaxpr.invars, list(vals) + [None] * (len(jaxpr.invars) - len(vals))))
 
 
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "call")
+# Where call-like primitives keep the jaxpr they call with the eqn's own operands: jit/pjit `jaxpr`, custom_vjp
+# `call_jaxpr`, custom_jvp `fun_jaxpr`, custom_vmap `call` (tokamax wraps its pallas_calls in one).
+CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "call")
 
 
-def _sub_jaxprs(eqn):
+def sub_jaxprs(eqn):
+    """(jaxpr, consts) of each jaxpr a call-like eqn calls with its own operands."""
     out = []
-    for k in _CALL_PARAMS:
+    for k in CALL_PARAMS:
         j = eqn.params.get(k)
         if j is None:
             continue

@@ -33,23 +33,7 @@ def _is_literal(x) -> bool:
     return type(x).__name__ == "Literal" or (hasattr(x, "val") and not hasattr(x, "count"))
 
 
-# Where call-like primitives keep the jaxpr they call with the eqn's own operands: jit/pjit `jaxpr`, custom_vjp
-# `call_jaxpr`, custom_jvp `fun_jaxpr`, custom_vmap `call` (tokamax wraps its pallas_calls in one: without it those
-# calls were never found, so their HLO kernels had no traffic).
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "call")
-
-
-def _sub_closed_jaxprs(eqn):
-    out = []
-    for k in _CALL_PARAMS:
-        j = eqn.params.get(k)
-        if j is None:
-            continue
-        if hasattr(j, "jaxpr") and hasattr(j, "consts"):
-            out.append((j.jaxpr, list(j.consts)))
-        elif hasattr(j, "eqns"):
-            out.append((j, []))
-    return out
+_sub_closed_jaxprs = KE.sub_jaxprs
 
 
 def _contains_pallas(jaxpr) -> bool:
