@@ -88,13 +88,6 @@ class Construct:
     dots: bool = False  # a region whose code has matmuls itself (vmatmuls in the schedule)
     loops: bool = False  # a region with a loop in it
 
-    @property
-    def trips(self):
-        return self.executions
-
-
-LoopTrips = Construct
-
 
 @dataclasses.dataclass
 class KernelEval:
@@ -117,7 +110,7 @@ class KernelEval:
         return [c for c in self.constructs if c.kind == "loop"]
 
 
-def _is_literal(x) -> bool:
+def is_literal(x) -> bool:
     return type(x).__name__ == "Literal" or (hasattr(x, "val") and not hasattr(x, "count"))
 
 
@@ -285,7 +278,7 @@ class _Evaluator:
         literals = self._literals
 
         def read(v):
-            if _is_literal(v):
+            if is_literal(v):
                 key = id(v)
                 if key not in literals:
                     literals[key] = (v, np.broadcast_to(np.asarray(v.val), (self.steps,) + np.shape(v.val)))
@@ -309,9 +302,9 @@ class _Evaluator:
             elif name == "cond":
                 outs = self._cond(eqn, read, env, weight, sure, grid_level)
             elif name == "scan":
-                outs = self._scan(eqn, read, env, weight, sure)
+                outs = self._in_loop(self._scan_body, eqn, read, env, weight, sure)
             elif name == "while":
-                outs = self._while(eqn, read, env, weight, sure)
+                outs = self._in_loop(self._while_body, eqn, read, env, weight, sure)
             elif name == "run_scoped":
                 # Its operands are the body's constvars; its invars are the scratch it allocates (unknown).
                 body = eqn.params["jaxpr"]
@@ -412,17 +405,11 @@ class _Evaluator:
     def _loop_record(self, eqn, runtime):
         return self._construct(id(eqn), "loop", runtime, depth=self.depth - 1)  # called inside its own body
 
-    def _scan(self, eqn, read, env, weight, sure):
+    def _in_loop(self, evaluate, eqn, read, env, weight, sure):
+        """`evaluate` a loop eqn one loop deeper (the depth of the constructs met inside it)."""
         self.depth += 1
         try:
-            return self._scan_body(eqn, read, env, weight, sure)
-        finally:
-            self.depth -= 1
-
-    def _while(self, eqn, read, env, weight, sure):
-        self.depth += 1
-        try:
-            return self._while_body(eqn, read, env, weight, sure)
+            return evaluate(eqn, read, env, weight, sure)
         finally:
             self.depth -= 1
 
@@ -621,7 +608,7 @@ def all_sub_jaxprs(eqn):
 
 def _pass(env, read, v):
     """A value to hand to a sub-jaxpr: known refs stay refs."""
-    x = env.get(v) if not _is_literal(v) else None
+    x = env.get(v) if not is_literal(v) else None
     return x if isinstance(x, KnownRef) else read(v)
 
 
@@ -663,7 +650,7 @@ def static_fori(eqn) -> bool:
     counted loop, whose trip count is in the schedule."""
     n_consts = eqn.params.get("cond_nconsts", 0) + eqn.params.get("body_nconsts", 0)
     carry = eqn.invars[n_consts:]
-    return len(carry) >= 2 and all(_is_literal(v) for v in carry[:2])
+    return len(carry) >= 2 and all(is_literal(v) for v in carry[:2])
 
 
 def evaluate_kernel(kjaxpr, grid, pids, steps, known_refs: dict[int, Any] | None = None) -> KernelEval:

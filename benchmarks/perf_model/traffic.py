@@ -28,9 +28,7 @@ import numpy as np
 
 from . import kernel_eval as KE
 
-
-def _is_literal(x) -> bool:
-    return type(x).__name__ == "Literal" or (hasattr(x, "val") and not hasattr(x, "count"))
+_is_literal = KE.is_literal
 
 
 _sub_closed_jaxprs = KE.sub_jaxprs
