@@ -5,6 +5,8 @@ kernels in Pallas' TPU interpret mode; to jit them for the CPU, call them inside
 """
 
 from .common.interpret import interpret_on_cpu
+from .flash_attention.api import flash_attention, flash_attention_varlen
+from .flash_attention.tuning import FlashAttentionBlocks
 from .moe.api import experts_forward
 from .moe.tuning import ExpertsBlocks
 from .ragged_dot.api import ragged_dot
@@ -23,6 +25,7 @@ from .rotary.api import (
 
 __all__ = [
     "ExpertsBlocks",
+    "FlashAttentionBlocks",
     "MatmulBlocks",
     "RaggedDotBlocks",
     "TransposedMatmulBlocks",
@@ -31,6 +34,8 @@ __all__ = [
     "apply_rotary_from_positions",
     "apply_rotary_from_positions_backward",
     "experts_forward",
+    "flash_attention",
+    "flash_attention_varlen",
     "fused_add_rms_norm",
     "interpret_on_cpu",
     "ragged_dot",

@@ -1,0 +1,398 @@
+"""Public JAX API of flash attention: flash_attention ([B, S, H, D]) and flash_attention_varlen (packed sequences,
+cu_seqlens), input validation, block choice, the visit lists, and the custom_vjp wiring of the forward, dq and
+dk/dv kernels. Semantics are flash-attn 2's (see reference.py).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..common import chip
+from ..common.interpret import interpret_eager_cpu_calls
+from ..common.validation import check_array, is_concrete
+from . import backward, forward, schedule, tuning
+from .geometry import Geometry
+from .tuning import FlashAttentionBlocks
+
+MAX_HEAD_DIM = 512
+# Visit lists live in SMEM (one int32 a visit, forward and dk/dv lists); beyond this, larger blocks are needed.
+MAX_VISITS = 32768
+
+
+# ------------------------------------------------------------------------------------------------------ validation
+def _check_bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _check_options(softmax_scale, causal, window_size, softcap, head_dim):
+    causal = _check_bool("causal", causal)
+    if softmax_scale is None:
+        softmax_scale = head_dim**-0.5
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"softmax_scale: expected a Python float or None, got {type(softmax_scale).__name__}")
+    softmax_scale = float(softmax_scale)
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale: expected a finite number > 0, got {softmax_scale}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size: expected a pair (left, right) of ints, got {window_size!r}")
+    window = []
+    for side, w in zip(("left", "right"), window_size):
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)):
+            raise TypeError(f"window_size: expected ints, got {side} = {w!r}")
+        if w < -1:
+            raise ValueError(f"window_size: expected -1 (unbounded) or a size >= 0, got {side} = {int(w)}")
+        window.append(int(w))
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"softcap: expected a Python float, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap: expected a finite number >= 0 (0 disables it), got {softcap}")
+    return softmax_scale, causal, tuple(window), softcap
+
+
+def _check_qkv(q, k, v, ndim):
+    """Shapes of q, k, v with the heads in dim -2 and head dims in -1; returns (dtype, Hq, Hkv, D, Dv)."""
+    dtype = check_array("q", q, ndim=ndim)
+    check_array("k", k, ndim=ndim, dtypes=(dtype,))
+    check_array("v", v, ndim=ndim, dtypes=(dtype,))
+    if tuple(k.shape[:-1]) != tuple(v.shape[:-1]):
+        raise ValueError(
+            f"v: expected the leading dimensions of k {tuple(k.shape[:-1])} (rows, kv heads), got {tuple(v.shape)}"
+        )
+    if ndim == 4 and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: expected the batch size of q ({q.shape[0]}), got shape {tuple(k.shape)}")
+    hq, hkv, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    if k.shape[-1] != d:
+        raise ValueError(f"k: expected the head dim of q ({d}), got shape {tuple(k.shape)}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q: expected a number of heads that is a multiple of k's {hkv} kv heads, got {hq}")
+    for name, dim in (("q", d), ("v", dv)):
+        if not 0 < dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}: expected a head dim from 1 to {MAX_HEAD_DIM}, got {dim}")
+    return dtype, hq, hkv, d, dv
+
+
+def _check_sinks(sinks, q_heads):
+    if sinks is None:
+        return None
+    check_array("sinks", sinks, ndim=1)
+    if sinks.shape[0] != q_heads:
+        raise ValueError(f"sinks: expected shape ({q_heads},), one logit per query head, got {tuple(sinks.shape)}")
+    return sinks
+
+
+def _check_cu_seqlens(name, cu, rows):
+    check_array(name, cu, ndim=1, dtypes=(jnp.dtype(jnp.int32),))
+    if cu.shape[0] < 2:
+        raise ValueError(f"{name}: expected at least 2 entries (sequences + 1), got shape {tuple(cu.shape)}")
+    if is_concrete(cu):
+        values = np.asarray(cu)
+        if values[0] != 0:
+            raise ValueError(f"{name}: expected to start at 0, got {int(values[0])}")
+        if np.any(np.diff(values) < 0):
+            raise ValueError(f"{name}: expected non-decreasing offsets, got {values.tolist()}")
+        if values[-1] != rows:
+            raise ValueError(f"{name}: expected to end at the token count {rows}, got {int(values[-1])}")
+        return int(np.diff(values).max())
+    return None
+
+
+def _check_max_seqlen(name, value, actual):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected a Python int, got {type(value).__name__}")
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"{name}: expected a length >= 0, got {value}")
+    if actual is not None and value < actual:
+        raise ValueError(f"{name}: expected at least the longest sequence, {actual}, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------- the kernels
+def _geometry(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap):
+    blocks = tuning.resolve_blocks(
+        blocks,
+        q_rows=q_rows,
+        kv_rows=kv_rows,
+        q_heads=hq,
+        kv_heads=hkv,
+        head_dim=d,
+        v_head_dim=dv,
+        itemsize=jnp.dtype(dtype).itemsize,
+        info=chip.current_tpu_info(),
+    )
+    geometry = Geometry(
+        q_rows=q_rows,
+        kv_rows=kv_rows,
+        q_heads=hq,
+        kv_heads=hkv,
+        head_dim=d,
+        v_head_dim=dv,
+        block_q=blocks.block_q,
+        block_kv=blocks.block_kv,
+        kv_heads_per_step=blocks.kv_heads_per_step,
+        softmax_scale=scale,
+        softcap=softcap,
+    )
+    if max(geometry.num_q_blocks, geometry.num_kv_blocks) > schedule.MAX_BLOCKS:
+        raise ValueError(
+            f"blocks: {geometry.num_q_blocks} query blocks and {geometry.num_kv_blocks} key blocks, more than the "
+            f"{schedule.MAX_BLOCKS} a visit can address; use larger blocks"
+        )
+    return geometry, blocks.vmem_limit_bytes
+
+
+def _plan(geometry, lo, hi, xp, size=None):
+    """What the kernels need beyond q, k, v: (arrays, static_counts). arrays: the row ranges in two layouts
+    ([Tq padded, 2] for column blocks, [2, Tq padded] for row blocks), the forward / dq and the dk/dv visit lists,
+    their run-time counts (int32 scalars) and an overflow status [1]. static_counts: (forward, dk/dv) visit counts
+    as ints when the lists are constants (numpy), else None (the grids take the run-time counts)."""
+    g = geometry
+    needed, full = schedule.block_pairs(lo, hi, block_q=g.block_q, block_kv=g.block_kv, kv_rows=g.kv_rows, xp=xp)
+    q_visits, q_count = schedule.visits(needed, full, by="q", size=size, xp=xp)
+    kv_visits, kv_count = schedule.visits(needed, full, by="kv", size=size, xp=xp)
+    pad = g.num_q_blocks * g.block_q - g.q_rows
+    lo = xp.concatenate([lo, xp.full((pad,), schedule.EMPTY_LO, xp.int32)])
+    hi = xp.concatenate([hi, xp.full((pad,), schedule.EMPTY_HI, xp.int32)])
+    if xp is np:
+        static_counts = (int(q_count), int(kv_count))
+        status = np.zeros((1,), np.int32)
+    else:
+        static_counts = None
+        # a list longer than its static size was cut short: the kernels then write NaN (never a silent result)
+        status = ((q_count > size) | (kv_count > size)).astype(jnp.int32).reshape(1)
+    arrays = (
+        xp.stack([lo, hi], axis=1),
+        xp.stack([lo, hi], axis=0),
+        q_visits,
+        kv_visits,
+        xp.minimum(q_count, q_visits.shape[0]).astype(xp.int32),
+        xp.minimum(kv_count, kv_visits.shape[0]).astype(xp.int32),
+        status,
+    )
+    return tuple(jnp.asarray(a) for a in arrays), static_counts
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _attention(geometry, vmem_limit, with_lse, static_counts, q2d, k2d, v2d, sinks, plan):
+    return _attention_fwd(geometry, vmem_limit, with_lse, static_counts, q2d, k2d, v2d, sinks, plan)[0]
+
+
+def _attention_fwd(geometry, vmem_limit, with_lse, static_counts, q2d, k2d, v2d, sinks, plan):
+    qinfo, _, q_visits, _, q_count, _, status = plan
+    count = q_count if static_counts is None else static_counts[0]
+    out, lse = forward.forward(
+        q2d,
+        k2d,
+        v2d,
+        qinfo,
+        q_visits,
+        count,
+        status,
+        sinks,
+        geometry=geometry,
+        with_lse=True,
+        vmem_limit_bytes=vmem_limit,
+    )
+    result = (out, lse) if with_lse else (out, None)
+    return result, (q2d, k2d, v2d, sinks, plan, out, lse)
+
+
+def _attention_bwd(geometry, vmem_limit, with_lse, static_counts, residuals, cotangents):
+    q2d, k2d, v2d, sinks, plan, out, lse = residuals
+    d_out, d_lse = cotangents
+    dq, dk, dv, dsinks = backward.backward(
+        q2d,
+        k2d,
+        v2d,
+        sinks,
+        out,
+        lse,
+        d_out,
+        d_lse if with_lse else None,
+        plan,
+        static_counts,
+        geometry=geometry,
+        vmem_limit_bytes=vmem_limit,
+    )
+    plan_cotangents = tuple(None for _ in plan)
+    return dq, dk, dv, dsinks, plan_cotangents
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _call(q3d, k3d, v3d, sinks, lo, hi, xp, size, *, geometry, vmem_limit, with_lse):
+    """q3d [Tq, Hq, D], k3d [Tk, Hkv, D], v3d [Tk, Hkv, Dv] -> out [Tq, Hq, Dv], lse [Hq, Tq] or None."""
+    g = geometry
+    compute_dtype = jnp.float32 if q3d.dtype == jnp.float16 else q3d.dtype  # float16 runs as float32 on TPU
+    q2d = q3d.astype(compute_dtype).reshape(g.q_rows, g.q_heads * g.head_dim)
+    k2d = k3d.astype(compute_dtype).reshape(g.kv_rows, g.kv_heads * g.head_dim)
+    v2d = v3d.astype(compute_dtype).reshape(g.kv_rows, g.kv_heads * g.v_head_dim)
+    sinks32 = None if sinks is None else sinks.astype(jnp.float32)
+    plan, static_counts = _plan(g, lo, hi, xp, size)
+    out, lse = _attention(g, vmem_limit, with_lse, static_counts, q2d, k2d, v2d, sinks32, plan)
+    out = out.reshape(g.q_rows, g.q_heads, g.v_head_dim).astype(q3d.dtype)
+    if with_lse:
+        lse = lse.transpose(0, 2, 1).reshape(g.q_heads, g.q_rows)
+    return out, lse
+
+
+def _empty_result(q_rows, hq, dv, dtype, sinks, with_lse, q_dtype):
+    out = jnp.zeros((q_rows, hq, dv), q_dtype)
+    lse = None
+    if with_lse:
+        fill = jnp.full((hq, 1), jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)[:, None]
+        lse = jnp.broadcast_to(fill, (hq, q_rows))
+    return out, lse
+
+
+@interpret_eager_cpu_calls
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks=None,
+    return_lse: bool = False,
+    blocks: FlashAttentionBlocks | None = None,
+):
+    """Attention over a batch of equal-length sequences, flash-attn 2's `flash_attn_func` semantics.
+
+    q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] (Hq a multiple of Hkv: GQA / MQA, K/V not repeated);
+    float32, bfloat16 or float16 (run as float32). softmax_scale: None for D ** -0.5. causal: bottom-right aligned
+    when Sq != Sk. window_size (left, right): keys i + Sk - Sq - left .. i + Sk - Sq + right, -1 unbounded. softcap:
+    > 0 for softcap * tanh(scores / softcap). sinks: None or [Hq] logits that join each row's softmax (gpt-oss).
+    -> out [B, Sq, Hq, Dv] in q's dtype, and with return_lse the softmax log-sum-exp [B, Hq, Sq] float32 (+inf for
+    a row that sees no key). Differentiable in q, k, v and sinks.
+    """
+    dtype, hq, hkv, d, dv = _check_qkv(q, k, v, 4)
+    scale, causal, window, softcap = _check_options(softmax_scale, causal, window_size, softcap, d)
+    sinks = _check_sinks(sinks, hq)
+    return_lse = _check_bool("return_lse", return_lse)
+    tuning.check_blocks_type(blocks)
+    batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    if batch * sq == 0 or batch * sk == 0:
+        out, lse = _empty_result(batch * sq, hq, dv, dtype, sinks, return_lse, q.dtype)
+    else:
+        geometry, vmem_limit = _geometry(
+            blocks,
+            q_rows=batch * sq,
+            kv_rows=batch * sk,
+            hq=hq,
+            hkv=hkv,
+            d=d,
+            dv=dv,
+            dtype=dtype,
+            scale=scale,
+            softcap=softcap,
+        )
+        cu_q, cu_k = np.arange(batch + 1) * sq, np.arange(batch + 1) * sk
+        lo, hi = schedule.key_ranges(cu_q, cu_k, batch * sq, causal=causal, window_size=window, xp=np)
+        out, lse = _call(
+            q.reshape(batch * sq, hq, d),
+            k.reshape(batch * sk, hkv, d),
+            v.reshape(batch * sk, hkv, dv),
+            sinks,
+            lo,
+            hi,
+            np,
+            None,
+            geometry=geometry,
+            vmem_limit=vmem_limit,
+            with_lse=return_lse,
+        )
+    out = out.reshape(batch, sq, hq, dv)
+    if not return_lse:
+        return out
+    return out, lse.reshape(hq, batch, sq).transpose(1, 0, 2)
+
+
+@interpret_eager_cpu_calls
+def flash_attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks=None,
+    return_lse: bool = False,
+    blocks: FlashAttentionBlocks | None = None,
+):
+    """Attention over packed sequences of different lengths, flash-attn 2's `flash_attn_varlen_func` semantics.
+
+    q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv]; sequence s is query rows cu_seqlens_q[s]:cu_seqlens_q[s + 1]
+    and key rows cu_seqlens_k[s]:cu_seqlens_k[s + 1] (int32 [N + 1], from 0 to the token count, non-decreasing;
+    empty sequences allowed). max_seqlen_q / max_seqlen_k: Python ints, at least every sequence's length (they size
+    the visit list; concrete cu_seqlens are checked against them, and if traced ones exceed them every output is
+    NaN rather than wrong). Other arguments as flash_attention. -> out [Tq, Hq, Dv] (and lse [Hq, Tq] float32).
+    """
+    dtype, hq, hkv, d, dv = _check_qkv(q, k, v, 3)
+    scale, causal, window, softcap = _check_options(softmax_scale, causal, window_size, softcap, d)
+    sinks = _check_sinks(sinks, hq)
+    return_lse = _check_bool("return_lse", return_lse)
+    tuning.check_blocks_type(blocks)
+    q_rows, kv_rows = q.shape[0], k.shape[0]
+    actual_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q_rows)
+    actual_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, kv_rows)
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(
+            f"cu_seqlens_k: expected the shape of cu_seqlens_q {tuple(cu_seqlens_q.shape)} (one entry per sequence "
+            f"+ 1), got {tuple(cu_seqlens_k.shape)}"
+        )
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, actual_q)
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, actual_k)
+    if q_rows == 0 or kv_rows == 0:
+        return _finish_varlen(*_empty_result(q_rows, hq, dv, dtype, sinks, return_lse, q.dtype), return_lse)
+    geometry, vmem_limit = _geometry(
+        blocks,
+        q_rows=q_rows,
+        kv_rows=kv_rows,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        dv=dv,
+        dtype=dtype,
+        scale=scale,
+        softcap=softcap,
+    )
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    size = schedule.visit_bound(
+        geometry.num_q_blocks,
+        geometry.num_kv_blocks,
+        num_seqs=num_seqs,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        block_q=geometry.block_q,
+        block_kv=geometry.block_kv,
+        window_size=window,
+        causal=causal,
+    )
+    if size > MAX_VISITS:
+        raise ValueError(
+            f"blocks: these sequences may need up to {size} (query block, key block) visits, more than the "
+            f"{MAX_VISITS} the kernels keep in SMEM; use larger blocks"
+        )
+    lo, hi = schedule.key_ranges(cu_seqlens_q, cu_seqlens_k, q_rows, causal=causal, window_size=window)
+    out, lse = _call(q, k, v, sinks, lo, hi, jnp, size, geometry=geometry, vmem_limit=vmem_limit, with_lse=return_lse)
+    return _finish_varlen(out, lse, return_lse)
+
+
+def _finish_varlen(out, lse, return_lse):
+    return (out, lse) if return_lse else out

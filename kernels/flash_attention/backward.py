@@ -1,0 +1,269 @@
+"""Pallas TPU flash attention backward: a dq kernel and a dk/dv kernel, both recomputing the probabilities from the
+forward's log-sum-exp (flash-attn 2's split), and the sinks' gradient in XLA.
+
+With p = exp(s - lse), dp = do v^T and delta = rowsum(o * do) (minus the lse cotangent, when the lse output is
+differentiated): ds = p * (dp - delta), times 1 - tanh^2 under a softcap; dq = ds k * scale, dk = ds^T q * scale,
+dv = p^T do. A sink s_h adds -sum_rows exp(s_h - lse) * delta to its own gradient.
+
+The dq kernel walks the forward's visit list (query-block order) in the forward's orientation, statistics as (bq, 1)
+columns. The dk/dv kernel walks the column-major list (key-block order) and computes the transposed scores
+s^T = k q^T (bk, bq), so that every matmul takes its operands as stored (no transposes): dv += p^T do, dp^T = v do^T,
+dk += ds^T q, with the per-row statistics as (1, bq) lane rows. K/V heads accumulate over their query heads (GQA)
+in f32 scratch and are written at the key block's last visit.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import schedule
+from .geometry import Geometry, dot_nn, dot_nt, keep_mask, sanitize_rows, scores
+
+
+def _softcap_grad(ds, t):
+    return ds if t is None else ds * (1.0 - t * t)
+
+
+def _dq_kernel(
+    visits_ref,
+    status_ref,
+    qinfo_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    acc_ref,
+    *,
+    geometry: Geometry,
+):
+    g = geometry
+    word = visits_ref[pl.program_id(1)]
+    _, kv_block = schedule.unpack(word)
+    d, dv = g.head_dim, g.v_head_dim
+
+    @pl.when((word & schedule.FIRST) != 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def accumulate(masked: bool):
+        keep = keep_mask(qinfo_ref[:, 0:1], qinfo_ref[:, 1:2], kv_block, g.block_kv) if masked else None
+        for j in range(g.kv_heads_per_step):
+            k = sanitize_rows(k_ref[:, j * d : (j + 1) * d], kv_block, g.block_kv, g.kv_rows)
+            v = sanitize_rows(v_ref[:, j * dv : (j + 1) * dv], kv_block, g.block_kv, g.kv_rows)
+            for i in range(g.group):
+                h = j * g.group + i
+                s, t = scores(dot_nt(q_ref[:, h * d : (h + 1) * d], k), g)
+                p = jnp.exp(s - lse_ref[:, h : h + 1])
+                if masked:
+                    p = jnp.where(keep, p, 0.0)
+                dp = dot_nt(do_ref[:, h * dv : (h + 1) * dv], v)
+                ds = _softcap_grad(p * (dp - delta_ref[:, h : h + 1]), t)
+                acc_ref[h] += dot_nn(ds.astype(k.dtype), k)
+
+    compute = (word & schedule.COMPUTE) != 0
+    masked = (word & schedule.MASKED) != 0
+
+    @pl.when(compute & masked)
+    def _masked():
+        accumulate(True)
+
+    @pl.when(compute & ~masked)
+    def _full():
+        accumulate(False)
+
+    @pl.when((word & schedule.LAST) != 0)
+    def _finalize():
+        scale = jnp.where(status_ref[0] != 0, jnp.nan, g.softmax_scale)
+        for h in range(g.heads_per_step):
+            dq_ref[:, h * d : (h + 1) * d] = (acc_ref[h] * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(
+    visits_ref,
+    status_ref,
+    qinfo_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    dk_acc_ref,
+    dv_acc_ref,
+    *,
+    geometry: Geometry,
+):
+    g = geometry
+    word = visits_ref[pl.program_id(1)]
+    q_block, kv_block = schedule.unpack(word)
+    d, dv = g.head_dim, g.v_head_dim
+
+    @pl.when((word & schedule.FIRST) != 0)
+    def _init():
+        dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
+        dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
+
+    def accumulate(masked: bool):
+        keep = None
+        if masked:
+            keep = keep_mask(qinfo_ref[0:1, :], qinfo_ref[1:2, :], kv_block, g.block_kv, transposed=True)
+        for j in range(g.kv_heads_per_step):
+            k = k_ref[:, j * d : (j + 1) * d]
+            v = v_ref[:, j * dv : (j + 1) * dv]
+            for i in range(g.group):
+                h = j * g.group + i
+                # q and do rows past the array are stale VMEM: zeroed, as their zero probabilities would not
+                # cancel a NaN in the sums over rows
+                q = sanitize_rows(q_ref[:, h * d : (h + 1) * d], q_block, g.block_q, g.q_rows)
+                do = sanitize_rows(do_ref[:, h * dv : (h + 1) * dv], q_block, g.block_q, g.q_rows)
+                s_t, t_t = scores(dot_nt(k, q), g)
+                p_t = jnp.exp(s_t - lse_ref[h : h + 1, :])
+                if masked:
+                    p_t = jnp.where(keep, p_t, 0.0)
+                dv_acc_ref[j] += dot_nn(p_t.astype(do.dtype), do)
+                dp_t = dot_nt(v, do)
+                ds_t = _softcap_grad(p_t * (dp_t - delta_ref[h : h + 1, :]), t_t)
+                dk_acc_ref[j] += dot_nn(ds_t.astype(q.dtype), q)
+
+    compute = (word & schedule.COMPUTE) != 0
+    masked = (word & schedule.MASKED) != 0
+
+    @pl.when(compute & masked)
+    def _masked():
+        accumulate(True)
+
+    @pl.when(compute & ~masked)
+    def _full():
+        accumulate(False)
+
+    @pl.when((word & schedule.LAST) != 0)
+    def _finalize():
+        poison = jnp.where(status_ref[0] != 0, jnp.nan, 1.0)
+        for j in range(g.kv_heads_per_step):
+            dk_ref[:, j * d : (j + 1) * d] = (dk_acc_ref[j] * (poison * g.softmax_scale)).astype(dk_ref.dtype)
+            dv_ref[:, j * dv : (j + 1) * dv] = (dv_acc_ref[j] * poison).astype(dv_ref.dtype)
+
+
+def _specs(g: Geometry, rows_layout: bool):
+    """BlockSpecs of (row ranges, q, k, v, do, lse, delta) for a kernel over visit words."""
+    hs, d, dv, bq, bk = g.heads_per_step, g.head_dim, g.v_head_dim, g.block_q, g.block_kv
+
+    def q_map(group, v, visits_ref, status_ref):
+        return schedule.unpack(visits_ref[v])[0], group
+
+    def kv_map(group, v, visits_ref, status_ref):
+        return schedule.unpack(visits_ref[v])[1], group
+
+    if rows_layout:
+
+        def info_map(group, v, visits_ref, status_ref):
+            return 0, schedule.unpack(visits_ref[v])[0]
+
+        def stats_map(group, v, visits_ref, status_ref):
+            return group, 0, schedule.unpack(visits_ref[v])[0]
+
+        info_spec, stats_spec = pl.BlockSpec((2, bq), info_map), pl.BlockSpec((None, hs, bq), stats_map)
+    else:
+
+        def info_map(group, v, visits_ref, status_ref):
+            return schedule.unpack(visits_ref[v])[0], 0
+
+        def stats_map(group, v, visits_ref, status_ref):
+            return group, schedule.unpack(visits_ref[v])[0], 0
+
+        info_spec, stats_spec = pl.BlockSpec((bq, 2), info_map), pl.BlockSpec((None, bq, hs), stats_map)
+    q_spec = pl.BlockSpec((bq, hs * d), q_map)
+    k_spec = pl.BlockSpec((bk, g.kv_heads_per_step * d), kv_map)
+    v_spec = pl.BlockSpec((bk, g.kv_heads_per_step * dv), kv_map)
+    do_spec = pl.BlockSpec((bq, hs * dv), q_map)
+    return [info_spec, q_spec, k_spec, v_spec, do_spec, stats_spec, stats_spec], q_map, kv_map
+
+
+def _pad_rows(x, rows, value):
+    """Pad the last axis of a statistics array to `rows` with a finite or +inf value (rows past the array must give
+    zero probabilities and zero deltas in the dk/dv kernel, whose sums run over rows)."""
+    pad = rows - x.shape[-1]
+    return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=value)
+
+
+def backward(
+    q2d, k2d, v2d, sinks, out, lse, d_out, d_lse, plan, static_counts, *, geometry: Geometry, vmem_limit_bytes
+):
+    """(dq, dk, dv, dsinks) of the forward's (out, lse); lse [head groups, Tq, heads per step] f32; d_lse None or in
+    lse's layout."""
+    g = geometry
+    hs = g.heads_per_step
+    qinfo, qinfo_rows, q_visits, kv_visits, q_count, kv_count, status = plan
+    if static_counts is not None:
+        q_count, kv_count = static_counts
+    d_out = d_out.astype(q2d.dtype)
+    delta = (out.astype(jnp.float32) * d_out.astype(jnp.float32)).reshape(g.q_rows, g.q_heads, g.v_head_dim).sum(-1)
+    delta = delta.reshape(g.q_rows, g.head_groups, hs).transpose(1, 0, 2)  # lse's layout
+    if d_lse is not None:
+        delta = delta - d_lse
+    padded_rows = g.num_q_blocks * g.block_q
+    lse_rows = _pad_rows(lse.transpose(0, 2, 1), padded_rows, jnp.inf)
+    delta_rows = _pad_rows(delta.transpose(0, 2, 1), padded_rows, 0.0)
+    params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit_bytes)
+    flops_per_visit = 2 * g.q_heads * g.block_q * g.block_kv * (2 * g.head_dim + 2 * g.v_head_dim)
+
+    in_specs, q_map, _ = _specs(g, rows_layout=False)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, geometry=g),
+        out_shape=jax.ShapeDtypeStruct(q2d.shape, q2d.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(g.head_groups, q_count),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((g.block_q, hs * g.head_dim), q_map),
+            scratch_shapes=[pltpu.VMEM((hs, g.block_q, g.head_dim), jnp.float32)],
+        ),
+        compiler_params=params,
+        cost_estimate=pl.CostEstimate(
+            flops=flops_per_visit * q_visits.shape[0] * 3 // 4,
+            transcendentals=g.q_heads * g.block_q * g.block_kv * q_visits.shape[0],
+            bytes_accessed=(2 * q2d.size + k2d.size + v2d.size + d_out.size) * q2d.dtype.itemsize,
+        ),
+        name="flash_attention_dq",
+    )(q_visits, status, qinfo, q2d, k2d, v2d, d_out, lse, delta)
+
+    in_specs, _, kv_map = _specs(g, rows_layout=True)
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, geometry=g),
+        out_shape=[jax.ShapeDtypeStruct(k2d.shape, k2d.dtype), jax.ShapeDtypeStruct(v2d.shape, v2d.dtype)],
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(g.head_groups, kv_count),
+            in_specs=in_specs,
+            out_specs=[
+                pl.BlockSpec((g.block_kv, g.kv_heads_per_step * g.head_dim), kv_map),
+                pl.BlockSpec((g.block_kv, g.kv_heads_per_step * g.v_head_dim), kv_map),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((g.kv_heads_per_step, g.block_kv, g.head_dim), jnp.float32),
+                pltpu.VMEM((g.kv_heads_per_step, g.block_kv, g.v_head_dim), jnp.float32),
+            ],
+        ),
+        compiler_params=params,
+        cost_estimate=pl.CostEstimate(
+            flops=flops_per_visit * kv_visits.shape[0],
+            transcendentals=g.q_heads * g.block_q * g.block_kv * kv_visits.shape[0],
+            bytes_accessed=(q2d.size + 2 * k2d.size + 2 * v2d.size + d_out.size) * q2d.dtype.itemsize,
+        ),
+        name="flash_attention_dkv",
+    )(kv_visits, status, qinfo_rows, q2d, k2d, v2d, d_out, lse_rows, delta_rows)
+
+    dsinks = None
+    if sinks is not None:
+        lse_heads = lse.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
+        delta_heads = delta.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
+        dsinks = -jnp.sum(jnp.exp(sinks[None, :] - lse_heads) * delta_heads, axis=0)
+    return dq, dk, dv, dsinks

@@ -1,0 +1,163 @@
+"""Pallas TPU flash attention forward: online softmax over the visits of each query block, statistics in f32.
+
+Grid (head groups, visits). The visit list (schedule.py) holds, in query-block order, every (query block, key block)
+pair with a kept score; it reaches the kernel through scalar prefetch, where the index maps read it to pick the
+blocks, and its run-time length is the grid's. The query and output blocks stay in VMEM across the visits of one
+query block; the running max, sum and output accumulate in VMEM scratch and are finalised at its last visit. Visits
+whose pair is wholly kept skip the mask; key blocks no row needs are never read. The running max starts at a finite
+MASK_VALUE so that a row with nothing kept yet stays finite (its probabilities are zeroed by the mask, not by exp).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ..common.blocks import LANES
+from . import schedule
+from .geometry import MASK_VALUE, Geometry, dot_nn, dot_nt, keep_mask, sanitize_rows, scores
+
+
+def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks: bool, with_lse: bool):
+    if has_sinks:
+        sinks_ref, *refs = refs
+    qinfo_ref, q_ref, k_ref, v_ref, out_ref, *refs = refs
+    if with_lse:
+        lse_ref, *refs = refs
+    m_ref, l_ref, acc_ref = refs
+    g = geometry
+    group_index = pl.program_id(0)
+    word = visits_ref[pl.program_id(1)]
+    _, kv_block = schedule.unpack(word)
+    d, dv = g.head_dim, g.v_head_dim
+
+    @pl.when((word & schedule.FIRST) != 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def accumulate(masked: bool):
+        keep = keep_mask(qinfo_ref[:, 0:1], qinfo_ref[:, 1:2], kv_block, g.block_kv) if masked else None
+        for j in range(g.kv_heads_per_step):
+            k = sanitize_rows(k_ref[:, j * d : (j + 1) * d], kv_block, g.block_kv, g.kv_rows)
+            v = sanitize_rows(v_ref[:, j * dv : (j + 1) * dv], kv_block, g.block_kv, g.kv_rows)
+            for i in range(g.group):
+                h = j * g.group + i
+                s, _ = scores(dot_nt(q_ref[:, h * d : (h + 1) * d], k), g)
+                if masked:
+                    s = jnp.where(keep, s, MASK_VALUE)
+                m_prev = m_ref[h][:, 0:1]
+                m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+                p = jnp.exp(s - m_new)
+                if masked:
+                    p = jnp.where(keep, p, 0.0)
+                alpha = jnp.exp(m_prev - m_new)
+                l_ref[h] = jnp.broadcast_to(
+                    alpha * l_ref[h][:, 0:1] + jnp.sum(p, axis=1, keepdims=True), l_ref[h].shape
+                )
+                m_ref[h] = jnp.broadcast_to(m_new, m_ref[h].shape)
+                acc_ref[h] = acc_ref[h] * alpha + dot_nn(p.astype(v.dtype), v)
+
+    compute = (word & schedule.COMPUTE) != 0
+    masked = (word & schedule.MASKED) != 0
+
+    @pl.when(compute & masked)
+    def _masked():
+        accumulate(True)
+
+    @pl.when(compute & ~masked)
+    def _full():
+        accumulate(False)
+
+    @pl.when((word & schedule.LAST) != 0)
+    def _finalize():
+        overflow = status_ref[0] != 0
+        for h in range(g.heads_per_step):
+            m = m_ref[h][:, 0:1]
+            l = l_ref[h][:, 0:1]
+            if has_sinks:
+                sink = sinks_ref[group_index * g.heads_per_step + h]
+                m_final = jnp.maximum(m, sink)
+                rescale = jnp.exp(m - m_final)
+                l = l * rescale + jnp.exp(sink - m_final)
+            else:
+                m_final, rescale = m, 1.0
+            nonzero = l > 0
+            inv = jnp.where(nonzero, rescale / jnp.where(nonzero, l, 1.0), 0.0)
+            # a visit list that overflowed its static size (a varlen call whose max_seqlen understated a length)
+            # must not pass for a result: every output is NaN
+            inv = jnp.where(overflow, jnp.nan, inv)
+            out_ref[:, h * dv : (h + 1) * dv] = (acc_ref[h] * inv).astype(out_ref.dtype)
+            if with_lse:
+                lse = jnp.where(nonzero, m_final + jnp.log(jnp.where(nonzero, l, 1.0)), jnp.inf)
+                lse_ref[:, h : h + 1] = jnp.where(overflow, jnp.nan, lse)
+
+
+def forward(
+    q2d, k2d, v2d, qinfo, visits, count, status, sinks, *, geometry: Geometry, with_lse: bool, vmem_limit_bytes
+):
+    """out [Tq, Hq * Dv] (and lse [head groups, Tq, heads per step] f32). qinfo [Tq padded, 2] int32 (lo, hi);
+    visits [V] int32 words; count: visits to run (int or int32 scalar, at most V); status [1] int32 (1: overflow);
+    sinks None or [Hq] f32."""
+    g = geometry
+    hs, d, dv = g.heads_per_step, g.head_dim, g.v_head_dim
+    bq, bk = g.block_q, g.block_kv
+
+    def q_map(group, v, visits_ref, status_ref):
+        return schedule.unpack(visits_ref[v])[0], group
+
+    def kv_map(group, v, visits_ref, status_ref):
+        return schedule.unpack(visits_ref[v])[1], group
+
+    def qinfo_map(group, v, visits_ref, status_ref):
+        return schedule.unpack(visits_ref[v])[0], 0
+
+    def lse_map(group, v, visits_ref, status_ref):
+        return group, schedule.unpack(visits_ref[v])[0], 0
+
+    in_specs = [
+        pl.BlockSpec((bq, 2), qinfo_map),
+        pl.BlockSpec((bq, hs * d), q_map),
+        pl.BlockSpec((bk, g.kv_heads_per_step * d), kv_map),
+        pl.BlockSpec((bk, g.kv_heads_per_step * dv), kv_map),
+    ]
+    operands = [qinfo, q2d, k2d, v2d]
+    if sinks is not None:
+        in_specs.insert(0, pl.BlockSpec(memory_space=pltpu.SMEM))
+        operands.insert(0, sinks)
+    out_shape = [jax.ShapeDtypeStruct((g.q_rows, g.q_heads * dv), q2d.dtype)]
+    out_specs = [pl.BlockSpec((bq, hs * dv), q_map)]
+    if with_lse:
+        out_shape.append(jax.ShapeDtypeStruct((g.head_groups, g.q_rows, hs), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, bq, hs), lse_map))
+    kernel = functools.partial(_forward_kernel, geometry=g, has_sinks=sinks is not None, with_lse=with_lse)
+    flops = 2 * g.q_heads * (d + dv) * g.block_q * g.block_kv
+    cost = pl.CostEstimate(
+        flops=flops * visits.shape[0],
+        transcendentals=g.q_heads * g.block_q * g.block_kv * visits.shape[0],
+        bytes_accessed=q2d.size * q2d.dtype.itemsize * 2 + (k2d.size + v2d.size) * k2d.dtype.itemsize,
+    )
+    results = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(g.head_groups, count),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=[
+                pltpu.VMEM((hs, bq, LANES), jnp.float32),
+                pltpu.VMEM((hs, bq, LANES), jnp.float32),
+                pltpu.VMEM((hs, bq, dv), jnp.float32),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit_bytes
+        ),
+        cost_estimate=cost,
+        name="flash_attention_fwd",
+    )(visits, status, *operands)
+    return results if with_lse else (results[0], None)

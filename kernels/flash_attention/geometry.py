@@ -1,0 +1,110 @@
+"""The static shape of one attention call as the kernels see it, and what every kernel body shares: how a step's
+heads sit in the lanes of its blocks, the mask of a visit, and the scores with scale and softcap.
+
+Layout. q [Tq, Hq * D], k [Tk, Hkv * D], v [Tk, Hkv * Dv] (flash-attn's [B, S, H, D] and its varlen [T, H, D] viewed
+with heads and head dim merged, no copy). The query heads of kv head j are Hq / Hkv consecutive heads, so one grid step
+takes `kv_heads` kv heads and their query heads as one lane block of each array: every K/V block is read once for
+all query heads of its group (GQA without repeating K/V). A lane block must be a multiple of 128 lanes (or all
+heads), which sets the fewest kv heads a step can take (two at head dim 64).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..common.blocks import LANES
+
+# The masked-score value: finite, so a row with nothing kept yet has max = MASK_VALUE and exp(s - max) stays finite.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    q_rows: int
+    kv_rows: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    block_q: int
+    block_kv: int
+    kv_heads_per_step: int
+    softmax_scale: float
+    softcap: float
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def heads_per_step(self) -> int:
+        """Query heads per grid step."""
+        return self.kv_heads_per_step * self.group
+
+    @property
+    def head_groups(self) -> int:
+        """Grid steps along the heads: kv heads / kv heads per step."""
+        return self.kv_heads // self.kv_heads_per_step
+
+    @property
+    def num_q_blocks(self) -> int:
+        return -(-self.q_rows // self.block_q)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return -(-self.kv_rows // self.block_kv)
+
+
+def min_kv_heads_per_step(kv_heads: int, head_dim: int, v_head_dim: int, group: int) -> int:
+    """The fewest kv heads per step whose lane blocks (K: n * D, V: n * Dv, Q: n * group * D, out: n * group * Dv)
+    are whole multiples of 128 lanes, or all heads (a block equal to the full dimension is always legal)."""
+    for n in range(1, kv_heads + 1):
+        if kv_heads % n:
+            continue
+        widths = (n * head_dim, n * v_head_dim)
+        if all(w % LANES == 0 for w in widths):
+            return n
+    return kv_heads
+
+
+def sanitize_rows(x, block_index, block_rows: int, valid_rows: int):
+    """Zero the rows of a ragged last block that lie past the array (their VMEM holds stale data, maybe NaN, and a
+    zero weight times NaN is NaN in a matmul). A no-op select when the array is a whole number of blocks."""
+    if valid_rows % block_rows == 0:
+        return x
+    limit = valid_rows - block_index * block_rows
+    rows = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.where(rows < limit, x, jnp.zeros_like(x))
+
+
+def keep_mask(lo, hi, kv_block, block_kv: int, *, transposed: bool = False):
+    """The kept scores of a visit: lo <= key row <= hi. lo, hi: (bq, 1) query-row ranges -> (bq, bk); transposed:
+    lo, hi (1, bq) -> (bk, bq)."""
+    if transposed:
+        keys = kv_block * block_kv + jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+    else:
+        keys = kv_block * block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+    return (keys >= lo) & (keys <= hi)
+
+
+def dot_nt(a, b):
+    """a @ b^T in f32 (both row-major blocks: the MXU takes the transposed operand natively)."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
+
+
+def dot_nn(a, b):
+    """a @ b in f32."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
+
+
+def scores(raw, geometry: Geometry):
+    """(s, t): the softmax logits from raw q.k products, and tanh(raw * scale / softcap) (the softcap's derivative
+    needs it; None without softcap)."""
+    if geometry.softcap > 0:
+        t = jnp.tanh(raw * (geometry.softmax_scale / geometry.softcap))
+        return t * geometry.softcap, t
+    return raw * geometry.softmax_scale, None

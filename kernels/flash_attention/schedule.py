@@ -1,0 +1,146 @@
+"""Which (query block, key block) pairs the attention kernels visit, and which of them need a mask.
+
+Every call is seen as packed sequences: a dense batch [B, S, H, D] is B sequences of S rows (flash_attn_func), a
+varlen batch is its cu_seqlens (flash_attn_varlen_func). Sequence s holds query rows cu_q[s]:cu_q[s+1] and key rows
+cu_k[s]:cu_k[s+1], so the keys one query row may see (its own sequence's, cut by causality and the window) are one
+contiguous range of packed key rows, [lo, hi]. The kernels need nothing else to mask: a score is kept iff
+lo <= key row <= hi. A row that may see no key has lo > hi (EMPTY_LO, EMPTY_HI).
+
+From the ranges, per (query block i, key block j): `needed` when some row of block i sees some key of block j, and
+`full` when every row of block i sees every key of block j (the kernel then skips the mask). The kernels walk a list
+of visits, the needed pairs in row-major order (the forward and the dq kernel) or column-major (the dk/dv kernel),
+each packed in one int32 for SMEM: the query block, the key block and flags. A query block that needs no key block
+still gets one visit that computes nothing, so that its output (zeros) is written; likewise a key block in the dk/dv
+list. The list has a static length (the arrays' size) and a run-time count (the kernels' grid length).
+
+The same code builds the list from numpy arrays at trace time (dense batches: shapes are static, so the list is a
+constant of the program) and from traced cu_seqlens (varlen).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+
+EMPTY_LO = 2**30
+EMPTY_HI = -1
+
+# Packed visit word: bits 0-12 query block, 13-25 key block, then the flags.
+BLOCK_BITS = 13
+MAX_BLOCKS = 1 << BLOCK_BITS
+FIRST = 1 << 26  # the first visit of its output block (initialise the accumulators)
+LAST = 1 << 27  # the last visit of its output block (finalise and write)
+COMPUTE = 1 << 28  # some score of the pair is kept (else the visit only initialises / finalises)
+MASKED = 1 << 29  # some score of the pair is masked
+BLOCK_MASK = MAX_BLOCKS - 1
+
+
+def unpack(word):
+    """(query block, key block) of a visit word."""
+    return word & BLOCK_MASK, (word >> BLOCK_BITS) & BLOCK_MASK
+
+
+def key_ranges(cu_q, cu_k, rows: int, *, causal: bool, window_size: tuple[int, int], xp=jnp):
+    """[rows] int32 lo, hi: the packed key rows query row r may see (rows past cu_q[-1] see none).
+
+    Within sequence s a query at local position p sees local keys [p + off - left, p + off + right] clipped to
+    [0, sk - 1], off = sk - sq (bottom-right aligned causal diagonal); causal forces right = 0, -1 is unbounded."""
+    left, right = window_size
+    if causal:
+        right = 0
+    cu_q = xp.asarray(cu_q, dtype=xp.int32)
+    cu_k = xp.asarray(cu_k, dtype=xp.int32)
+    r = xp.arange(rows, dtype=xp.int32)
+    # the sequence of each row: the last s with cu_q[s] <= r (empty sequences are skipped over)
+    seq = xp.clip(xp.searchsorted(cu_q, r, side="right").astype(xp.int32) - 1, 0, cu_q.shape[0] - 2)
+    q_start, q_end = cu_q[seq], cu_q[seq + 1]
+    k_start, k_end = cu_k[seq], cu_k[seq + 1]
+    diagonal = (r - q_start) + (k_end - k_start) - (q_end - q_start)  # local key position of the diagonal
+    lo_local = xp.maximum(diagonal - left, 0) if left >= 0 else xp.zeros_like(r)
+    hi_local = xp.minimum(diagonal + right, k_end - k_start - 1) if right >= 0 else k_end - k_start - 1
+    empty = (lo_local > hi_local) | (r >= q_end) | (r < q_start)
+    lo = xp.where(empty, EMPTY_LO, k_start + lo_local).astype(xp.int32)
+    hi = xp.where(empty, EMPTY_HI, k_start + hi_local).astype(xp.int32)
+    return lo, hi
+
+
+def block_pairs(lo, hi, *, block_q: int, block_kv: int, kv_rows: int, xp=jnp):
+    """(needed, full): [nq, nk] bool over (query block, key block) pairs, from the rows' key ranges (padded to
+    whole query blocks with empty rows)."""
+    rows = lo.shape[0]
+    nq, nk = -(-rows // block_q), -(-kv_rows // block_kv)
+    pad = nq * block_q - rows
+    lo = xp.concatenate([lo, xp.full((pad,), EMPTY_LO, xp.int32)]).reshape(nq, block_q)
+    hi = xp.concatenate([hi, xp.full((pad,), EMPTY_HI, xp.int32)]).reshape(nq, block_q)
+    j = xp.arange(nk, dtype=xp.int32)
+    first_block = (lo // block_kv)[:, :, None]
+    last_block = (hi // block_kv)[:, :, None]
+    needed = xp.any((first_block <= j) & (j <= last_block), axis=1)
+    key_start = j * block_kv
+    key_end = xp.minimum(key_start + block_kv, kv_rows) - 1
+    whole_block = key_start + block_kv <= kv_rows  # a ragged last key block always needs its padding masked
+    full = needed & (lo.max(axis=1)[:, None] <= key_start) & (hi.min(axis=1)[:, None] >= key_end) & whole_block
+    return needed, full
+
+
+def visit_bound(
+    num_q_blocks: int,
+    num_kv_blocks: int,
+    *,
+    num_seqs: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    block_q: int,
+    block_kv: int,
+    window_size: tuple[int, int],
+    causal: bool,
+) -> int:
+    """At most how many visits a varlen call can need: each (query block, sequence) pair that shares rows needs at
+    most the key blocks its sequence's keys span (or its window spans), plus one; there are at most
+    num_q_blocks + num_seqs such pairs."""
+    left, right = window_size
+    if causal:
+        right = 0
+    per_pair = -(-max(max_seqlen_k, 1) // block_kv) + 1
+    if left >= 0 and right >= 0:
+        per_pair = min(per_pair, -(-(min(block_q, max(max_seqlen_q, 1)) + left + right) // block_kv) + 1)
+    pairs = num_q_blocks + num_seqs
+    # + one visit per key block that no query needs (the dk/dv list's zero visits); never more than every pair
+    return min(num_q_blocks * num_kv_blocks, pairs * per_pair + num_kv_blocks)
+
+
+def visits(needed, full, *, by: str, size: int | None = None, xp=jnp):
+    """(words, count): the visit list over the needed pairs, `by` "q" (row-major: forward, dq) or "kv" (column-major:
+    dk/dv), padded to `size` entries by repeating the last visit's blocks with no flags (padding is never run when
+    the grid is sized by count, and would cause no DMA if it were). size None: exactly count (numpy only)."""
+    if by == "kv":
+        needed, full = needed.T, full.T
+    outer, inner = needed.shape
+    # every output block gets at least one visit: a block that needs none visits its first partner, computing nothing
+    lonely = ~xp.any(needed, axis=1)
+    visit = needed | (lonely[:, None] & (xp.arange(inner) == 0)[None, :])
+    flat = visit.reshape(-1)
+    count = flat.sum().astype(xp.int32)
+    if xp is np:
+        size = int(count) if size is None else size
+        index = np.nonzero(flat)[0]
+        index = np.concatenate([index, np.full(size - index.shape[0], index[-1])]).astype(np.int32)
+    else:
+        index = jnp.nonzero(flat, size=size, fill_value=0)[0].astype(jnp.int32)
+        index = jnp.where(jnp.arange(size) < count, index, index[jnp.maximum(count - 1, 0)])
+    o, i = index // inner, index % inner
+    live = xp.arange(size) < count
+    prev_o = xp.concatenate([xp.full((1,), -1, xp.int32), o[:-1].astype(xp.int32)])
+    next_o = xp.concatenate([o[1:].astype(xp.int32), xp.full((1,), -1, xp.int32)])
+    first = live & (o != prev_o)
+    last = live & ((o != next_o) | (xp.arange(size) == count - 1))
+    compute = live & needed.reshape(-1)[index]
+    masked = compute & ~full.reshape(-1)[index]
+    q_block, kv_block = (o, i) if by == "q" else (i, o)
+    word = (
+        q_block
+        | (kv_block << BLOCK_BITS)
+        | xp.where(first, FIRST, 0)
+        | xp.where(last, LAST, 0)
+        | xp.where(compute, COMPUTE, 0)
+        | xp.where(masked, MASKED, 0)
+    )
+    return word.astype(xp.int32), count

@@ -1,0 +1,133 @@
+"""Tile sizes of the flash attention kernels, per TPU generation.
+
+A grid step multiplies a (block_q, D) query block by a (block_kv, D) key block per head and keeps a (block_q, Dv)
+f32 accumulator per head of the step, so the blocks set both the MXU work per step (which must hide the ~0.14 us
+cost of a step and the K/V block's DMA) and the VMEM working set. Key blocks are whole multiples of 128 lanes (they
+are the lane dimension of the scores) and so are query blocks (the dk/dv kernel keeps per-row statistics as lane
+rows); either may instead cover all rows. Every entry is proven by the deviceless compile test at the benchmark
+shapes on v5e, v6e and v7x.
+"""
+
+import dataclasses
+
+from jax.experimental.pallas import tpu as pltpu
+
+from ..common import chip
+from ..common.blocks import LANES, check_block_dim, check_tile, check_vmem_fit
+from .geometry import min_kv_heads_per_step
+
+# (block_q, block_kv) by generation and head dim (the widest of Q/K's and V's): 512 x 512 keeps the v6e/v7x MXU
+# (256 wide) busy; head dim 512 halves the key block to keep the working set in VMEM.
+TABLE = {
+    "v5e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (512, 256)},
+    "v6e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (512, 256)},
+    "v7x": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (256, 256)},
+}
+# Never ask for more than this share of the core's VMEM.
+VMEM_SHARE = 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashAttentionBlocks:
+    """Tile sizes of the flash attention kernels (forward, dq and dk/dv): the `blocks=` of flash_attention and
+    flash_attention_varlen.
+
+    block_q: query rows per grid step, a multiple of 128, or at least the query rows (one block). None: the table's.
+    block_kv: key rows per grid step, a multiple of 128, or at least the key rows. None: the table's.
+    kv_heads_per_step: kv heads per grid step, each with its query heads; must divide the kv heads, and its lane
+        blocks must be whole multiples of 128 lanes (at head dim 64: an even count) or cover all heads. None: the
+        fewest that are legal.
+    vmem_limit_bytes: the scoped VMEM the kernels may use; None: derived from the working set.
+    """
+
+    block_q: int | None = None
+    block_kv: int | None = None
+    kv_heads_per_step: int | None = None
+    vmem_limit_bytes: int | None = None
+
+
+def check_blocks_type(blocks):
+    if blocks is not None and not isinstance(blocks, FlashAttentionBlocks):
+        raise TypeError(f"blocks: expected a FlashAttentionBlocks or None, got {type(blocks).__name__}")
+
+
+def working_set(block_q, block_kv, kv_heads_per_step, group, head_dim, v_head_dim, itemsize) -> int:
+    """VMEM of the widest kernel (the dk/dv kernel streams q, do in and keeps dk, dv accumulators; the forward
+    streams q in, out out and keeps the output accumulator): double-buffered blocks, f32 scratch and the f32
+    temporaries of one head's (block_q, block_kv) scores."""
+    heads = kv_heads_per_step * group
+    q_blocks = 2 * block_q * heads * (head_dim + v_head_dim) * itemsize  # q and out (or do)
+    kv_blocks = 2 * block_kv * kv_heads_per_step * (head_dim + v_head_dim) * itemsize
+    rows = 2 * block_q * (LANES * 4 + heads * 4 * 4)  # row ranges and per-row statistics blocks (lane padded)
+    accumulators = max(heads * block_q * v_head_dim, kv_heads_per_step * block_kv * (head_dim + v_head_dim)) * 4
+    accumulators += max(heads * block_q * head_dim * 4, 2 * heads * block_q * LANES * 4)  # dq or m, l
+    temporaries = 6 * block_q * block_kv * 4
+    return q_blocks + kv_blocks + rows + accumulators + temporaries
+
+
+def _table_entry(generation: str, head_dim: int) -> tuple[int, int]:
+    table = TABLE.get(generation, TABLE["v6e"])
+    for dim in sorted(table):
+        if head_dim <= dim:
+            return table[dim]
+    return table[max(table)]
+
+
+def resolve_blocks(
+    blocks: FlashAttentionBlocks | None,
+    *,
+    q_rows: int,
+    kv_rows: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    itemsize: int,
+    info: pltpu.TpuInfo | None = None,
+) -> FlashAttentionBlocks:
+    """The blocks the kernels run with: the table's for None and for fields left None, else the caller's, checked
+    (TypeError/ValueError naming the field)."""
+    check_blocks_type(blocks)
+    info = info or chip.current_tpu_info()
+    blocks = blocks or FlashAttentionBlocks()
+    table_q, table_kv = _table_entry(chip.generation_name(info), max(head_dim, v_head_dim))
+    why = "the lane tile: 128"
+    block_q = check_block_dim(
+        "blocks",
+        "block_q",
+        table_q if blocks.block_q is None else blocks.block_q,
+        dim=q_rows,
+        multiple=LANES,
+        why=why,
+        dim_name="the query rows",
+    )
+    block_kv = check_block_dim(
+        "blocks",
+        "block_kv",
+        table_kv if blocks.block_kv is None else blocks.block_kv,
+        dim=kv_rows,
+        multiple=LANES,
+        why=why,
+        dim_name="the key rows",
+    )
+    group = q_heads // kv_heads
+    fewest = min_kv_heads_per_step(kv_heads, head_dim, v_head_dim, group)
+    if blocks.kv_heads_per_step is None:
+        per_step = fewest
+    else:
+        per_step = check_tile("blocks", "kv_heads_per_step", blocks.kv_heads_per_step, at_most=kv_heads)
+        if kv_heads % per_step:
+            raise ValueError(f"blocks.kv_heads_per_step: expected a divisor of the {kv_heads} kv heads, got {per_step}")
+        if per_step != kv_heads and (per_step * head_dim % LANES or per_step * v_head_dim % LANES):
+            raise ValueError(
+                f"blocks.kv_heads_per_step: expected a count whose K/V lane blocks ({per_step} x {head_dim} and "
+                f"{per_step} x {v_head_dim}) are multiples of 128 lanes, or all {kv_heads} kv heads, got {per_step}"
+            )
+    need = working_set(block_q, block_kv, per_step, group, head_dim, v_head_dim, itemsize)
+    vmem_limit = blocks.vmem_limit_bytes
+    if vmem_limit is None:
+        vmem_limit = min(int(info.vmem_capacity_bytes * VMEM_SHARE), chip.scoped_vmem_limit(info, need))
+    check_vmem_fit("blocks", need, vmem_limit, info)
+    return FlashAttentionBlocks(
+        block_q=block_q, block_kv=block_kv, kv_heads_per_step=per_step, vmem_limit_bytes=int(vmem_limit)
+    )
