@@ -119,9 +119,39 @@ ROTARY = tuple(
 )
 
 # Every kernel's shapes, by the kernel name used in `python -m benchmarks --kernel NAME`.
+# ------------------------------------------------------------------------------------------------- flash attention
+# Prefill / training attention at the layers of Qwen3-30B-A3B, Gemma 4 26B-A4B's sliding layers (window 1024:
+# transformers passes window_size = (1023, 0)) and its full layers (head dim 512, K = V, scale 1.0). `seq` is the
+# sequence length; the batch fills about 32k tokens (32768 // seq sequences). layout "dense" is flash_attn_func's
+# [B, S, H, D]; "varlen" packs the same tokens as sequences of mixed lengths (fixed seed, mean `seq`; see
+# benchmarks/ops/flash_attention.py), flash_attn_varlen_func's path.
+FLASH_ATTENTION_MODELS = {
+    "qwen3-30b-a3b": {"q_heads": 32, "kv_heads": 4, "head_dim": 128, "window": -1},
+    "gemma4-sliding": {"q_heads": 16, "kv_heads": 8, "head_dim": 256, "window": 1024},
+    "gemma4-full": {"q_heads": 16, "kv_heads": 2, "head_dim": 512, "window": -1},
+}
+FLASH_ATTENTION_TOKENS = 32768
+FLASH_ATTENTION_SEQS = (1024, 4096, 8192, 32768)
+FLASH_ATTENTION_QUICK_SEQS = (4096,)
+
+
+def _attention_sweep(seqs, varlen_seqs):
+    out = []
+    for model, dims in FLASH_ATTENTION_MODELS.items():
+        masks = ("causal",) if dims["window"] > 0 else ("causal", "none")
+        for mask in masks:
+            out += sweep("seq", seqs, model=model, mask=mask, layout="dense", **dims)
+            out += sweep("seq", varlen_seqs, model=model, mask=mask, layout="varlen", **dims)
+    return tuple(out)
+
+
+FLASH_ATTENTION = _attention_sweep(FLASH_ATTENTION_SEQS, (1024, 4096))
+FLASH_ATTENTION_QUICK = _attention_sweep(FLASH_ATTENTION_QUICK_SEQS, ())
+
 SHAPES: dict[str, tuple[Shape, ...]] = {
     "rms_norm": RMS_NORM,
     "ragged_dot": RAGGED_DOT,
     "moe": MOE,
     "rotary": ROTARY,
+    "flash_attention": FLASH_ATTENTION,
 }
