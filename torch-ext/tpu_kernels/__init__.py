@@ -5,12 +5,15 @@
     y = kernel.jax.rms_norm(x_jax, weight_jax)     # JAX
     kernel.layers.RMSNorm                          # for kernels.kernelize
     ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", kernel.experts_forward)   # transformers MoE experts
+    out = kernel.flash_attn_func(q, k, v, causal=True)  # flash-attn 2's API; also flash_attn_varlen_func
+    AutoModelForCausalLM.from_pretrained(..., attn_implementation="kernels-community/tpu-kernels")  # attention
 
 Importing this package compiles nothing and makes no network access.
 """
 
 from . import jax, layers
 from ._ops import add_op_namespace_prefix, ops
+from .flash_attention_ops import attention_forward, flash_attn_func, flash_attn_varlen_func
 from .moe_ops import experts_forward, ragged_dot
 from .rms_norm_ops import fused_add_rms_norm, rms_norm
 from .rotary_ops import apply_rotary, apply_rotary_from_positions, rms_norm_rope, rms_norm_rope_from_positions
@@ -19,7 +22,10 @@ __all__ = [
     "add_op_namespace_prefix",
     "apply_rotary",
     "apply_rotary_from_positions",
+    "attention_forward",
     "experts_forward",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
     "fused_add_rms_norm",
     "jax",
     "layers",
