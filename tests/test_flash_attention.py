@@ -1,0 +1,574 @@
+"""Flash attention, JAX side, up the ladder: kernel vs the plain-jnp reference on every feature and combinations
+(interpret mode with race detection), gradients vs jax.grad of the reference, packed variable lengths (empty
+sequences, traced cu_seqlens), the visit lists vs a brute-force mask, bad input, TPU export, deviceless compile for
+v5e / v6e / v7x at the benchmark shapes. Small blocks (128) are forced so that every test runs several query and key
+blocks with ragged last blocks."""
+
+import jax
+import jax.numpy as jnp
+import ladder
+import numpy as np
+import pytest
+
+from benchmarks.shapes import FLASH_ATTENTION
+from tpu_kernels_jax import api as tk
+from tpu_kernels_jax.flash_attention import schedule
+from tpu_kernels_jax.flash_attention.reference import (
+    allowed_keys,
+    attention_reference,
+    varlen_attention_reference,
+)
+
+SMALL = tk.FlashAttentionBlocks(block_q=128, block_kv=128)
+# f32 kernel vs f32 reference: the online softmax sums in another order, and sharp softmaxes (scale 1.0, logits ~ 10)
+# carry the rounding of exp(s - max) to ~1e-4 relative.
+F32_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _inputs(rand, batch, sq, sk, hq, hkv, d, dv=None, dtype=jnp.float32):
+    dv = d if dv is None else dv
+    return (
+        rand.normal((batch, sq, hq, d), dtype),
+        rand.normal((batch, sk, hkv, d), dtype),
+        rand.normal((batch, sk, hkv, dv), dtype),
+    )
+
+
+def _assert_lse_close(actual, expected, what, rand):
+    """Log-sum-exps agree, and rows that see no key are +inf in both (flash-attn's convention)."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert not np.isnan(actual).any(), f"{what}: NaN"
+    np.testing.assert_array_equal(np.isinf(actual), np.isinf(expected), err_msg=f"{what}: +inf rows {rand!r}")
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(actual[finite], expected[finite], rtol=1e-5, atol=1e-5, err_msg=f"{what} {rand!r}")
+
+
+# Each feature alone, then together; Sq != Sk everywhere (bottom-right alignment), neither a multiple of 128.
+FEATURES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "causal_more_queries_than_keys": dict(causal=True, sq=300, sk=200),  # the first 100 rows see no key
+    "window": dict(window_size=(70, 20)),
+    "window_left_only": dict(window_size=(40, -1)),
+    "window_longer_than_sequence": dict(window_size=(5000, 5000)),
+    "causal_window": dict(causal=True, window_size=(100, 7)),  # causal forces right = 0
+    "softcap": dict(softcap=2.5),
+    "sinks": dict(sinks=True),
+    "scale_one": dict(softmax_scale=1.0),
+    "everything": dict(causal=True, window_size=(90, 0), softcap=4.0, sinks=True, softmax_scale=0.3),
+}
+
+
+def _feature_call(rand, feature, dtype=jnp.float32, d=64, hq=4, hkv=2):
+    options = dict(FEATURES[feature])
+    sq, sk = options.pop("sq", 200), options.pop("sk", 300)
+    q, k, v = _inputs(rand, 2, sq, sk, hq, hkv, d, dtype=dtype)
+    sinks = rand.normal((hq,), scale=2.0) if options.pop("sinks", False) else None
+    return (q, k, v, sinks), options
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_forward_matches_reference(rand, feature):
+    args, options = _feature_call(rand, feature)
+
+    def kernel(q, k, v, sinks):
+        return tk.flash_attention(q, k, v, sinks=sinks, return_lse=True, blocks=SMALL, **options)
+
+    out, lse = ladder.run_interpreted(kernel, *args)
+    ref_out, ref_lse = attention_reference(*args[:3], sinks=args[3], return_lse=True, **options)
+    ladder.assert_close(out, ref_out, dtype=jnp.float32, what="out", context=repr(rand), **F32_TOL)
+    _assert_lse_close(lse, ref_lse, "lse", rand)
+
+
+# (D, Dv, Hq, Hkv): head dims 64 to 512, GQA ratios 1, 2 and 8, a V head dim different from Q/K's; at head dim 64 a
+# step takes two kv heads (128 lanes).
+HEAD_LAYOUTS = [(64, 64, 8, 8), (128, 128, 8, 1), (256, 128, 2, 2), (512, 512, 4, 2), (128, 256, 4, 4)]
+
+
+@pytest.mark.parametrize("layout", HEAD_LAYOUTS, ids=lambda t: "d{}_dv{}_hq{}_hkv{}".format(*t))
+def test_head_dims_and_gqa(rand, layout):
+    d, dv, hq, hkv = layout
+    q, k, v = _inputs(rand, 1, 136, 260, hq, hkv, d, dv)
+    options = dict(causal=True, window_size=(150, 0))
+    ladder.check_against_reference(
+        lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL, **options),
+        lambda q, k, v: attention_reference(q, k, v, **options),
+        (q, k, v),
+        dtype=jnp.float32,
+        rand=rand,
+        **F32_TOL,
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_low_precision_dtypes(rand, dtype):
+    q, k, v = _inputs(rand, 2, 200, 300, 4, 2, 128, dtype=dtype)
+    options = dict(causal=True, softcap=5.0)
+    ladder.check_against_reference(
+        lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL, **options),
+        lambda q, k, v: attention_reference(q, k, v, **options),
+        (q, k, v),
+        dtype=dtype,
+        rand=rand,
+    )
+
+
+def test_default_blocks_one_block_per_sequence(rand):
+    """The tuning table's blocks (larger than these sequences: one block covers all rows) give the same result."""
+    q, k, v = _inputs(rand, 3, 100, 77, 4, 4, 128)
+    ladder.check_against_reference(
+        lambda q, k, v: tk.flash_attention(q, k, v, causal=True),
+        lambda q, k, v: attention_reference(q, k, v, causal=True),
+        (q, k, v),
+        dtype=jnp.float32,
+        rand=rand,
+        **F32_TOL,
+    )
+
+
+GRADIENT_FEATURES = ["causal", "causal_more_queries_than_keys", "window", "everything"]
+
+
+@pytest.mark.parametrize("feature", GRADIENT_FEATURES)
+def test_gradients_match_reference(rand, feature):
+    args, options = _feature_call(rand, feature)
+    has_sinks = args[3] is not None
+    argnums = (0, 1, 2, 3) if has_sinks else (0, 1, 2)
+    ladder.check_gradients(
+        lambda q, k, v, s: tk.flash_attention(q, k, v, sinks=s, blocks=SMALL, **options),
+        lambda q, k, v, s: attention_reference(q, k, v, sinks=s, **options),
+        args,
+        argnums=argnums,
+        rand=rand,
+        dtype=jnp.float32,
+        names=["dq", "dk", "dv", "dsinks"][: len(argnums)],
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
+@pytest.mark.parametrize("layout", [(128, 64, 8, 1), (64, 64, 4, 4)], ids=lambda t: "d{}_dv{}_hq{}_hkv{}".format(*t))
+def test_gradients_gqa_head_dims(rand, layout):
+    d, dv, hq, hkv = layout
+    q, k, v = _inputs(rand, 1, 136, 260, hq, hkv, d, dv)
+    options = dict(causal=True, softcap=3.0)
+    ladder.check_gradients(
+        lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL, **options),
+        lambda q, k, v: attention_reference(q, k, v, **options),
+        (q, k, v),
+        argnums=(0, 1, 2),
+        rand=rand,
+        dtype=jnp.float32,
+        names=["dq", "dk", "dv"],
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
+def test_gradient_of_the_log_sum_exp(rand):
+    """Differentiating the lse output too (ds gains p * d_lse; the sink's gradient likewise)."""
+    args, options = _feature_call(rand, "everything")
+    ladder.check_gradients(
+        lambda q, k, v, s: tk.flash_attention(q, k, v, sinks=s, blocks=SMALL, return_lse=True, **options),
+        lambda q, k, v, s: attention_reference(q, k, v, sinks=s, return_lse=True, **options),
+        args,
+        argnums=(0, 1, 2, 3),
+        rand=rand,
+        dtype=jnp.float32,
+        names=["dq", "dk", "dv", "dsinks"],
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
+def test_bfloat16_gradients(rand):
+    q, k, v = _inputs(rand, 1, 200, 300, 4, 2, 128, dtype=jnp.bfloat16)
+    ladder.check_gradients(
+        lambda q, k, v: tk.flash_attention(q, k, v, causal=True, blocks=SMALL),
+        lambda q, k, v: attention_reference(q, k, v, causal=True),
+        (q, k, v),
+        argnums=(0, 1, 2),
+        rand=rand,
+        dtype=jnp.bfloat16,
+        names=["dq", "dk", "dv"],
+        atol=5e-2,
+        rtol=5e-2,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------- varlen
+# Packed sequences (query length, key length): an empty sequence, one with no keys, more queries than keys, one
+# longer than a block, one shorter than a block.
+VARLEN_LENGTHS = [(5, 40), (0, 0), (130, 170), (3, 0), (60, 20), (1, 300), (0, 12)]
+
+
+def _varlen_inputs(rand, hq=4, hkv=2, d=64, dtype=jnp.float32):
+    lens_q, lens_k = np.array(VARLEN_LENGTHS).T
+    cu_q = jnp.asarray(np.concatenate([[0], np.cumsum(lens_q)]), jnp.int32)
+    cu_k = jnp.asarray(np.concatenate([[0], np.cumsum(lens_k)]), jnp.int32)
+    q = rand.normal((int(lens_q.sum()), hq, d), dtype)
+    k = rand.normal((int(lens_k.sum()), hkv, d), dtype)
+    v = rand.normal((int(lens_k.sum()), hkv, d), dtype)
+    return (q, k, v, cu_q, cu_k), int(lens_q.max()), int(lens_k.max())
+
+
+@pytest.mark.parametrize("feature", ["plain", "causal", "causal_window", "everything"])
+def test_varlen_matches_reference(rand, feature):
+    (q, k, v, cu_q, cu_k), max_q, max_k = _varlen_inputs(rand)
+    options = {key: value for key, value in FEATURES[feature].items() if key not in ("sq", "sk")}
+    sinks = rand.normal((4,)) if options.pop("sinks", False) else None
+
+    def kernel(q, k, v, cu_q, cu_k, sinks):
+        return tk.flash_attention_varlen(
+            q, k, v, cu_q, cu_k, max_q, max_k, sinks=sinks, return_lse=True, blocks=SMALL, **options
+        )
+
+    out, lse = ladder.run_interpreted(kernel, q, k, v, cu_q, cu_k, sinks)
+    ref_out, ref_lse = varlen_attention_reference(q, k, v, cu_q, cu_k, sinks=sinks, return_lse=True, **options)
+    ladder.assert_close(out, ref_out, dtype=jnp.float32, what="out", context=repr(rand), **F32_TOL)
+    _assert_lse_close(lse, ref_lse, "lse", rand)
+
+
+def test_varlen_traced_cu_seqlens_and_gradients(rand):
+    """cu_seqlens as traced arguments (the visit list is built at run time), forward and gradients."""
+    (q, k, v, cu_q, cu_k), max_q, max_k = _varlen_inputs(rand)
+    options = dict(causal=True, window_size=(64, 0), softcap=3.0)
+    ladder.check_gradients(
+        lambda q, k, v, cu_q, cu_k: tk.flash_attention_varlen(
+            q, k, v, cu_q, cu_k, max_q, max_k, blocks=SMALL, **options
+        ),
+        # the reference slices by concrete offsets: the closed-over ones (the kernel gets them traced, under jit)
+        lambda q, k, v, _cu_q, _cu_k: varlen_attention_reference(q, k, v, cu_q, cu_k, **options),
+        (q, k, v, cu_q, cu_k),
+        argnums=(0, 1, 2),
+        rand=rand,
+        dtype=jnp.float32,
+        names=["dq", "dk", "dv"],
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
+def test_varlen_understated_max_seqlen_is_nan_not_wrong(rand):
+    """Traced cu_seqlens cannot be checked on the host: when max_seqlen_k understates a length so much that the visit
+    list overflows its static size, every output is NaN."""
+    lens_q, lens_k = np.array([200, 200]), np.array([1, 2000])
+    cu_q, cu_k = (jnp.asarray(np.concatenate([[0], np.cumsum(x)]), jnp.int32) for x in (lens_q, lens_k))
+    q = rand.normal((400, 2, 128))
+    k = rand.normal((2001, 2, 128))
+    fn = jax.jit(lambda q, k, v, a, b: tk.flash_attention_varlen(q, k, v, a, b, 200, 1, blocks=SMALL))
+    out = ladder.run_interpreted(fn, q, k, k, cu_q, cu_k)
+    assert np.isnan(np.asarray(out)).all()
+
+
+# -------------------------------------------------------------------------------------------------------- schedule
+@pytest.mark.parametrize("seed", range(6))
+def test_visit_lists_match_brute_force_mask(seed):
+    """Every (query block, key block) pair with a kept score is visited, exactly once per list; a pair is unmasked
+    only when all its scores are kept; every query / key block gets at least one visit."""
+    rng = np.random.default_rng(seed)
+    lens_q = rng.integers(0, 300, 4)
+    lens_k = lens_q + rng.integers(-50, 200, 4).clip(-lens_q, None)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
+    causal = bool(seed % 2)
+    window = [(-1, -1), (100, 30), (0, -1)][seed % 3]
+    tq, tk_rows = int(cu_q[-1]), int(cu_k[-1])
+    mask = np.zeros((tq, tk_rows), bool)
+    for s in range(4):
+        mask[cu_q[s] : cu_q[s + 1], cu_k[s] : cu_k[s + 1]] = np.asarray(
+            allowed_keys(int(lens_q[s]), int(lens_k[s]), causal=causal, window_size=window)
+        )
+    bq, bk = 128, 128
+    lo, hi = schedule.key_ranges(cu_q, cu_k, tq, causal=causal, window_size=window, xp=np)
+    needed, full = schedule.block_pairs(lo, hi, block_q=bq, block_kv=bk, kv_rows=tk_rows, xp=np)
+    nq, nk = needed.shape
+    padded = np.zeros((nq * bq, nk * bk), bool)
+    padded[:tq, :tk_rows] = mask
+    blocks = padded.reshape(nq, bq, nk, bk)
+    np.testing.assert_array_equal(needed, blocks.any(axis=(1, 3)))
+    whole = np.zeros((nq * bq, nk * bk), bool)
+    whole[:tq, :tk_rows] = True
+    np.testing.assert_array_equal(
+        full,
+        (blocks | ~whole.reshape(nq, bq, nk, bk)).all(axis=(1, 3))
+        & needed
+        & (whole.reshape(nq, bq, nk, bk).all(axis=(1, 3))),
+    )
+    for by, outer in (("q", nq), ("kv", nk)):
+        words, count = schedule.visits(needed, full, by=by, xp=np)
+        q_block, kv_block = schedule.unpack(words)
+        pairs = set(zip(q_block[(words & schedule.COMPUTE) != 0], kv_block[(words & schedule.COMPUTE) != 0]))
+        assert pairs == set(zip(*np.nonzero(needed)))
+        owner = q_block if by == "q" else kv_block
+        assert set(owner) == set(range(outer))
+        assert ((words & schedule.FIRST) != 0).sum() == outer == ((words & schedule.LAST) != 0).sum()
+        # the traced builder gives the same list, padded
+        bound = schedule.visit_bound(
+            nq,
+            nk,
+            num_seqs=4,
+            max_seqlen_q=int(lens_q.max()),
+            max_seqlen_k=int(lens_k.max()),
+            block_q=bq,
+            block_kv=bk,
+            window_size=window,
+            causal=causal,
+        )
+        assert count <= bound
+        traced, traced_count = schedule.visits(jnp.asarray(needed), jnp.asarray(full), by=by, size=bound)
+        assert int(traced_count) == count
+        np.testing.assert_array_equal(np.asarray(traced)[:count], words)
+
+
+def test_causal_and_window_skip_blocks():
+    """Blocks wholly outside the mask are not visited: a causal square of 8 blocks visits 36 of 64 pairs, a window of
+    one block about three per row of blocks."""
+
+    def count(**options):
+        lo, hi = schedule.key_ranges([0, 1024], [0, 1024], 1024, xp=np, **options)
+        needed, full = schedule.block_pairs(lo, hi, block_q=128, block_kv=128, kv_rows=1024, xp=np)
+        return int(needed.sum()), int(full.sum())
+
+    assert count(causal=False, window_size=(-1, -1)) == (64, 64)
+    assert count(causal=True, window_size=(-1, -1)) == (36, 28)
+    assert count(causal=True, window_size=(127, 0)) == (15, 0)
+
+
+# ------------------------------------------------------------------------------------------------------- bad input
+BadInput = ladder.BadInput
+BAD_INPUTS = [
+    BadInput("q rank", lambda r: dict(q=r.normal((8, 4, 64))), ValueError, "q: expected 4 dimensions"),
+    BadInput("q int", lambda r: dict(q=r.integers(0, 3, (1, 8, 4, 64))), TypeError, "q: expected dtype"),
+    BadInput("k dtype", lambda r: dict(k=r.normal((1, 8, 2, 64), jnp.bfloat16)), TypeError, "k: expected dtype"),
+    BadInput("heads not a multiple", lambda r: dict(q=r.normal((1, 8, 3, 64))), ValueError, "multiple of k's 2"),
+    BadInput("head dim mismatch", lambda r: dict(k=r.normal((1, 8, 2, 32))), ValueError, "k: expected the head dim"),
+    BadInput("v rows", lambda r: dict(v=r.normal((1, 9, 2, 64))), ValueError, "v: expected the leading"),
+    BadInput(
+        "batch mismatch",
+        lambda r: dict(k=r.normal((2, 8, 2, 64)), v=r.normal((2, 8, 2, 64))),
+        ValueError,
+        "k: expected the batch size",
+    ),
+    BadInput(
+        "head dim too large",
+        lambda r: dict(q=r.normal((1, 8, 4, 640)), k=r.normal((1, 8, 2, 640))),
+        ValueError,
+        "head dim from 1 to 512",
+    ),
+    BadInput("window below -1", dict(window_size=(-2, 0)), ValueError, "window_size: expected -1"),
+    BadInput("window not a pair", dict(window_size=(3,)), TypeError, "window_size: expected a pair"),
+    BadInput("window float", dict(window_size=(3.0, 0)), TypeError, "window_size: expected ints"),
+    BadInput("scale zero", dict(softmax_scale=0.0), ValueError, "softmax_scale: expected a finite number > 0"),
+    BadInput("scale nan", dict(softmax_scale=float("nan")), ValueError, "softmax_scale: expected a finite"),
+    BadInput("scale inf", dict(softmax_scale=float("inf")), ValueError, "softmax_scale: expected a finite"),
+    BadInput("scale negative", dict(softmax_scale=-1.0), ValueError, "softmax_scale: expected a finite"),
+    BadInput("softcap negative", dict(softcap=-1.0), ValueError, "softcap: expected a finite number >= 0"),
+    BadInput("causal not bool", dict(causal=1), TypeError, "causal: expected a bool"),
+    BadInput("sinks shape", lambda r: dict(sinks=r.normal((3,))), ValueError, "sinks: expected shape (4,)"),
+    BadInput("blocks type", dict(blocks=(128, 128)), TypeError, "blocks: expected a FlashAttentionBlocks"),
+    BadInput("block_q not lanes", dict(blocks=tk.FlashAttentionBlocks(block_q=4)), ValueError, "blocks.block_q"),
+    BadInput(
+        "kv_heads_per_step",
+        dict(blocks=tk.FlashAttentionBlocks(kv_heads_per_step=1)),
+        ValueError,
+        "blocks.kv_heads_per_step",
+    ),
+]
+
+
+def _dense_good(rand):
+    q, k, v = _inputs(rand, 1, 8, 8, 4, 2, 64)
+    return dict(q=q, k=k, v=v)
+
+
+def _call_dense(arguments):
+    arguments = dict(arguments)
+    return tk.flash_attention(arguments.pop("q"), arguments.pop("k"), arguments.pop("v"), **arguments)
+
+
+@ladder.bad_input_params(BAD_INPUTS)
+def test_bad_input_is_a_clear_error(rand, case):
+    ladder.assert_clear_error(case, _call_dense, _dense_good(rand), rand)
+
+
+BAD_VARLEN = [
+    BadInput("cu int64", dict(cu_seqlens_q=np.array([0, 4, 8], np.int64)), TypeError, "cu_seqlens_q: expected dtype"),
+    BadInput(
+        "cu not increasing",
+        dict(cu_seqlens_q=jnp.array([0, 6, 4, 8], jnp.int32), cu_seqlens_k=jnp.array([0, 3, 5, 8], jnp.int32)),
+        ValueError,
+        "cu_seqlens_q: expected non-decreasing",
+    ),
+    BadInput(
+        "cu wrong end",
+        dict(cu_seqlens_k=jnp.array([0, 4, 7], jnp.int32)),
+        ValueError,
+        "cu_seqlens_k: expected to end at the token count 8",
+    ),
+    BadInput(
+        "cu wrong start",
+        dict(cu_seqlens_k=jnp.array([1, 4, 8], jnp.int32)),
+        ValueError,
+        "cu_seqlens_k: expected to start at 0",
+    ),
+    BadInput(
+        "cu lengths differ",
+        dict(cu_seqlens_k=jnp.array([0, 2, 4, 8], jnp.int32)),
+        ValueError,
+        "cu_seqlens_k: expected the shape of cu_seqlens_q",
+    ),
+    BadInput("max_seqlen too small", dict(max_seqlen_k=2), ValueError, "max_seqlen_k: expected at least"),
+    BadInput("max_seqlen float", dict(max_seqlen_q=4.0), TypeError, "max_seqlen_q: expected a Python int"),
+    BadInput("varlen q rank", lambda r: dict(q=r.normal((1, 8, 4, 64))), ValueError, "q: expected 3 dimensions"),
+]
+
+
+def _call_varlen(arguments):
+    a = dict(arguments)
+    return tk.flash_attention_varlen(
+        a.pop("q"),
+        a.pop("k"),
+        a.pop("v"),
+        a.pop("cu_seqlens_q"),
+        a.pop("cu_seqlens_k"),
+        a.pop("max_seqlen_q"),
+        a.pop("max_seqlen_k"),
+        **a,
+    )
+
+
+@ladder.bad_input_params(BAD_VARLEN)
+def test_bad_varlen_input_is_a_clear_error(rand, case):
+    good = dict(
+        q=rand.normal((8, 4, 64)),
+        k=rand.normal((8, 2, 64)),
+        v=rand.normal((8, 2, 64)),
+        cu_seqlens_q=jnp.array([0, 4, 8], jnp.int32),
+        cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32),
+        max_seqlen_q=4,
+        max_seqlen_k=4,
+    )
+    ladder.assert_clear_error(case, _call_varlen, good, rand)
+
+
+def test_blocks_reach_the_kernels(rand):
+    """blocks= sets the tiling: the forward's grid is (head groups, visits), the gradient adds the dq and dk/dv
+    kernels; at head dim 64 a step takes two kv heads."""
+    q, k, v = _inputs(rand, 1, 512, 512, 8, 4, 64)
+    blocks = tk.FlashAttentionBlocks(block_q=128, block_kv=256)
+    fwd = ladder.pallas_calls(lambda q, k, v: tk.flash_attention(q, k, v, causal=True, blocks=blocks), q, k, v)
+    assert [(c.name, c.grid) for c in fwd] == [("flash_attention_fwd", (2, 6))], fwd
+    grad = ladder.pallas_calls(
+        jax.grad(lambda q, k, v: tk.flash_attention(q, k, v, causal=True, blocks=blocks).sum(), argnums=(0, 1, 2)),
+        q,
+        k,
+        v,
+    )
+    assert [c.name for c in grad] == ["flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"], grad
+
+
+def test_empty_inputs(rand):
+    q, k, v = _inputs(rand, 2, 0, 5, 4, 2, 64)
+    assert tk.flash_attention(q, k, v).shape == (2, 0, 4, 64)
+    q, k, v = _inputs(rand, 1, 6, 0, 4, 2, 64)
+    sinks = rand.normal((4,))
+    out, lse = tk.flash_attention(q, k, v, sinks=sinks, return_lse=True)
+    assert (np.asarray(out) == 0).all()
+    np.testing.assert_array_equal(np.asarray(lse), np.broadcast_to(np.asarray(sinks)[None, :, None], (1, 4, 6)))
+
+
+# ---------------------------------------------------------------------------------------------------- rungs 2 and 3
+def _spec(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _grad_fn(**options):
+    def fn(q, k, v):
+        return jax.grad(lambda q, k, v: ladder.vjp_loss(tk.flash_attention(q, k, v, **options)), argnums=(0, 1, 2))(
+            q, k, v
+        )
+
+    return fn
+
+
+def test_exports_for_tpu():
+    specs = (_spec((2, 1024, 8, 128)), _spec((2, 1024, 2, 128)), _spec((2, 1024, 2, 128)))
+    ladder.export_for_tpu(lambda q, k, v: tk.flash_attention(q, k, v, causal=True), *specs)
+    ladder.export_for_tpu(_grad_fn(causal=True, window_size=(256, 0), softcap=30.0), *specs)
+    cu = _spec((5,), jnp.int32)
+    ladder.export_for_tpu(
+        lambda q, k, v, a, b: tk.flash_attention_varlen(q, k, v, a, b, 1024, 1024, causal=True),
+        _spec((2048, 8, 128)),
+        _spec((2048, 2, 128)),
+        _spec((2048, 2, 128)),
+        cu,
+        cu,
+    )
+
+
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+def test_compiles_for_tpu(generation):
+    """Forward and backward with every feature at once, and varlen, lower and fit VMEM on each generation."""
+    q, k = (4, 2048, 16, 128), (4, 2048, 4, 128)
+    options = dict(causal=True, window_size=(511, 0), softcap=20.0)
+    ladder.compile_for_tpu(
+        lambda q, k, v: tk.flash_attention(q, k, v, **options),
+        generation,
+        (q, jnp.bfloat16),
+        (k, jnp.bfloat16),
+        (k, jnp.bfloat16),
+        label="flash_attention everything",
+    )
+    ladder.compile_for_tpu(
+        _grad_fn(**options),
+        generation,
+        (q, jnp.bfloat16),
+        (k, jnp.bfloat16),
+        (k, jnp.bfloat16),
+        label="flash_attention everything grad",
+        min_kernels=3,
+    )
+    ladder.compile_for_tpu(
+        lambda q, k, v, a, b: tk.flash_attention_varlen(q, k, v, a, b, 2048, 2048, causal=True),
+        generation,
+        ((8192, 16, 64), jnp.bfloat16),
+        ((8192, 4, 64), jnp.bfloat16),
+        ((8192, 4, 64), jnp.bfloat16),
+        ((9,), jnp.int32),
+        ((9,), jnp.int32),
+        label="flash_attention_varlen d64",
+    )
+
+
+def _benchmark_cases():
+    """(shape, generation, with backward): every dense benchmark shape's forward on v6e, and forward + backward at
+    the longest sequence on every generation. A kernel's body depends on the model and mask, not on the sequence
+    length (that sets the grid and the visit list), so the longest sequence proves each body's lowering and VMEM fit;
+    the varlen shapes' kernels are test_compiles_for_tpu's."""
+    longest = max(s.batch for s in FLASH_ATTENTION)
+    dense = [s for s in FLASH_ATTENTION if s["layout"] == "dense"]
+    cases = [(s, "v6e", s.batch == longest) for s in dense]
+    cases += [(s, gen, True) for s in dense for gen in ("v5e", "v7x") if s.batch == longest]
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _benchmark_cases(), ids=lambda c: f"{c[1]}-{c[0].id}{'-grad' if c[2] else ''}")
+def test_compiles_at_benchmark_shapes(case):
+    shape, generation, with_backward = case
+    batch = max(1, 32768 // shape.batch)
+    q = ((batch, shape.batch, shape["q_heads"], shape["head_dim"]), jnp.bfloat16)
+    k = ((batch, shape.batch, shape["kv_heads"], shape["head_dim"]), jnp.bfloat16)
+    window = shape["window"]
+    options = dict(
+        causal=shape["mask"] == "causal",
+        window_size=(window - 1, 0) if window > 0 else (-1, -1),
+        softmax_scale=1.0 if shape["model"].startswith("gemma") else None,
+    )
+    ladder.compile_for_tpu(
+        lambda q, k, v: tk.flash_attention(q, k, v, **options), generation, q, k, k, label=f"flash_attention {shape.id}"
+    )
+    if with_backward:
+        ladder.compile_for_tpu(
+            _grad_fn(**options), generation, q, k, k, label=f"flash_attention grad {shape.id}", min_kernels=3
+        )
