@@ -93,3 +93,34 @@ def gemma4(seed, *, moe=False, **overrides):
     )
     torch.manual_seed(seed)
     return randomize_norm_weights(Gemma4ForCausalLM(config).eval(), seed)
+
+
+def gpt_oss(seed, **overrides):
+    """gpt-oss attention: attention sinks (one logit per query head, drawn at unit scale instead of the 0.02 init so
+    they change the softmax) and a sliding window on alternate layers; its MoE kept tiny (4 experts, top-2)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": 64,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 8,
+            "max_position_embeddings": 64,
+            **overrides,
+        }
+    )
+    torch.manual_seed(seed)
+    model = randomize_norm_weights(GptOssForCausalLM(config).eval(), seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=generator))
+    return model
