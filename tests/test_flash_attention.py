@@ -10,7 +10,7 @@ import ladder
 import numpy as np
 import pytest
 
-from benchmarks.shapes import FLASH_ATTENTION
+from benchmarks.shapes import FLASH_ATTENTION, FLASH_ATTENTION_MODELS
 from tpu_kernels_jax import api as tk
 from tpu_kernels_jax.flash_attention import schedule
 from tpu_kernels_jax.flash_attention.reference import (
@@ -541,21 +541,21 @@ def test_compiles_for_tpu(generation):
 
 
 def _benchmark_cases():
-    """(shape, generation, with backward): every dense benchmark shape's forward on v6e, and forward + backward at
-    the longest sequence on every generation. A kernel's body depends on the model and mask, not on the sequence
-    length (that sets the grid and the visit list), so the longest sequence proves each body's lowering and VMEM fit;
-    the varlen shapes' kernels are test_compiles_for_tpu's."""
+    """(shape, generation): each model's longest causal dense benchmark shape on every generation, forward and
+    backward. The kernels' bodies depend on the model (head dims, GQA group, the tuning table's blocks), not on the
+    sequence length or the mask (those set the grid and the visit list, which the kernels read at run time), so
+    these compiles prove the lowering and VMEM fit of every benchmark shape's kernels; the varlen entry point's are
+    test_compiles_for_tpu's."""
     longest = max(s.batch for s in FLASH_ATTENTION)
-    dense = [s for s in FLASH_ATTENTION if s["layout"] == "dense"]
-    cases = [(s, "v6e", s.batch == longest) for s in dense]
-    cases += [(s, gen, True) for s in dense for gen in ("v5e", "v7x") if s.batch == longest]
-    return cases
+    shapes = [s for s in FLASH_ATTENTION if s["layout"] == "dense" and s["mask"] == "causal" and s.batch == longest]
+    assert {s["model"] for s in shapes} == set(FLASH_ATTENTION_MODELS)
+    return [(s, gen) for s in shapes for gen in ladder.GENERATIONS]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", _benchmark_cases(), ids=lambda c: f"{c[1]}-{c[0].id}{'-grad' if c[2] else ''}")
+@pytest.mark.parametrize("case", _benchmark_cases(), ids=lambda c: f"{c[1]}-{c[0].id}")
 def test_compiles_at_benchmark_shapes(case):
-    shape, generation, with_backward = case
+    shape, generation = case
     batch = max(1, 32768 // shape.batch)
     q = ((batch, shape.batch, shape["q_heads"], shape["head_dim"]), jnp.bfloat16)
     k = ((batch, shape.batch, shape["kv_heads"], shape["head_dim"]), jnp.bfloat16)
