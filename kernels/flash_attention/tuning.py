@@ -131,3 +131,24 @@ def resolve_blocks(
     return FlashAttentionBlocks(
         block_q=block_q, block_kv=block_kv, kv_heads_per_step=per_step, vmem_limit_bytes=int(vmem_limit)
     )
+
+
+# Tile sizes `candidate_blocks` tries for each of block_q and block_kv (benchmarks' --sweep models every legal pair).
+CANDIDATE_TILES = (256, 512, 1024)
+
+
+def candidate_blocks(*, info: pltpu.TpuInfo | None = None, **shape) -> list[FlashAttentionBlocks]:
+    """Legal blocks worth modeling at a shape (resolve_blocks' keywords: q_rows, kv_rows, q_heads, kv_heads,
+    head_dim, v_head_dim, itemsize): the table's choice first, then every (block_q, block_kv) pair of CANDIDATE_TILES
+    that fits this generation's VMEM (resolve_blocks checks it), distinct after clipping to the rows."""
+    info = info or chip.current_tpu_info()
+    candidates = [resolve_blocks(None, **shape, info=info)]
+    for block_q in CANDIDATE_TILES:
+        for block_kv in CANDIDATE_TILES:
+            try:
+                blocks = resolve_blocks(FlashAttentionBlocks(block_q=block_q, block_kv=block_kv), **shape, info=info)
+            except ValueError:  # too large for the VMEM limit
+                continue
+            if all((blocks.block_q, blocks.block_kv) != (c.block_q, c.block_kv) for c in candidates):
+                candidates.append(blocks)
+    return candidates
