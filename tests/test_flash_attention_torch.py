@@ -365,8 +365,8 @@ MODELS = {
 
 
 class _OpCalls(TorchDispatchMode):
-    """Counts the calls of our attention ops (any build's namespace) by op name: proof that a model's attention ran
-    on the kernels, not on a fallback."""
+    """Counts the calls of a Hub build's attention ops (any build's namespace, not the checkout's) by op name: proof
+    that a model's attention ran on the loaded kernels, not on a fallback."""
 
     def __init__(self):
         super().__init__()
@@ -374,8 +374,10 @@ class _OpCalls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         namespace, _, name = func.name().partition("::")
-        if namespace.startswith("_tpu_kernels") and name.split(".")[0] in ("flash_attention", "flash_attention_varlen"):
-            self.calls[name.split(".")[0]] += 1
+        name = name.split(".")[0]
+        build = namespace.startswith("_tpu_kernels_") and namespace != "_tpu_kernels_dev"
+        if build and name in ("flash_attention", "flash_attention_varlen"):
+            self.calls[name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -427,10 +429,14 @@ def test_hub_attention_gives_eager_logits_and_tokens(rand, model_name, hub_kerne
     from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    import kernels
+
     eager, ours = _models(model_name, rand.seed, tmp_path, REPO_ID)
     assert ours.config._attn_implementation == REPO_ID
     assert ALL_ATTENTION_FUNCTIONS[REPO_ID] is flash_attention_forward
-    assert flash_utils._flash_fn.__module__.startswith("_tpu_kernels_cpu_")  # the build's, not the checkout's
+    kernel = kernels.get_kernel(REPO_ID, version=1)  # the build LOCAL_KERNELS points at, as transformers loaded it
+    assert flash_utils._flash_fn is kernel.flash_attn_func
+    assert flash_utils._flash_varlen_fn is kernel.flash_attn_varlen_func
     tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (2, 13)))
     with torch.no_grad():
         expected = eager(tokens).logits
