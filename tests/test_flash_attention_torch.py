@@ -534,6 +534,38 @@ def test_training_step_gradients_match_eager(rand, hub_kernels, tmp_path):
         )
 
 
+def _compiled_graph_ops(model, tokens):
+    """model(tokens).logits under torch.compile(fullgraph=True, aot_eager), and the ops its graph calls."""
+    graph_ops = set()
+
+    def recording_aot_eager(graph_module, example_inputs):
+        graph_ops.update(str(n.target) for n in graph_module.graph.nodes if n.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=recording_aot_eager)
+    with torch.no_grad():
+        return compiled(tokens, use_cache=False).logits, graph_ops
+
+
+def test_hub_attention_model_compiles_fullgraph(rand, hub_kernels, tmp_path):
+    """A bfloat16 Qwen3 with the Hub attention under torch.compile(fullgraph=True): our op is in the one graph and
+    the logits are the uncompiled model's. (In float32 transformers' own flash wrapper breaks the graph: it logs a
+    warning about casting float32 inputs.)"""
+    tiny_models.qwen3(rand.seed).save_pretrained(tmp_path / "qwen3")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3", attn_implementation=REPO_ID, dtype=torch.bfloat16)
+    tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (2, 9)))
+    with torch.no_grad():
+        expected = model.eval()(tokens, use_cache=False).logits
+    actual, graph_ops = _compiled_graph_ops(model, tokens)
+    assert any(op.endswith(".flash_attention.default") and op.startswith("_tpu_kernels_") for op in graph_ops), (
+        graph_ops
+    )
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
 @pytest.fixture(scope="module")
 def direct_registration(hub_root):
     """The build's attention_forward under a name of our own, with flash attention's mask function, as README shows."""
@@ -550,7 +582,8 @@ def direct_registration(hub_root):
 
 def test_attention_interface_registration(rand, direct_registration, tmp_path):
     """attention_forward registered under AttentionInterface (tiny gpt-oss: sinks and a window): a full batch runs
-    flash_attn_func, a left-padded batch and packed sequences run flash_attn_varlen_func; all give eager's logits."""
+    flash_attn_func (also under torch.compile(fullgraph=True)), a left-padded batch and packed sequences run
+    flash_attn_varlen_func; all give eager's logits."""
     eager, ours = _models("gpt_oss", rand.seed, tmp_path, DIRECT)
     layers = _layers(ours)
     tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (2, 13)))
@@ -559,6 +592,9 @@ def test_attention_interface_registration(rand, direct_registration, tmp_path):
     with _counted({"flash_attention": layers}):
         actual = ours(tokens).logits
     _assert_logits_close(actual, expected)
+    compiled, graph_ops = _compiled_graph_ops(ours, tokens)  # float32 traces whole through attention_forward
+    assert any(op.endswith(".flash_attention.default") for op in graph_ops), graph_ops
+    torch.testing.assert_close(compiled, actual, rtol=0, atol=0)
 
     tokens, mask = _left_padded(rand, 2, 11, pads=(3, 0))
     with torch.no_grad():
