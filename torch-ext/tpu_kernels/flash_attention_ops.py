@@ -6,8 +6,9 @@ for transformers' AttentionInterface. Gradients (q, k, v, the sinks `s_aux`) com
 transformers, with `attn_implementation="kernels-community/tpu-kernels"`, registers its own flash_attention_forward
 over this module's flash_attn_varlen_func: it unpads a padded batch into packed sequences (cu_seqlens int32,
 max_seqlen a Python int from `.item()`), and for packed position_ids it passes max_seqlen as a 0-d int32 tensor.
-cu_seqlens may also come from a data collator as int64; as every index tensor of this package, they are cast once to
-int32 (host values checked to fit). Host cu_seqlens are validated by value, device ones by shape and dtype only.
+Its own cu_seqlens are int32 on every path (its packing data collator's too), but its FlashAttentionKwargs declare
+them LongTensor, so callers build int64 ones: as every index tensor of this package they are cast once to int32
+(host values checked to fit). Host cu_seqlens are validated by value, device ones by shape and dtype only.
 """
 
 import contextlib
