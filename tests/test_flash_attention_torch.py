@@ -582,8 +582,8 @@ def direct_registration(hub_root):
 
 def test_attention_interface_registration(rand, direct_registration, tmp_path):
     """attention_forward registered under AttentionInterface (tiny gpt-oss: sinks and a window): a full batch runs
-    flash_attn_func (also under torch.compile(fullgraph=True)), a left-padded batch and packed sequences run
-    flash_attn_varlen_func; all give eager's logits."""
+    flash_attn_func (also under torch.compile(fullgraph=True)), a left-padded batch (prompt and greedy decode
+    steps) and packed sequences run flash_attn_varlen_func; all give eager's logits and tokens."""
     eager, ours = _models("gpt_oss", rand.seed, tmp_path, DIRECT)
     layers = _layers(ours)
     tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (2, 13)))
@@ -596,12 +596,16 @@ def test_attention_interface_registration(rand, direct_registration, tmp_path):
     assert any(op.endswith(".flash_attention.default") for op in graph_ops), graph_ops
     torch.testing.assert_close(compiled, actual, rtol=0, atol=0)
 
-    tokens, mask = _left_padded(rand, 2, 11, pads=(3, 0))
+    tokens, mask = _left_padded(rand, 2, 11, pads=(0, 4))  # the shapes of the Hub padded test (compiled once)
     with torch.no_grad():
         expected = eager(tokens, attention_mask=mask).logits
+        expected_tokens = eager.generate(tokens, attention_mask=mask, max_new_tokens=3, do_sample=False)
     with _counted({"flash_attention_varlen": layers}):
         actual = ours(tokens, attention_mask=mask).logits
     _assert_logits_close(actual[mask.bool()], expected[mask.bool()])
+    with _counted() as calls:  # decode steps: one query a row, the padding on the left
+        generated = ours.generate(tokens, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert torch.equal(generated, expected_tokens) and sum(calls.values()) == layers * 3
 
     lengths = (6, 10)
     tokens, positions = _packed(rand, lengths)
