@@ -5,7 +5,8 @@ pair with a kept score; it reaches the kernel through scalar prefetch, where the
 blocks, and its run-time length is the grid's. The query and output blocks stay in VMEM across the visits of one
 query block; the running max, sum and output accumulate in VMEM scratch and are finalised at its last visit. Visits
 whose pair is wholly kept skip the mask; key blocks no row needs are never read. The running max starts at a finite
-MASK_VALUE so that a row with nothing kept yet stays finite (its probabilities are zeroed by the mask, not by exp).
+value (MAX_INIT) and masked scores are -inf, so that a row with nothing kept yet gets zero probabilities from exp2
+itself; per-row statistics are kept lane-replicated, (bq, 128), so that they meet the scores as whole vregs.
 """
 
 import functools
@@ -17,7 +18,33 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..common.blocks import LANES
 from . import schedule
-from .geometry import MASK_VALUE, Geometry, dot_nn, dot_nt, keep_mask, sanitize_rows, scores
+from .geometry import (
+    LN_2,
+    LOG2_E,
+    MAX_INIT,
+    Geometry,
+    dot_nn,
+    dot_nt,
+    keep_mask,
+    log2_scores,
+    query_scale,
+    sanitize_rows,
+)
+
+
+def _lanes(x, width: int):
+    """A lane-replicated (rows, 128) statistic as (rows, width): whole vregs repeated when width is a multiple of
+    128 (no lane shuffles), a slice below 128, a broadcast otherwise (small full-dimension blocks only)."""
+    if width % LANES == 0:
+        return jnp.tile(x, (1, width // LANES))
+    if width < LANES:
+        return x[:, :width]
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+
+
+def _row_stat(x):
+    """A (rows, 1) row reduction as a lane-replicated (rows, 128) statistic."""
+    return jnp.broadcast_to(x, (x.shape[0], LANES))
 
 
 def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks: bool, with_lse: bool):
@@ -26,7 +53,7 @@ def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks
     qinfo_ref, q_ref, k_ref, v_ref, out_ref, *refs = refs
     if with_lse:
         lse_ref, *refs = refs
-    m_ref, l_ref, acc_ref = refs
+    q_scaled_ref, m_ref, l_ref, acc_ref = refs
     g = geometry
     group_index = pl.program_id(0)
     word = visits_ref[pl.program_id(1)]
@@ -35,7 +62,10 @@ def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks
 
     @pl.when((word & schedule.FIRST) != 0)
     def _init():
-        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        # Scores are taken in log2 units (exp2 is the EUP's native exponential): q is scaled once per query block by
+        # softmax_scale * log2(e) (by softmax_scale / softcap under a softcap, whose tanh comes first).
+        q_scaled_ref[...] = (q_ref[...].astype(jnp.float32) * query_scale(g)).astype(q_scaled_ref.dtype)
+        m_ref[...] = jnp.full(m_ref.shape, MAX_INIT, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
@@ -46,20 +76,18 @@ def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks
             v = sanitize_rows(v_ref[:, j * dv : (j + 1) * dv], kv_block, g.block_kv, g.kv_rows)
             for i in range(g.group):
                 h = j * g.group + i
-                s, _ = scores(dot_nt(q_ref[:, h * d : (h + 1) * d], k), g)
+                s = log2_scores(dot_nt(q_scaled_ref[:, h * d : (h + 1) * d], k), g)
                 if masked:
-                    s = jnp.where(keep, s, MASK_VALUE)
-                m_prev = m_ref[h][:, 0:1]
-                m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-                p = jnp.exp(s - m_new)
-                if masked:
-                    p = jnp.where(keep, p, 0.0)
-                alpha = jnp.exp(m_prev - m_new)
-                l_ref[h] = jnp.broadcast_to(
-                    alpha * l_ref[h][:, 0:1] + jnp.sum(p, axis=1, keepdims=True), l_ref[h].shape
-                )
-                m_ref[h] = jnp.broadcast_to(m_new, m_ref[h].shape)
-                acc_ref[h] = acc_ref[h] * alpha + dot_nn(p.astype(v.dtype), v)
+                    # -inf, not a finite mask value: exp2(-inf - m) is 0 for any finite running max, and the
+                    # running max starts finite (MAX_INIT), so masked scores need no second select
+                    s = jnp.where(keep, s, -jnp.inf)
+                m_prev = m_ref[h]
+                m_new = jnp.maximum(m_prev, _row_stat(jnp.max(s, axis=1, keepdims=True)))
+                p = jnp.exp2(s - _lanes(m_new, g.block_kv))
+                alpha = jnp.exp2(m_prev - m_new)
+                l_ref[h] = alpha * l_ref[h] + _row_stat(jnp.sum(p, axis=1, keepdims=True))
+                m_ref[h] = m_new
+                acc_ref[h] = acc_ref[h] * _lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
 
     compute = (word & schedule.COMPUTE) != 0
     masked = (word & schedule.MASKED) != 0
@@ -79,10 +107,10 @@ def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks
             m = m_ref[h][:, 0:1]
             l = l_ref[h][:, 0:1]
             if has_sinks:
-                sink = sinks_ref[group_index * g.heads_per_step + h]
+                sink = sinks_ref[group_index * g.heads_per_step + h] * LOG2_E
                 m_final = jnp.maximum(m, sink)
-                rescale = jnp.exp(m - m_final)
-                l = l * rescale + jnp.exp(sink - m_final)
+                rescale = jnp.exp2(m - m_final)
+                l = l * rescale + jnp.exp2(sink - m_final)
             else:
                 m_final, rescale = m, 1.0
             nonzero = l > 0
@@ -92,8 +120,8 @@ def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks
             inv = jnp.where(overflow, jnp.nan, inv)
             out_ref[:, h * dv : (h + 1) * dv] = (acc_ref[h] * inv).astype(out_ref.dtype)
             if with_lse:
-                lse = jnp.where(nonzero, m_final + jnp.log(jnp.where(nonzero, l, 1.0)), jnp.inf)
-                lse_ref[:, h : h + 1] = jnp.where(overflow, jnp.nan, lse)
+                lse = (m_final + jnp.log2(jnp.where(nonzero, l, 1.0))) * LN_2
+                lse_ref[:, h : h + 1] = jnp.where(overflow, jnp.nan, jnp.where(nonzero, lse, jnp.inf))
 
 
 def forward(
@@ -149,6 +177,7 @@ def forward(
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=[
+                pltpu.VMEM((bq, hs * d), q2d.dtype),
                 pltpu.VMEM((hs, bq, LANES), jnp.float32),
                 pltpu.VMEM((hs, bq, LANES), jnp.float32),
                 pltpu.VMEM((hs, bq, dv), jnp.float32),

@@ -9,14 +9,18 @@ heads), which sets the fewest kv heads a step can take (two at head dim 64).
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
 from ..common.blocks import LANES
 
-# The masked-score value: finite, so a row with nothing kept yet has max = MASK_VALUE and exp(s - max) stays finite.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# The running max's start: finite and below any real score, so exp2(-inf - max) = 0 for masked scores and
+# exp2(max_before - max_after) stays finite for a row with nothing kept yet.
+MAX_INIT = -1e30
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +103,21 @@ def dot_nn(a, b):
     """a @ b in f32."""
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
+
+
+def query_scale(geometry: Geometry) -> float:
+    """What q is multiplied by before q k^T: softmax_scale / softcap under a softcap (tanh comes first), else
+    softmax_scale * log2(e), so that the product is already a log2-unit logit."""
+    if geometry.softcap > 0:
+        return geometry.softmax_scale / geometry.softcap
+    return geometry.softmax_scale * LOG2_E
+
+
+def log2_scores(raw, geometry: Geometry):
+    """Logits in log2 units from the product of the scaled q (query_scale) and k."""
+    if geometry.softcap > 0:
+        return jnp.tanh(raw) * (geometry.softcap * LOG2_E)
+    return raw
 
 
 def scores(raw, geometry: Geometry):
