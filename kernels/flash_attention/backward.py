@@ -20,11 +20,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import schedule
-from .geometry import Geometry, dot_nn, dot_nt, keep_mask, sanitize_rows, scores
+from .geometry import LOG2_E, Geometry, dot_nn, dot_nt, keep_mask, lanes, query_scale, row_stat, sanitize_rows
 
 
 def _softcap_grad(ds, t):
     return ds if t is None else ds * (1.0 - t * t)
+
+
+def _log2_scores(raw, g: Geometry):
+    """(log2-unit logits, tanh) from the product of a query_scale-scaled operand and the other."""
+    if g.softcap > 0:
+        t = jnp.tanh(raw)
+        return t * (g.softcap * LOG2_E), t
+    return raw, None
 
 
 def _dq_kernel(
@@ -38,6 +46,7 @@ def _dq_kernel(
     lse_ref,
     delta_ref,
     dq_ref,
+    q_scaled_ref,
     acc_ref,
     *,
     geometry: Geometry,
@@ -49,6 +58,7 @@ def _dq_kernel(
 
     @pl.when((word & schedule.FIRST) != 0)
     def _init():
+        q_scaled_ref[...] = (q_ref[...].astype(jnp.float32) * query_scale(g)).astype(q_scaled_ref.dtype)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def accumulate(masked: bool):
@@ -58,12 +68,12 @@ def _dq_kernel(
             v = sanitize_rows(v_ref[:, j * dv : (j + 1) * dv], kv_block, g.block_kv, g.kv_rows)
             for i in range(g.group):
                 h = j * g.group + i
-                s, t = scores(dot_nt(q_ref[:, h * d : (h + 1) * d], k), g)
-                p = jnp.exp(s - lse_ref[:, h : h + 1])
+                s, t = _log2_scores(dot_nt(q_scaled_ref[:, h * d : (h + 1) * d], k), g)
                 if masked:
-                    p = jnp.where(keep, p, 0.0)
+                    s = jnp.where(keep, s, -jnp.inf)  # exp2(-inf - lse) = 0: the one select a masked score needs
+                p = jnp.exp2(s - lanes(row_stat(lse_ref[:, h : h + 1]), g.block_kv))
                 dp = dot_nt(do_ref[:, h * dv : (h + 1) * dv], v)
-                ds = _softcap_grad(p * (dp - delta_ref[:, h : h + 1]), t)
+                ds = _softcap_grad(p * (dp - lanes(row_stat(delta_ref[:, h : h + 1]), g.block_kv)), t)
                 acc_ref[h] += dot_nn(ds.astype(k.dtype), k)
 
     compute = (word & schedule.COMPUTE) != 0
@@ -96,6 +106,7 @@ def _dkv_kernel(
     delta_ref,
     dk_ref,
     dv_ref,
+    k_scaled_ref,
     dk_acc_ref,
     dv_acc_ref,
     *,
@@ -108,6 +119,7 @@ def _dkv_kernel(
 
     @pl.when((word & schedule.FIRST) != 0)
     def _init():
+        k_scaled_ref[...] = (k_ref[...].astype(jnp.float32) * query_scale(g)).astype(k_scaled_ref.dtype)
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
 
@@ -116,7 +128,7 @@ def _dkv_kernel(
         if masked:
             keep = keep_mask(qinfo_ref[0:1, :], qinfo_ref[1:2, :], kv_block, g.block_kv, transposed=True)
         for j in range(g.kv_heads_per_step):
-            k = k_ref[:, j * d : (j + 1) * d]
+            k_scaled = k_scaled_ref[:, j * d : (j + 1) * d]
             v = v_ref[:, j * dv : (j + 1) * dv]
             for i in range(g.group):
                 h = j * g.group + i
@@ -124,10 +136,10 @@ def _dkv_kernel(
                 # cancel a NaN in the sums over rows
                 q = sanitize_rows(q_ref[:, h * d : (h + 1) * d], q_block, g.block_q, g.q_rows)
                 do = sanitize_rows(do_ref[:, h * dv : (h + 1) * dv], q_block, g.block_q, g.q_rows)
-                s_t, t_t = scores(dot_nt(k, q), g)
-                p_t = jnp.exp(s_t - lse_ref[h : h + 1, :])
+                s_t, t_t = _log2_scores(dot_nt(k_scaled, q), g)
                 if masked:
-                    p_t = jnp.where(keep, p_t, 0.0)
+                    s_t = jnp.where(keep, s_t, -jnp.inf)
+                p_t = jnp.exp2(s_t - lse_ref[h : h + 1, :])
                 dv_acc_ref[j] += dot_nn(p_t.astype(do.dtype), do)
                 dp_t = dot_nt(v, do)
                 ds_t = _softcap_grad(p_t * (dp_t - delta_ref[h : h + 1, :]), t_t)
@@ -210,6 +222,12 @@ def backward(
     if d_lse is not None:
         delta = delta - d_lse
     padded_rows = g.num_q_blocks * g.block_q
+    dsinks = None
+    if sinks is not None:
+        lse_heads = lse.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
+        delta_heads = delta.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
+        dsinks = -jnp.sum(jnp.exp(sinks[None, :] - lse_heads) * delta_heads, axis=0)
+    lse = lse * LOG2_E  # the kernels take scores in log2 units
     lse_rows = _pad_rows(lse.transpose(0, 2, 1), padded_rows, jnp.inf)
     delta_rows = _pad_rows(delta.transpose(0, 2, 1), padded_rows, 0.0)
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit_bytes)
@@ -224,7 +242,10 @@ def backward(
             grid=(g.head_groups, q_count),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((g.block_q, hs * g.head_dim), q_map),
-            scratch_shapes=[pltpu.VMEM((hs, g.block_q, g.head_dim), jnp.float32)],
+            scratch_shapes=[
+                pltpu.VMEM((g.block_q, hs * g.head_dim), q2d.dtype),
+                pltpu.VMEM((hs, g.block_q, g.head_dim), jnp.float32),
+            ],
         ),
         compiler_params=params,
         cost_estimate=pl.CostEstimate(
@@ -248,6 +269,7 @@ def backward(
                 pl.BlockSpec((g.block_kv, g.kv_heads_per_step * g.v_head_dim), kv_map),
             ],
             scratch_shapes=[
+                pltpu.VMEM((g.block_kv, g.kv_heads_per_step * g.head_dim), k2d.dtype),
                 pltpu.VMEM((g.kv_heads_per_step, g.block_kv, g.head_dim), jnp.float32),
                 pltpu.VMEM((g.kv_heads_per_step, g.block_kv, g.v_head_dim), jnp.float32),
             ],
@@ -261,9 +283,4 @@ def backward(
         name="flash_attention_dkv",
     )(kv_visits, status, qinfo_rows, q2d, k2d, v2d, d_out, lse_rows, delta_rows)
 
-    dsinks = None
-    if sinks is not None:
-        lse_heads = lse.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
-        delta_heads = delta.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
-        dsinks = -jnp.sum(jnp.exp(sinks[None, :] - lse_heads) * delta_heads, axis=0)
     return dq, dk, dv, dsinks

@@ -26,25 +26,12 @@ from .geometry import (
     dot_nn,
     dot_nt,
     keep_mask,
+    lanes,
     log2_scores,
     query_scale,
+    row_stat,
     sanitize_rows,
 )
-
-
-def _lanes(x, width: int):
-    """A lane-replicated (rows, 128) statistic as (rows, width): whole vregs repeated when width is a multiple of
-    128 (no lane shuffles), a slice below 128, a broadcast otherwise (small full-dimension blocks only)."""
-    if width % LANES == 0:
-        return jnp.tile(x, (1, width // LANES))
-    if width < LANES:
-        return x[:, :width]
-    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
-
-
-def _row_stat(x):
-    """A (rows, 1) row reduction as a lane-replicated (rows, 128) statistic."""
-    return jnp.broadcast_to(x, (x.shape[0], LANES))
 
 
 def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks: bool, with_lse: bool):
@@ -82,12 +69,12 @@ def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks
                     # running max starts finite (MAX_INIT), so masked scores need no second select
                     s = jnp.where(keep, s, -jnp.inf)
                 m_prev = m_ref[h]
-                m_new = jnp.maximum(m_prev, _row_stat(jnp.max(s, axis=1, keepdims=True)))
-                p = jnp.exp2(s - _lanes(m_new, g.block_kv))
+                m_new = jnp.maximum(m_prev, row_stat(jnp.max(s, axis=1, keepdims=True)))
+                p = jnp.exp2(s - lanes(m_new, g.block_kv))
                 alpha = jnp.exp2(m_prev - m_new)
-                l_ref[h] = alpha * l_ref[h] + _row_stat(jnp.sum(p, axis=1, keepdims=True))
+                l_ref[h] = alpha * l_ref[h] + row_stat(jnp.sum(p, axis=1, keepdims=True))
                 m_ref[h] = m_new
-                acc_ref[h] = acc_ref[h] * _lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
+                acc_ref[h] = acc_ref[h] * lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
 
     compute = (word & schedule.COMPUTE) != 0
     masked = (word & schedule.MASKED) != 0

@@ -120,10 +120,16 @@ def log2_scores(raw, geometry: Geometry):
     return raw
 
 
-def scores(raw, geometry: Geometry):
-    """(s, t): the softmax logits from raw q.k products, and tanh(raw * scale / softcap) (the softcap's derivative
-    needs it; None without softcap)."""
-    if geometry.softcap > 0:
-        t = jnp.tanh(raw * (geometry.softmax_scale / geometry.softcap))
-        return t * geometry.softcap, t
-    return raw * geometry.softmax_scale, None
+def lanes(x, width: int):
+    """A lane-replicated (rows, 128) statistic as (rows, width): whole vregs repeated when width is a multiple of
+    128 (no lane shuffles), a slice below 128, a broadcast otherwise (small full-dimension blocks only)."""
+    if width % LANES == 0:
+        return jnp.tile(x, (1, width // LANES))
+    if width < LANES:
+        return x[:, :width]
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+
+
+def row_stat(x):
+    """A (rows, 1) row reduction as a lane-replicated (rows, 128) statistic."""
+    return jnp.broadcast_to(x, (x.shape[0], LANES))
