@@ -318,12 +318,22 @@ def splash_forward(q, k, v, *cu, cfg: Config):
     return _unpacked(out, cfg)
 
 
+def _tokamax():
+    """tokamax, imported lazily (a benchmarks-only dependency); it reads absl flags, which must never parse the
+    benchmark's own command line."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    import tokamax
+
+    return tokamax
+
+
 @functools.cache
 def _tokamax_table(name: str) -> tuple:
     """tokamax's installed TPU7x autotuning results: ((key, best config), ...)."""
-    import tokamax
-
-    path = pathlib.Path(tokamax.__file__).parent / "data" / "autotuning" / "tpu7x" / f"{name}.json"
+    path = pathlib.Path(_tokamax().__file__).parent / "data" / "autotuning" / "tpu7x" / f"{name}.json"
     out = []
     for key, results in json.loads(path.read_text()).items():
         if results:
@@ -350,6 +360,7 @@ def _tokamax_best(name: str, seq: int, head_dim: int, causal: bool) -> dict:
 
 
 def _tokamax_op(seq: int, head_dim: int, causal: bool):
+    _tokamax()
     from tokamax._src.ops.attention import pallas_mosaic_tpu as mosaic
     from tokamax._src.ops.attention import pallas_mosaic_tpu_vjp as mosaic_vjp
 
@@ -364,10 +375,10 @@ def _tokamax_op(seq: int, head_dim: int, causal: bool):
 
 
 def tokamax_forward(q, k, v, *cu, cfg: Config):
-    import tokamax
-
     implementation = _tokamax_op(q.shape[1], q.shape[3], cfg.causal)
-    return tokamax.dot_product_attention(q, k, v, scale=cfg.scale, is_causal=cfg.causal, implementation=implementation)
+    return _tokamax().dot_product_attention(
+        q, k, v, scale=cfg.scale, is_causal=cfg.causal, implementation=implementation
+    )
 
 
 # ------------------------------------------------------------------------------------------------- the backward
@@ -413,7 +424,7 @@ def _unsupported(impl, s) -> str | None:
         if s["window"] > 0 or s["layout"] == "varlen":
             return "tokamax's Mosaic TPU attention rejects sliding windows and packed sequences (k_start / k_end)"
         try:
-            import tokamax  # noqa: F401
+            _tokamax()
         except ImportError as e:
             return f"tokamax not installed ({e}); it is in the `bench` extra of pyproject.toml"
     return None
