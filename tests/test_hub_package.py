@@ -34,6 +34,8 @@ EXPECTED_OPS = tuple(
         "rms_norm_rope",
         "apply_rotary_from_positions",
         "rms_norm_rope_from_positions",
+        "flash_attention",
+        "flash_attention_varlen",
     )
     for suffix in ("", "_backward")
 )

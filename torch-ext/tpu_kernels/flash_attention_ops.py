@@ -17,6 +17,7 @@ import jax
 import torch
 
 from tpu_kernels_jax.flash_attention import api
+from tpu_kernels_jax.flash_attention import checks as attention_checks
 
 from . import _torch_checks as checks
 from ._op_registry import define_op
@@ -149,12 +150,12 @@ def _options(q, k, v, s_aux, *, ndim, softmax_scale, causal, window_size, softca
         return scale, bool(causal), int(left), int(right), float(softcap)
     ph = {name: checks.placeholder(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("s_aux", s_aux))}
     with _torch_names():
-        # The api has no public check function for attention yet; these are the checks its entry points run first.
-        _, q_heads, _, head_dim, _ = api._check_qkv(ph["q"], ph["k"], ph["v"], ndim)
-        scale, causal, (left, right), softcap = api._check_options(
+        # the checks the JAX entry points run first, on placeholders
+        _, q_heads, _, head_dim, _ = attention_checks.check_qkv(ph["q"], ph["k"], ph["v"], ndim)
+        scale, causal, (left, right), softcap = attention_checks.check_options(
             softmax_scale, causal, window_size, softcap, head_dim
         )
-        api._check_sinks(ph["s_aux"], q_heads)
+        attention_checks.check_sinks(ph["s_aux"], q_heads)
     return scale, causal, left, right, softcap
 
 
@@ -178,7 +179,9 @@ def _cu_seqlens(name, value, rows):
     value = checks.as_int32(name, value)
     if checks.tracing() or checks.has_symbolic_shape(value):
         return checks.contiguous(value), None
-    return checks.contiguous(value), api._check_cu_seqlens(name, checks.values_or_placeholder(name, value), rows)
+    return checks.contiguous(value), attention_checks.check_cu_seqlens(
+        name, checks.values_or_placeholder(name, value), rows
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- public API
@@ -258,8 +261,8 @@ def flash_attn_varlen_func(
         )
     max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k", max_seqlen_k)
     if not checks.tracing():  # under tracing they may be SymInts from transformers' `.item()`
-        max_q = api._check_max_seqlen("max_seqlen_q", max_q, longest_q)
-        max_k = api._check_max_seqlen("max_seqlen_k", max_k, longest_k)
+        max_q = attention_checks.check_max_seqlen("max_seqlen_q", max_q, longest_q)
+        max_k = attention_checks.check_max_seqlen("max_seqlen_k", max_k, longest_k)
     tensors = (checks.contiguous(t) for t in (q, k, v))
     return flash_attention_varlen_op(*tensors, cu_q, cu_k, checks.contiguous(s_aux), max_q, max_k, *options)
 
