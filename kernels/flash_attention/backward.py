@@ -1,12 +1,13 @@
 """Pallas TPU flash attention backward: a dq kernel and a dk/dv kernel, both recomputing the probabilities from the
-forward's log-sum-exp (flash-attn 2's split), and the sinks' gradient in XLA.
+forward's log-sum-exp (flash-attn 2's split); the sinks' gradient is a small XLA sum over the statistics.
 
 With p = exp(s - lse), dp = do v^T and delta = rowsum(o * do) (minus the lse cotangent, when the lse output is
 differentiated): ds = p * (dp - delta), times 1 - tanh^2 under a softcap; dq = ds k * scale, dk = ds^T q * scale,
 dv = p^T do. A sink s_h adds -sum_rows exp(s_h - lse) * delta to its own gradient.
 
-The dq kernel walks the forward's visit list (query-block order) in the forward's orientation, statistics as (bq, 1)
-columns. The dk/dv kernel walks the column-major list (key-block order) and computes the transposed scores
+The dq kernel runs first and walks the forward's visit list (query-block order) in the forward's orientation; at a
+query block's first visit it computes delta from the o and do blocks it holds (no separate pass over them) and
+writes it out for the dk/dv kernel, and keeps delta and lse as lane-replicated (bq, 128) statistics. The dk/dv kernel walks the column-major list (key-block order) and computes the transposed scores
 s^T = k q^T (bk, bq), so that every matmul takes its operands as stored (no transposes): dv += p^T do, dp^T = v do^T,
 dk += ds^T q, with the per-row statistics as (1, bq) lane rows. K/V heads accumulate over their query heads (GQA)
 in f32 scratch and are written at the key block's last visit.
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common.blocks import LANES
 from . import schedule
 from .geometry import LOG2_E, Geometry, dot_nn, dot_nt, keep_mask, lanes, query_scale, row_stat, sanitize_rows
 
@@ -44,9 +46,13 @@ def _dq_kernel(
     v_ref,
     do_ref,
     lse_ref,
-    delta_ref,
+    o_ref,
+    dlse_ref,
     dq_ref,
+    delta_out_ref,
     q_scaled_ref,
+    lse_s_ref,
+    delta_s_ref,
     acc_ref,
     *,
     geometry: Geometry,
@@ -58,8 +64,17 @@ def _dq_kernel(
 
     @pl.when((word & schedule.FIRST) != 0)
     def _init():
+        # once per query block: the scaled q, and per head its log-sum-exp (log2 units) and delta = rowsum(o * do)
+        # (minus the lse cotangent) as lane-replicated statistics; delta is also written out for the dk/dv kernel
         q_scaled_ref[...] = (q_ref[...].astype(jnp.float32) * query_scale(g)).astype(q_scaled_ref.dtype)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        for h in range(g.heads_per_step):
+            o = o_ref[:, h * dv : (h + 1) * dv].astype(jnp.float32)
+            do = do_ref[:, h * dv : (h + 1) * dv].astype(jnp.float32)
+            delta = jnp.sum(o * do, axis=1, keepdims=True) - dlse_ref[:, h : h + 1]
+            delta_out_ref[:, h : h + 1] = delta
+            delta_s_ref[h] = row_stat(delta)
+            lse_s_ref[h] = row_stat(lse_ref[:, h : h + 1] * LOG2_E)
 
     def accumulate(masked: bool):
         keep = keep_mask(qinfo_ref[:, 0:1], qinfo_ref[:, 1:2], kv_block, g.block_kv) if masked else None
@@ -71,9 +86,9 @@ def _dq_kernel(
                 s, t = _log2_scores(dot_nt(q_scaled_ref[:, h * d : (h + 1) * d], k), g)
                 if masked:
                     s = jnp.where(keep, s, -jnp.inf)  # exp2(-inf - lse) = 0: the one select a masked score needs
-                p = jnp.exp2(s - lanes(row_stat(lse_ref[:, h : h + 1]), g.block_kv))
+                p = jnp.exp2(s - lanes(lse_s_ref[h], g.block_kv))
                 dp = dot_nt(do_ref[:, h * dv : (h + 1) * dv], v)
-                ds = _softcap_grad(p * (dp - lanes(row_stat(delta_ref[:, h : h + 1]), g.block_kv)), t)
+                ds = _softcap_grad(p * (dp - lanes(delta_s_ref[h], g.block_kv)), t)
                 acc_ref[h] += dot_nn(ds.astype(k.dtype), k)
 
     compute = (word & schedule.COMPUTE) != 0
@@ -210,40 +225,33 @@ def backward(
     q2d, k2d, v2d, sinks, out, lse, d_out, d_lse, plan, static_counts, *, geometry: Geometry, vmem_limit_bytes
 ):
     """(dq, dk, dv, dsinks) of the forward's (out, lse); lse [head groups, Tq, heads per step] f32; d_lse None or in
-    lse's layout."""
+    lse's layout. The dq kernel runs first: it also computes delta, which the dk/dv kernel reads."""
     g = geometry
     hs = g.heads_per_step
     qinfo, qinfo_rows, q_visits, kv_visits, q_count, kv_count, status = plan
     if static_counts is not None:
         q_count, kv_count = static_counts
     d_out = d_out.astype(q2d.dtype)
-    delta = (out.astype(jnp.float32) * d_out.astype(jnp.float32)).reshape(g.q_rows, g.q_heads, g.v_head_dim).sum(-1)
-    delta = delta.reshape(g.q_rows, g.head_groups, hs).transpose(1, 0, 2)  # lse's layout
-    if d_lse is not None:
-        delta = delta - d_lse
-    padded_rows = g.num_q_blocks * g.block_q
-    dsinks = None
-    if sinks is not None:
-        lse_heads = lse.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
-        delta_heads = delta.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
-        dsinks = -jnp.sum(jnp.exp(sinks[None, :] - lse_heads) * delta_heads, axis=0)
-    lse = lse * LOG2_E  # the kernels take scores in log2 units
-    lse_rows = _pad_rows(lse.transpose(0, 2, 1), padded_rows, jnp.inf)
-    delta_rows = _pad_rows(delta.transpose(0, 2, 1), padded_rows, 0.0)
+    if d_lse is None:
+        d_lse = jnp.zeros(lse.shape, jnp.float32)
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit_bytes)
     flops_per_visit = 2 * g.q_heads * g.block_q * g.block_kv * (2 * g.head_dim + 2 * g.v_head_dim)
 
     in_specs, q_map, _ = _specs(g, rows_layout=False)
-    dq = pl.pallas_call(
+    stats_spec = in_specs[-1]
+    in_specs = in_specs[:-1] + [pl.BlockSpec((g.block_q, hs * g.v_head_dim), q_map), stats_spec]
+    dq, delta = pl.pallas_call(
         functools.partial(_dq_kernel, geometry=g),
-        out_shape=jax.ShapeDtypeStruct(q2d.shape, q2d.dtype),
+        out_shape=[jax.ShapeDtypeStruct(q2d.shape, q2d.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32)],
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(g.head_groups, q_count),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((g.block_q, hs * g.head_dim), q_map),
+            out_specs=[pl.BlockSpec((g.block_q, hs * g.head_dim), q_map), stats_spec],
             scratch_shapes=[
                 pltpu.VMEM((g.block_q, hs * g.head_dim), q2d.dtype),
+                pltpu.VMEM((hs, g.block_q, LANES), jnp.float32),
+                pltpu.VMEM((hs, g.block_q, LANES), jnp.float32),
                 pltpu.VMEM((hs, g.block_q, g.head_dim), jnp.float32),
             ],
         ),
@@ -251,10 +259,20 @@ def backward(
         cost_estimate=pl.CostEstimate(
             flops=flops_per_visit * q_visits.shape[0] * 3 // 4,
             transcendentals=g.q_heads * g.block_q * g.block_kv * q_visits.shape[0],
-            bytes_accessed=(2 * q2d.size + k2d.size + v2d.size + d_out.size) * q2d.dtype.itemsize,
+            bytes_accessed=(2 * q2d.size + k2d.size + v2d.size + 2 * d_out.size) * q2d.dtype.itemsize,
         ),
         name="flash_attention_dq",
-    )(q_visits, status, qinfo, q2d, k2d, v2d, d_out, lse, delta)
+    )(q_visits, status, qinfo, q2d, k2d, v2d, d_out, lse, out, d_lse)
+
+    padded_rows = g.num_q_blocks * g.block_q
+    dsinks = None
+    if sinks is not None:
+        lse_heads = lse.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
+        delta_heads = delta.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
+        dsinks = -jnp.sum(jnp.exp(sinks[None, :] - lse_heads) * delta_heads, axis=0)
+    # the dk/dv kernel takes its statistics as lane rows, the log-sum-exp in log2 units
+    lse_rows = _pad_rows((lse * LOG2_E).transpose(0, 2, 1), padded_rows, jnp.inf)
+    delta_rows = _pad_rows(delta.transpose(0, 2, 1), padded_rows, 0.0)
 
     in_specs, _, kv_map = _specs(g, rows_layout=True)
     dk, dv = pl.pallas_call(
