@@ -7,9 +7,10 @@ dv = p^T do. A sink s_h adds -sum_rows exp(s_h - lse) * delta to its own gradien
 
 The dq kernel runs first and walks the forward's visit list (query-block order) in the forward's orientation; at a
 query block's first visit it computes delta from the o and do blocks it holds (no separate pass over them) and
-writes it out for the dk/dv kernel, and keeps delta and lse as lane-replicated (bq, 128) statistics. The dk/dv kernel walks the column-major list (key-block order) and computes the transposed scores
-s^T = k q^T (bk, bq), so that every matmul takes its operands as stored (no transposes): dv += p^T do, dp^T = v do^T,
-dk += ds^T q, with the per-row statistics as (1, bq) lane rows. K/V heads accumulate over their query heads (GQA)
+writes it out for the dk/dv kernel, and keeps delta and lse as lane-replicated (bq, 128) statistics. The dk/dv
+kernel walks the column-major list (key-block order) and computes the transposed scores s^T = k q^T (bk, bq), so
+that every matmul takes its operands as stored (no transposes): dv += p^T do, dp^T = v do^T, dk += ds^T q, with the
+per-row statistics as (1, bq) lane rows. K/V heads accumulate over their query heads (GQA)
 in f32 scratch and are written at the key block's last visit.
 """
 

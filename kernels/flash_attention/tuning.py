@@ -52,17 +52,25 @@ def check_blocks_type(blocks):
 
 
 def working_set(block_q, block_kv, kv_heads_per_step, group, head_dim, v_head_dim, itemsize) -> int:
-    """VMEM of the widest kernel (the dk/dv kernel streams q, do in and keeps dk, dv accumulators; the forward
-    streams q in, out out and keeps the output accumulator): double-buffered blocks, f32 scratch and the f32
-    temporaries of one head's (block_q, block_kv) scores."""
+    """VMEM of the widest of the three kernels: double-buffered blocks, scratch, and the f32 temporaries of the
+    (block_q, block_kv) score tiles (8 of them: Mosaic keeps several heads' tiles alive in the unrolled head loop;
+    fewer underestimates what a head dim 512 forward needs)."""
     heads = kv_heads_per_step * group
-    q_blocks = 2 * block_q * heads * (head_dim + v_head_dim) * itemsize  # q and out (or do)
-    kv_blocks = 2 * block_kv * kv_heads_per_step * (head_dim + v_head_dim) * itemsize
-    rows = 2 * block_q * (LANES * 4 + heads * 4 * 4)  # row ranges and per-row statistics blocks (lane padded)
-    accumulators = max(heads * block_q * v_head_dim, kv_heads_per_step * block_kv * (head_dim + v_head_dim)) * 4
-    accumulators += max(heads * block_q * head_dim * 4, 2 * heads * block_q * LANES * 4)  # dq or m, l
-    temporaries = 6 * block_q * block_kv * 4
-    return q_blocks + kv_blocks + rows + accumulators + temporaries
+    row_block = block_q * LANES * 4  # a (block_q, up to 128) f32 / int32 block: lanes padded to 128
+    stat = heads * block_q * LANES * 4  # lane-replicated per-row statistics of every head of the step
+    q = block_q * heads * head_dim * itemsize
+    o = block_q * heads * v_head_dim * itemsize
+    k = block_kv * kv_heads_per_step * head_dim * itemsize
+    v = block_kv * kv_heads_per_step * v_head_dim * itemsize
+    temporaries = 8 * block_q * block_kv * 4
+    forward = 2 * (q + o + k + v + 2 * row_block) + q + 2 * stat + heads * block_q * v_head_dim * 4
+    dq = 2 * (2 * q + o + k + v + 5 * row_block) + q + 2 * stat + heads * block_q * head_dim * 4
+    dkv = (
+        2 * (q + o + 2 * k + 2 * v + 3 * 8 * block_q * 4)
+        + k
+        + kv_heads_per_step * block_kv * (head_dim + v_head_dim) * 4
+    )
+    return max(forward, dq, dkv) + temporaries
 
 
 def _table_entry(generation: str, head_dim: int) -> tuple[int, int]:
