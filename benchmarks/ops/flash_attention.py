@@ -344,7 +344,8 @@ def _tokamax_table(name: str) -> tuple:
 
 def _tokamax_best(name: str, seq: int, head_dim: int, causal: bool) -> dict:
     """The config tokamax's autotuning chose for its entry nearest this call (same causality; nearest head dim,
-    then nearest sequence length on a log scale); forward entries without residuals."""
+    then nearest sequence length on a log scale; forward entries without residuals), its tiles clipped to the
+    sequence and, past the data's widest head dim (256), shrunk by the head dims' ratio (the same VMEM a step)."""
 
     def dims(key):
         batch_seq_heads_dim = key["q"].split("[")[1].rstrip("]").split(",")
@@ -356,6 +357,14 @@ def _tokamax_best(name: str, seq: int, head_dim: int, causal: bool) -> dict:
     key, best = min(
         entries, key=lambda e: (abs(math.log2(dims(e[0])[1] / head_dim)), abs(math.log2(dims(e[0])[0] / seq)))
     )
+    shrink = max(1, head_dim // dims(key)[1])
+    best = dict(best)
+    tiles = [k for k in best if k.startswith("block_")]
+    for k in tiles:
+        best[k] = min(seq, best[k] if k.endswith("_compute") else max(128, best[k] // shrink))
+    for k in tiles:  # a compute tile divides its block
+        if k.endswith("_compute"):
+            best[k] = min(best[k], best[k.removesuffix("_compute")])
     return best
 
 
@@ -365,10 +374,7 @@ def _tokamax_op(seq: int, head_dim: int, causal: bool):
     from tokamax._src.ops.attention import pallas_mosaic_tpu_vjp as mosaic_vjp
 
     fwd = _tokamax_best("pallas_mosaic_tpu_flash_attention", seq, head_dim, causal)
-    tile = lambda x: min(x, seq)  # noqa: E731
-    fwd.update({k: tile(fwd[k]) for k in ("block_q", "block_kv", "block_kv_compute")})
     vjp = _tokamax_best("pallas_mosaic_tpu_flash_attention_vjp", seq, head_dim, causal)
-    vjp.update({k: tile(vjp[k]) for k in ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute")})
     return mosaic.PallasMosaicTpuFlashAttention(
         config=mosaic.Config(**fwd), vjp=mosaic_vjp.PallasMosaicTpuFlashAttentionVjp(config=mosaic_vjp.Config(**vjp))
     )
