@@ -16,12 +16,18 @@ from ..common import chip
 from ..common.blocks import LANES, check_block_dim, check_tile, check_vmem_fit
 from .geometry import min_kv_heads_per_step
 
-# (block_q, block_kv) by generation and head dim (the widest of Q/K's and V's): 512 x 512 keeps the v6e/v7x MXU
-# (256 wide) busy; head dim 512 halves the key block to keep the working set in VMEM.
+# (block_q, block_kv) by generation and head dim (the widest of Q/K's and V's), chosen with the performance model
+# (`python -m benchmarks --kernel flash_attention --sweep`): the pair with the least modeled forward + backward time
+# over the benchmark's seq 4096 shapes (causal and not); under 0.5 % counts as a tie, kept at 512 x 512. v6e head dim
+# 128: 1024 x 1024, forward -9 / -22 % (causal / not), backward +1 / -9 %; over Qwen3's causal shapes -4 % in all
+# (seq 32768: -23 % forward, -8 % backward), but slower at seq 1024 (+7 % / +15 %; a 1024 block is one causal
+# triangle, half masked) and packed sequences (+4..38 %): a choice by sequence length would take both. Head dim 512:
+# 512 x 1024 on v6e (-16 % against 512 x 256), 256 x 512 on v7x (-16 % against 256 x 256; the dq kernel overflows its
+# 48 MiB at 512 x 256). v5e's 128-wide MXUs gain nothing from larger blocks. Head dim 64 has no benchmark shape.
 TABLE = {
-    "v5e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (512, 256)},
-    "v6e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (512, 256)},
-    "v7x": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (256, 256)},
+    "v5e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (512, 512)},
+    "v6e": {64: (512, 512), 128: (1024, 1024), 256: (512, 512), 512: (512, 1024)},
+    "v7x": {64: (512, 512), 128: (1024, 512), 256: (512, 512), 512: (256, 512)},
 }
 # Never ask for more than this share of the core's VMEM.
 VMEM_SHARE = 0.75
