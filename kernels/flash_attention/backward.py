@@ -92,16 +92,7 @@ def _dq_kernel(
                 ds = _softcap_grad(p * (dp - lanes(delta_s_ref[h], g.block_kv)), t)
                 acc_ref[h] += dot_nn(ds.astype(k.dtype), k)
 
-    compute = (word & schedule.COMPUTE) != 0
-    masked = (word & schedule.MASKED) != 0
-
-    @pl.when(compute & masked)
-    def _masked():
-        accumulate(True)
-
-    @pl.when(compute & ~masked)
-    def _full():
-        accumulate(False)
+    schedule.run_visit(word, accumulate)
 
     @pl.when((word & schedule.LAST) != 0)
     def _finalize():
@@ -161,16 +152,7 @@ def _dkv_kernel(
                 ds_t = _softcap_grad(p_t * (dp_t - delta_ref[h : h + 1, :]), t_t)
                 dk_acc_ref[j] += dot_nn(ds_t.astype(q.dtype), q)
 
-    compute = (word & schedule.COMPUTE) != 0
-    masked = (word & schedule.MASKED) != 0
-
-    @pl.when(compute & masked)
-    def _masked():
-        accumulate(True)
-
-    @pl.when(compute & ~masked)
-    def _full():
-        accumulate(False)
+    schedule.run_visit(word, accumulate)
 
     @pl.when((word & schedule.LAST) != 0)
     def _finalize():

@@ -76,16 +76,7 @@ def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks
                 m_ref[h] = m_new
                 acc_ref[h] = acc_ref[h] * lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
 
-    compute = (word & schedule.COMPUTE) != 0
-    masked = (word & schedule.MASKED) != 0
-
-    @pl.when(compute & masked)
-    def _masked():
-        accumulate(True)
-
-    @pl.when(compute & ~masked)
-    def _full():
-        accumulate(False)
+    schedule.run_visit(word, accumulate)
 
     @pl.when((word & schedule.LAST) != 0)
     def _finalize():

@@ -19,6 +19,7 @@ constant of the program) and from traced cu_seqlens (varlen).
 
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 EMPTY_LO = 2**30
 EMPTY_HI = -1
@@ -31,6 +32,15 @@ LAST = 1 << 27  # the last visit of its output block (finalise and write)
 COMPUTE = 1 << 28  # some score of the pair is kept (else the visit only initialises / finalises)
 MASKED = 1 << 29  # some score of the pair is masked
 BLOCK_MASK = MAX_BLOCKS - 1
+
+
+def run_visit(word, accumulate):
+    """In a kernel body: `accumulate(masked)` for a visit that computes, traced twice (with and without the mask) so
+    that wholly kept pairs run no mask code; a visit without COMPUTE runs neither."""
+    compute = (word & COMPUTE) != 0
+    masked = (word & MASKED) != 0
+    pl.when(compute & masked)(lambda: accumulate(True))
+    pl.when(compute & ~masked)(lambda: accumulate(False))
 
 
 def unpack(word):
