@@ -76,7 +76,9 @@ def test_forward_matches_reference(rand, feature):
 
     out, lse = ladder.run_interpreted(kernel, *args)
     ref_out, ref_lse = attention_reference(*args[:3], sinks=args[3], return_lse=True, **options)
-    ladder.assert_close(out, ref_out, dtype=jnp.float32, what="out", context=repr(rand), **F32_TOL)
+    # at scale 1.0 the logits are sqrt(D) = 8x the default scale's, and f32 exp rounding grows with the logit
+    tol = dict(F32_TOL, atol=8 * F32_TOL["atol"]) if feature == "scale_one" else F32_TOL
+    ladder.assert_close(out, ref_out, dtype=jnp.float32, what="out", context=repr(rand), **tol)
     _assert_lse_close(lse, ref_lse, "lse", rand)
 
 
