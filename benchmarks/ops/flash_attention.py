@@ -18,10 +18,14 @@ Roofline: the MXU flops of the kept scores only (causal: the lower triangle; a w
 sequence): forward 2 * kept * (D + Dv) per query head (two matmuls), backward 2 * kept * (3 D + 2 Dv) (five: the score
 recompute, dp = do v^T, dv, dq, dk; flash-attn's 2.5x the forward), or the HBM bytes if those take longer.
 
-Implementations (all compiled by the same compiler in the same run, modeled on one TensorCore):
+Implementations (all compiled by the same compiler in the same run, modeled on one TensorCore). On v5e / v6e the
+flash-attn layout costs every one of them a relayout of q and of the output in XLA (the (8, 128) tiles of [.., H, D]
+are not those of the [T, H * D] or [H, S, D] views the kernels take): 2 x 409 µs at Qwen3's 32768 tokens on v6e.
 - default: XLA attention, the plain jnp composition: bf16 matmuls with f32 scores and softmax. It materialises the
   scores, so it runs per chunk of sequences and query rows with at most 2^30 scores each (the whole batch's scores
-  would not fit HBM from S = 8192); varlen: per sequence, with the lengths known at trace time.
+  would not fit HBM from S = 8192); varlen: per sequence, with the lengths known at trace time. With a mask XLA
+  materialises the broadcast mask and its estimate is 5-7x the unmasked one (jax.nn.dot_product_attention's XLA path
+  compiles to the same).
 - jax_flash: jax.experimental.pallas.ops.tpu.flash_attention, layout [B, H, S, D]: q, k, v are transposed into it and
   the output back, and K/V are repeated to every query head (it has no GQA); those XLA copies are in its time. Causal
   only (no window); varlen as one packed sequence with segment ids. Tiles 512 (or the sequence length).
@@ -30,8 +34,8 @@ Implementations (all compiled by the same compiler in the same run, modeled on o
   masks; varlen as one packed sequence with segment ids. Tiles 1024 (kv compute 512), or the sequence length.
 - tokamax: tokamax.dot_product_attention with its Mosaic TPU implementation (a splash fork), at the tiles tokamax's
   own TPU7x autotuning data picked for the nearest shape it has (same causality, nearest head dim and length): it
-  ships no v6e or v5e data, and its heuristic default (128 tiles) models 6-12x slower. Not for sliding windows or
-  packed sequences (it rejects k_start/k_end and has no segment ids).
+  ships no v6e or v5e data, and its heuristic default (128 tiles) models 12x slower at Qwen3's causal seq 4096.
+  Not for sliding windows or packed sequences (it rejects k_start/k_end and has no segment ids).
 
 Targets, on the modeled v6e figures: forward >= 50 % of MXU peak at S >= 4096 for head dim 128, >= 65 % for head dims
 256 and 512 (no mask); causal forwards (windowed included) >= 45 % of peak on their kept scores; backward >= 40 % at
