@@ -1,0 +1,260 @@
+"""Pallas TPU ragged paged attention: online softmax over the visits of each query block (schedule.py), with the key
+and value pages gathered from the paged cache by the kernel's own DMAs.
+
+Layouts. The caches stay where they are, [pages, page_size, kv_heads * head_dim] (a free view of flash-attn's
+[pages, page_size, kv_heads, head_dim]), in HBM (`pl.ANY`): a visit copies the pages of its key block, each page one
+contiguous DMA holding every kv head, into a (pages_per_block, page_size, lanes) VMEM buffer; two buffers, so the
+next visit's pages arrive while this one computes. Queries come as [kv_heads, tokens * group, head_dim]: the query
+heads of one kv head are consecutive rows of one token (GQA folded into the rows), so one matmul per kv head serves
+the whole group. At decode a token's group of heads fills the MXU rows that one query row would leave idle.
+
+Statistics follow the flash attention forward (scores in log2 units, a finite running-max start, -inf for masked
+scores, lane-replicated per-row statistics). Visits that mask: rows of other sequences (a query block may hold many
+sequences), causality and the window, and value rows past the fetched pages or the context (zeroed: their VMEM is
+stale, and zero weight times NaN is NaN). A float8 cache is widened in VMEM; its scales are folded into the query
+scale (k_scale) and the output's normaliser (v_scale).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ..common.blocks import LANES
+from ..flash_attention.geometry import LOG2_E, MAX_INIT, dot_nn, dot_nt, lanes, row_stat
+from . import schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The static shape of one call as the kernel sees it."""
+
+    tokens: int  # query tokens, padded to whole query blocks
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    page_size: int
+    pages_per_seq: int
+    pages_per_block: int
+    block_q: int  # query tokens per block
+    softmax_scale: float
+    softcap: float
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def block_rows(self) -> int:
+        """Query rows per block: tokens x the query heads of one kv head."""
+        return self.block_q * self.group
+
+    @property
+    def block_kv(self) -> int:
+        return self.page_size * self.pages_per_block
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.pages_per_seq // self.pages_per_block)
+
+    @property
+    def max_context(self) -> int:
+        return self.pages_per_seq * self.page_size
+
+
+def _page_copies(visit, slot, refs, layout: Layout):
+    """(fetch?, K copy, V copy) for each page slot of the visit's key block."""
+    kv_blocks_ref, rows_ref, pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems = refs
+    block = kv_blocks_ref[visit]
+    seq, block_in_seq = block // layout.blocks_per_seq, block % layout.blocks_per_seq
+    rows = rows_ref[visit]
+    first, end = rows & schedule.ROW_MASK, rows >> schedule.ROW_BITS
+    copies = []
+    for i in range(layout.pages_per_block):
+        page_in_seq = block_in_seq * layout.pages_per_block + i
+        fetch = (i * layout.page_size + layout.page_size > first) & (i * layout.page_size < end)
+        fetch &= page_in_seq < layout.pages_per_seq
+        page = pages_ref[seq * layout.pages_per_seq + jnp.minimum(page_in_seq, layout.pages_per_seq - 1)]
+        k_copy = pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, i], sems.at[slot, 0])
+        v_copy = pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, i], sems.at[slot, 1])
+        copies.append((fetch, k_copy, v_copy))
+    return copies
+
+
+def _start(visit, slot, refs, layout):
+    for fetch, k_copy, v_copy in _page_copies(visit, slot, refs, layout):
+
+        @pl.when(fetch)
+        def _():
+            k_copy.start()
+            v_copy.start()
+
+
+def _wait(visit, slot, refs, layout):
+    for fetch, k_copy, v_copy in _page_copies(visit, slot, refs, layout):
+
+        @pl.when(fetch)
+        def _():
+            k_copy.wait()
+            v_copy.wait()
+
+
+def _kernel(
+    words_ref,
+    kv_blocks_ref,
+    rows_ref,
+    pages_ref,
+    count_ref,
+    *refs,
+    layout: Layout,
+    compute_dtype,
+    has_sinks: bool,
+):
+    scales_ref, rinfo_ref, q_ref, *refs = refs
+    if has_sinks:
+        sinks_ref, *refs = refs
+    k_hbm, v_hbm, out_ref, k_buf, v_buf, sems, q_scaled_ref, m_ref, l_ref, acc_ref = refs
+    lay = layout
+    d, dv, bk = lay.head_dim, lay.v_head_dim, lay.block_kv
+    visit = pl.program_id(0)
+    count = count_ref[0]
+    word = words_ref[visit]
+    slot = visit % 2
+    compute = (word & schedule.COMPUTE) != 0
+    dma_refs = (kv_blocks_ref, rows_ref, pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems)
+
+    # The first visit fetches its own pages; every visit fetches the next one's, which then arrive during this one.
+    pl.when((visit == 0) & compute)(lambda: _start(visit, slot, dma_refs, lay))
+    following = jnp.minimum(visit + 1, words_ref.shape[0] - 1)
+    pl.when((visit + 1 < count) & ((words_ref[following] & schedule.COMPUTE) != 0))(
+        lambda: _start(following, 1 - slot, dma_refs, lay)
+    )
+
+    @pl.when((word & schedule.FIRST) != 0)
+    def _init():
+        # scores in log2 units: q scaled once per query block by softmax_scale * k_scale * log2(e) (by
+        # softmax_scale * k_scale / softcap under a softcap, whose tanh comes first)
+        factor = lay.softmax_scale / lay.softcap if lay.softcap > 0 else lay.softmax_scale * LOG2_E
+        q_scaled_ref[...] = (q_ref[...].astype(jnp.float32) * (factor * scales_ref[0])).astype(q_scaled_ref.dtype)
+        m_ref[...] = jnp.full(m_ref.shape, MAX_INIT, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    pl.when(compute)(lambda: _wait(visit, slot, dma_refs, lay))
+
+    def block_of(buf, j, width):
+        x = buf[slot, :, :, j * width : (j + 1) * width]
+        if x.dtype != compute_dtype:
+            x = x.astype(compute_dtype)
+        return x.reshape(bk, width)
+
+    def accumulate(masked: bool):
+        if masked:
+            block = kv_blocks_ref[visit]
+            seq, block_in_seq = block // lay.blocks_per_seq, block % lay.blocks_per_seq
+            key_base = seq * lay.max_context + block_in_seq * bk
+            keys = key_base + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            keep = (keys >= rinfo_ref[:, 0:1]) & (keys <= rinfo_ref[:, 1:2])
+            rows = rows_ref[visit]
+            key_rows = jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+            fetched = (key_rows >= (rows & schedule.ROW_MASK)) & (key_rows < (rows >> schedule.ROW_BITS))
+        for j in range(lay.kv_heads):
+            k = block_of(k_buf, j, d)
+            v = block_of(v_buf, j, dv)
+            if masked:
+                v = jnp.where(fetched, v, jnp.zeros_like(v))
+            s = dot_nt(q_scaled_ref[j], k)
+            if lay.softcap > 0:
+                s = jnp.tanh(s) * (lay.softcap * LOG2_E)
+            if masked:
+                s = jnp.where(keep, s, -jnp.inf)
+            m_prev = m_ref[j]
+            m_new = jnp.maximum(m_prev, row_stat(jnp.max(s, axis=1, keepdims=True)))
+            p = jnp.exp2(s - lanes(m_new, bk))
+            alpha = jnp.exp2(m_prev - m_new)
+            l_ref[j] = alpha * l_ref[j] + row_stat(jnp.sum(p, axis=1, keepdims=True))
+            m_ref[j] = m_new
+            acc_ref[j] = acc_ref[j] * lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
+
+    masked = (word & schedule.MASKED) != 0
+    pl.when(compute & masked)(lambda: accumulate(True))
+    pl.when(compute & ~masked)(lambda: accumulate(False))
+
+    @pl.when((word & schedule.LAST) != 0)
+    def _finalize():
+        for j in range(lay.kv_heads):
+            m, l = m_ref[j], l_ref[j]
+            if has_sinks:
+                sink = sinks_ref[j] * LOG2_E
+                m_final = jnp.maximum(m, sink)
+                rescale = jnp.exp2(m - m_final)
+                l = l * rescale + jnp.exp2(sink - m_final)
+            else:
+                rescale = 1.0
+            nonzero = l > 0
+            inv = jnp.where(nonzero, rescale * scales_ref[1] / jnp.where(nonzero, l, 1.0), 0.0)
+            out_ref[j] = (acc_ref[j] * lanes(inv, dv)).astype(out_ref.dtype)
+
+
+def paged_attention(
+    q_rows, k_pages, v_pages, rinfo, words, kv_blocks, rows, pages, count, scales, sinks, *, layout, vmem_limit_bytes
+):
+    """out [kv_heads, tokens * group, Dv] in q's dtype. q_rows [kv_heads, tokens * group, D]; k_pages / v_pages
+    [pages, page_size, kv_heads * D / Dv]; rinfo [tokens * group, 2] int32 (virtual lo, hi per row); words, kv_blocks,
+    rows: the visit lists; pages [seqs * pages_per_seq] int32; count [1] int32; scales [2] f32 (k, v); sinks None or
+    [kv_heads, block_q * group, 128] f32 (the sink logit of each row of a query block, lane-replicated)."""
+    lay = layout
+    hkv, rows_per_block = lay.kv_heads, lay.block_rows
+    compute_dtype = q_rows.dtype
+
+    def q_map(v, words_ref, *_):
+        return 0, words_ref[v] & schedule.QUERY_BLOCK_MASK, 0
+
+    def rinfo_map(v, words_ref, *_):
+        return words_ref[v] & schedule.QUERY_BLOCK_MASK, 0
+
+    in_specs = [
+        pl.BlockSpec(memory_space=pltpu.SMEM),
+        pl.BlockSpec((rows_per_block, 2), rinfo_map),
+        pl.BlockSpec((hkv, rows_per_block, lay.head_dim), q_map),
+    ]
+    operands = [scales, rinfo, q_rows]
+    if sinks is not None:  # the same pattern of heads in every query block
+        in_specs.append(pl.BlockSpec((hkv, rows_per_block, LANES), lambda v, *_: (0, 0, 0)))
+        operands.append(sinks)
+    in_specs += [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    operands += [k_pages, v_pages]
+    kernel = functools.partial(_kernel, layout=lay, compute_dtype=compute_dtype, has_sinks=sinks is not None)
+    size = words.shape[0]
+    kv_bytes = (lay.head_dim + lay.v_head_dim) * hkv * lay.block_kv * k_pages.dtype.itemsize
+    cost = pl.CostEstimate(
+        flops=2 * lay.q_heads * lay.block_q * lay.block_kv * (lay.head_dim + lay.v_head_dim) * size,
+        transcendentals=lay.q_heads * lay.block_q * lay.block_kv * size,
+        bytes_accessed=kv_bytes * size + 2 * q_rows.size * q_rows.dtype.itemsize,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((hkv, lay.tokens * lay.group, lay.v_head_dim), q_rows.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(count[0],),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((hkv, rows_per_block, lay.v_head_dim), q_map),
+            scratch_shapes=[
+                pltpu.VMEM((2, lay.pages_per_block, lay.page_size, hkv * lay.head_dim), k_pages.dtype),
+                pltpu.VMEM((2, lay.pages_per_block, lay.page_size, hkv * lay.v_head_dim), v_pages.dtype),
+                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.VMEM((hkv, rows_per_block, lay.head_dim), compute_dtype),
+                pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),
+                pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),
+                pltpu.VMEM((hkv, rows_per_block, lay.v_head_dim), jnp.float32),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes),
+        cost_estimate=cost,
+        name="ragged_paged_attention",
+    )(words, kv_blocks, rows, pages, count, *operands)

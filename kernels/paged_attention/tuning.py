@@ -1,0 +1,128 @@
+"""Tile sizes of the ragged paged attention kernel, per TPU generation.
+
+A visit multiplies one query block (queries_per_block tokens x the group's query heads, per kv head) by one key block
+(pages_per_block pages, every kv head) gathered into VMEM. The key block sets the DMA per visit, which must hide the
+~0.14 us cost of a grid step and the page copies' issue: 512 keys a visit (2 pages of 256, 32 of 16) is the
+default. The query block sets the vector work per visit: decode batches (about one token per sequence) take the
+fewest tokens whose rows fill a sublane tile, so that a visit's scores stay a few vregs; prefill-heavy batches take
+blocks of about 128 rows. Every entry is proven by the deviceless compile test on v5e, v6e and v7x.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from ..common import chip
+from ..common.blocks import check_tile, check_vmem_fit, sublane_multiple
+
+KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
+PREFILL_ROWS = {"v5e": 128, "v6e": 128, "v7x": 128}
+# Visit lists (three int32 words a visit) and the page table live in SMEM; beyond this, larger blocks are needed.
+SMEM_BUDGET_BYTES = 512 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionBlocks:
+    """Tile sizes of the ragged paged attention kernel: the `blocks=` of ragged_paged_attention.
+
+    queries_per_block: query tokens per block; times the query heads per kv head it must be a multiple of the sublane
+        tile (16 rows for 16-bit queries, 8 for float32) unless it covers all tokens. None: the table's.
+    pages_per_block: KV pages gathered per visit (at most the page table's width). None: about 512 keys.
+    vmem_limit_bytes: the scoped VMEM the kernel may use; None: derived from the working set.
+    """
+
+    queries_per_block: int | None = None
+    pages_per_block: int | None = None
+    vmem_limit_bytes: int | None = None
+
+
+def check_blocks_type(blocks):
+    if blocks is not None and not isinstance(blocks, PagedAttentionBlocks):
+        raise TypeError(f"blocks: expected a PagedAttentionBlocks or None, got {type(blocks).__name__}")
+
+
+def min_queries_per_block(group: int, dtype) -> int:
+    """The fewest tokens whose rows (tokens x group) are a whole number of sublane tiles."""
+    sub = sublane_multiple(dtype)
+    tokens = 1
+    while (tokens * group) % sub:
+        tokens += 1
+    return tokens
+
+
+def working_set(
+    *, queries_per_block, pages_per_block, page_size, kv_heads, group, head_dim, v_head_dim, q_itemsize, cache_itemsize
+) -> int:
+    rows = queries_per_block * group
+    keys = pages_per_block * page_size
+    buffers = 2 * keys * kv_heads * (head_dim + v_head_dim) * cache_itemsize
+    widened = keys * (head_dim + v_head_dim) * 4 if cache_itemsize == 1 else 0  # a float8 block widened, per head
+    q = kv_heads * rows * head_dim * q_itemsize
+    out = kv_heads * rows * v_head_dim * q_itemsize
+    stats = 2 * kv_heads * rows * 128 * 4
+    acc = kv_heads * rows * v_head_dim * 4
+    rinfo = 2 * rows * 128 * 4
+    temporaries = 6 * rows * keys * 4
+    return buffers + widened + 3 * q + 2 * out + stats + acc + rinfo + temporaries
+
+
+def resolve_blocks(
+    blocks,
+    *,
+    tokens,
+    num_seqs,
+    group,
+    page_size,
+    pages_per_seq,
+    kv_heads,
+    head_dim,
+    v_head_dim,
+    q_dtype,
+    cache_dtype,
+    info=None,
+) -> PagedAttentionBlocks:
+    """The blocks to use: the caller's, checked (fields named), with None fields from the table."""
+    info = info or chip.current_tpu_info()
+    generation = chip.generation_name(info)
+    blocks = blocks or PagedAttentionBlocks()
+    owner = "PagedAttentionBlocks"
+    min_q = min_queries_per_block(group, q_dtype)
+    if blocks.queries_per_block is None:
+        decode = tokens <= 2 * num_seqs
+        target = min_q if decode else max(min_q, PREFILL_ROWS.get(generation, 128) // group)
+        queries = -(-target // min_q) * min_q
+    else:
+        queries = check_tile(owner, "queries_per_block", blocks.queries_per_block)
+        if queries < tokens and (queries * group) % sublane_multiple(q_dtype):
+            raise ValueError(
+                f"{owner}.queries_per_block: expected a multiple of {min_q} (its {group} query heads per kv head make "
+                f"rows that must fill {sublane_multiple(q_dtype)}-row sublane tiles of {jnp.dtype(q_dtype)}) or at "
+                f"least the {tokens} query tokens, got {queries}"
+            )
+    queries = min(queries, -(-tokens // min_q) * min_q)
+    if blocks.pages_per_block is None:
+        pages = max(1, KEYS_PER_BLOCK.get(generation, 512) // page_size)
+    else:
+        pages = check_tile(owner, "pages_per_block", blocks.pages_per_block)
+    pages = min(pages, pages_per_seq)
+    if pages * page_size >= 1 << 15:
+        raise ValueError(
+            f"{owner}.pages_per_block: expected fewer than {(1 << 15) // page_size} pages of "
+            f"{page_size} keys (a visit addresses its key rows in 15 bits), got {pages}"
+        )
+    need = working_set(
+        queries_per_block=queries,
+        pages_per_block=pages,
+        page_size=page_size,
+        kv_heads=kv_heads,
+        group=group,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        q_itemsize=jnp.dtype(q_dtype).itemsize,
+        cache_itemsize=jnp.dtype(cache_dtype).itemsize,
+    )
+    limit = blocks.vmem_limit_bytes
+    check_vmem_fit(owner, need, limit, info)
+    if limit is None:
+        limit = chip.scoped_vmem_limit(info, need)
+    return PagedAttentionBlocks(queries_per_block=queries, pages_per_block=pages, vmem_limit_bytes=limit)
