@@ -673,3 +673,168 @@ def test_a_pipeline_too_long_to_evaluate_whole_is_sampled_and_scaled(monkeypatch
     assert k.hbm_bytes == pytest.approx(2 * 512 * 8 * 1024 * 4, rel=0.01)
     assert k.pipeline_steps == pytest.approx(512, rel=0.01)
     assert any("sample of its iterations" in n for n in sampled.notes), sampled.notes
+
+
+# ------------------------------------------------------------------ DMA shape: descriptors and contiguous runs
+
+
+def test_hbm_runs_follow_the_tiled_layout():
+    """Runs of a block or slice in XLA's tiled HBM layout (4 KiB tiles of the two minor dimensions, row-major)."""
+    from benchmarks.perf_model.dma_shape import hbm_runs
+
+    bf16, f32 = 2, 4
+    assert hbm_runs((4096, 4096), (128, 128), bf16) == 8  # one tile column: a run per 16 rows
+    assert hbm_runs((4096, 4096), (512, 1024), bf16) == 32  # 8 tiles a run, 32 tile rows
+    assert hbm_runs((4096, 4096), (128, 4096), bf16) == 1  # whole rows: contiguous
+    assert hbm_runs((65536, 1024), (512, 1024), f32) == 1
+    assert hbm_runs((512, 16, 1024), (1, 16, 1024), bf16) == 1  # a page of a paged cache
+    assert hbm_runs((64, 16, 16, 128), (1, 16, 8, 128), bf16) == 16  # 8 of 16 heads: half a tile per page row
+    assert hbm_runs((64, 16, 16, 128), (1, 16, 16, 128), bf16) == 1
+    assert hbm_runs((1024,), (100,), f32) == 1
+
+
+def _page_copies_kernel(idx_ref, x_hbm, o_hbm, sem, *, pages, contiguous):
+    if contiguous:  # one DMA of `pages` consecutive pages
+        copies = [pltpu.make_async_copy(x_hbm.at[pl.ds(idx_ref[0], pages)], o_hbm, sem)]
+    else:  # one DMA per page, as paged attention gathers its KV pages
+        copies = [pltpu.make_async_copy(x_hbm.at[idx_ref[i]], o_hbm.at[i], sem) for i in range(pages)]
+    for c in copies:
+        c.start()
+    for c in copies:
+        c.wait()
+
+
+def pallas_page_copies(idx, x, *, pages=64, contiguous=False):
+    """HBM -> HBM copy of `pages` pages of x (x: [num_pages, ...]): one DMA per page idx[i], or, `contiguous`, one DMA
+    of the pages from idx[0] on."""
+    return pl.pallas_call(
+        functools.partial(_page_copies_kernel, pages=pages, contiguous=contiguous),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec(memory_space=pl.ANY),
+            scratch_shapes=[pltpu.SemaphoreType.DMA],
+        ),
+        out_shape=jax.ShapeDtypeStruct((pages,) + x.shape[1:], x.dtype),
+    )(idx, x)
+
+
+def _head_copies_kernel(idx_ref, x_hbm, o_ref, buf, sem, *, pages, heads):
+    for i in range(pages):
+        c = pltpu.make_async_copy(x_hbm.at[idx_ref[i]].at[:, pl.ds(0, heads), :], buf.at[i], sem)
+        c.start()
+        c.wait()
+    o_ref[...] = buf[...]
+
+
+def pallas_head_copies(idx, x, *, pages=8, heads=8):
+    """Copies the first `heads` heads of `pages` pages (x: [num_pages, page_size, heads, head_dim]) with one DMA a
+    page through chained `.at` slices, as ragged paged attention fetches a block of heads of its combined K/V pages."""
+    shape = (pages, x.shape[1], heads, x.shape[3])
+    return pl.pallas_call(
+        functools.partial(_head_copies_kernel, pages=pages, heads=heads),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec(shape, lambda *_: (0, 0, 0, 0)),
+            scratch_shapes=[pltpu.VMEM(shape, x.dtype), pltpu.SemaphoreType.DMA],
+        ),
+        out_shape=jax.ShapeDtypeStruct(shape, x.dtype),
+    )(idx, x)
+
+
+def pallas_blocked_copy(x, *, block):
+    spec = pl.BlockSpec(block, lambda i, j: (i, j))
+    return pl.pallas_call(
+        _copy_kernel,
+        grid=(x.shape[0] // block[0], x.shape[1] // block[1]),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(x)
+
+
+@pytest.fixture
+def dma_shape_costs(monkeypatch):
+    """Sets v6e's per-DMA and per-run costs for one test (the model reads them through chips.get_chip)."""
+    import dataclasses
+
+    from benchmarks.perf_model import chips
+
+    def set_costs(descriptor_s, run_s):
+        monkeypatch.setitem(
+            chips.CALIBRATION,
+            "v6e",
+            dataclasses.replace(chips.CALIBRATION["v6e"], dma_descriptor_s=descriptor_s, dma_run_s=run_s),
+        )
+        chips.get_chip.cache_clear()
+        return chips.get_chip("v6e")
+
+    yield set_costs
+    monkeypatch.undo()
+    chips.get_chip.cache_clear()
+
+
+def test_many_page_dmas_model_slower_than_one_contiguous_dma_by_the_descriptor_cost(dma_shape_costs):
+    """The same 64 pages of 16 KiB as 64 DMAs or as one: the page copies cost 63 more descriptors, each
+    dma_descriptor_s on the DMA side (both kernels are DMA-bound), at the calibrated value and at a larger one."""
+    pages = _sds((256, 16, 512), jnp.bfloat16)
+    rng = np.random.default_rng()
+    idx = rng.permutation(256)[:64].astype(np.int32)
+    start = idx.copy()  # the same scalar prefetch (the same SMEM copy): the contiguous copy starts at start[0]
+    start[0] = rng.integers(0, 256 - 64)
+    chip = perf_model.get_chip("v6e")
+    for descriptor_s in (chip.dma_descriptor_s, 50e-9):
+        chip = dma_shape_costs(descriptor_s, chip.dma_run_s)
+        (gather,) = perf_model.model_function(pallas_page_copies, (idx, pages), gen="v6e").kernels
+        (one,) = perf_model.model_function(
+            functools.partial(pallas_page_copies, contiguous=True), (start, pages), gen="v6e"
+        ).kernels
+        assert gather.hbm_bytes_in - gather.hbm_bytes_from_schedule == 64 * 16 * 512 * 2
+        assert one.hbm_bytes_in - one.hbm_bytes_from_schedule == 64 * 16 * 512 * 2
+        assert gather.dma_descriptors - one.dma_descriptors == 63
+        assert gather.dma_runs - one.dma_runs == 63  # every page is contiguous: one run each
+        assert gather.dma_shape_s - one.dma_shape_s == pytest.approx(63 * descriptor_s)
+        assert gather.bound == one.bound == "hbm", (gather.compute_s, one.compute_s)
+        assert gather.modeled_s - one.modeled_s == pytest.approx(63 * descriptor_s, rel=1e-6, abs=1e-12)
+
+
+def test_a_strided_block_models_slower_than_a_contiguous_one_by_its_runs(dma_shape_costs):
+    """A (512, 128) block of a (4096, 1024) bf16 array is 32 runs of one tile; a (64, 1024) block of the same bytes is
+    one run. Same steps, same bytes: the strided copy costs 31 runs more per block DMA, dma_run_s each."""
+    x = _sds((4096, 1024), jnp.bfloat16)
+    chip = dma_shape_costs(perf_model.get_chip("v6e").dma_descriptor_s, 5e-9)
+    (strided,) = perf_model.model_function(
+        functools.partial(pallas_blocked_copy, block=(512, 128)), (x,), "v6e"
+    ).kernels
+    (contiguous,) = perf_model.model_function(
+        functools.partial(pallas_blocked_copy, block=(64, 1024)), (x,), "v6e"
+    ).kernels
+    assert [b["runs_per_transfer"] for b in strided.blocks] == [32, 32]
+    assert [b["runs_per_transfer"] for b in contiguous.blocks] == [1, 1]
+    assert strided.steps == contiguous.steps == 64 and strided.hbm_bytes == contiguous.hbm_bytes
+    transfers = 2 * 64
+    assert strided.dma_descriptors == contiguous.dma_descriptors == transfers
+    assert strided.dma_runs - contiguous.dma_runs == transfers * 31
+    assert strided.dma_shape_s - contiguous.dma_shape_s == pytest.approx(transfers * 31 * chip.dma_run_s)
+    assert strided.bound == contiguous.bound == "hbm"
+    gap = strided.modeled_s - contiguous.modeled_s
+    assert gap == pytest.approx(transfers * 31 * chip.dma_run_s, rel=0.1), (
+        gap,
+        strided.compute_s,
+        contiguous.compute_s,
+    )
+
+
+def test_manual_dma_runs_come_from_the_sliced_ref():
+    """A copy of 8 of 16 heads of a page (chained .at slices, as ragged paged attention's) is 16 runs of half a tile:
+    counted per DMA from the ref the DMA reads."""
+    x = _sds((64, 16, 16, 128), jnp.bfloat16)
+    idx = np.random.default_rng().permutation(64)[:8].astype(np.int32)
+    m = perf_model.model_function(pallas_head_copies, (idx, x), gen="v6e")
+    (k,) = m.kernels
+    assert not m.warnings, m.warnings
+    assert k.hbm_bytes_in - k.hbm_bytes_from_schedule == 8 * 16 * 8 * 128 * 2
+    schedule_dmas = k.dma_descriptors - 8 - 1  # the 8 head copies, the output block's writeback
+    assert schedule_dmas >= 0
+    assert k.dma_runs - schedule_dmas - 1 == 8 * 16

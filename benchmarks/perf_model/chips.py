@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
+
 # Per generation: (ChipVersion member name, deviceless topology name,
 # MXU rows per cycle from the compiler's bundle profile, see module docstring).
 _GENERATIONS = {
@@ -60,6 +62,10 @@ class Calibration:
     step_overhead_s: float  # per pipeline step (a grid step, or an iteration of a kernel's own DMA loop), beyond its
     # scheduled cycles and its DMA time: the step's semaphore waits and DMA issue, which the schedule does not show
     hbm_efficiency: float  # fraction of the table HBM bandwidth the DMAs of a kernel reach
+    dma_descriptor_s: float  # DMA-engine time per DMA (a pipeline block transfer, a make_async_copy), on top of its
+    # bytes: what makes many small page copies slower than one contiguous copy of the same bytes
+    dma_run_s: float  # DMA-engine time per contiguous run of a DMA in HBM beyond its first (a strided block or slice:
+    # dma_shape.hbm_runs), on top of its bytes
     provenance: str
 
 
@@ -68,12 +74,20 @@ class Calibration:
 _V5E_FIT = Calibration(
     step_overhead_s=0.14e-6,
     hbm_efficiency=0.80,
+    dma_descriptor_s=2.6e-9,
+    dma_run_s=0.0,
     provenance=(
         "step_overhead_s: the JAX Pallas TPU matmul tutorial's v5e timings with 128^3 tiles (4096^3 and 8192^3, "
         "32k-262k grid steps, compute 0.21 us a step): measured - modeled = 0.138-0.147 us per step. hbm_efficiency: "
         "the one HBM-bound measured point, tokamax's v5e ragged dot at 262144 x 256 x 7168 (4.8 GB read and written "
         "in 7.93 ms: 0.78 of the table bandwidth once compute overlaps), and XLA's own cost model, whose estimate for "
-        "a 256 MiB f32 elementwise op is 0.81 of the table bandwidth on v5e and on v6e"
+        "a 256 MiB f32 elementwise op is 0.81 of the table bandwidth on v5e and on v6e. dma_descriptor_s and "
+        "dma_run_s: NO measured point separates DMA shapes (every measured kernel moves 1-3 block DMAs a step, with "
+        "runs of >= 4 KiB); the tutorial's 128^3 points bound them (their two 32 KiB block DMAs of 8 runs must fit in "
+        "the step's 0.21 us of compute: 2 x dma_descriptor_s + 14 x dma_run_s <= 0.11 us). The values are XLA's own "
+        "cost model's (libtpu 0.0.50.1): a jnp.take of 2048 pages of 4 KiB (16 x 128 bf16) is estimated 3.9 cycles "
+        "a page (2.6 ns at 1.503 GHz) above a contiguous slice of the same bytes on v5e (0.9 cycles at 16 KiB pages, "
+        "0.1 at 64 KiB; none on v6e), and a tile-aligned strided slice (4 KiB runs) exactly as the contiguous one"
     ),
 )
 CALIBRATION = {"v5e": _V5E_FIT, "v6e": _V5E_FIT, "v7x": _V5E_FIT}
@@ -96,6 +110,8 @@ class Chip:
     launch_overhead_s: float = LAUNCH_OVERHEAD_S
     step_overhead_s: float = 0.0  # Calibration.step_overhead_s
     hbm_efficiency: float = 1.0  # Calibration.hbm_efficiency
+    dma_descriptor_s: float = 0.0  # Calibration.dma_descriptor_s
+    dma_run_s: float = 0.0  # Calibration.dma_run_s
 
     @property
     def dma_bytes_per_s(self) -> float:
@@ -105,6 +121,12 @@ class Chip:
     def stream_s(self, nbytes: float) -> float:
         """Seconds to move `nbytes` to or from HBM at the DMA bandwidth."""
         return nbytes / self.dma_bytes_per_s
+
+    def dma_shape_s(self, descriptors, runs):
+        """DMA-engine seconds for `descriptors` DMAs moving `runs` contiguous runs in all (at least one each), on top
+        of their bytes' stream time (arrays per step allowed)."""
+        extra_runs = np.maximum(np.asarray(runs, np.float64) - descriptors, 0.0)
+        return np.asarray(descriptors, np.float64) * self.dma_descriptor_s + extra_runs * self.dma_run_s
 
     @property
     def mxu_flops_per_cycle(self) -> int:
@@ -149,6 +171,8 @@ def get_chip(gen: str) -> Chip:
         mxu_rows_per_cycle=rows,
         step_overhead_s=CALIBRATION[gen].step_overhead_s,
         hbm_efficiency=CALIBRATION[gen].hbm_efficiency,
+        dma_descriptor_s=CALIBRATION[gen].dma_descriptor_s,
+        dma_run_s=CALIBRATION[gen].dma_run_s,
     )
 
 

@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import dma_shape
+
 # Values with more elements per step than this are not evaluated (the kernel's vector data, not its control flow).
 _MAX_ELEMENTS = 4096
 # Loop iterations evaluated one by one per kernel, summed over all loops; past it a loop's body is evaluated once with
@@ -96,6 +98,7 @@ class KernelEval:
     dma_in: np.ndarray  # manual DMA bytes from HBM per step
     dma_out: np.ndarray  # manual DMA bytes to HBM per step
     dma_count: np.ndarray  # manual DMAs issued per step (HBM <-> on-chip)
+    dma_runs: np.ndarray  # their contiguous runs in HBM per step (dma_shape.hbm_runs of each DMA's HBM-side slice)
     remote_bytes: np.ndarray  # DMAs to another device (ICI), per step; not HBM traffic of this core
     constructs: list[Construct]
     pipeline_steps: np.ndarray  # iterations per step of the loops that issue or wait on DMAs themselves (a manual
@@ -134,6 +137,7 @@ class _Evaluator:
         self.dma_in = np.zeros(steps, np.float64)
         self.dma_out = np.zeros(steps, np.float64)
         self.dma_count = np.zeros(steps, np.float64)
+        self.dma_runs = np.zeros(steps, np.float64)
         self.remote = np.zeros(steps, np.float64)
         self.pipeline_steps = np.zeros(steps, np.float64)
         self.constructs: list[Construct] = []
@@ -256,6 +260,7 @@ class _Evaluator:
             self.dma_out += weight * nbytes
         if s_hbm or d_hbm:
             self.dma_count += weight
+            self.dma_runs += weight * _runs(src if s_hbm else dst)
 
     # ------------------------------------------------------------------ walk
     def _eqn_facts(self, eqn):
@@ -517,7 +522,19 @@ class _Evaluator:
 
 
 # The evaluator's per-step totals that a sampled loop scales.
-_COUNTERS = ("flops", "dma_in", "dma_out", "dma_count", "remote", "pipeline_steps")
+_COUNTERS = ("flops", "dma_in", "dma_out", "dma_count", "dma_runs", "remote", "pipeline_steps")
+
+
+def _runs(ref) -> int:
+    """Contiguous HBM runs of a DMA whose HBM side is `ref` (one when its slicing cannot be read)."""
+    try:
+        selection = dma_shape.ref_selection(ref)
+        if selection is None:
+            return 1
+        shape, chosen = selection
+        return dma_shape.hbm_runs(shape, chosen, np.dtype(ref.dtype).itemsize)
+    except Exception:  # noqa: BLE001 - another jax's ref layout
+        return 1
 
 
 def _fori_trips(cond_jaxpr, n_consts, carry):
@@ -666,6 +683,7 @@ def evaluate_kernel(kjaxpr, grid, pids, steps, known_refs: dict[int, Any] | None
         dma_in=ev.dma_in,
         dma_out=ev.dma_out,
         dma_count=ev.dma_count,
+        dma_runs=ev.dma_runs,
         remote_bytes=ev.remote,
         constructs=ev.constructs,
         pipeline_steps=ev.pipeline_steps,

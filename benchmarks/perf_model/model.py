@@ -72,6 +72,9 @@ class KernelModel:
     hbm_bytes_bound: str  # "exact" | "lower" (some traffic not countable) | "upper" | "approximate" (both)
     hbm_bytes_from_schedule: int  # the part counted from the schedule's DMA instructions (SMEM operands, manual
     # DMAs, kernels with no pallas_call); the rest is the BlockSpec pipeline's, from the jaxpr
+    dma_descriptors: float  # DMAs issued (pipeline block transfers, the kernel's own copies, SMEM copies)
+    dma_runs: float  # their contiguous runs in HBM (perf_model.dma_shape)
+    dma_shape_s: float  # DMA-engine time for them by their shape (descriptors and runs), before overlap with compute
     blocks: list
     # time
     compute_s: float
@@ -377,11 +380,13 @@ def body_has_runtime_loops(body: str) -> bool:
 
 
 def _schedule_traffic(sched: B.KernelSchedule, steps: int, grid_known: bool, select):
-    """HBM bytes of the schedule's DMAs that `select` picks: (in per step, out per step, bound). A DMA before the grid
+    """HBM bytes of the schedule's DMAs that `select` picks: (in per step, out per step, DMAs per step, bound). A DMA
+    before the grid
     loop is charged to the first step, one after it to the last, one in it to every step, times the trips of the inner
     loops around it. Lower bound when a DMA cannot be sized or sits in a loop of unknown trips (counted once); upper
     bound when one is predicated (counted as always issued)."""
     reads, writes = np.zeros(steps), np.zeros(steps)
+    dmas = np.zeros(steps)  # DMAs per step (each one descriptor, one run: these copy whole SMEM operands)
     lower = upper = False
     for d in sched.dmas:
         if not d.touches_hbm or not select(d):
@@ -396,7 +401,8 @@ def _schedule_traffic(sched: B.KernelSchedule, steps: int, grid_known: bool, sel
             reads[at] += nbytes
         if d.dest == "hbm":
             writes[at] += nbytes
-    return reads, writes, _bound(lower, upper)
+        dmas[at] += repeats or 1
+    return reads, writes, dmas, _bound(lower, upper)
 
 
 def _loop_constructs(info, sched: B.KernelSchedule) -> dict[int, object]:
@@ -586,7 +592,7 @@ def _model_kernel(
     # pallas_call's jaxpr says it for kernels whose body is serialized as bytecode (tokamax's).
     runtime_loops = body_has_runtime_loops(body) or (info is not None and info.runtime_loops)
     unsized_matched = {i for i, _ in _loop_constructs(info, sched).items() if sched.inner_loops[i][2] is None}
-    manual_in = manual_out = np.zeros(1)
+    manual_in = manual_out = manual_dmas = manual_runs = np.zeros(1)
     manual_bound = "exact"
     if sched.unsized_loops and len(unsized_matched) < len(sched.unsized_loops):
         what = f"{len(sched.unsized_loops)} inner loop(s) at {', '.join(hex(a) for a in sched.unsized_loops)}"
@@ -616,6 +622,8 @@ def _model_kernel(
         if sched.has_loop and not sched.trip_count_static:
             trip = steps + 2  # dynamic grid: the steps come from the concrete inputs, plus the pipeline's two stages
         in_b, out_b = info.in_bytes.astype(np.float64), info.out_bytes.astype(np.float64)
+        in_d, out_d = info.in_dmas.astype(np.float64), info.out_dmas.astype(np.float64)
+        in_r, out_r = info.in_runs.astype(np.float64), info.out_runs.astype(np.float64)
         conds = info.cond_taken
         if sched.has_loop and trip - steps not in (0, 1, 2, 3):
             warnings.append(f"grid has {steps} steps but the loop runs {trip} iterations")
@@ -654,6 +662,7 @@ def _model_kernel(
         evaluated = info.evaluated
         if evaluated is not None:
             manual_in, manual_out = evaluated.dma_in, evaluated.dma_out
+            manual_dmas, manual_runs = evaluated.dma_count, evaluated.dma_runs
             manual_bound = _bound(evaluated.dmas_lower, evaluated.dmas_upper)
             if evaluated.extrapolated:
                 manual_bound = "approximate"
@@ -673,6 +682,7 @@ def _model_kernel(
         steps = max(1, trip - 2) if sched.has_loop and sched.trip_count_static else 1
         in_b = np.zeros(steps)
         out_b = np.zeros(steps)
+        in_d, out_d, in_r, out_r = (np.zeros(steps) for _ in range(4))
         skip = np.zeros((steps, len(sched.conds)), bool)
         dot_flops, grid, blocks = 0.0, grid_of_body or (), []
         jaxpr_bound = "exact"
@@ -681,8 +691,10 @@ def _model_kernel(
             "its HBM bytes are the DMAs of its schedule"
         )
         select = lambda d: True  # noqa: E731
-    sched_in, sched_out, sched_bound = _schedule_traffic(sched, steps, grid_known, select)
+    sched_in, sched_out, sched_dmas, sched_bound = _schedule_traffic(sched, steps, grid_known, select)
     in_b, out_b = in_b + sched_in, out_b + sched_out
+    # The schedule's DMAs are charged as inputs of their step (SMEM copies: before the body, after it, or in it).
+    in_d, in_r = in_d + sched_dmas, in_r + sched_dmas
     hbm_from_schedule = int(sched_in.sum() + sched_out.sum())
     bounds = {jaxpr_bound, sched_bound, manual_bound} - {"exact"}
     hbm_bytes_bound = _bound(bool(bounds & {"lower", "approximate"}), bool(bounds & {"upper", "approximate"}))
@@ -713,13 +725,22 @@ def _model_kernel(
     compute = step_cycles / clk
     # Pipeline: while step s computes, step s+1's inputs arrive and step s-1's outputs leave. The kernel's own DMAs
     # are issued within the step and overlap its compute (they are asynchronous; emit_pipeline double-buffers them).
-    dma = np.zeros(steps)
+    # Each DMA also costs DMA-engine time by its shape (chips.Calibration.dma_descriptor_s per DMA, dma_run_s per
+    # contiguous run in HBM beyond its first), on the DMA side of the step: it overlaps compute as the bytes do.
+    dma, descriptors, runs = np.zeros(steps), np.zeros(steps), np.zeros(steps)
     if steps > 1:
         dma[:-1] += in_b[1:]
         dma[1:] += out_b[:-1]
+        descriptors[:-1] += in_d[1:]
+        descriptors[1:] += out_d[:-1]
+        runs[:-1] += in_r[1:]
+        runs[1:] += out_r[:-1]
     manual = np.broadcast_to(manual_in + manual_out, (steps,)) if steps else np.zeros(0)
     dma = dma + manual
-    dma_t = dma / bw
+    descriptors = descriptors + (np.broadcast_to(manual_dmas, (steps,)) if steps else 0.0)
+    runs = runs + (np.broadcast_to(manual_runs, (steps,)) if steps else 0.0)
+    shape_t = chip.dma_shape_s(descriptors, runs)
+    dma_t = dma / bw + shape_t
     per_step = np.maximum(compute, dma_t)
     n_fill = max(0, trip - steps) if sched.has_loop else 0
     fixed_cycles = sched.prologue + sched.epilogue + n_fill * sched.fill_cycles()
@@ -729,7 +750,13 @@ def _model_kernel(
     if info is not None and info.evaluated is not None:
         pipeline_steps += float(info.evaluated.pipeline_steps.sum())
     step_overhead_s = pipeline_steps * chip.step_overhead_s
-    ends_s = (in_b[0] + out_b[-1]) / bw if steps else 0.0  # the first step's inputs, the last one's outputs
+    # The first step's inputs, the last one's outputs.
+    end_d, end_r = (in_d[0] + out_d[-1], in_r[0] + out_r[-1]) if steps else (0.0, 0.0)
+    end_shape_s = float(chip.dma_shape_s(end_d, end_r))
+    ends_s = ((in_b[0] + out_b[-1]) / bw if steps else 0.0) + end_shape_s
+    descriptors_total = float(descriptors.sum() + end_d)
+    runs_total = float(runs.sum() + end_r)
+    shape_total_s = float(shape_t.sum()) + end_shape_s
     total = ends_s + per_step.sum() + fixed_cycles / clk + step_overhead_s + chip.launch_overhead_s
     in_b = in_b + np.broadcast_to(manual_in, in_b.shape)  # the totals count both the pipeline's and the kernel's DMAs
     out_b = out_b + np.broadcast_to(manual_out, out_b.shape)
@@ -759,6 +786,9 @@ def _model_kernel(
         hbm_bytes_out=int(out_b.sum()),
         hbm_bytes_bound=hbm_bytes_bound,
         hbm_bytes_from_schedule=hbm_from_schedule,
+        dma_descriptors=descriptors_total,
+        dma_runs=runs_total,
+        dma_shape_s=shape_total_s,
         blocks=blocks,
         compute_s=float(compute.sum() + fixed_cycles / clk),
         hbm_s=hbm_bytes / bw,

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import dma_shape
 from . import kernel_eval as KE
 
 _is_literal = KE.is_literal
@@ -130,6 +131,7 @@ class BlockTraffic:
     exact: bool  # False when the index map could not be evaluated
     memory_space: str = "vmem"  # "vmem": pipelined by BlockSpecs (counted here); "smem", "any" (manual DMAs),
     # "semaphore": not pipelined, so 0 here; the model counts what the schedule's DMAs move for them
+    runs_per_transfer: int = 1  # contiguous runs in HBM of one block DMA (dma_shape.hbm_runs)
 
 
 @dataclasses.dataclass
@@ -139,6 +141,10 @@ class PallasCallInfo:
     steps: int
     in_bytes: np.ndarray  # per grid step: bytes fetched for this step's inputs
     out_bytes: np.ndarray  # per grid step: bytes written back after this step
+    in_dmas: np.ndarray  # per grid step: block DMAs fetching this step's inputs
+    out_dmas: np.ndarray  # per grid step: block DMAs writing back after this step
+    in_runs: np.ndarray  # per grid step: contiguous HBM runs of those DMAs
+    out_runs: np.ndarray
     blocks: list[BlockTraffic]
     cost_estimate: dict | None
     warnings: list[str]
@@ -286,6 +292,8 @@ def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
     scalars_known = all(s is not None for s in scalars)
     in_bytes = np.zeros(steps, np.int64)
     out_bytes = np.zeros(steps, np.int64)
+    dmas = {"input": np.zeros(steps, np.int64), "output": np.zeros(steps, np.int64)}
+    runs = {"input": np.zeros(steps, np.int64), "output": np.zeros(steps, np.int64)}
     blocks = []
     # Kernel operands whose contents are known at every step (for conditions on data): scalar prefetch, and the
     # blocks of concrete inputs. The kernel's operands are the scalar prefetch, then one per block mapping.
@@ -342,9 +350,20 @@ def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
             in_bytes += moved
         else:
             out_bytes += moved
+        block_runs = dma_shape.hbm_runs(arr, [min(s, dim) for (_, s), dim in zip(sizes, arr)], itemsize)
+        dmas[kind] += changed
+        runs[kind] += changed * block_runs
         blocks.append(
             BlockTraffic(
-                origin, kind, tuple(s for _, s in sizes), arr, str(dtype), int(changed.sum()), int(moved.sum()), exact
+                origin,
+                kind,
+                tuple(s for _, s in sizes),
+                arr,
+                str(dtype),
+                int(changed.sum()),
+                int(moved.sum()),
+                exact,
+                runs_per_transfer=block_runs,
             )
         )
     kjaxpr = p["jaxpr"]
@@ -359,7 +378,22 @@ def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
     ce = None if ce is None else {k: getattr(ce, k, None) for k in ("flops", "transcendentals", "bytes_accessed")}
     global_warnings.extend(f"{name}: {w}" for w in warnings)
     runtime_loops = _has_while(kjaxpr)
-    return PallasCallInfo(name, grid, steps, in_bytes, out_bytes, blocks, ce, warnings, runtime_loops, evaluated)
+    return PallasCallInfo(
+        name,
+        grid,
+        steps,
+        in_bytes,
+        out_bytes,
+        dmas["input"],
+        dmas["output"],
+        runs["input"],
+        runs["output"],
+        blocks,
+        ce,
+        warnings,
+        runtime_loops,
+        evaluated,
+    )
 
 
 def _has_while(jaxpr) -> bool:
