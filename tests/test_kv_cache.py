@@ -1,0 +1,620 @@
+"""The paged KV cache write, JAX side, up the ladder: the kernel in strict interpret mode against the reference on
+poisoned caches (exactly the named slots change, every other element unchanged bit for bit), skipped and
+out-of-range slots, fp8 round trips with traced scales, the fused RoPE against the rotary reference for every rope
+type, flash-attn's block-table addressing, bad input, TPU export, deviceless compile for v5e / v6e / v7x, and the
+compiled program's aliasing (a donated cache is never copied)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ladder
+import numpy as np
+import pytest
+from jax.experimental.layout import Format, Layout
+
+from tpu_kernels_jax.kv_cache import api, reference
+from tpu_kernels_jax.kv_cache.tuning import KVCacheBlocks
+
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+SMALL = KVCacheBlocks(block_tokens=8)
+# (kv_heads, head_dim, v_head_dim) of the models the benchmarks name: Qwen3-30B-A3B, Gemma 4 sliding and full.
+MODELS = {"qwen3": (4, 128, 128), "gemma4_sliding": (8, 256, 256), "gemma4_full": (2, 512, 512)}
+
+
+def _bits(x):
+    """The raw bits of an array (NaN compares equal to itself bit for bit)."""
+    x = np.asarray(x)
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def _poisoned_cache(rand, shape, dtype, poison):
+    if poison == "nan":
+        return jnp.full(shape, jnp.nan, jnp.float32).astype(dtype)
+    return rand.normal(shape, jnp.float32, scale=3.0).astype(dtype)
+
+
+def _slots(rand, tokens, num_pages, page_size, *, skip=0):
+    """Distinct slots across shuffled pages (pages in random order, random offsets), `skip` of them -1."""
+    slots = rand.rng.permutation(num_pages * page_size)[:tokens].astype(np.int32)
+    if skip:
+        slots[rand.rng.choice(tokens, skip, replace=False)] = -1
+    return jnp.asarray(slots)
+
+
+def _assert_only_slots_changed(before, after, expected, slots, what, rand):
+    """after == expected bit for bit; the rows of `slots` (>= 0, in range) hold new values, every other row keeps
+    `before`'s bits."""
+    flat_before = _bits(before).reshape((-1,) + before.shape[2:])
+    flat_after = _bits(after).reshape(flat_before.shape)
+    np.testing.assert_array_equal(flat_after, _bits(expected).reshape(flat_before.shape), err_msg=f"{what} {rand!r}")
+    slots = np.asarray(slots)
+    written = slots[(slots >= 0) & (slots < flat_before.shape[0])]
+    untouched = np.setdiff1d(np.arange(flat_before.shape[0]), written)
+    np.testing.assert_array_equal(flat_after[untouched], flat_before[untouched], err_msg=f"{what}: untouched rows")
+    assert not np.isnan(np.asarray(after).astype(np.float32).reshape(flat_before.shape)[written]).any(), what
+
+
+# ------------------------------------------------------------------------------------------------------ rung 1
+WRITE_CASES = {
+    # (dtype, num_pages, page_size, kv_heads, head_dim, v_head_dim, tokens, skipped, poison)
+    "bf16_page16": (jnp.bfloat16, 12, 16, 4, 128, 128, 37, 5, "nan"),
+    "f32_page64_random_poison": (jnp.float32, 5, 64, 2, 64, 64, 29, 3, "random"),
+    "bf16_head512_v256": (jnp.bfloat16, 6, 16, 2, 512, 256, 21, 2, "nan"),
+    "f32_one_head_page256": (jnp.float32, 2, 256, 1, 128, 128, 40, 0, "nan"),
+    "bf16_8_heads_256": (jnp.bfloat16, 4, 32, 8, 256, 256, 9, 9, "random"),  # every token skipped
+}
+
+
+@pytest.mark.parametrize("case", WRITE_CASES)
+def test_write_changes_exactly_the_named_slots(rand, case):
+    dtype, pages, page_size, heads, d, dv, tokens, skipped, poison = WRITE_CASES[case]
+    k_cache = _poisoned_cache(rand, (pages, page_size, heads, d), dtype, poison)
+    v_cache = _poisoned_cache(rand, (pages, page_size, heads, dv), dtype, poison)
+    key, value = rand.normal((tokens, heads, d), dtype), rand.normal((tokens, heads, dv), dtype)
+    slots = _slots(rand, tokens, pages, page_size, skip=skipped)
+
+    out = ladder.run_interpreted(
+        lambda *a: api.write_kv_cache(*a, blocks=SMALL), k_cache, v_cache, key, value, slots
+    )  # 8-token blocks: several steps and a ragged last one
+    expected = reference.write_kv_cache_reference(k_cache, v_cache, key, value, slots)
+    for name, before, after, exp in zip(("k_cache", "v_cache"), (k_cache, v_cache), out, expected):
+        assert after.shape == before.shape and after.dtype == before.dtype
+        _assert_only_slots_changed(before, after, exp, slots, name, rand)
+
+
+@pytest.mark.parametrize("block_tokens", [8, 24, 1000], ids=lambda b: f"block{b}")
+def test_block_sizes_agree(rand, block_tokens):
+    """Blocks dividing the tokens, ragged, and one block larger than all tokens: the same cache."""
+    k_cache = _poisoned_cache(rand, (8, 16, 4, 128), jnp.bfloat16, "nan")
+    key, value = rand.normal((48, 4, 128), jnp.bfloat16), rand.normal((48, 4, 128), jnp.bfloat16)
+    slots = _slots(rand, 48, 8, 16, skip=4)
+    blocks = KVCacheBlocks(block_tokens=block_tokens)
+    out = ladder.run_interpreted(lambda *a: api.write_kv_cache(*a, blocks=blocks), k_cache, k_cache, key, value, slots)
+    expected = reference.write_kv_cache_reference(k_cache, k_cache, key, value, slots)
+    for before, after, exp in zip((k_cache, k_cache), out, expected):
+        _assert_only_slots_changed(before, after, exp, slots, f"block_tokens={block_tokens}", rand)
+
+
+def test_traced_slots_out_of_range_are_skipped(rand):
+    """Under jit nothing checks the slot values: -1, other negatives and slots past the cache write nothing (and
+    nothing outside the cache, which strict interpret mode would report as an out-of-bounds access)."""
+    pages, page_size = 4, 16
+    k_cache = _poisoned_cache(rand, (pages, page_size, 2, 128), jnp.float32, "nan")
+    key, value = rand.normal((16, 2, 128)), rand.normal((16, 2, 128))
+    slots = np.array(_slots(rand, 16, pages, page_size))
+    slots[[1, 5, 9, 12]] = [-1, -7, pages * page_size, 10**6]
+    fn = jax.jit(lambda *a: api.write_kv_cache(*a, blocks=SMALL))
+    out = ladder.run_interpreted(fn, k_cache, k_cache, key, value, jnp.asarray(slots))
+    expected = reference.write_kv_cache_reference(k_cache, k_cache, key, value, jnp.asarray(slots))
+    for after, exp in zip(out, expected):
+        _assert_only_slots_changed(k_cache, after, exp, slots, "traced out-of-range slots", rand)
+
+
+def test_long_calls_are_split_through_the_aliased_caches(rand, monkeypatch):
+    """More tokens than one call's SMEM slot mapping holds: consecutive calls, each writing its own tokens."""
+    monkeypatch.setattr(api, "MAX_TOKENS_PER_CALL", 24)
+    k_cache = _poisoned_cache(rand, (6, 16, 2, 128), jnp.bfloat16, "nan")
+    key, value = rand.normal((70, 2, 128), jnp.bfloat16), rand.normal((70, 2, 128), jnp.bfloat16)
+    slots = _slots(rand, 70, 6, 16, skip=6)
+    fn = lambda *a: api.write_kv_cache(*a, blocks=SMALL)  # noqa: E731
+    assert len(ladder.pallas_calls(fn, k_cache, k_cache, key, value, slots)) == 3
+    out = ladder.run_interpreted(fn, k_cache, k_cache, key, value, slots)
+    expected = reference.write_kv_cache_reference(k_cache, k_cache, key, value, slots)
+    for after, exp in zip(out, expected):
+        _assert_only_slots_changed(k_cache, after, exp, slots, "split calls", rand)
+
+
+def test_no_tokens_leaves_the_caches(rand):
+    k_cache = rand.normal((2, 16, 2, 128), jnp.bfloat16)
+    empty = jnp.zeros((0, 2, 128), jnp.bfloat16)
+    out = api.write_kv_cache(k_cache, k_cache, empty, empty, jnp.zeros((0,), jnp.int32))
+    for after in out:
+        np.testing.assert_array_equal(_bits(after), _bits(k_cache))
+
+
+# ------------------------------------------------------------------------------------------------------- fp8
+def _scale(rand, kind):
+    value = float(rand.uniform((), 0.02, 0.2))
+    return {"float": value, "array0": jnp.float32(value), "array1": jnp.full((1,), value, jnp.float32)}[kind]
+
+
+@pytest.mark.parametrize("scale_kind", ["float", "array0", "array1"])
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_fp8_round_trip(rand, in_dtype, scale_kind):
+    """stored = value / scale rounded to e4m3fn (saturated); stored * scale gives the value back to fp8's 3 mantissa
+    bits. The scales are traced (jit arguments) when arrays, as the torch op passes them."""
+    pages, page_size, heads, d = 6, 16, 4, 128
+    k_cache = _poisoned_cache(rand, (pages, page_size, heads, d), FP8, "random")
+    v_cache = _poisoned_cache(rand, (pages, page_size, heads, 256), FP8, "random")
+    key, value = rand.normal((30, heads, d), in_dtype), rand.normal((30, heads, 256), in_dtype, scale=4.0)
+    key = key.at[0, 0, :4].set(jnp.asarray([1e4, -1e4, 0.0, 1e-6], in_dtype))  # saturation and underflow
+    slots = _slots(rand, 30, pages, page_size, skip=3)
+    k_scale, v_scale = _scale(rand, scale_kind), _scale(rand, scale_kind)
+
+    if scale_kind == "float":
+        fn = jax.jit(lambda *a: api.write_kv_cache(*a, k_scale=k_scale, v_scale=v_scale, blocks=SMALL))
+        out = ladder.run_interpreted(fn, k_cache, v_cache, key, value, slots)
+    else:
+        fn = jax.jit(lambda kc, vc, k, v, s, ks, vs: api.write_kv_cache(kc, vc, k, v, s, k_scale=ks, v_scale=vs))
+        out = ladder.run_interpreted(fn, k_cache, v_cache, key, value, slots, k_scale, v_scale)
+    expected = reference.write_kv_cache_reference(k_cache, v_cache, key, value, slots, k_scale=k_scale, v_scale=v_scale)
+    live = np.asarray(slots) >= 0
+    for name, before, after, exp, x, scale in zip(
+        ("k_cache", "v_cache"), (k_cache, v_cache), out, expected, (key, value), (k_scale, v_scale)
+    ):
+        assert after.dtype == FP8
+        # The kernel multiplies by 1 / scale where the reference divides: equal after rounding to fp8 except, rarely,
+        # at a rounding tie; one fp8 step (2**-3 relative) bounds it.
+        ladder.assert_close(after, exp, rtol=2**-3, atol=2**-9, what=name, context=repr(rand))
+        flat_exp = _bits(exp).reshape((-1,) + exp.shape[2:])
+        flat_after = _bits(after).reshape(flat_exp.shape)
+        assert (flat_after == flat_exp).mean() > 0.99, f"{name}: most stored values equal the reference bit for bit"
+        untouched = np.setdiff1d(np.arange(flat_exp.shape[0]), np.asarray(slots)[live])
+        np.testing.assert_array_equal(flat_after[untouched], _bits(before).reshape(flat_exp.shape)[untouched])
+        rows = np.asarray(reference.dequantize_reference(after, scale)).reshape(flat_exp.shape)[np.asarray(slots)[live]]
+        original = np.asarray(x.astype(jnp.float32))[live]
+        limit = reference.FP8_MAX * float(np.asarray(scale).reshape(()))
+        inside = np.abs(original) <= limit
+        np.testing.assert_allclose(rows[inside], original[inside], rtol=2**-4, atol=2**-9 * limit / 448 * 64)
+        np.testing.assert_array_equal(np.abs(rows[~inside]), limit * np.ones_like(rows[~inside]))  # saturated
+
+
+# ----------------------------------------------------------------------------------------------------- RoPE
+ROPE_CASES = {
+    "default": dict(theta=1e6),
+    "partial_rotary": dict(theta=1e4, rotary_dim=64),
+    "interleaved": dict(theta=1e4, interleaved=True),
+    "linear": dict(theta=1e4, scaling={"rope_type": "linear", "factor": 4.0}),
+    "llama3": dict(
+        theta=5e5,
+        scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "yarn": dict(theta=1e4, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}),
+    "proportional_gemma4_full": dict(
+        theta=1e6, scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25}, heads=2, head_dim=512
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_rope_and_write_matches_rotary_reference(rand, case, dtype):
+    options = dict(ROPE_CASES[case])
+    heads, head_dim = options.pop("heads", 4), options.pop("head_dim", 128)
+    pages, page_size, tokens = 6, 16, 27
+    k_cache = _poisoned_cache(rand, (pages, page_size, heads, head_dim), dtype, "nan")
+    v_cache = _poisoned_cache(rand, (pages, page_size, heads, head_dim), dtype, "nan")
+    query = rand.normal((tokens, 4 * heads, head_dim), dtype)
+    key, value = rand.normal((tokens, heads, head_dim), dtype), rand.normal((tokens, heads, head_dim), dtype)
+    slots = _slots(rand, tokens, pages, page_size, skip=3)
+    positions = rand.integers(0, 40000, (tokens,))
+
+    def fused(q, k, v, kc, vc, s, p):
+        return api.rope_and_write_kv_cache(q, k, v, kc, vc, s, p, blocks=SMALL, **options)
+
+    q_rot, k_out, v_out = ladder.run_interpreted(fused, query, key, value, k_cache, v_cache, slots, positions)
+    q_ref, k_ref, v_ref = reference.rope_and_write_kv_cache_reference(
+        query, key, value, k_cache, v_cache, slots, positions, **options
+    )
+    tol = dict(rtol=1e-5, atol=3e-5) if dtype == jnp.float32 else {}
+    ladder.assert_close(q_rot, q_ref, dtype=dtype, what="query_rotated", context=repr(rand), **tol)
+    live = np.asarray(slots)[np.asarray(slots) >= 0]
+    flat = lambda c: np.asarray(c.astype(jnp.float32)).reshape((-1,) + c.shape[2:])  # noqa: E731
+    ladder.assert_close(flat(k_out)[live], flat(k_ref)[live], dtype=dtype, what="k rows", context=repr(rand), **tol)
+    _assert_only_slots_changed(v_cache, v_out, v_ref, slots, "v_cache", rand)  # V is not rotated: exact
+    untouched = np.setdiff1d(np.arange(pages * page_size), live)
+    np.testing.assert_array_equal(_bits(flat(k_out)[untouched]), _bits(flat(k_cache)[untouched]))
+
+
+def test_rope_and_write_fp8_with_traced_scales_and_long_decode_rows(rand):
+    """fp8 cache, scales as traced arrays, 64 decode tokens at one position each (row-select positions): the rotated,
+    quantised K equals the reference's quantisation of the reference rotation to one fp8 step."""
+    heads, d, tokens = 8, 256, 64
+    k_cache = _poisoned_cache(rand, (10, 16, heads, d), FP8, "random")
+    query = rand.normal((tokens, 16, d), jnp.bfloat16)
+    key, value = rand.normal((tokens, heads, d), jnp.bfloat16), rand.normal((tokens, heads, d), jnp.bfloat16)
+    slots, positions = _slots(rand, tokens, 10, 16, skip=2), rand.integers(0, 2**20, (tokens,))
+    scales = jnp.float32(0.05), jnp.full((1,), 0.03, jnp.float32)
+
+    def fused(q, k, v, kc, vc, s, p, ks, vs):
+        return api.rope_and_write_kv_cache(q, k, v, kc, vc, s, p, theta=1e4, k_scale=ks, v_scale=vs)
+
+    out = ladder.run_interpreted(jax.jit(fused), query, key, value, k_cache, k_cache, slots, positions, *scales)
+    expected = reference.rope_and_write_kv_cache_reference(
+        query, key, value, k_cache, k_cache, slots, positions, theta=1e4, k_scale=scales[0], v_scale=scales[1]
+    )
+    ladder.assert_close(out[0], expected[0], dtype=jnp.bfloat16, what="query_rotated", context=repr(rand))
+    for name, after, exp in zip(("k_cache", "v_cache"), out[1:], expected[1:]):
+        ladder.assert_close(after, exp, rtol=2**-3, atol=2**-9, what=name, context=repr(rand))
+        live = np.asarray(slots)[np.asarray(slots) >= 0]
+        untouched = np.setdiff1d(np.arange(160), live)
+        np.testing.assert_array_equal(
+            _bits(after).reshape(160, heads, d)[untouched], _bits(k_cache).reshape(160, heads, d)[untouched]
+        )
+
+
+# ----------------------------------------------------------------------------------------------- block tables
+def test_block_table_slots_and_write(rand):
+    """flash-attn's addressing: shuffled, non-contiguous pages; lengths not multiples of the page; an empty
+    sequence; the new tokens written through the slots land at block_table[b, p // page] offset p % page."""
+    page_size, batch, pages_per_seq, new = 16, 3, 4, 5
+    num_pages = 20
+    block_table = jnp.asarray(rand.rng.permutation(num_pages)[: batch * pages_per_seq].reshape(batch, -1), jnp.int32)
+    seqlens = jnp.asarray([0, 17, 59], jnp.int32)
+    slots = api.block_table_slots(block_table, seqlens, new, page_size)
+    np.testing.assert_array_equal(
+        np.asarray(slots), np.asarray(reference.block_table_slots_reference(block_table, seqlens, new, page_size))
+    )
+    bt, lens = np.asarray(block_table), np.asarray(seqlens)
+    for b in range(batch):
+        for j in range(new):
+            p = lens[b] + j
+            assert slots[b * new + j] == bt[b, p // page_size] * page_size + p % page_size
+    k_cache = _poisoned_cache(rand, (num_pages, page_size, 2, 128), jnp.bfloat16, "nan")
+    key = rand.normal((batch * new, 2, 128), jnp.bfloat16)
+    out = ladder.run_interpreted(lambda *a: api.write_kv_cache(*a), k_cache, k_cache, key, key, slots)
+    for after in out:
+        for b in range(batch):
+            for j in range(new):
+                p = lens[b] + j
+                np.testing.assert_array_equal(
+                    _bits(after[bt[b, p // page_size], p % page_size]), _bits(key[b * new + j])
+                )
+
+
+def test_block_table_slots_traced_past_the_table_are_skipped():
+    block_table = jnp.asarray([[3, 1], [0, 2]], jnp.int32)
+    slots = jax.jit(lambda t, s: api.block_table_slots(t, s, 4, 16))(block_table, jnp.asarray([30, 5], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(slots), [30, 31, -1, -1, 5, 6, 7, 8])
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+def _good(rand):
+    return dict(
+        k_cache=rand.normal((4, 16, 2, 128), jnp.bfloat16),
+        v_cache=rand.normal((4, 16, 2, 64), jnp.bfloat16),
+        key=rand.normal((6, 2, 128), jnp.bfloat16),
+        value=rand.normal((6, 2, 64), jnp.bfloat16),
+        slot_mapping=jnp.asarray([0, 5, -1, 63, 17, 18], jnp.int32),
+    )
+
+
+def _fp8(rand, **extra):
+    return (
+        dict(k_cache=jnp.zeros((4, 16, 2, 128), FP8), v_cache=jnp.zeros((4, 16, 2, 64), FP8), k_scale=0.1, v_scale=0.1)
+        | extra
+    )
+
+
+BAD_WRITES = [
+    ladder.BadInput("cache_rank", lambda r: {"k_cache": r.normal((64, 2, 128), jnp.bfloat16)}, ValueError, "k_cache"),
+    ladder.BadInput(
+        "cache_dtype", lambda r: {"k_cache": jnp.zeros((4, 16, 2, 128), jnp.float16)}, TypeError, "k_cache"
+    ),
+    ladder.BadInput(
+        "v_cache_dtype", lambda r: {"v_cache": jnp.zeros((4, 16, 2, 64), jnp.float32)}, TypeError, "v_cache"
+    ),
+    ladder.BadInput(
+        "v_cache_pages", lambda r: {"v_cache": jnp.zeros((5, 16, 2, 64), jnp.bfloat16)}, ValueError, "v_cache"
+    ),
+    ladder.BadInput(
+        "key_heads", lambda r: {"key": r.normal((6, 4, 128), jnp.bfloat16)}, ValueError, "key: expected [tokens, 2"
+    ),
+    ladder.BadInput(
+        "key_head_dim", lambda r: {"key": r.normal((6, 2, 64), jnp.bfloat16)}, ValueError, "head dim of k_cache"
+    ),
+    ladder.BadInput(
+        "value_head_dim", lambda r: {"value": r.normal((6, 2, 128), jnp.bfloat16)}, ValueError, "value: expected"
+    ),
+    ladder.BadInput("key_dtype", lambda r: {"key": r.normal((6, 2, 128))}, TypeError, "key: expected the cache dtype"),
+    ladder.BadInput("value_dtype", lambda r: {"value": r.normal((6, 2, 64))}, TypeError, "value"),
+    ladder.BadInput(
+        "value_tokens", lambda r: {"value": r.normal((5, 2, 64), jnp.bfloat16)}, ValueError, "value: expected 6"
+    ),
+    ladder.BadInput(
+        "slots_int64_as_float",
+        {"slot_mapping": jnp.asarray([0, 1, 2, 3, 4, 5], jnp.float32)},
+        TypeError,
+        "slot_mapping",
+    ),
+    ladder.BadInput(
+        "slots_uint32", {"slot_mapping": jnp.asarray([0, 1, 2, 3, 4, 5], jnp.uint32)}, TypeError, "slot_mapping"
+    ),
+    ladder.BadInput("slots_length", {"slot_mapping": jnp.asarray([0, 1, 2], jnp.int32)}, ValueError, "(6,)"),
+    ladder.BadInput(
+        "slot_past_cache", {"slot_mapping": jnp.asarray([0, 1, 64, 3, 4, 5], jnp.int32)}, ValueError, "[0, 64)"
+    ),
+    ladder.BadInput(
+        "slot_below_minus_one", {"slot_mapping": jnp.asarray([0, 1, -2, 3, 4, 5], jnp.int32)}, ValueError, "got -2"
+    ),
+    ladder.BadInput(
+        "duplicate_slots", {"slot_mapping": jnp.asarray([0, 1, 1, 3, -1, -1], jnp.int32)}, ValueError, "distinct"
+    ),
+    ladder.BadInput("fp8_without_scale", lambda r: _fp8(r, k_scale=None), ValueError, "k_scale: an fp8"),
+    ladder.BadInput("fp8_without_v_scale", lambda r: _fp8(r, v_scale=None), ValueError, "v_scale: an fp8"),
+    ladder.BadInput("scale_without_fp8", {"k_scale": 0.5}, ValueError, "k_scale: only an fp8"),
+    ladder.BadInput("scale_zero", lambda r: _fp8(r, k_scale=0.0), ValueError, "k_scale: expected a finite scale"),
+    ladder.BadInput("scale_nan", lambda r: _fp8(r, v_scale=float("nan")), ValueError, "v_scale"),
+    ladder.BadInput(
+        "scale_shape", lambda r: _fp8(r, k_scale=jnp.ones((2,), jnp.float32)), ValueError, "k_scale: expected a float32"
+    ),
+    ladder.BadInput("scale_dtype", lambda r: _fp8(r, k_scale=jnp.ones((), jnp.bfloat16)), TypeError, "k_scale"),
+    ladder.BadInput("scale_negative_array", lambda r: _fp8(r, v_scale=jnp.float32(-1.0)), ValueError, "v_scale"),
+    ladder.BadInput(
+        "fp8_key_dtype", lambda r: _fp8(r, key=jnp.zeros((6, 2, 128), FP8)), TypeError, "bfloat16 or float32 for an fp8"
+    ),
+    ladder.BadInput("blocks_type", {"blocks": (8,)}, TypeError, "blocks: expected a KVCacheBlocks"),
+    ladder.BadInput(
+        "blocks_not_multiple", {"blocks": KVCacheBlocks(block_tokens=5)}, ValueError, "blocks.block_tokens"
+    ),
+    ladder.BadInput("blocks_zero", {"blocks": KVCacheBlocks(block_tokens=0)}, ValueError, "blocks.block_tokens"),
+    ladder.BadInput("blocks_float", {"blocks": KVCacheBlocks(block_tokens=8.0)}, TypeError, "blocks.block_tokens"),
+    ladder.BadInput(
+        "blocks_vmem", {"blocks": KVCacheBlocks(block_tokens=8, vmem_limit_bytes=1 << 40)}, ValueError, "vmem_limit"
+    ),
+]
+
+
+@ladder.bad_input_params(BAD_WRITES)
+def test_bad_write_input_is_a_clear_error(rand, case):
+    def call(a):
+        return api.write_kv_cache(
+            a["k_cache"],
+            a["v_cache"],
+            a["key"],
+            a["value"],
+            a["slot_mapping"],
+            k_scale=a.get("k_scale"),
+            v_scale=a.get("v_scale"),
+            blocks=a.get("blocks"),
+        )
+
+    ladder.assert_clear_error(case, call, _good(rand), rand)
+
+
+BAD_ROPE = [
+    ladder.BadInput(
+        "positions_dtype", {"positions": jnp.arange(6, dtype=jnp.float32)}, TypeError, "positions: expected dtype"
+    ),
+    ladder.BadInput("positions_int64_as_uint", {"positions": jnp.arange(6, dtype=jnp.uint32)}, TypeError, "positions"),
+    ladder.BadInput(
+        "positions_length", {"positions": jnp.arange(5, dtype=jnp.int32)}, ValueError, "positions: expected"
+    ),
+    ladder.BadInput("positions_2d", {"positions": jnp.zeros((1, 6), jnp.int32)}, ValueError, "positions"),
+    ladder.BadInput(
+        "positions_negative", {"positions": jnp.asarray([0, 1, -3, 3, 4, 5], jnp.int32)}, ValueError, "positions"
+    ),
+    ladder.BadInput(
+        "query_head_dim", lambda r: {"query": r.normal((6, 4, 64), jnp.bfloat16)}, ValueError, "query: expected"
+    ),
+    ladder.BadInput("query_dtype", lambda r: {"query": r.normal((6, 4, 128))}, TypeError, "query"),
+    ladder.BadInput("theta", {"theta": 1.0}, ValueError, "theta"),
+    ladder.BadInput("rotary_dim_odd", {"rotary_dim": 63}, ValueError, "rotary_dim"),
+    ladder.BadInput("scaling_type", {"scaling": {"rope_type": "dynamic"}}, ValueError, "rope_type"),
+]
+
+
+@ladder.bad_input_params(BAD_ROPE)
+def test_bad_rope_input_is_a_clear_error(rand, case):
+    good = _good(rand) | dict(
+        query=rand.normal((6, 4, 128), jnp.bfloat16),
+        positions=jnp.arange(6, dtype=jnp.int32),
+        theta=1e4,
+        rotary_dim=None,
+        scaling=None,
+    )
+    good["v_cache"], good["value"] = good["k_cache"], good["key"]
+
+    def call(a):
+        return api.rope_and_write_kv_cache(
+            a["query"],
+            a["key"],
+            a["value"],
+            a["k_cache"],
+            a["v_cache"],
+            a["slot_mapping"],
+            a["positions"],
+            theta=a["theta"],
+            rotary_dim=a["rotary_dim"],
+            scaling=a["scaling"],
+        )
+
+    ladder.assert_clear_error(case, call, good, rand)
+
+
+BAD_TABLES = [
+    ladder.BadInput("table_dtype", {"block_table": np.zeros((2, 3), np.int64)}, TypeError, "block_table"),
+    ladder.BadInput("table_rank", {"block_table": jnp.zeros((6,), jnp.int32)}, ValueError, "block_table"),
+    ladder.BadInput("seqlens_length", {"cache_seqlens": jnp.zeros((3,), jnp.int32)}, ValueError, "cache_seqlens"),
+    ladder.BadInput("seqlens_negative", {"cache_seqlens": jnp.asarray([0, -1], jnp.int32)}, ValueError, ">= 0"),
+    ladder.BadInput("past_the_table", {"cache_seqlens": jnp.asarray([0, 46], jnp.int32)}, ValueError, "3 pages x 16"),
+    ladder.BadInput("new_tokens_float", {"new_tokens": 2.0}, TypeError, "new_tokens"),
+    ladder.BadInput("page_size_zero", {"page_size": 0}, ValueError, "page_size"),
+]
+
+
+@ladder.bad_input_params(BAD_TABLES)
+def test_bad_block_table_input_is_a_clear_error(rand, case):
+    good = dict(
+        block_table=jnp.asarray([[0, 1, 2], [3, 4, 5]], jnp.int32),
+        cache_seqlens=jnp.asarray([0, 40], jnp.int32),
+        new_tokens=3,
+        page_size=16,
+    )
+    ladder.assert_clear_error(
+        case,
+        lambda a: api.block_table_slots(a["block_table"], a["cache_seqlens"], a["new_tokens"], a["page_size"]),
+        good,
+        rand,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- rungs 2, 3
+def _specs(model, dtype, tokens, page_size, pages=64):
+    heads, d, dv = MODELS[model]
+    in_dtype = jnp.bfloat16 if jnp.dtype(dtype) == FP8 else dtype
+    return (
+        ((pages, page_size, heads, d), dtype),
+        ((pages, page_size, heads, dv), dtype),
+        ((tokens, heads, d), in_dtype),
+        ((tokens, heads, dv), in_dtype),
+        ((tokens,), jnp.int32),
+    )
+
+
+def _scales(dtype):
+    return dict(k_scale=0.5, v_scale=0.25) if jnp.dtype(dtype) == FP8 else {}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=lambda d: jnp.dtype(d).name)
+def test_export_for_tpu(dtype):
+    specs = [jax.ShapeDtypeStruct(s, d) for s, d in _specs("qwen3", dtype, 33, 16)]
+    ladder.export_for_tpu(lambda *a: api.write_kv_cache(*a, **_scales(dtype)), *specs)
+    query, positions = jax.ShapeDtypeStruct((33, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((33,), jnp.int32)
+
+    def fused(kc, vc, k, v, s, q, p, ks):
+        scales = dict(k_scale=ks, v_scale=ks) if jnp.dtype(dtype) == FP8 else {}
+        return api.rope_and_write_kv_cache(q, k, v, kc, vc, s, p, theta=1e6, **scales)
+
+    ladder.export_for_tpu(fused, *specs, query, positions, jax.ShapeDtypeStruct((), jnp.float32))
+
+
+# Each generation compiles every model in bf16 and fp8, the plain write at one page size and the fused RoPE at
+# another (page sizes 16, 64, 256 all appear on every generation), a decode batch of 256 and a prefill chunk.
+COMPILE_CASES = [
+    (model, dtype, page_size, rope_page_size)
+    for model in MODELS
+    for dtype, page_size, rope_page_size in ((jnp.bfloat16, 16, 256), (FP8, 64, 16), (jnp.bfloat16, 256, 64))
+]
+
+
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+def test_compiles_for_tpu(generation):
+    for model, dtype, page_size, rope_page_size in COMPILE_CASES:
+        tokens = 256 if page_size != 256 else 2048
+        label = f"write_kv_cache {model} {jnp.dtype(dtype).name} page {page_size} tokens {tokens}"
+        ladder.compile_for_tpu(
+            lambda *a: api.write_kv_cache(*a, **_scales(dtype)),
+            generation,
+            *_specs(model, dtype, tokens, page_size),
+            label=label,
+        )
+        heads, d, _ = MODELS[model]
+        extra = (((tokens, 4 * heads, d), jnp.bfloat16), ((tokens,), jnp.int32))
+
+        def fused(kc, vc, k, v, s, q, p):
+            return api.rope_and_write_kv_cache(q, k, v, kc, vc, s, p, theta=1e6, **_scales(dtype))
+
+        ladder.compile_for_tpu(
+            fused, generation, *_specs(model, dtype, tokens, rope_page_size), *extra, label="rope_" + label
+        )
+    # head dim 64 (gpt-oss), f32
+    ladder.compile_for_tpu(
+        lambda *a: api.write_kv_cache(*a),
+        generation,
+        ((64, 64, 8, 64), jnp.float32),
+        ((64, 64, 8, 64), jnp.float32),
+        ((100, 8, 64), jnp.float32),
+        ((100, 8, 64), jnp.float32),
+        ((100,), jnp.int32),
+        label="write_kv_cache d64 f32",
+    )
+
+
+def _compiled_text(fn, specs, generation="v6e", *, donate=True, row_major=False):
+    device = ladder.tpu_device(generation)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    cache_sharding = Format(Layout(major_to_minor=(0, 1, 2, 3)), sharding) if row_major else sharding
+    args = [
+        jax.ShapeDtypeStruct(s, d, sharding=cache_sharding if i < 2 else sharding) for i, (s, d) in enumerate(specs)
+    ]
+    jit_kw = dict(donate_argnums=(0, 1) if donate else ())
+    if row_major:
+        jit_kw |= dict(in_shardings=(cache_sharding,) * 2 + (sharding,) * 3, out_shardings=(cache_sharding,) * 2)
+    with jax.default_device(device):
+        return jax.jit(fn, **jit_kw).lower(*args).compile().as_text()
+
+
+def _cache_copies(text, specs):
+    """HLO instructions that copy, scatter into or update a cache-sized buffer."""
+    sizes = {int(np.prod(s)) for s, _ in specs[:2]}
+    found = []
+    for line in text.splitlines():
+        match = re.match(r"\s*(?:ROOT )?%\S+ = \(?\w+\[([\d,]+)\]", line)
+        if not match or not re.search(r"\b(copy|copy-start|scatter|dynamic-update-slice|fusion)\(", line):
+            continue
+        if int(np.prod([int(d) for d in match.group(1).split(",")])) in sizes:
+            found.append(line[:160])
+    return found
+
+
+# Caches whose XLA default layout is the row-major tiled one the kernel writes (see docs/kv_cache.md).
+IN_PLACE_CASES = [
+    ("qwen3", jnp.bfloat16, 16),
+    ("qwen3", FP8, 256),
+    ("gemma4_sliding", jnp.bfloat16, 256),
+    ("gemma4_sliding", FP8, 64),
+    ("gemma4_full", jnp.bfloat16, 64),
+]
+
+
+@pytest.mark.parametrize("case", IN_PLACE_CASES, ids=lambda c: f"{c[0]}_{jnp.dtype(c[1]).name}_page{c[2]}")
+def test_donated_caches_are_written_in_place(case):
+    """The compiled program of a jit that donates the caches aliases them to its outputs and holds no copy, scatter or
+    update of a cache-sized buffer; without donation XLA must keep the caller's caches and copies them (the check
+    sees copies when there are some)."""
+    model, dtype, page_size = case
+    specs = _specs(model, dtype, 256, page_size, pages=512)
+
+    def write(*a):
+        return api.write_kv_cache(*a, **_scales(dtype))
+
+    text = _compiled_text(write, specs)
+    assert re.search(r"input_output_alias=\{ \{0\}: \(0, \{\}, may-alias\), \{1\}: \(1, \{\}, may-alias\) \}", text)
+    assert not _cache_copies(text, specs), _cache_copies(text, specs)
+    assert len(_cache_copies(_compiled_text(write, specs, donate=False), specs)) >= 2
+
+    def fused(kc, vc, k, v, s):
+        return api.rope_and_write_kv_cache(k, k, v, kc, vc, s, s, theta=1e4, **_scales(dtype))[1:]
+
+    assert not _cache_copies(_compiled_text(fused, specs), specs)
+
+
+def test_row_major_caches_are_written_in_place_where_xla_prefers_another_layout():
+    """An fp8 cache of 2 kv heads (Gemma 4 full) defaults to a page-offset-major layout in XLA, which the kernel
+    cannot write row by row: XLA relayouts the whole cache around the kernel. A cache created in the row-major
+    layout (major_to_minor (0, 1, 2, 3)) is written in place."""
+    specs = _specs("gemma4_full", FP8, 256, 64, pages=512)
+
+    def write(*a):
+        return api.write_kv_cache(*a, **_scales(FP8))
+
+    assert _cache_copies(_compiled_text(write, specs), specs), "XLA's default layout changed: update the docs"
+    assert not _cache_copies(_compiled_text(write, specs, row_major=True), specs)
