@@ -21,6 +21,19 @@ gradients. From those:
   backward calls the backward op. The vjp recomputes the forward inside the backward op; where a residual is a
   forward output (fused_add_rms_norm's rounded sum) the forward kernel runs again there, elsewhere XLA drops it.
 
+Ops that update tensors in place (the KV cache write) follow the same recipe with `mutates=` (parameter names of
+tensors) instead of `grads`: the JAX function returns the new values of those parameters, in that order, and
+
+- the functional op `<name>_functional` is registered as above, its fake derived (each result has its mutated
+  input's shape and dtype); on a `tpu` tensor it is TorchTPU's jax_op with those parameters donated
+  (`donate_argnums`), so the kernel's input/output aliasing reaches the device buffers and XLA makes no copy;
+- the op `<name>` is a torch.library custom op that declares the mutation (`mutates_args`, schema `Tensor(a!)`,
+  returning nothing): it calls the functional op and writes each result back into its tensor with `copy_`, which is
+  how TorchTPU itself returns a donated buffer to the caller's tensor (jax_op leaves donated tensors invalid and
+  declares no mutation, so that Dynamo does not copy them back). On a CPU tensor the copy is a real copy (the
+  interpret-mode path); the tensor keeps its storage either way. Its fake does nothing. Mutating ops have no
+  autograd (inference only).
+
 Static arguments are `int`, `float`, `bool` or `str`. A structured static (transformers' rope parameters dict) crosses
 as one `str` of canonical JSON (`static_json`: keys sorted, no whitespace, so equal dicts give one string and so one
 jit / export cache entry and one torch.compile guard); the JAX function decodes it with `json.loads`.
@@ -144,10 +157,10 @@ def _cpu_impl(jax_fn):
     return impl
 
 
-def _register(name: str, jax_fn, fake_fn):
+def _register(name: str, jax_fn, fake_fn, donate_argnums: tuple[int, ...] = ()):
     qualified = add_op_namespace_prefix(name)
     if HAS_TORCH_TPU:
-        op = _torch_tpu_jax_op(qualified, jax_fn)
+        op = _torch_tpu_jax_op(qualified, jax_fn, donate_argnums=list(donate_argnums) or None)
     else:
         op = torch.library.custom_op(qualified, _cpu_impl(jax_fn), mutates_args=(), schema=schema_of(jax_fn))
     op.register_kernel("cpu", _cpu_impl(jax_fn))
@@ -251,10 +264,61 @@ def _register_autograd(op, backward_op, jax_fn, grads: tuple[str, ...]):
     op.register_autograd(backward, setup_context=setup_context)
 
 
-def define_op(name: str, jax_fn, fake_fn, *, grads: tuple[str, ...] = ()):
+def _mutating_schema(jax_fn, mutates: tuple[str, ...]) -> str:
+    """The schema of the mutating op: jax_fn's parameters, each mutated tensor `Tensor(x!)`, returning nothing."""
+    signature = _signature(jax_fn)
+    params = []
+    for name, p in signature.parameters.items():
+        kind = _schema_type(p.annotation)
+        if name in mutates:
+            if kind != "Tensor":
+                raise TypeError(f"mutates: {name} must be a (non-optional) tensor parameter, it is {kind}")
+            kind = f"Tensor({chr(ord('a') + mutates.index(name))}!)"
+        params.append(f"{kind} {name}")
+    return f"({', '.join(params)}) -> ()"
+
+
+def _define_mutating_op(name: str, jax_fn, mutates: tuple[str, ...]):
+    names = list(_signature(jax_fn).parameters)
+    unknown = [m for m in mutates if m not in names]
+    if unknown:
+        raise ValueError(f"mutates: {unknown} are not parameters of {jax_fn.__name__}")
+    index = [names.index(m) for m in mutates]
+
+    def functional_fake(*args):
+        results = tuple(args[i].new_empty(args[i].shape) for i in index)
+        return results if len(results) > 1 else results[0]
+
+    functional = _register(f"{name}_functional", jax_fn, functional_fake, donate_argnums=tuple(index))
+
+    def impl(*args):
+        results = functional(*args)
+        results = results if len(index) > 1 else (results,)
+        for i, result in zip(index, results):
+            args[i].copy_(result)
+
+    op = torch.library.custom_op(
+        add_op_namespace_prefix(name), impl, mutates_args=mutates, schema=_mutating_schema(jax_fn, mutates)
+    )
+    op.register_fake(lambda *args: None)
+    op.functional_op = functional
+    op.jax_fn = jax_fn
+    op.backward_op = None
+    return op
+
+
+def define_op(name: str, jax_fn, fake_fn, *, grads: tuple[str, ...] = (), mutates: tuple[str, ...] = ()):
     """Register `jax_fn` as the custom op `<namespace>::<name>` with fake `fake_fn`; with `grads` (parameter names of
     jax_fn, tensors), also `<name>_backward` from jax.vjp and the op's autograd. Returns the forward op; the backward
-    op is its attribute `backward_op`, and each op's JAX function its attribute `jax_fn`."""
+    op is its attribute `backward_op`, and each op's JAX function its attribute `jax_fn`.
+
+    With `mutates` (parameter names of tensors) the op updates those tensors in place and returns nothing; jax_fn
+    returns their new values in that order, and fake_fn must be None (both fakes are derived). See the module
+    docstring; the functional op is the attribute `functional_op`."""
+    if mutates:
+        if grads or fake_fn is not None:
+            raise ValueError("define_op: a mutating op takes neither grads (inference only) nor a fake function")
+        return _define_mutating_op(name, jax_fn, tuple(mutates))
     op = _register(name, jax_fn, fake_fn)
     op.backward_op = None
     if grads:
