@@ -132,8 +132,6 @@ def ragged_paged_attention(
     rinfo = jnp.stack([jnp.repeat(lo, group), jnp.repeat(hi, group)], axis=1)
     q_rows = jnp.pad(q.astype(compute_dtype), ((0, padded - tokens), (0, 0), (0, 0)))
     q_rows = q_rows.reshape(padded, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, padded * group, d)
-    k_pages = k_cache.reshape(num_pages, page_size, hkv * d)
-    v_pages = v_cache.reshape(num_pages, page_size, hkv * dv)
     pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
     one = jnp.ones((1,), jnp.float32)
     scales = jnp.concatenate([one if k_scale is None else k_scale, one if v_scale is None else v_scale])
@@ -143,8 +141,8 @@ def ragged_paged_attention(
         sink_rows = jnp.broadcast_to(per_row.reshape(hkv, block_q * group, 1), (hkv, block_q * group, 128))
     out = kernel.paged_attention(
         q_rows,
-        k_pages,
-        v_pages,
+        k_cache,
+        v_cache,
         rinfo,
         words,
         kv_blocks,

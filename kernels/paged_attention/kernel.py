@@ -1,10 +1,11 @@
 """Pallas TPU ragged paged attention: online softmax over the visits of each query block (schedule.py), with the key
 and value pages gathered from the paged cache by the kernel's own DMAs.
 
-Layouts. The caches stay where they are, [pages, page_size, kv_heads * head_dim] (a free view of flash-attn's
-[pages, page_size, kv_heads, head_dim]), in HBM (`pl.ANY`): a visit copies the pages of its key block, each page one
-contiguous DMA holding every kv head, into a (pages_per_block, page_size, lanes) VMEM buffer; two buffers, so the
-next visit's pages arrive while this one computes. Queries come as [kv_heads, tokens * group, head_dim]: the query
+Layouts. The caches stay where they are, flash-attn's [pages, page_size, kv_heads, head_dim], in HBM (`pl.ANY`),
+in the layout XLA gave them (any reshape of a cache would be a relayout copy of the whole cache on every call: XLA
+tiles its two minor dims, kv heads x head dim). A visit copies the pages of its key block, each page one contiguous
+DMA holding every kv head, into a (pages_per_block, page_size, kv_heads, head_dim) VMEM buffer, and reads one kv
+head as a sublane-strided load; two buffers, so the next visit's pages arrive while this one computes. Queries come as [kv_heads, tokens * group, head_dim]: the query
 heads of one kv head are consecutive rows of one token (GQA folded into the rows), so one matmul per kv head serves
 the whole group. At decode a token's group of heads fills the MXU rows that one query row would leave idle.
 
@@ -147,7 +148,7 @@ def _kernel(
     pl.when(compute)(lambda: _wait(visit, slot, dma_refs, lay))
 
     def block_of(buf, j, width):
-        x = buf[slot, :, :, j * width : (j + 1) * width]
+        x = buf[slot, :, :, j, :]
         if x.dtype != compute_dtype:
             x = x.astype(compute_dtype)
         return x.reshape(bk, width)
@@ -204,7 +205,7 @@ def paged_attention(
     q_rows, k_pages, v_pages, rinfo, words, kv_blocks, rows, pages, count, scales, sinks, *, layout, vmem_limit_bytes
 ):
     """out [kv_heads, tokens * group, Dv] in q's dtype. q_rows [kv_heads, tokens * group, D]; k_pages / v_pages
-    [pages, page_size, kv_heads * D / Dv]; rinfo [tokens * group, 2] int32 (virtual lo, hi per row); words, kv_blocks,
+    [pages, page_size, kv_heads, D / Dv]; rinfo [tokens * group, 2] int32 (virtual lo, hi per row); words, kv_blocks,
     rows: the visit lists; pages [seqs * pages_per_seq] int32; count [1] int32; scales [2] f32 (k, v); sinks None or
     [kv_heads, block_q * group, 128] f32 (the sink logit of each row of a query block, lane-replicated)."""
     lay = layout
@@ -245,8 +246,8 @@ def paged_attention(
             in_specs=in_specs,
             out_specs=pl.BlockSpec((hkv, rows_per_block, lay.v_head_dim), q_map),
             scratch_shapes=[
-                pltpu.VMEM((2, lay.pages_per_block, lay.page_size, hkv * lay.head_dim), k_pages.dtype),
-                pltpu.VMEM((2, lay.pages_per_block, lay.page_size, hkv * lay.v_head_dim), v_pages.dtype),
+                pltpu.VMEM((2, lay.pages_per_block, lay.page_size, hkv, lay.head_dim), k_pages.dtype),
+                pltpu.VMEM((2, lay.pages_per_block, lay.page_size, hkv, lay.v_head_dim), v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.VMEM((hkv, rows_per_block, lay.head_dim), compute_dtype),
                 pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),
