@@ -7,8 +7,12 @@ kernels in Pallas' TPU interpret mode; to jit them for the CPU, call them inside
 from .common.interpret import interpret_on_cpu
 from .flash_attention.api import flash_attention, flash_attention_varlen
 from .flash_attention.tuning import FlashAttentionBlocks
+from .kv_cache.api import block_table_slots, rope_and_write_kv_cache, write_kv_cache
+from .kv_cache.tuning import KVCacheBlocks
 from .moe.api import experts_forward
 from .moe.tuning import ExpertsBlocks
+from .paged_attention.api import ragged_paged_attention
+from .paged_attention.tuning import PagedAttentionBlocks
 from .ragged_dot.api import ragged_dot
 from .ragged_dot.tuning import MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
 from .rms_norm.api import RmsNormBlocks, fused_add_rms_norm, rms_norm, rms_norm_backward
@@ -26,18 +30,22 @@ from .rotary.api import (
 __all__ = [
     "ExpertsBlocks",
     "FlashAttentionBlocks",
+    "KVCacheBlocks",
     "MatmulBlocks",
+    "PagedAttentionBlocks",
     "RaggedDotBlocks",
     "TransposedMatmulBlocks",
     "apply_rotary",
     "apply_rotary_backward",
     "apply_rotary_from_positions",
     "apply_rotary_from_positions_backward",
+    "block_table_slots",
     "experts_forward",
     "flash_attention",
     "flash_attention_varlen",
     "fused_add_rms_norm",
     "interpret_on_cpu",
+    "ragged_paged_attention",
     "ragged_dot",
     "RmsNormBlocks",
     "RotaryBlocks",
@@ -45,5 +53,7 @@ __all__ = [
     "rms_norm_backward",
     "rms_norm_rope",
     "rms_norm_rope_from_positions",
+    "rope_and_write_kv_cache",
     "rope_cos_sin",
+    "write_kv_cache",
 ]

@@ -38,6 +38,10 @@ EXPECTED_OPS = tuple(
         "flash_attention_varlen",
     )
     for suffix in ("", "_backward")
+) + (
+    # inference ops that update caches in place: the mutating op and the functional op under it
+    "reshape_and_cache_flash",
+    "reshape_and_cache_flash_functional",
 )
 
 

@@ -5,9 +5,11 @@ Layouts. The caches stay where they are, flash-attn's [pages, page_size, kv_head
 in the layout XLA gave them (any reshape of a cache would be a relayout copy of the whole cache on every call: XLA
 tiles its two minor dims, kv heads x head dim). A visit copies the pages of its key block, each page one contiguous
 DMA holding every kv head, into a (pages_per_block, page_size, kv_heads, head_dim) VMEM buffer, and reads one kv
-head as a sublane-strided load; two buffers, so the next visit's pages arrive while this one computes. Queries come as [kv_heads, tokens * group, head_dim]: the query
-heads of one kv head are consecutive rows of one token (GQA folded into the rows), so one matmul per kv head serves
-the whole group. At decode a token's group of heads fills the MXU rows that one query row would leave idle.
+head as a sublane-strided load; two buffers, so the next visit's pages arrive while this one computes.
+
+Queries come as [kv_heads, tokens * group, head_dim]: the query heads of one kv head are consecutive rows of one
+token (GQA folded into the rows), so one matmul per kv head serves the whole group. At decode a token's group of heads
+fills the MXU rows that one query row would leave idle.
 
 Statistics follow the flash attention forward (scores in log2 units, a finite running-max start, -inf for masked
 scores, lane-replicated per-row statistics). Visits that mask: rows of other sequences (a query block may hold many

@@ -14,6 +14,7 @@ Importing this package compiles nothing and makes no network access.
 from . import jax, layers
 from ._ops import add_op_namespace_prefix, ops
 from .flash_attention_ops import attention_forward, flash_attn_func, flash_attn_varlen_func
+from .kv_cache_ops import reshape_and_cache_flash
 from .moe_ops import experts_forward, ragged_dot
 from .rms_norm_ops import fused_add_rms_norm, rms_norm
 from .rotary_ops import apply_rotary, apply_rotary_from_positions, rms_norm_rope, rms_norm_rope_from_positions
@@ -31,6 +32,7 @@ __all__ = [
     "layers",
     "ops",
     "ragged_dot",
+    "reshape_and_cache_flash",
     "rms_norm",
     "rms_norm_rope",
     "rms_norm_rope_from_positions",
