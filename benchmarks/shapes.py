@@ -148,10 +148,89 @@ def _attention_sweep(seqs, varlen_seqs):
 FLASH_ATTENTION = _attention_sweep(FLASH_ATTENTION_SEQS, (1024, 4096))
 FLASH_ATTENTION_QUICK = _attention_sweep(FLASH_ATTENTION_QUICK_SEQS, ())
 
+# ------------------------------------------------------------------------------------------------- paged attention
+# One serving step over a paged KV cache (benchmarks/ops/paged_attention.py): the attention layers of Qwen3-30B-A3B,
+# Gemma 4's sliding (window 1024) and full layers; page sizes 16, 64, 256; bf16 and fp8 (e4m3) caches (the Shape's
+# dtype is the cache's; q is bf16). decode: `batch` sequences of one token at `context`; mixed: 60 decodes and 4
+# prefill chunks of 512 (`tokens` = 2108 query tokens of 64 sequences), every context `context`.
+PAGED_ATTENTION_MODELS = {
+    "qwen3-30b-a3b": {"q_heads": 32, "kv_heads": 4, "head_dim": 128, "window": -1},
+    "gemma4-sliding": {"q_heads": 16, "kv_heads": 8, "head_dim": 256, "window": 1024},
+    "gemma4-full": {"q_heads": 16, "kv_heads": 2, "head_dim": 512, "window": -1},
+}
+PAGED_ATTENTION_BATCHES = (1, 8, 32, 64, 128, 256)
+PAGED_ATTENTION_CONTEXTS = (1024, 4096, 32768)
+PAGED_ATTENTION_PAGES = (16, 64, 256)
+PAGED_ATTENTION_DTYPES = ("bfloat16", "float8_e4m3fn")
+PAGED_ATTENTION_MIXED = {"decodes": 60, "prefill_chunks": 4, "chunk": 512}
+PAGED_ATTENTION_MIXED_TOKENS = PAGED_ATTENTION_MIXED["decodes"] + 4 * 512
+# `make bench` (no --full): context 4096 at page 64, B 8 / 64 / 256, bf16 and fp8, and the mixed batch in bf16.
+PAGED_ATTENTION_QUICK_BATCHES = (8, 64, 256)
+
+
+def _paged_sweep(batches, contexts, pages, dtypes, mixed_dtypes):
+    out = []
+    for model, dims in PAGED_ATTENTION_MODELS.items():
+        for dtype in dtypes:
+            out += sweep("batch", batches, dtype, model=model, phase="decode", context=contexts, page=pages, **dims)
+        for dtype in mixed_dtypes:
+            out += sweep(
+                "tokens",
+                (PAGED_ATTENTION_MIXED_TOKENS,),
+                dtype,
+                model=model,
+                phase="mixed",
+                context=contexts,
+                page=pages,
+                **dims,
+            )
+    return tuple(out)
+
+
+PAGED_ATTENTION = _paged_sweep(
+    PAGED_ATTENTION_BATCHES,
+    PAGED_ATTENTION_CONTEXTS,
+    PAGED_ATTENTION_PAGES,
+    PAGED_ATTENTION_DTYPES,
+    PAGED_ATTENTION_DTYPES,
+)
+PAGED_ATTENTION_QUICK = _paged_sweep(
+    PAGED_ATTENTION_QUICK_BATCHES, (4096,), (64,), PAGED_ATTENTION_DTYPES, ("bfloat16",)
+)
+
+# ---------------------------------------------------------------------------------------------- paged KV cache write
+# New tokens' K/V written to their slots (benchmarks/ops/kv_cache.py), with or without RoPE fused, at the attention
+# layers of ROTARY_MODELS: decode batches (one token per sequence) and one prefill chunk; bf16 and fp8 caches of
+# KV_CACHE_SLOTS rows in pages of KV_CACHE_PAGE.
+KV_CACHE_DECODE_TOKENS = (1, 8, 64, 256)
+KV_CACHE_PREFILL_TOKENS = (2048,)
+KV_CACHE_PAGE = 16
+KV_CACHE_SLOTS = 16384
+KV_CACHE = tuple(
+    shape
+    for model, dims in ROTARY_MODELS.items()
+    for dtype in ("bfloat16", "float8_e4m3fn")
+    for phase, tokens in (("decode", KV_CACHE_DECODE_TOKENS), ("prefill", KV_CACHE_PREFILL_TOKENS))
+    for shape in sweep(
+        "tokens",
+        tokens,
+        dtype,
+        model=model,
+        phase=phase,
+        q_heads=dims["q_heads"],
+        kv_heads=dims["kv_heads"],
+        head_dim=dims["head_dim"],
+    )
+)
+# `make bench` (no --full): decode 8 and 256, and the prefill chunk.
+KV_CACHE_QUICK = tuple(s for s in KV_CACHE if s.batch in (8, 256, 2048))
+
 SHAPES: dict[str, tuple[Shape, ...]] = {
     "rms_norm": RMS_NORM,
     "ragged_dot": RAGGED_DOT,
     "moe": MOE,
     "rotary": ROTARY,
     "flash_attention": FLASH_ATTENTION,
+    "paged_attention": PAGED_ATTENTION,
+    "kv_cache": KV_CACHE,
 }

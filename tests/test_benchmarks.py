@@ -293,3 +293,136 @@ def test_sweep_reports_the_tables_choice_and_the_best_candidate(tmp_path):
     )
     for bench_row in bench["rows"]:
         assert rows[bench_row["op"]]["choice"]["us"] == pytest.approx(bench_row["modeled_kernel"]["us"], rel=1e-9)
+
+
+# ------------------------------------------------------------------------------------- paged attention, KV cache
+def test_paged_attention_shapes():
+    full, quick = shapes.PAGED_ATTENTION, shapes.PAGED_ATTENTION_QUICK
+    decode = [s for s in full if s["phase"] == "decode"]
+    assert sorted({s.batch for s in decode}) == [1, 8, 32, 64, 128, 256]
+    assert {s["context"] for s in full} == {1024, 4096, 32768} and {s["page"] for s in full} == {16, 64, 256}
+    assert {s.dtype for s in full} == {"bfloat16", "float8_e4m3fn"}
+    assert {s["model"] for s in full} == {"qwen3-30b-a3b", "gemma4-sliding", "gemma4-full"}
+    assert len(full) == 3 * 2 * 3 * 3 * (6 + 1) and set(quick) < set(full)
+    mixed = [s for s in full if s["phase"] == "mixed"]
+    assert all(s.batch_name == "tokens" and s.batch == 60 + 4 * 512 for s in mixed)
+    assert {s.batch for s in shapes.KV_CACHE} == {1, 8, 64, 256, 2048} and set(shapes.KV_CACHE_QUICK) < set(
+        shapes.KV_CACHE
+    )
+
+
+def _paged_config(**kw):
+    from benchmarks.ops import paged_attention
+
+    base = dict(
+        q_lens=(1, 1, 7, 1, 16),
+        contexts=(40, 17, 64, 33, 30),
+        page_size=16,
+        pages_per_seq=4,
+        num_pages=24,
+        q_heads=4,
+        kv_heads=2,
+        head_dim=128,
+        scale=None,
+        window=-1,
+        cache_dtype="bfloat16",
+    )
+    return paged_attention.Config(**dict(base, **kw))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"window": 20}, {"cache_dtype": "float8_e4m3fn", "scale": 1.0}],
+    ids=["causal", "window", "fp8"],
+)
+def test_paged_xla_path_equals_the_reference(rand, options):
+    """The paged attention suite's XLA path (gather, then attention; windowed gathers from a start page) computes the
+    kernel's reference on a ragged batch of shuffled pages; JAX's reference reads the interleaved layout the same."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa_kernel
+
+    from benchmarks.ops import paged_attention
+    from tpu_kernels_jax.paged_attention.reference import ragged_paged_attention_reference
+
+    cfg = _paged_config(**options)
+    n = len(cfg.q_lens)
+    dtype = jnp.dtype(cfg.cache_dtype)
+    k = rand.normal((cfg.num_pages, cfg.page_size, cfg.kv_heads, cfg.head_dim)).astype(dtype)
+    v = rand.normal((cfg.num_pages, cfg.page_size, cfg.kv_heads, cfg.head_dim)).astype(dtype)
+    q = rand.normal((cfg.tokens, cfg.q_heads, cfg.head_dim), jnp.bfloat16)
+    pages = jnp.asarray(rand.rng.permutation(cfg.num_pages)[: n * cfg.pages_per_seq].reshape(n, -1), jnp.int32)
+    kv_lens = jnp.asarray(cfg.contexts, jnp.int32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(cfg.q_lens)]), jnp.int32)
+    num_seqs = jnp.asarray([n], jnp.int32)
+    caches = {"flash": (k, v)}
+    got = paged_attention.xla_attention(q, caches, kv_lens, pages, cu, num_seqs, cfg=cfg)
+    scale = cfg.kv_scale
+    want = ragged_paged_attention_reference(
+        q,
+        k,
+        v,
+        kv_lens,
+        pages,
+        cu,
+        softmax_scale=cfg.softmax_scale,
+        window_size=cfg.window_size,
+        k_scale=scale,
+        v_scale=scale,
+    )
+    assert got.shape == want.shape and bool(jnp.isfinite(got.astype(jnp.float32)).all())
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
+    jax_ref = rpa_kernel.ref_ragged_paged_attention(
+        q,
+        paged_attention.to_interleaved(k, v),
+        kv_lens,
+        pages,
+        cu,
+        num_seqs,
+        sm_scale=cfg.softmax_scale,
+        sliding_window=cfg.window if cfg.window > 0 else None,
+        k_scale=scale,
+        v_scale=scale,
+    )
+    np.testing.assert_allclose(np.asarray(jax_ref, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
+
+
+def test_paged_roofline_bytes_and_pool():
+    """Roofline bytes: each sequence's context (or its window's keys) of K and V, plus q and out; the page pool is
+    capped (sequences then share pages) and the tables name pages inside it."""
+    from benchmarks.ops import paged_attention
+
+    qwen = next(s for s in shapes.PAGED_ATTENTION_QUICK if s["model"] == "qwen3-30b-a3b" and s.batch == 8)
+    assert paged_attention.hbm_bytes(qwen) == 8 * 4096 * 2 * 4 * 128 * 2 + 2 * 8 * 32 * 128 * 2
+    sliding = next(s for s in shapes.PAGED_ATTENTION if s["model"] == "gemma4-sliding" and s["phase"] == "mixed")
+    cfg = paged_attention.config(sliding)
+    assert paged_attention.keys_read(cfg) == 60 * 1024 + 4 * min(sliding["context"], 512 + 1023)
+    big = max(shapes.PAGED_ATTENTION, key=lambda s: s.batch * s["context"] * s["kv_heads"] * s["head_dim"])
+    cfg = paged_attention.config(big)
+    assert cfg.num_pages * cfg.page_size * 2 * cfg.kv_heads * cfg.head_dim * 2 <= paged_attention.CACHE_POOL_BYTES
+    _, pages, cu, num_seqs = paged_attention._metadata(cfg)
+    assert int(pages.max()) < cfg.num_pages and int(cu[-1]) == cfg.tokens and int(num_seqs[0]) == len(cfg.q_lens)
+
+
+def test_kv_cache_xla_paths_write_the_named_slots(rand):
+    """The KV cache suite's baselines: XLA's scatter stores exactly the rows the kernel's reference stores (fp8:
+    quantised alike), and the rope + scatter paths (our rotary kernel, XLA's rotation) agree on q and the written K."""
+    import jax.numpy as jnp
+
+    from benchmarks.ops import kv_cache
+    from tpu_kernels_jax.kv_cache import reference
+
+    s = next(s for s in shapes.KV_CACHE if s["model"] == "qwen3-30b-a3b" and s.batch == 8 and s.dtype != "bfloat16")
+    cfg = kv_cache.config(s)
+    query = rand.normal((8, s["q_heads"], s["head_dim"]), jnp.bfloat16)
+    key, value = (rand.normal((8, s["kv_heads"], s["head_dim"]), jnp.bfloat16) for _ in range(2))
+    slots, positions = kv_cache._slots_positions(s, seed=rand.seed)
+    k_cache, v_cache = kv_cache.xla_write(key, value, slots, cfg=cfg)
+    flat = lambda c: np.asarray(c.reshape((-1,) + c.shape[2:])[slots].astype(jnp.float32))  # noqa: E731
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        want = reference.quantize_reference(rows, cache.dtype, kv_cache.FP8_SCALE).astype(jnp.float32)
+        np.testing.assert_array_equal(flat(cache), np.asarray(want))
+    q1, k1, _ = kv_cache.our_rope_then_scatter(query, key, value, slots, positions, cfg=cfg)
+    q2, k2, _ = kv_cache.xla_rope_then_scatter(query, key, value, slots, positions, cfg=cfg)
+    assert not np.allclose(np.asarray(q1, np.float32), np.asarray(query, np.float32), atol=1e-2)  # rotated
+    np.testing.assert_allclose(np.asarray(q1, np.float32), np.asarray(q2, np.float32), atol=3e-2, rtol=3e-2)
+    np.testing.assert_allclose(flat(k1), flat(k2), atol=0.6, rtol=0.13)  # one fp8 step apart at most
