@@ -20,6 +20,7 @@ from tpu_kernels_jax.flash_attention import api
 from tpu_kernels_jax.flash_attention import checks as attention_checks
 
 from . import _torch_checks as checks
+from . import paged_attention_ops
 from ._op_registry import define_op
 
 
@@ -105,7 +106,7 @@ def _torch_names():
         raise
 
 
-def _check_not_implemented(dropout_p, alibi_slopes, return_attn_probs, block_table=None):
+def _check_not_implemented(dropout_p, alibi_slopes, return_attn_probs):
     """flash-attn arguments these kernels do not implement: an error, never silently ignored."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p: expected a Python float, got {type(dropout_p).__name__}")
@@ -119,10 +120,6 @@ def _check_not_implemented(dropout_p, alibi_slopes, return_attn_probs, block_tab
         raise ValueError(
             f"return_attn_probs: returning the attention probabilities is not implemented by tpu-kernels "
             f"(expected False, got {return_attn_probs!r})"
-        )
-    if block_table is not None:
-        raise ValueError(
-            "block_table: paged KV caches are not implemented by tpu-kernels' flash attention yet (expected None)"
         )
 
 
@@ -242,12 +239,32 @@ def flash_attn_varlen_func(
     q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv]; sequence s is query rows cu_seqlens_q[s]:cu_seqlens_q[s + 1] and
     key rows cu_seqlens_k[s]:cu_seqlens_k[s + 1] (int32, or int64 cast once; [N + 1], from 0 to the token count,
     non-decreasing; checked by value on the host). max_seqlen_q / max_seqlen_k: at least every sequence's length, a
-    Python int or a one-element integer tensor (read on the host). Other arguments as flash_attn_func; block_table
-    (paged KV) is not implemented (an error if set). -> out [Tq, Hq, Dv] in q's dtype. Differentiable in q, k, v and
-    s_aux.
+    Python int or a one-element integer tensor (read on the host). Other arguments as flash_attn_func. -> out [Tq, Hq,
+    Dv] in q's dtype. Differentiable in q, k, v and s_aux.
+
+    With block_table [N, max_blocks] (paged prefill, inference only): k / v are the paged KV caches [num_blocks,
+    page_block_size, Hkv, D / Dv], cu_seqlens_k the offsets of the sequences' context lengths (the new tokens
+    included, already in the cache); the queries are the last positions of each context. Runs
+    ragged_paged_attention (paged_attention_ops.flash_attn_varlen_paged).
     """
-    _check_not_implemented(dropout_p, alibi_slopes, return_attn_probs, block_table)
+    _check_not_implemented(dropout_p, alibi_slopes, return_attn_probs)
     _check_deterministic(deterministic)
+    if block_table is not None:
+        return paged_attention_ops.flash_attn_varlen_paged(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            block_table=block_table,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            s_aux=s_aux,
+        )
     _check_devices(q, k, v, s_aux, ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
     options = _options(
         q, k, v, s_aux, ndim=3, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap
