@@ -69,11 +69,18 @@ class Layout:
         return self.pages_per_seq * self.page_size
 
 
+def _split_block(block, layout: Layout):
+    """(sequence, key block within it) of a visit's key block. Truncating division: the values are >= 0, and Python's
+    floor division on scalars lowers through `sign`, which needs a chip to lower (a TPU export on a CPU host has
+    none)."""
+    return jax.lax.div(block, layout.blocks_per_seq), jax.lax.rem(block, layout.blocks_per_seq)
+
+
 def _page_copies(visit, slot, refs, layout: Layout):
     """(fetch?, K copy, V copy) for each page slot of the visit's key block."""
     kv_blocks_ref, rows_ref, pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems = refs
     block = kv_blocks_ref[visit]
-    seq, block_in_seq = block // layout.blocks_per_seq, block % layout.blocks_per_seq
+    seq, block_in_seq = _split_block(block, layout)
     rows = rows_ref[visit]
     first, end = rows & schedule.ROW_MASK, rows >> schedule.ROW_BITS
     copies = []
@@ -126,7 +133,7 @@ def _kernel(
     visit = pl.program_id(0)
     count = count_ref[0]
     word = words_ref[visit]
-    slot = visit % 2
+    slot = visit & 1
     compute = (word & schedule.COMPUTE) != 0
     dma_refs = (kv_blocks_ref, rows_ref, pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems)
 
@@ -158,7 +165,7 @@ def _kernel(
     def accumulate(masked: bool):
         if masked:
             block = kv_blocks_ref[visit]
-            seq, block_in_seq = block // lay.blocks_per_seq, block % lay.blocks_per_seq
+            seq, block_in_seq = _split_block(block, lay)
             key_base = seq * lay.max_context + block_in_seq * bk
             keys = key_base + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             keep = (keys >= rinfo_ref[:, 0:1]) & (keys <= rinfo_ref[:, 1:2])
