@@ -570,17 +570,17 @@ def test_generate_batch_on_our_attention(rand, model_name, hub_kernels, tmp_path
     ours = load(tmp_path / model_name, attn_implementation=CB_IMPLEMENTATION, dtype=torch.float32).eval()
     kernel = kernels.get_kernel(REPO_ID, version=1)
     prompts = [rand.rng.integers(1, tiny_models.VOCAB, n).tolist() for n in PROMPT_LENGTHS]
+    # no end-of-sequence token: every request generates NEW_TOKENS tokens in both runs
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
     with torch.no_grad():
         expected = [
-            reference.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p) :].tolist()
-            for p in prompts
+            reference.generate(torch.tensor([p]), generation_config=config)[0, len(p) :].tolist() for p in prompts
         ]
 
     calls = collections.Counter()
     hooks = [
         layer.self_attn.register_forward_hook(lambda *a: calls.update(["attention"])) for layer in ours.model.layers
     ]
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
     with pytest.MonkeyPatch.context() as patch:
         _counting(patch, kernel.flash_attention_ops, "flash_attention_varlen_op", calls)
         _counting(patch, kernel.flash_attention_ops, "flash_attention_op", calls)
