@@ -299,7 +299,7 @@ def _varlen(rand):
 
 
 BAD_VARLEN_INPUTS = [
-    ladder.BadInput("block table", {"block_table": _cu(0, 1)}, ValueError, "block_table: paged KV caches are not"),
+    ladder.BadInput("block table", {"block_table": _cu(0, 1)}, ValueError, "block_table: expected 2 dimensions"),
     ladder.BadInput("dropout", {"dropout_p": 0.5}, ValueError, "dropout_p:"),
     ladder.BadInput(
         "float cu_seqlens",

@@ -39,6 +39,7 @@ EXPECTED_OPS = tuple(
     )
     for suffix in ("", "_backward")
 ) + (
+    "ragged_paged_attention",  # inference only: no backward op
     # inference ops that update caches in place: the mutating op and the functional op under it
     "reshape_and_cache_flash",
     "reshape_and_cache_flash_functional",

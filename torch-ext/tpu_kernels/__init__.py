@@ -6,6 +6,7 @@
     kernel.layers.RMSNorm                          # for kernels.kernelize
     ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", kernel.experts_forward)   # transformers MoE experts
     out = kernel.flash_attn_func(q, k, v, causal=True)  # flash-attn 2's API; also flash_attn_varlen_func
+    out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=pages)  # decode
     AutoModelForCausalLM.from_pretrained(..., attn_implementation="kernels-community/tpu-kernels")  # attention
 
 Importing this package compiles nothing and makes no network access.
@@ -16,6 +17,7 @@ from ._ops import add_op_namespace_prefix, ops
 from .flash_attention_ops import attention_forward, flash_attn_func, flash_attn_varlen_func
 from .kv_cache_ops import reshape_and_cache_flash
 from .moe_ops import experts_forward, ragged_dot
+from .paged_attention_ops import flash_attn_with_kvcache, ragged_paged_attention
 from .rms_norm_ops import fused_add_rms_norm, rms_norm
 from .rotary_ops import apply_rotary, apply_rotary_from_positions, rms_norm_rope, rms_norm_rope_from_positions
 
@@ -27,11 +29,13 @@ __all__ = [
     "experts_forward",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "fused_add_rms_norm",
     "jax",
     "layers",
     "ops",
     "ragged_dot",
+    "ragged_paged_attention",
     "reshape_and_cache_flash",
     "rms_norm",
     "rms_norm_rope",
