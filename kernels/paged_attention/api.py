@@ -11,9 +11,6 @@ from ..flash_attention import checks as attention_checks
 from . import checks, kernel, schedule, tuning
 from .tuning import PagedAttentionBlocks
 
-# Visit lists live in SMEM (three int32 words a visit) beside the page table.
-MAX_VISITS = 16384
-
 
 @interpret_eager_cpu_calls
 def ragged_paged_attention(
@@ -97,7 +94,8 @@ def ragged_paged_attention(
         softcap=softcap,
     )
     size = schedule.visit_bound(
-        tokens=padded,
+        tokens=tokens,
+        num_q_blocks=padded // block_q,
         num_seqs=n,
         block_q=block_q,
         block_kv=layout.block_kv,
@@ -105,12 +103,12 @@ def ragged_paged_attention(
         window_size=window,
         causal=causal,
     )
-    smem = 4 * (3 * size + n * pages_per_seq)
-    if size > MAX_VISITS or smem > tuning.SMEM_BUDGET_BYTES:
+    smem = 4 * (3 * size + n * pages_per_seq)  # the visit lists (three int32 words a visit) and the page table
+    if smem > tuning.SMEM_BUDGET_BYTES:
         raise ValueError(
             f"page_indices: {n} sequences x {pages_per_seq} pages with blocks of {layout.block_kv} keys and "
             f"{block_q} queries need up to {size} visits and {smem // 1024} KiB of SMEM for the page table and visit "
-            f"lists, more than the kernel keeps ({MAX_VISITS} visits, {tuning.SMEM_BUDGET_BYTES // 1024} KiB); use "
+            f"lists, more than the {tuning.SMEM_BUDGET_BYTES // 1024} KiB the kernel keeps; use "
             f"larger pages or blocks (PagedAttentionBlocks)"
         )
     kv_eff, cu_eff = schedule.effective_metadata(

@@ -64,18 +64,26 @@ def token_ranges(kv_lens, cu_q, *, tokens: int, max_context: int, causal: bool, 
 
 
 def visit_bound(
-    *, tokens: int, num_seqs: int, block_q: int, block_kv: int, blocks_per_seq: int, window_size, causal: bool
+    *,
+    tokens: int,
+    num_q_blocks: int,
+    num_seqs: int,
+    block_q: int,
+    block_kv: int,
+    blocks_per_seq: int,
+    window_size,
+    causal: bool,
 ) -> int:
-    """At most how many visits a call can need: each (query block, sequence) pair visits at most the key blocks of a
-    whole context (or those its window spans); there are at most query blocks + sequences pairs."""
+    """At most how many visits a call can need. A (query block, sequence) pair holds at least one query row, so there
+    are at most min(query blocks + sequences, tokens) pairs, each visiting at most the key blocks of a whole context (or
+    those its window spans); a query block without rows adds one visit."""
     left, right = window_size
     if causal:
         right = 0
     per_pair = blocks_per_seq
     if left >= 0 and right >= 0:
         per_pair = min(per_pair, -(-(block_q + left + right) // block_kv) + 1)
-    num_q_blocks = -(-tokens // block_q)
-    return max(1, min((num_q_blocks + num_seqs) * per_pair, num_q_blocks * num_seqs * per_pair + num_q_blocks))
+    return max(1, min(num_q_blocks + num_seqs, tokens) * per_pair + num_q_blocks)
 
 
 def visits(
