@@ -838,3 +838,115 @@ def test_manual_dma_runs_come_from_the_sliced_ref():
     schedule_dmas = k.dma_descriptors - 8 - 1  # the 8 head copies, the output block's writeback
     assert schedule_dmas >= 0
     assert k.dma_runs - schedule_dmas - 1 == 8 * 16
+
+
+# ------------------------------------------------------------------ regions the compiler if-converts
+
+
+def _per_page_dmas_kernel(flags_ref, idx_ref, pages_hbm, o_ref, buf, sems, *, pages):
+    """Paged attention's control flow in small: each page's DMA start and wait under its own pl.when (the first
+    step's pages, the next step's prefetched into the other buffer), then one of two exclusive vector regions."""
+    i, n = pl.program_id(0), pl.num_programs(0)
+    slot = jax.lax.rem(i, 2)
+
+    def page_copies(step, slot):
+        for p in range(pages):
+            page = idx_ref[step * pages + p]
+            copy = pltpu.make_async_copy(pages_hbm.at[jnp.maximum(page, 0)], buf.at[slot, p], sems.at[slot])
+            yield page >= 0, copy
+
+    def start(step, slot):
+        for fetch, copy in page_copies(step, slot):
+            pl.when(fetch)(copy.start)
+
+    pl.when(i == 0)(lambda: start(i, slot))
+    pl.when(i + 1 < n)(lambda: start(jnp.minimum(i + 1, n - 1), 1 - slot))
+    for fetch, copy in page_copies(i, slot):
+        pl.when(fetch)(copy.wait)
+    heavy = flags_ref[i] > 0
+
+    @pl.when(heavy)
+    def _():
+        x = buf[slot].reshape(o_ref.shape)
+        for _ in range(16):
+            x = jnp.tanh(x * 1.0001 + 0.5)
+        o_ref[...] = x
+
+    @pl.when(~heavy)
+    def _():
+        o_ref[...] = buf[slot].reshape(o_ref.shape) * 2
+
+
+def pallas_per_page_dmas(flags, idx, pages_arr, *, pages=4):
+    """Step i gathers pages_arr[idx[i * pages + p]] (idx < 0: no page) and transforms them heavily where flags[i]."""
+    steps = flags.shape[0]
+    page_rows, cols = pages_arr.shape[1:]
+    return pl.pallas_call(
+        functools.partial(_per_page_dmas_kernel, pages=pages),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(steps,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((pages * page_rows, cols), lambda i, *_: (i, 0)),
+            scratch_shapes=[
+                pltpu.VMEM((2, pages) + pages_arr.shape[1:], pages_arr.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct((steps * pages * page_rows, cols), pages_arr.dtype),
+    )(flags, idx, pages_arr)
+
+
+def test_dma_only_regions_the_compiler_predicates_leave_the_vector_regions_charged_where_they_run():
+    """16 pl.when regions (two outer ones around the 4 per-page starts of the first and the next step, the per-page
+    starts and waits, the heavy and the light region) against the schedule's 2 branches: the compiler predicated
+    the DMA-only regions. Those are set aside, the two vector regions pair with the two branches, and each step is
+    charged the one it runs (it was every region on every step, with a warning)."""
+    rng = np.random.default_rng()
+    steps, pages, num_pages = 16, 4, 256
+    flags = rng.integers(0, 2, steps).astype(np.int32)
+    flags[:2] = (0, 1)  # both kinds of step
+    idx = rng.integers(0, num_pages, steps * pages).astype(np.int32)
+    idx[rng.random(idx.shape) < 0.25] = -1  # pages not fetched
+    page = _sds((num_pages, 16, 512), jnp.float32)
+    m = perf_model.model_function(pallas_per_page_dmas, (flags, idx, page), gen="v6e")
+    (k,) = m.kernels
+    assert not m.warnings, m.warnings
+    assert any("14 of the kernel's 16 conditional regions" in n for n in m.notes), m.notes
+    # the per-page DMAs are still counted: one per fetched page, under their conditions
+    assert k.hbm_bytes_in - k.hbm_bytes_from_schedule == (idx >= 0).sum() * 16 * 512 * 4
+    assert k.step_cycles_max > 1.5 * k.step_cycles_min, (k.step_cycles_min, k.step_cycles_max)
+    expected = k.step_cycles_min + flags.mean() * (k.step_cycles_max - k.step_cycles_min)
+    assert k.step_cycles_mean == pytest.approx(expected), (k.step_cycles_mean, expected, flags)
+
+
+def paged_attention_decode(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs):
+    from tpu_kernels_jax.paged_attention.api import ragged_paged_attention
+
+    return ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+
+
+def test_ragged_paged_attention_regions_pair_with_the_schedule():
+    """The paged kernel (Qwen3: 32 q / 4 kv heads x 128, decode B = 8 at context 4096, pages of 16): its per-page DMA
+    regions are predicated and its output sits in VMEM (a write-back branch of the pipeline's): paired without a
+    warning, a visit is charged the accumulate variant it runs, init and finalize where they run."""
+    rng = np.random.default_rng()
+    b, context, page, hq, hkv, d = 8, 4096, 16, 32, 4, 128
+    pages_per_seq = context // page
+    num_pages = b * pages_per_seq
+    cache = _sds((num_pages, page, hkv, d), jnp.bfloat16)
+    args = (
+        _sds((b, hq, d), jnp.bfloat16),
+        cache,
+        cache,
+        np.full(b, context, np.int32),
+        rng.permutation(num_pages).reshape(b, pages_per_seq).astype(np.int32),
+        np.arange(b + 1, dtype=np.int32),
+        np.array([b], np.int32),
+    )
+    m = perf_model.model_function(paged_attention_decode, args, gen="v6e")
+    (k,) = m.kernels
+    assert not m.warnings, m.warnings
+    assert any("have no branch in the schedule" in n for n in m.notes), m.notes
+    assert k.step_cycles_min < k.step_cycles_mean < k.step_cycles_max < k.loop_body_bundles
+    assert k.hbm_bytes_bound == "exact"

@@ -45,6 +45,9 @@ _ELEM_RE = re.compile(r"element_size_in_bytes: (\d+)")
 DMA_GRANULE_BYTES = 32
 
 DEFAULT_DELAY_SLOTS = 4
+# How the schedule names an output operand XLA placed in VMEM (e.g. "output window allocation for operator output 0.
+# The window shape is bf16[4,16,128], while the full shape is bf16[4,64,128]"), on the load of its address.
+_OUTPUT_WINDOW = "output window allocation for operator output"
 
 
 @dataclasses.dataclass
@@ -154,6 +157,8 @@ class KernelSchedule:
     delay_slots: int
     guard: Region | None  # pipeline fill/drain guard
     conds: list[Region]  # kernel-level conditional regions (pl.when), program order
+    output_copies: list[int]  # indices in `conds` of regions that copy an output block into an output XLA placed in
+    # VMEM (the pipeline's write-back as vector loads and stores, no DMA: a branch the kernel has no pl.when for)
     pipeline_regions: list[Region]  # conditional regions outside the guard: the pipeline's DMA issue, every step
     inner_loops: list[tuple[int, int, int | None]]  # (start, end, trip) of loops nested in the body; trip None:
     # not in the schedule (a run-time bound), counted once
@@ -298,6 +303,14 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
             guard = largest
             regions = [r for r in others if largest.branch_addr < r.branch_addr and r.target <= largest.target]
             pipeline_regions = [r for r in others if r not in regions]
+    # The pipeline's write-back to an output in VMEM names the output's allocation in its code ("output window
+    # allocation for operator output N"); the kernel's own code writes the block buffer, which is not named so.
+    output_copies = [
+        k
+        for k, r in enumerate(regions)
+        if any(_OUTPUT_WINDOW in b.text for b in bundles[r.branch_addr : r.target])
+        and not any(b.mxu_ops() for b in bundles[r.branch_addr : r.target])
+    ]
     body = end - start
     for t, e, itrip in inner:
         body += (e - t) * ((itrip or 1) - 1)
@@ -313,6 +326,7 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
         delay_slots=delay,
         guard=guard,
         conds=regions,
+        output_copies=output_copies,
         pipeline_regions=pipeline_regions,
         inner_loops=inner,
         loop_regions=loop_regions,

@@ -89,11 +89,16 @@ class Construct:
     # issue, which the compiler predicates instead of branching over): the regions the schedule keeps as branches
     dots: bool = False  # a region whose code has matmuls itself (vmatmuls in the schedule)
     loops: bool = False  # a region with a loop in it
+    predicable: bool = False  # its code, nested conditionals included, is scalar work and DMA starts/waits only: the
+    # compiler may if-convert it (predicated instructions inline in the enclosing code) instead of branching over it
+    nests: bool = False  # a region with a conditional in it
+    dots_within: bool = False  # a region with matmuls anywhere in its code (nested conditionals included)
 
 
 @dataclasses.dataclass
 class KernelEval:
     conds: list  # per grid-level conditional region, program order: bool per step (False = skipped) or None
+    cond_regions: list  # the Construct of each of `conds` (what its code holds), same order
     dot_flops: np.ndarray  # logical dot_general flops per step
     dma_in: np.ndarray  # manual DMA bytes from HBM per step
     dma_out: np.ndarray  # manual DMA bytes to HBM per step
@@ -133,6 +138,7 @@ class _Evaluator:
         self.grid, self.pids, self.steps = grid, pids, steps
         self.warnings = warnings
         self.conds: list = []
+        self.cond_regions: list[Construct] = []
         self.flops = np.zeros(steps, np.float64)
         self.dma_in = np.zeros(steps, np.float64)
         self.dma_out = np.zeros(steps, np.float64)
@@ -358,13 +364,18 @@ class _Evaluator:
         """Branches[i] runs where idx == offset + i (the last one also above). Returns the merged outputs."""
 
         def region(runs, which):
-            if grid_level:
-                self.conds.append(None if runs is None else ((weight == 0) | runs))
             code = branches[1:] if which == "then" else branches[:1]
             rec = self._construct((id(branches), offset, which), "region", False)
+            if grid_level:
+                self.conds.append(None if runs is None else ((weight == 0) | runs))
+                self.cond_regions.append(rec)
             rec.vector_work = any(_vector_work(b.jaxpr) for b in code)
             rec.dots = any(_vector_work(b.jaxpr, dots_only=True) for b in code)
             rec.loops = any(_has_loop(b.jaxpr) for b in code)
+            rec.predicable = all(_predicable(b.jaxpr) for b in code)
+            # A cascade's "then" region holds the rest of the cascade: a conditional in it.
+            rec.nests = (which == "then" and len(branches) > 2) or any(_has_cond(b.jaxpr) for b in code)
+            rec.dots_within = any(_has_dot(b.jaxpr) for b in code)
             if rec.executions is not None:
                 rec.executions = None if runs is None else rec.executions + weight * runs
 
@@ -594,6 +605,38 @@ def _vector_work(jaxpr, dots_only=False) -> bool:
     return False
 
 
+def _is_vector(v) -> bool:
+    aval = getattr(v, "aval", None)
+    return not hasattr(aval, "inner_aval") and math.prod(getattr(aval, "shape", ())) > 1
+
+
+def _predicable(jaxpr) -> bool:
+    """Whether `jaxpr` holds only scalar work and DMA starts/waits, in its conditionals and calls too (no vector value,
+    no matmul, no loop): code the compiler can if-convert into predicated scalar and DMA instructions."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("scan", "while", "dot_general"):
+            return False
+        if name in ("dma_start", "dma_wait"):
+            continue
+        subs = list(all_sub_jaxprs(eqn))
+        if subs:
+            if not all(_predicable(j) for j in subs):
+                return False
+            continue
+        if any(_is_vector(v) for v in list(eqn.outvars) + (list(eqn.invars[1:2]) if name == "swap" else [])):
+            return False
+    return True
+
+
+def _has_cond(jaxpr) -> bool:
+    return any(e.primitive.name == "cond" or any(_has_cond(j) for j, _ in sub_jaxprs(e)) for e in jaxpr.eqns)
+
+
+def _has_dot(jaxpr) -> bool:
+    return any(e.primitive.name == "dot_general" or any(_has_dot(j) for j in all_sub_jaxprs(e)) for e in jaxpr.eqns)
+
+
 def _has_loop(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in ("scan", "while") or any(_has_loop(j) for j in all_sub_jaxprs(eqn)):
@@ -679,6 +722,7 @@ def evaluate_kernel(kjaxpr, grid, pids, steps, known_refs: dict[int, Any] | None
     ev.run(kjaxpr, env, np.ones(steps, np.float64), np.ones(steps, bool), True)
     return KernelEval(
         conds=ev.conds,
+        cond_regions=ev.cond_regions,
         dot_flops=ev.flops,
         dma_in=ev.dma_in,
         dma_out=ev.dma_out,

@@ -564,6 +564,41 @@ def _loop_cycles(sched: B.KernelSchedule, info, skip: np.ndarray) -> tuple[np.nd
     return extra, notes
 
 
+def _pair_grid_regions(evaluated, sched: B.KernelSchedule):
+    """Pair the kernel's grid-level regions with the schedule's branch regions when their counts differ: regions whose
+    code is scalar work and DMA starts/waits only (`Construct.predicable`) may have been if-converted (predicated
+    instructions, no branch), and the pipeline's write-back into an output in VMEM is a branch of its own
+    (`KernelSchedule.output_copies`). Tried in order: the predicable regions with no conditional in them set aside
+    (their parent stays a branch), then every predicable region; the schedule with and without its output copies. The
+    first combination whose counts agree, with every pair agreeing on matmuls (a region with a matmul in its code and
+    a branch with a vmatmul in it), pairs in program order. Returns ({schedule index: kernel index}, kernel regions
+    set aside, schedule branches left unpaired), or None."""
+    if evaluated is None or len(evaluated.cond_regions) != len(evaluated.conds):
+        return None
+    regions = evaluated.cond_regions
+    everything = list(range(len(regions)))
+    kernel_sets = [
+        everything,
+        [i for i, r in enumerate(regions) if not (r.predicable and not r.nests)],
+        [i for i, r in enumerate(regions) if not r.predicable],
+    ]
+    branches = list(range(len(sched.conds)))
+    sched_sets = [branches] + ([[k for k in branches if k not in sched.output_copies]] if sched.output_copies else [])
+    mxu = [addr for addr, _ in sched.mxu_ops_body]
+
+    def has_mxu(k):
+        r = sched.conds[k]
+        return any(r.branch_addr < a < r.target for a in mxu)
+
+    for kept in kernel_sets:
+        for used in sched_sets:
+            if len(kept) != len(used) or (kept is everything and used is branches):
+                continue
+            if all(regions[i].dots_within == has_mxu(k) for i, k in zip(kept, used)):
+                return dict(zip(used, kept)), len(regions) - len(kept), len(branches) - len(used)
+    return None
+
+
 def _bound(lower: bool, upper: bool) -> str:
     return "approximate" if lower and upper else "lower" if lower else "upper" if upper else "exact"
 
@@ -644,12 +679,29 @@ def _model_kernel(
             )
             skip = np.zeros((steps, len(sched.conds)), bool)
         else:
-            if conds or sched.conds:
+            skip = np.zeros((steps, len(sched.conds)), bool)
+            paired = _pair_grid_regions(info.evaluated, sched)
+            if paired is None:
                 warnings.append(
                     f"{len(conds)} pl.when/cond in the kernel vs {len(sched.conds)} branch "
                     "regions in the schedule: every region modeled as run on every step"
                 )
-            skip = np.zeros((steps, len(sched.conds)), bool)
+            else:
+                pairs, predicated, copies = paired
+                for k, i in pairs.items():
+                    if conds[i] is not None:
+                        skip[:, k] = ~conds[i]
+                if predicated:
+                    notes.append(
+                        f"{predicated} of the kernel's {len(conds)} conditional regions hold only scalar work and DMA "
+                        "starts/waits and have no branch in the schedule (the compiler predicates them): their "
+                        "instructions are in the code around them, counted where it runs"
+                    )
+                if copies:
+                    notes.append(
+                        f"{copies} branch(es) of the pipeline writing output blocks into an output XLA placed in VMEM "
+                        "counted as run on every step"
+                    )
         dot_flops = float(info.dot_flops_per_step.sum())
         warnings += info.warnings
         grid = info.grid
