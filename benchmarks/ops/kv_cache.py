@@ -20,9 +20,11 @@ back + slots / positions (int32), at the table HBM bandwidth.
 Implementations (compiled in the same run, modeled on one TensorCore):
 - kernel: tpu_kernels_jax.kv_cache.api.write_kv_cache / rope_and_write_kv_cache (default blocks).
 - default, write: XLA, `cache.at[slots].set(rows)` (fp8: rows * (1 / scale), clipped to +-448, cast first).
-- default, rope + write: our rotary kernel (apply_rotary_from_positions on q and k, layout bshd) then XLA's scatter:
-  the unfused path with our own standalone RoPE.
-- xla_rope: the whole unfused path in XLA (transformers' cos/sin from positions, the rotary reference, the scatter).
+- default, rope + write: the whole unfused path in XLA (transformers' cos/sin from positions, the rotary reference,
+  the scatter).
+- "our rope + XLA scatter" (baseline, the target's): our rotary kernel (apply_rotary_from_positions on q and k,
+  layout bshd) then XLA's scatter: the unfused path with our own standalone RoPE. Modeled only (on a CPU the harness
+  times the default without interpret mode, so the default must be plain XLA).
 
 Target, on the modeled v6e figures: the fused write + RoPE >= 2x XLA's scatter plus our standalone rope at every
 shape.
@@ -51,6 +53,8 @@ SLOTS = shapes.KV_CACHE_SLOTS
 MAX_POSITION = 32768
 
 MIN_FUSED_SPEEDUP = 2.0
+OUR_ROPE = "our rope + XLA scatter"  # the target's baseline (modeled only: it holds a Pallas kernel, and a CPU times
+# only the kernel column in interpret mode)
 GOAL = f"the fused write + RoPE >= {MIN_FUSED_SPEEDUP}x XLA's scatter plus our standalone rope at every shape"
 
 
@@ -214,9 +218,13 @@ def custom_targets(rows: list[dict]) -> list[dict]:
     sel = [r for r in rows if r["op"] == "rope_and_write_kv_cache"]
     if not sel:
         return []
-    worst = min(sel, key=lambda r: -1.0 if r["speedup"] is None else r["speedup"])
-    short = [r for r in sel if r["speedup"] is None or r["speedup"] < MIN_FUSED_SPEEDUP]
-    detail = "no modeled time" if worst["speedup"] is None else f"{worst['speedup']:.2f}x"
+
+    def speedup(r):
+        return r["speedups"].get(OUR_ROPE)
+
+    worst = min(sel, key=lambda r: -1.0 if speedup(r) is None else speedup(r))
+    short = [r for r in sel if speedup(r) is None or speedup(r) < MIN_FUSED_SPEEDUP]
+    detail = "no modeled time" if speedup(worst) is None else f"{speedup(worst):.2f}x"
     if short:
         detail += f"; {len(short)} of {len(sel)} shapes short"
         kernels = worst["modeled_kernel"].get("kernels") or []
@@ -259,13 +267,13 @@ SUITE = Suite(
         Op(
             name="rope_and_write_kv_cache",
             kernel=kernel_rope_write,
-            default=our_rope_then_scatter,
+            default=xla_rope_then_scatter,
             specs=rope_specs,
             model_args=rope_model_args,
             arrays=rope_args,
             hbm_bytes=rope_bytes,
-            default_name="our rope + XLA scatter",
-            baselines=(Baseline("xla_rope", xla_rope_then_scatter),),
+            default_name="XLA rope + scatter",
+            baselines=(Baseline(OUR_ROPE, our_rope_then_scatter),),
             static=_static,
         ),
     ),
