@@ -950,3 +950,60 @@ def test_ragged_paged_attention_regions_pair_with_the_schedule():
     assert any("have no branch in the schedule" in n for n in m.notes), m.notes
     assert k.step_cycles_min < k.step_cycles_mean < k.step_cycles_max < k.loop_body_bundles
     assert k.hbm_bytes_bound == "exact"
+
+
+# ------------------------------------------------------------------ loops of DMAs: round trips vs a batch
+
+
+def _batched_gather_kernel(n_ref, idx_ref, x_hbm, o_ref, sem):
+    def copy(i):
+        return pltpu.make_async_copy(x_hbm.at[idx_ref[i]], o_ref.at[i], sem)
+
+    def start(i, carry):
+        copy(i).start()
+        return carry
+
+    def wait(i, carry):
+        copy(i).wait()
+        return carry
+
+    # One loop issues every page's DMA, the next one drains them: the KV cache write's pattern.
+    jax.lax.fori_loop(0, n_ref[0], start, 0)
+    jax.lax.fori_loop(0, n_ref[0], wait, 0)
+
+
+def pallas_batched_gather(n, idx, pages):
+    rows = idx.shape[0]
+    return pl.pallas_call(
+        _batched_gather_kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((rows,) + pages.shape[1:], lambda *_: (0, 0, 0)),
+            scratch_shapes=[pltpu.SemaphoreType.DMA],
+        ),
+        out_shape=jax.ShapeDtypeStruct((rows,) + pages.shape[1:], pages.dtype),
+    )(n, idx, pages)
+
+
+def test_dmas_issued_by_one_loop_and_drained_by_another_are_not_pipeline_steps():
+    """A loop that starts and waits on a page's DMA each iteration runs n pipeline steps (a round trip each, the step
+    cost's own pattern); the same pages started by one loop and waited on by the next are one batch: no step cost per
+    iteration, the same DMAs and bytes (noted)."""
+    rng = np.random.default_rng()
+    pages = _sds((512, 16, 1024), jnp.bfloat16)
+    n = int(rng.integers(32, 64))
+    idx = rng.integers(0, 512, 64).astype(np.int32)
+    args = (np.array([n], np.int32), idx, pages)
+    round_trips, batched = (
+        perf_model.model_function(fn, args, gen="v6e") for fn in (pallas_page_gather, pallas_batched_gather)
+    )
+    (k_round,), (k_batch,) = round_trips.kernels, batched.kernels
+    assert not round_trips.warnings and not batched.warnings, (round_trips.warnings, batched.warnings)
+    assert k_round.pipeline_steps == n and k_batch.pipeline_steps == 0
+    assert any(f"{2 * n} iterations of loops that only start DMAs or only wait" in note for note in batched.notes)
+    for k in (k_round, k_batch):
+        assert k.hbm_bytes_in - k.hbm_bytes_from_schedule == n * 16 * 1024 * 2
+    chip = perf_model.get_chip("v6e")
+    assert k_batch.modeled_s < k_round.modeled_s - 0.5 * n * chip.step_overhead_s

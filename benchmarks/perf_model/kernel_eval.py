@@ -106,8 +106,10 @@ class KernelEval:
     dma_runs: np.ndarray  # their contiguous runs in HBM per step (dma_shape.hbm_runs of each DMA's HBM-side slice)
     remote_bytes: np.ndarray  # DMAs to another device (ICI), per step; not HBM traffic of this core
     constructs: list[Construct]
-    pipeline_steps: np.ndarray  # iterations per step of the loops that issue or wait on DMAs themselves (a manual
-    # pipeline's steps: emit_pipeline's loop, a fori_loop of copies), each paying the chip's per-step cost
+    pipeline_steps: np.ndarray  # iterations per step of the loops that both start and wait on DMAs themselves (a
+    # manual pipeline's steps: emit_pipeline's loop, a fori_loop of copies), each paying the chip's per-step cost
+    one_way_iterations: np.ndarray  # iterations per step of the loops that only start DMAs or only wait on them (a
+    # batch of DMAs issued by one loop, drained by another): their cycles and DMA time, no per-step cost
     dmas_upper: bool = False  # a DMA under a condition the model cannot see: counted as issued
     dmas_lower: bool = False  # a DMA in a loop whose trips are unknown: counted once
     extrapolated: bool = False  # a loop too long to evaluate whole: a sample of its iterations, scaled to its trips
@@ -146,6 +148,7 @@ class _Evaluator:
         self.dma_runs = np.zeros(steps, np.float64)
         self.remote = np.zeros(steps, np.float64)
         self.pipeline_steps = np.zeros(steps, np.float64)
+        self.one_way_iterations = np.zeros(steps, np.float64)
         self.constructs: list[Construct] = []
         self._by_key: dict = {}
         self._facts: dict = {}  # id(eqn) -> facts (the eqn is kept in them, so the id stays its own)
@@ -438,8 +441,7 @@ class _Evaluator:
         rec = self._loop_record(eqn, runtime=False)
         if rec.executions is not None:
             rec.executions = rec.executions + weight * length
-        if _moves_data(body.jaxpr):
-            self.pipeline_steps += weight * length
+        self._count_dma_loop(body.jaxpr, weight * length)
         cost = max(1, len(body.jaxpr.eqns))
         # Too long to evaluate whole: a sample of its iterations, scaled to its length (as for a long fori_loop).
         sample = length
@@ -491,8 +493,7 @@ class _Evaluator:
             if done:
                 if rec.executions is not None:
                     rec.executions = rec.executions + weight * trips
-                if _moves_data(bj.jaxpr):
-                    self.pipeline_steps += weight * trips
+                self._count_dma_loop(bj.jaxpr, weight * trips)
                 return carry if sample is None or iterations < sample else None
             if sample is None and self.budget < cost:
                 break
@@ -512,6 +513,15 @@ class _Evaluator:
         self.run(bj.jaxpr, _bind_invars(bj.jaxpr, bconsts + [None] * len(carry)), weight, sure, False, bj.consts)
         rec.executions = None
         return None
+
+    def _count_dma_loop(self, body, iterations):
+        """A loop whose iterations start and wait on DMAs (a round trip each) runs pipeline steps; one that only starts
+        or only waits is a batch's issue or drain, inside the step around it."""
+        ops = _dma_ops(body)
+        if ops == {"dma_start", "dma_wait"}:
+            self.pipeline_steps += iterations
+        elif ops:
+            self.one_way_iterations += iterations
 
     def _snapshot(self):
         counters = {k: getattr(self, k).copy() for k in _COUNTERS}
@@ -533,7 +543,7 @@ class _Evaluator:
 
 
 # The evaluator's per-step totals that a sampled loop scales.
-_COUNTERS = ("flops", "dma_in", "dma_out", "dma_count", "dma_runs", "remote", "pipeline_steps")
+_COUNTERS = ("flops", "dma_in", "dma_out", "dma_count", "dma_runs", "remote", "pipeline_steps", "one_way_iterations")
 
 
 def _runs(ref) -> int:
@@ -644,17 +654,16 @@ def _has_loop(jaxpr) -> bool:
     return False
 
 
-def _moves_data(jaxpr) -> bool:
-    """Whether `jaxpr` starts or waits on DMAs itself (in its conditionals and calls, not in nested loops)."""
+def _dma_ops(jaxpr) -> set:
+    """Which of dma_start / dma_wait `jaxpr` holds itself (in its conditionals and calls, not in nested loops)."""
+    ops = set()
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in ("dma_start", "dma_wait"):
-            return True
-        if eqn.primitive.name in ("scan", "while"):
-            continue
-        for j in all_sub_jaxprs(eqn):
-            if _moves_data(j):
-                return True
-    return False
+            ops.add(eqn.primitive.name)
+        elif eqn.primitive.name not in ("scan", "while"):
+            for j in all_sub_jaxprs(eqn):
+                ops |= _dma_ops(j)
+    return ops
 
 
 def all_sub_jaxprs(eqn):
@@ -731,6 +740,7 @@ def evaluate_kernel(kjaxpr, grid, pids, steps, known_refs: dict[int, Any] | None
         remote_bytes=ev.remote,
         constructs=ev.constructs,
         pipeline_steps=ev.pipeline_steps,
+        one_way_iterations=ev.one_way_iterations,
         dmas_upper=ev.dmas_upper,
         dmas_lower=ev.dmas_lower,
         extrapolated=ev.extrapolated,

@@ -801,6 +801,12 @@ def _model_kernel(
     pipeline_steps = (steps + n_fill) if sched.has_loop else 0
     if info is not None and info.evaluated is not None:
         pipeline_steps += float(info.evaluated.pipeline_steps.sum())
+        one_way = float(info.evaluated.one_way_iterations.sum())
+        if one_way:
+            notes.append(
+                f"{one_way:.0f} iterations of loops that only start DMAs or only wait on them (a batch issued, then "
+                "drained): charged their cycles and their DMAs' time, not a pipeline step's cost each"
+            )
     step_overhead_s = pipeline_steps * chip.step_overhead_s
     # The first step's inputs, the last one's outputs.
     end_d, end_r = (in_d[0] + out_d[-1], in_r[0] + out_r[-1]) if steps else (0.0, 0.0)
