@@ -98,11 +98,7 @@ BLOCKS = tk.PagedAttentionBlocks(queries_per_block=8, pages_per_block=2)
 
 FEATURES = {
     "causal": dict(),
-    "not_causal": dict(causal=False),
-    "window": dict(window_size=(20, 0)),
     "window_both_sides_not_causal": dict(causal=False, window_size=(9, 4)),
-    "softcap": dict(softcap=3.0),
-    "sinks": dict(sinks=True),
     "scale_one": dict(softmax_scale=1.0),
     "everything": dict(window_size=(33, 0), softcap=5.0, sinks=True, softmax_scale=0.2),
 }
@@ -118,8 +114,8 @@ def test_mixed_batch_matches_reference(rand, feature):
     _check(rand, batch, blocks=BLOCKS, tol=tol, **options)
 
 
-# (D, Dv, Hq, Hkv): head dims 64 to 512, GQA 1, 2 and 8 (and MQA), a V head dim other than Q/K's.
-HEAD_LAYOUTS = [(64, 64, 4, 4), (128, 128, 16, 2), (256, 128, 8, 1), (512, 512, 2, 1), (128, 256, 8, 8)]
+# (D, Dv, Hq, Hkv): head dims 64 to 512, GQA 1 and 8 and MQA, a V head dim other than Q/K's.
+HEAD_LAYOUTS = [(64, 64, 4, 4), (128, 128, 16, 2), (256, 128, 8, 1), (512, 512, 2, 1)]
 
 
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS, ids=lambda t: "d{}_dv{}_hq{}_hkv{}".format(*t))
@@ -129,7 +125,7 @@ def test_head_dims_and_gqa(rand, layout):
     _check(rand, batch, blocks=tk.PagedAttentionBlocks(pages_per_block=2), window_size=(25, 0), tol=F32_TOL)
 
 
-@pytest.mark.parametrize("page", [16, 32, 64])
+@pytest.mark.parametrize("page", [16, 64])
 def test_page_sizes_and_default_blocks(rand, page):
     """The tuning table's blocks (one block of 512 keys holds every page of these contexts) at several page sizes."""
     batch = Batch(rand, [1, 6, 1, 2], [130, 6, 64, 200], page=page, hq=8, hkv=2, d=128)
