@@ -114,7 +114,7 @@ def test_mixed_batch_matches_reference(rand, feature):
     _check(rand, batch, blocks=BLOCKS, tol=tol, **options)
 
 
-# (D, Dv, Hq, Hkv): head dims 64 to 512, GQA 1 and 8 and MQA, a V head dim other than Q/K's.
+# (D, Dv, Hq, Hkv): head dims 64 to 512, GQA 1, 2 and 8 (MQA), a V head dim other than Q/K's.
 HEAD_LAYOUTS = [(64, 64, 4, 4), (128, 128, 16, 2), (256, 128, 8, 1), (512, 512, 2, 1)]
 
 
