@@ -519,7 +519,7 @@ def export_torch_op_for_tpu(op, args):
     import torch
 
     dtypes = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}
-    dtypes[torch.int32] = jnp.int32
+    dtypes |= {torch.int32: jnp.int32, torch.float8_e4m3fn: jnp.float8_e4m3fn}
     tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     specs = [jax.ShapeDtypeStruct(tuple(args[i].shape), dtypes[args[i].dtype]) for i in tensor_at]
 

@@ -3,8 +3,6 @@ exactly the named slots changed), fp8 caches (float8_e4m3fn and vLLM's uint8) wi
 opcheck / fake / meta / torch.compile, the functional op underneath, bad input, and the export of the op's JAX
 function for TPU (what TorchTPU's jax_op runs with the caches donated)."""
 
-import jax
-import jax.numpy as jnp
 import ladder
 import numpy as np
 import pytest
@@ -204,19 +202,7 @@ def test_bad_input_is_a_clear_error(rand, case):
 def test_op_function_exports_for_tpu(rand, fp8):
     """What TorchTPU's jax_op exports on `tpu` tensors (the caches donated): the functional op's JAX function holds
     the Mosaic kernel."""
-    args = _op_args(rand, fp8=fp8)
-    dtypes = {torch.bfloat16: jnp.bfloat16, torch.float8_e4m3fn: jnp.float8_e4m3fn, torch.int32: jnp.int32}
-    dtypes[torch.float32] = jnp.float32
-    at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    specs = [jax.ShapeDtypeStruct(tuple(args[i].shape), dtypes[args[i].dtype]) for i in at]
-
-    def with_statics(*arrays):
-        full = list(args)
-        for i, array in zip(at, arrays):
-            full[i] = array
-        return OP.functional_op.jax_fn(*full)
-
-    ladder.export_for_tpu(with_statics, *specs)
+    ladder.export_torch_op_for_tpu(OP.functional_op, _op_args(rand, fp8=fp8))
 
 
 def test_functional_op_donates_the_caches_to_torch_tpu():

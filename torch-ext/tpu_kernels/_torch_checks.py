@@ -23,6 +23,7 @@ _TORCH_TO_JAX = {
     torch.int64: jnp.int64,
     torch.int8: jnp.int8,
     torch.bool: jnp.bool_,
+    torch.float8_e4m3fn: jnp.float8_e4m3fn,  # fp8 KV caches
 }
 
 _INT32 = torch.iinfo(torch.int32)

@@ -5,7 +5,6 @@ CPU tensor the same kernel runs in interpret mode. Inference only: no autograd.
 """
 
 import jax
-import jax.numpy as jnp
 import torch
 
 from tpu_kernels_jax.kv_cache import api
@@ -44,13 +43,6 @@ def _reshape_and_cache_flash_jax(
 reshape_and_cache_flash_op = define_op(
     "reshape_and_cache_flash", _reshape_and_cache_flash_jax, None, mutates=("key_cache", "value_cache")
 )
-
-
-def _placeholder(name, value):
-    """A ShapeDtypeStruct for the JAX checks; float8 is the one dtype the shared placeholder table lacks."""
-    if isinstance(value, torch.Tensor) and value.dtype == torch.float8_e4m3fn:
-        return jax.ShapeDtypeStruct(tuple(int(d) for d in value.shape), jnp.float8_e4m3fn)
-    return checks.placeholder(name, value)
 
 
 def _scale(name, value, device, fp8):
@@ -125,10 +117,10 @@ def reshape_and_cache_flash(
     key, value, slot_mapping = (checks.contiguous(t) for t in (key, value, slot_mapping))
     if not checks.tracing() and not checks.has_symbolic_shape(key, value, key_cache, value_cache, slot_mapping):
         api.check_inputs(
-            _placeholder("key_cache", key_cache),
-            _placeholder("value_cache", value_cache),
-            _placeholder("key", key),
-            _placeholder("value", value),
+            checks.placeholder("key_cache", key_cache),
+            checks.placeholder("value_cache", value_cache),
+            checks.placeholder("key", key),
+            checks.placeholder("value", value),
             checks.values_or_placeholder("slot_mapping", slot_mapping),
             k_scale=checks.values_or_placeholder("k_scale", k_scale) if fp8 else None,
             v_scale=checks.values_or_placeholder("v_scale", v_scale) if fp8 else None,

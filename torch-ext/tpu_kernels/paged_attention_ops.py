@@ -19,7 +19,6 @@ import dataclasses
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -35,7 +34,6 @@ from ._op_registry import define_op, static_json
 # A non-paged cache is viewed as pages of the largest multiple of 16 (the kernel's page granularity) up to this many
 # rows that divides its length.
 MAX_VIEW_PAGE = 256
-_JAX_FP8 = {torch.float8_e4m3fn: jnp.float8_e4m3fn}
 
 
 # The JAX function the op is made from (annotations drive the torch schema, TorchTPU's jax_op convention). window_size
@@ -85,13 +83,6 @@ ragged_paged_attention_op = define_op("ragged_paged_attention", _ragged_paged_at
 
 
 # ---------------------------------------------------------------------------------------------------- validation
-def _placeholder(name, value):
-    """A ShapeDtypeStruct for the JAX checks (float8 caches included); None and Python scalars pass through."""
-    if isinstance(value, torch.Tensor) and value.dtype in _JAX_FP8:
-        return jax.ShapeDtypeStruct(tuple(int(d) for d in value.shape), _JAX_FP8[value.dtype])
-    return checks.placeholder(name, value)
-
-
 def _values(name, value):
     """Host values (numpy) of a real CPU tensor, else a placeholder; None and Python scalars pass through."""
     if not isinstance(value, torch.Tensor):
@@ -206,9 +197,11 @@ def ragged_paged_attention(
     options = _options(q.shape, softmax_scale, causal, window_size, softcap)
     blocks_json = _blocks_json(blocks)
     if not checks.tracing() and not checks.has_symbolic_shape(q, k_cache, v_cache, page_indices, cu_q_lens):
-        ph_q = _placeholder("q", q)
-        hq = paged_checks.check_caches(ph_q, _placeholder("k_cache", k_cache), _placeholder("v_cache", v_cache))[0]
-        attention_checks.check_sinks(_placeholder("sinks", sinks), hq)
+        ph_q = checks.placeholder("q", q)
+        hq = paged_checks.check_caches(
+            ph_q, checks.placeholder("k_cache", k_cache), checks.placeholder("v_cache", v_cache)
+        )[0]
+        attention_checks.check_sinks(checks.placeholder("sinks", sinks), hq)
         paged_checks.check_scale("k_scale", _values("k_scale", k_scale), _jax_dtype(k_cache))
         paged_checks.check_scale("v_scale", _values("v_scale", v_scale), _jax_dtype(v_cache))
         paged_checks.check_metadata(
@@ -237,7 +230,7 @@ def ragged_paged_attention(
 
 
 def _jax_dtype(t: torch.Tensor):
-    return _placeholder("cache", t).dtype
+    return checks.placeholder("cache", t).dtype
 
 
 def _cache_view(name, cache):
