@@ -179,8 +179,9 @@ def test_broken_device_metadata_stays_in_bounds(rand):
 
 
 def _brute_force_visits(kv_lens, cu_q, *, tokens, block_q, block_kv, page, max_context, causal, window):
-    """The (query block, sequence, key block) triples with a kept score, and whether each is wholly kept, from the
-    dense mask of every (row, key)."""
+    """The (query block, sequence, key block) triples with a kept score -> (wholly kept?, first key row to fetch, end
+    of the rows to fetch), from the dense mask of every (row, key): the fetch runs over whole pages from the one
+    holding the pair's first kept key of the block to the one holding its last, cut at the context's end."""
     left, right = window
     if causal:
         right = 0
@@ -199,11 +200,14 @@ def _brute_force_visits(kv_lens, cu_q, *, tokens, block_q, block_kv, page, max_c
                 key = (row // block_q, s, b)
                 block_keys = np.arange(b * block_kv, (b + 1) * block_kv)
                 whole = block_keys.max() < kv_len and keep[block_keys[block_keys < kv_len]].all()
-                needed.setdefault(key, []).append(whole)
+                kept = keys[keep & (keys // block_kv == b)] - b * block_kv
+                needed.setdefault(key, []).append((whole, kept.min(), kept.max(), kv_len - b * block_kv))
     full = {}
-    for (qb, s, b), wholes in needed.items():
+    for (qb, s, b), per_row in needed.items():
         rows_in_block = sum(1 for r in range(qb * block_q, (qb + 1) * block_q) if cu_q[s] <= r < cu_q[s + 1])
-        full[(qb, s, b)] = all(wholes) and rows_in_block == block_q
+        first = min(r[1] for r in per_row) // page * page
+        end = min((max(r[2] for r in per_row) // page + 1) * page, per_row[0][3])
+        full[(qb, s, b)] = (all(r[0] for r in per_row) and rows_in_block == block_q, first, end)
     return full
 
 
@@ -225,32 +229,27 @@ def test_visit_lists_match_brute_force(rand, window, causal):
         window_size=window,
         causal=causal,
     )
-    build = jax.jit(
-        functools.partial(schedule.visits, window_size=window),
-        static_argnames=(
-            "tokens",
-            "block_q",
-            "page_size",
-            "pages_per_block",
-            "blocks_per_seq",
-            "max_context",
-            "causal",
-            "size",
-        ),
-    )
-    words, kv_blocks, rows, count, _, _ = build(
-        jnp.asarray(kv_lens, jnp.int32),
-        jnp.asarray(cu),
+    build = functools.partial(
+        schedule.visits,
         tokens=tokens,
+        padded=-(-tokens // block_q) * block_q,
         block_q=block_q,
         page_size=page,
         pages_per_block=ppb,
         blocks_per_seq=bps,
         max_context=pps * page,
         causal=causal,
+        window_size=window,
         size=size,
     )
-    words, kv_blocks, count = np.asarray(words), np.asarray(kv_blocks), int(count[0])
+    out = ladder.run_interpreted(
+        jax.jit(build), jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu), jnp.asarray([9], jnp.int32)
+    )
+    words, kv_blocks, rows, status = (np.asarray(a) for a in out[:4])
+    count = int(status[0])
+    assert status[1] == 0, "the visit lists overflowed their bound"
+    np.testing.assert_array_equal(out[4], kv_lens, err_msg="the builder's clamped kv_lens")
+    np.testing.assert_array_equal(out[5], cu, err_msg="the builder's clamped cu_q_lens")
     expected = _brute_force_visits(
         kv_lens,
         cu,
@@ -263,18 +262,17 @@ def test_visit_lists_match_brute_force(rand, window, causal):
         window=window,
     )
     got = {}
-    for w, j in zip(words[:count], kv_blocks[:count]):
+    for w, j, r in zip(words[:count], kv_blocks[:count], rows[:count]):
         if w & schedule.COMPUTE:
-            got[(int(w & schedule.QUERY_BLOCK_MASK), int(j // bps), int(j % bps))] = not (w & schedule.MASKED)
+            fetch = (int(r & schedule.ROW_MASK), int(r >> schedule.ROW_BITS))
+            got[(int(w & schedule.QUERY_BLOCK_MASK), int(j // bps), int(j % bps))] = (not (w & schedule.MASKED), *fetch)
     assert got == expected, f"{rand!r}"
     # every query block is visited, in order, with one FIRST and one LAST visit
     q_blocks = words[:count] & schedule.QUERY_BLOCK_MASK
     assert (np.diff(q_blocks) >= 0).all() and set(q_blocks) == set(range(-(-tokens // block_q)))
-    assert (
-        ((words[:count] & schedule.FIRST) != 0).sum()
-        == ((words[:count] & schedule.LAST) != 0).sum()
-        == len(set(q_blocks))
-    )
+    change = np.diff(q_blocks) != 0
+    np.testing.assert_array_equal((words[:count] & schedule.FIRST) != 0, np.concatenate([[True], change]))
+    np.testing.assert_array_equal((words[:count] & schedule.LAST) != 0, np.concatenate([change, [True]]))
 
 
 # ---------------------------------------------------------------------------------------------------------- bad input

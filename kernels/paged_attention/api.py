@@ -92,6 +92,7 @@ def ragged_paged_attention(
         block_q=block_q,
         softmax_scale=scale,
         softcap=softcap,
+        window_size=(window[0], 0 if causal else window[1]),
     )
     size = schedule.visit_bound(
         tokens=tokens,
@@ -111,13 +112,12 @@ def ragged_paged_attention(
             f"lists, more than the {tuning.SMEM_BUDGET_BYTES // 1024} KiB the kernel keeps; use "
             f"larger pages or blocks (PagedAttentionBlocks)"
         )
-    kv_eff, cu_eff = schedule.effective_metadata(
-        kv_lens, cu_q_lens, num_seqs[0], tokens=tokens, max_context=layout.max_context
-    )
-    words, kv_blocks, rows, count, lo, hi = schedule.visits(
-        kv_eff,
-        cu_eff,
-        tokens=padded,
+    words, kv_blocks, rows, count, kv_eff, cu_eff = schedule.visits(
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        tokens=tokens,
+        padded=padded,
         block_q=block_q,
         page_size=page_size,
         pages_per_block=layout.pages_per_block,
@@ -127,10 +127,9 @@ def ragged_paged_attention(
         window_size=window,
         size=size,
     )
-    rinfo = jnp.stack([jnp.repeat(lo, group), jnp.repeat(hi, group)], axis=1)
     q_rows = jnp.pad(q.astype(compute_dtype), ((0, padded - tokens), (0, 0), (0, 0)))
     q_rows = q_rows.reshape(padded, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, padded * group, d)
-    pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
+    pages = page_indices.reshape(-1)  # clamped to the cache where the kernel reads them
     one = jnp.ones((1,), jnp.float32)
     scales = jnp.concatenate([one if k_scale is None else k_scale, one if v_scale is None else v_scale])
     sink_rows = None
@@ -141,12 +140,13 @@ def ragged_paged_attention(
         q_rows,
         k_cache,
         v_cache,
-        rinfo,
         words,
         kv_blocks,
         rows,
         pages,
         count,
+        kv_eff,
+        cu_eff,
         scales,
         sink_rows,
         layout=layout,

@@ -46,6 +46,7 @@ class Layout:
     block_q: int  # query tokens per block
     softmax_scale: float
     softcap: float
+    window_size: tuple[int, int]  # (left, right), -1 unbounded; right = 0 when causal
 
     @property
     def group(self) -> int:
@@ -79,6 +80,7 @@ def _split_block(block, layout: Layout):
 def _page_copies(visit, slot, refs, layout: Layout):
     """(fetch?, K copy, V copy) for each page slot of the visit's key block."""
     kv_blocks_ref, rows_ref, pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems = refs
+    last_page = k_hbm.shape[0] - 1
     block = kv_blocks_ref[visit]
     seq, block_in_seq = _split_block(block, layout)
     rows = rows_ref[visit]
@@ -89,6 +91,7 @@ def _page_copies(visit, slot, refs, layout: Layout):
         fetch = (i * layout.page_size + layout.page_size > first) & (i * layout.page_size < end)
         fetch &= page_in_seq < layout.pages_per_seq
         page = pages_ref[seq * layout.pages_per_seq + jnp.minimum(page_in_seq, layout.pages_per_seq - 1)]
+        page = jnp.clip(page, 0, last_page)  # device page tables are not checked: never a read outside the cache
         k_copy = pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, i], sems.at[slot, 0])
         v_copy = pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, i], sems.at[slot, 1])
         copies.append((fetch, k_copy, v_copy))
@@ -113,18 +116,45 @@ def _wait(visit, slot, refs, layout):
             v_copy.wait()
 
 
+def _keep(word, block, kv_lens_ref, cu_ref, lay: Layout):
+    """The kept scores of a masked visit, [block rows, block keys]: rows of the visit's sequence, keys within the row's
+    causal / window range and the context. Row r is token first_token + r // group at context position token +
+    kv_len - q_end; the bounds are multiplied through by the group so that no vector division is needed:
+    token <= X  <=>  r < group * (X - first_token + 1)  and  token >= Y  <=>  r >= group * (Y - first_token)."""
+    left, right = lay.window_size
+    g, bk = lay.group, lay.block_kv
+    seq, block_in_seq = _split_block(block, lay)
+    q_start, q_end, kv_len = cu_ref[seq], cu_ref[seq + 1], kv_lens_ref[seq]
+    first_token = (word & schedule.QUERY_BLOCK_MASK) * lay.block_q
+    first_key = block_in_seq * bk
+    shift = kv_len - q_end  # a row's position minus its token index
+    shape = (lay.block_rows, bk)
+    row = jax.lax.broadcasted_iota(jnp.int32, (lay.block_rows, 1), 0)
+    keep = (row >= g * (q_start - first_token)) & (row < g * (q_end - first_token))
+    diagonal = jax.lax.broadcasted_iota(jnp.int32, shape, 0) - g * jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    if left >= 0:  # key >= position - left  <=>  token <= key - shift + left
+        keep = keep & (diagonal < g * (first_key - shift + left - first_token + 1))
+    if right >= 0:  # key <= position + right  <=>  token >= key - shift - right
+        keep = keep & (diagonal >= g * (first_key - shift - right - first_token))
+    if right != 0:  # key < kv_len (implied by the causal bound for rows of the sequence)
+        keep = keep & (jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1) < kv_len - first_key)
+    return keep
+
+
 def _kernel(
     words_ref,
     kv_blocks_ref,
     rows_ref,
     pages_ref,
     count_ref,
+    kv_lens_ref,
+    cu_ref,
     *refs,
     layout: Layout,
     compute_dtype,
     has_sinks: bool,
 ):
-    scales_ref, rinfo_ref, q_ref, *refs = refs
+    scales_ref, q_ref, *refs = refs
     if has_sinks:
         sinks_ref, *refs = refs
     k_hbm, v_hbm, out_ref, k_buf, v_buf, sems, q_scaled_ref, m_ref, l_ref, acc_ref = refs
@@ -164,11 +194,7 @@ def _kernel(
 
     def accumulate(masked: bool):
         if masked:
-            block = kv_blocks_ref[visit]
-            seq, block_in_seq = _split_block(block, lay)
-            key_base = seq * lay.max_context + block_in_seq * bk
-            keys = key_base + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-            keep = (keys >= rinfo_ref[:, 0:1]) & (keys <= rinfo_ref[:, 1:2])
+            keep = _keep(word, kv_blocks_ref[visit], kv_lens_ref, cu_ref, lay)
             rows = rows_ref[visit]
             key_rows = jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
             fetched = (key_rows >= (rows & schedule.ROW_MASK)) & (key_rows < (rows >> schedule.ROW_BITS))
@@ -211,12 +237,27 @@ def _kernel(
 
 
 def paged_attention(
-    q_rows, k_pages, v_pages, rinfo, words, kv_blocks, rows, pages, count, scales, sinks, *, layout, vmem_limit_bytes
+    q_rows,
+    k_pages,
+    v_pages,
+    words,
+    kv_blocks,
+    rows,
+    pages,
+    count,
+    kv_lens,
+    cu_q_lens,
+    scales,
+    sinks,
+    *,
+    layout,
+    vmem_limit_bytes,
 ):
     """out [kv_heads, tokens * group, Dv] in q's dtype. q_rows [kv_heads, tokens * group, D]; k_pages / v_pages
-    [pages, page_size, kv_heads, D / Dv]; rinfo [tokens * group, 2] int32 (virtual lo, hi per row); words, kv_blocks,
-    rows: the visit lists; pages [seqs * pages_per_seq] int32; count [1] int32; scales [2] f32 (k, v); sinks None or
-    [kv_heads, block_q * group, 128] f32 (the sink logit of each row of a query block, lane-replicated)."""
+    [pages, page_size, kv_heads, D / Dv]; words, kv_blocks, rows: the visit lists, count int32 [>= 1] their length,
+    kv_lens [N] / cu_q_lens [N + 1] the clamped metadata they were built from (schedule.visits); pages
+    [seqs * pages_per_seq] int32; scales [2] f32 (k, v); sinks None or [kv_heads, block_q * group, 128] f32 (the sink
+    logit of each row of a query block, lane-replicated)."""
     lay = layout
     hkv, rows_per_block = lay.kv_heads, lay.block_rows
     compute_dtype = q_rows.dtype
@@ -224,15 +265,11 @@ def paged_attention(
     def q_map(v, words_ref, *_):
         return 0, words_ref[v] & schedule.QUERY_BLOCK_MASK, 0
 
-    def rinfo_map(v, words_ref, *_):
-        return words_ref[v] & schedule.QUERY_BLOCK_MASK, 0
-
     in_specs = [
         pl.BlockSpec(memory_space=pltpu.SMEM),
-        pl.BlockSpec((rows_per_block, 2), rinfo_map),
         pl.BlockSpec((hkv, rows_per_block, lay.head_dim), q_map),
     ]
-    operands = [scales, rinfo, q_rows]
+    operands = [scales, q_rows]
     if sinks is not None:  # the same pattern of heads in every query block
         in_specs.append(pl.BlockSpec((hkv, rows_per_block, LANES), lambda v, *_: (0, 0, 0)))
         operands.append(sinks)
@@ -250,7 +287,7 @@ def paged_attention(
         kernel,
         out_shape=jax.ShapeDtypeStruct((hkv, lay.tokens * lay.group, lay.v_head_dim), q_rows.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=7,
             grid=(count[0],),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((hkv, rows_per_block, lay.v_head_dim), q_map),
@@ -267,4 +304,4 @@ def paged_attention(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes),
         cost_estimate=cost,
         name="ragged_paged_attention",
-    )(words, kv_blocks, rows, pages, count, *operands)
+    )(words, kv_blocks, rows, pages, count, kv_lens, cu_q_lens, *operands)

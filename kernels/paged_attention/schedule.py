@@ -1,12 +1,12 @@
 """Which (query block, key block) pairs the paged attention kernel visits, built on the device from the ragged batch's
-metadata (kv_lens, cu_q_lens, num_seqs are run-time values: one compiled program serves every batch composition).
+metadata by a small scalar Pallas kernel (kv_lens, cu_q_lens, num_seqs are run-time values: one compiled program serves
+every batch composition, and the lists cost one kernel launch rather than dozens of XLA ops).
 
 Query rows are cut into blocks of `block_q` tokens over the packed batch, so a block may hold rows of several
-sequences (many one-token decodes share a block). Keys live in a virtual space where sequence s owns rows
-[s * max_context, (s + 1) * max_context), max_context = pages_per_seq * page_size; a key block is `block_kv`
-consecutive context positions of one sequence (pages_per_block whole pages). A query row of sequence s sees the
-virtual keys [lo, hi] (its own context, cut by causality and the window), exactly as the flash attention kernels'
-row ranges; rows of other sequences have disjoint ranges, so one mask serves mixed blocks.
+sequences (many one-token decodes share a block). A key block is `block_kv` consecutive context positions of one
+sequence (pages_per_block whole pages). A query row of sequence s at context position `pos` sees the keys [lo, hi] of
+its own sequence: lo = max(pos - left, 0) (0 without a left window), hi = min(pos + right, kv_len - 1) (kv_len - 1
+without a right window; right = 0 when causal).
 
 A (query block, sequence) pair is a sequence with rows in the block; each pair visits the key blocks its rows need
 (a contiguous run: lo and hi grow with the row within a sequence). Per visit, three int32 words for SMEM:
@@ -16,13 +16,19 @@ A (query block, sequence) pair is a sequence with rows in the block; each pair v
 - `rows`: the block's key rows to fetch, first | end << 16 (whole pages from the first needed one; `end` stops at
   the context's length, so rows past it are zeroed in V, never read as values).
 A query block with no row to compute (padding past the last sequence) gets one visit that only writes zeros.
+
+The builder also returns the metadata it used, clamped so that device metadata that breaks the contract can never
+address memory outside q, the pages or the lists: lengths within the page table, sequences past num_seqs emptied,
+offsets non-decreasing and within the tokens. The attention kernel masks from these (its rows' ranges follow from a
+visit's sequence), so nothing per row is built outside the kernels.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
-
-EMPTY_LO = 2**30
-EMPTY_HI = -1
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 FIRST = 1 << 26
 LAST = 1 << 27
@@ -31,36 +37,6 @@ MASKED = 1 << 29
 QUERY_BLOCK_MASK = (1 << 26) - 1
 ROW_BITS = 16
 ROW_MASK = (1 << ROW_BITS) - 1
-
-
-def effective_metadata(kv_lens, cu_q_lens, num_seqs, *, tokens: int, max_context: int):
-    """kv_lens and cu_q_lens with sequences >= num_seqs emptied, and every value clamped into range, so that
-    device metadata that breaks the contract can never address memory outside q, the pages or the visit lists."""
-    n = kv_lens.shape[0]
-    live = jnp.arange(n) < num_seqs
-    kv_lens = jnp.where(live, jnp.clip(kv_lens, 0, max_context), 0).astype(jnp.int32)
-    cu = jax.lax.cummax(jnp.clip(cu_q_lens.astype(jnp.int32), 0, tokens), axis=0)  # non-decreasing, in [0, tokens]
-    cu = jnp.where(jnp.arange(n + 1) <= num_seqs, cu, cu[jnp.minimum(num_seqs, n)])
-    return kv_lens, cu
-
-
-def token_ranges(kv_lens, cu_q, *, tokens: int, max_context: int, causal: bool, window_size: tuple[int, int]):
-    """Per query token: (seq, lo, hi) int32 [tokens]; lo / hi the virtual key rows it sees (EMPTY_LO / EMPTY_HI for a
-    padding row or a row that sees nothing)."""
-    left, right = window_size
-    if causal:
-        right = 0
-    n = kv_lens.shape[0]
-    t = jnp.arange(tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q, t, side="right").astype(jnp.int32) - 1, 0, n - 1)
-    q_start, q_end = cu_q[seq], cu_q[seq + 1]
-    kv_len = kv_lens[seq]
-    position = kv_len - (q_end - q_start) + (t - q_start)  # the query's own position in its context
-    lo = jnp.maximum(position - left, 0) if left >= 0 else jnp.zeros_like(t)
-    hi = jnp.minimum(position + right, kv_len - 1) if right >= 0 else kv_len - 1
-    empty = (t < q_start) | (t >= q_end) | (lo > hi)
-    base = seq * max_context
-    return seq, jnp.where(empty, EMPTY_LO, base + lo), jnp.where(empty, EMPTY_HI, base + hi)
 
 
 def visit_bound(
@@ -86,11 +62,129 @@ def visit_bound(
     return max(1, min(num_q_blocks + num_seqs, tokens) * per_pair + num_q_blocks)
 
 
-def visits(
-    kv_lens,
-    cu_q,
+def _div(a, b: int):
+    """a // b for a >= 0 (truncating division: floor division lowers through `sign`, which a TPU export on a CPU host
+    cannot lower)."""
+    return jax.lax.div(a, jnp.int32(b))
+
+
+def _builder(
+    kv_in,
+    cu_in,
+    num_in,
+    words_ref,
+    kv_blocks_ref,
+    rows_ref,
+    count_ref,
+    kv_ref,
+    cu_ref,
     *,
     tokens: int,
+    padded: int,
+    block_q: int,
+    page_size: int,
+    block_kv: int,
+    blocks_per_seq: int,
+    max_context: int,
+    left: int,
+    right: int,
+):
+    n = kv_in.shape[0]
+    size = words_ref.shape[0]
+    num = jnp.clip(num_in[0], 0, n)
+
+    # ---- the clamped metadata: offsets a running max of the clamped ones, frozen past num_seqs
+    def clamp(s, run):
+        run = jnp.where(s <= num, jnp.maximum(run, jnp.clip(cu_in[s], 0, tokens)), run)
+        cu_ref[s] = run
+        return run
+
+    jax.lax.fori_loop(0, n + 1, clamp, jnp.int32(0))
+
+    def clamp_len(s, carry):
+        kv_ref[s] = jnp.where(s < num, jnp.clip(kv_in[s], 0, max_context), 0)
+        return carry
+
+    jax.lax.fori_loop(0, n, clamp_len, jnp.int32(0))
+    total = cu_ref[n]
+
+    def seq_of(s, t):
+        """The last sequence (from s on, at most n - 1) whose rows start at or before row t."""
+        return jax.lax.while_loop(lambda s: (s + 1 < n) & (cu_ref[jnp.minimum(s + 1, n)] <= t), lambda s: s + 1, s)
+
+    def put(v, word, kv_block, rows):
+        @pl.when(v < size)
+        def _():
+            at = jnp.minimum(v, size - 1)
+            words_ref[at] = word
+            kv_blocks_ref[at] = kv_block
+            rows_ref[at] = rows
+
+    def lo_hi(pos, kv_len):
+        lo = jnp.maximum(pos - left, 0) if left >= 0 else jnp.int32(0)
+        hi = jnp.minimum(pos + right, kv_len - 1) if right >= 0 else kv_len - 1
+        return lo, hi
+
+    def query_block(qb, carry):
+        s_first, v = carry
+        first_row = qb * block_q
+        has_rows = first_row < total
+        s_first = seq_of(s_first, first_row)
+        s_last = jnp.where(has_rows, seq_of(s_first, jnp.minimum(first_row + block_q, total) - 1), s_first)
+        block_v = v
+
+        def pair(s, v):
+            q_start, q_end, kv_len = cu_ref[s], cu_ref[s + 1], kv_ref[s]
+            r0 = jnp.maximum(first_row, q_start)
+            r1 = jnp.minimum(jnp.minimum(first_row + block_q, q_end), total)
+            lo0, hi0 = lo_hi(r0 + kv_len - q_end, kv_len)  # the pair's first row (its position in the context)
+            lo1, hi1 = lo_hi(r1 - 1 + kv_len - q_end, kv_len)  # and last row: lo and hi grow with the row
+            compute = has_rows & (r1 > r0) & (lo0 <= hi0) & (lo1 <= hi1) & (lo0 <= hi1)
+            first_b = _div(jnp.maximum(lo0, 0), block_kv)
+            visits = jnp.where(compute, _div(jnp.maximum(hi1, 0), block_kv) - first_b + 1, 0)
+            whole = (r0 == first_row) & (r1 == first_row + block_q)
+
+            def visit(j, v):
+                kv_block = jnp.minimum(first_b + j, blocks_per_seq - 1)
+                start = kv_block * block_kv
+                need_lo = jnp.maximum(lo0, start) - start
+                need_hi = jnp.minimum(hi1, start + block_kv - 1) - start
+                first = _div(need_lo, page_size) * page_size
+                end = jnp.minimum((_div(need_hi, page_size) + 1) * page_size, kv_len - start)
+                end = jnp.clip(end, first, block_kv)
+                full = whole & (lo1 <= start) & (hi0 >= start + block_kv - 1) & (first == 0)
+                word = qb | COMPUTE | jnp.where(full, 0, MASKED) | jnp.where(v == block_v, FIRST, 0)
+                put(v, word, s * blocks_per_seq + kv_block, first | (end << ROW_BITS))
+                return v + 1
+
+            return jax.lax.fori_loop(0, visits, visit, v)
+
+        v = jax.lax.fori_loop(s_first, s_last + 1, pair, v)
+
+        # a query block with nothing to compute keeps one visit that writes its zeros; the block's last visit: LAST
+        @pl.when(v == block_v)
+        def _():
+            put(v, qb | FIRST | LAST, s_first * blocks_per_seq, 0)
+
+        @pl.when((v > block_v) & (v <= size))
+        def _():
+            at = jnp.clip(v - 1, 0, size - 1)
+            words_ref[at] = words_ref[at] | LAST
+
+        return s_first, jnp.maximum(v, block_v + 1)
+
+    _, count = jax.lax.fori_loop(0, -(-padded // block_q), query_block, (jnp.int32(0), jnp.int32(0)))
+    count_ref[0] = jnp.minimum(count, size)
+    count_ref[1] = (count > size).astype(jnp.int32)  # cannot happen under visit_bound: the lists would be cut
+
+
+def visits(
+    kv_lens,
+    cu_q_lens,
+    num_seqs,
+    *,
+    tokens: int,
+    padded: int,
     block_q: int,
     page_size: int,
     pages_per_block: int,
@@ -100,77 +194,40 @@ def visits(
     window_size: tuple[int, int],
     size: int,
 ):
-    """(words, kv_blocks, rows, count, lo, hi): the visit lists ([size] int32 each; `size` from visit_bound, which no
-    batch can exceed once the metadata is clamped), the number of visits (int32 [1]) and the token ranges."""
+    """(words, kv_blocks, rows, count, kv_lens, cu_q_lens): the visit lists ([size] int32 each; `size` from
+    visit_bound, which no batch can exceed once the metadata is clamped), int32 [2] (the number of visits, and 1 if
+    the lists overflowed `size`), and the clamped metadata (int32 [N], [N + 1]) the lists were built from.
+    kv_lens int32 [N], cu_q_lens int32 [N + 1], num_seqs int32 [1]; tokens: the real query tokens, padded: tokens
+    rounded up to whole query blocks."""
+    left, right = window_size
+    if causal:
+        right = 0
     n = kv_lens.shape[0]
-    block_kv = page_size * pages_per_block
-    nq = -(-tokens // block_q)
-    seq, lo, hi = token_ranges(
-        kv_lens, cu_q, tokens=tokens, max_context=max_context, causal=causal, window_size=window_size
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    i32 = jnp.int32
+    kernel = functools.partial(
+        _builder,
+        tokens=tokens,
+        padded=padded,
+        block_q=block_q,
+        page_size=page_size,
+        block_kv=page_size * pages_per_block,
+        blocks_per_seq=blocks_per_seq,
+        max_context=max_context,
+        left=left,
+        right=right,
     )
-    total = cu_q[n]
-
-    # ---- pairs: per query block, the sequences whose rows it holds (a run from the first row's to the last row's)
-    block = jnp.arange(nq, dtype=jnp.int32)
-    first_row = block * block_q
-    last_row = jnp.minimum(first_row + block_q, total) - 1
-    has_rows = first_row < total
-    seq_first = seq[jnp.clip(first_row, 0, tokens - 1)]
-    seq_last = seq[jnp.clip(last_row, 0, tokens - 1)]
-    pairs_per_block = jnp.where(has_rows, seq_last - seq_first + 1, 1)
-    pair_end = jnp.cumsum(pairs_per_block)
-    max_pairs = nq + n
-    p = jnp.arange(max_pairs, dtype=jnp.int32)
-    p_block = jnp.minimum(jnp.searchsorted(pair_end, p, side="right").astype(jnp.int32), nq - 1)
-    p_live = p < pair_end[-1]
-    p_seq = jnp.clip(seq_first[p_block] + p - (pair_end[p_block] - pairs_per_block[p_block]), 0, n - 1)
-    r0 = jnp.maximum(p_block * block_q, cu_q[p_seq])
-    r1 = jnp.minimum(jnp.minimum((p_block + 1) * block_q, cu_q[p_seq + 1]), total)
-    p_rows = p_live & has_rows[p_block] & (r1 > r0)
-    base = p_seq * max_context
-    at0, at1 = jnp.clip(r0, 0, tokens - 1), jnp.clip(r1 - 1, 0, tokens - 1)
-    lo_min, hi_min = lo[at0] - base, hi[at0] - base  # lo and hi grow with the row within a sequence
-    lo_max, hi_max = lo[at1] - base, hi[at1] - base
-    p_compute = p_rows & (lo_min <= hi_max) & (hi[at0] >= 0) & (lo[at1] < EMPTY_LO)
-    first_b = jnp.where(p_compute, lo_min // block_kv, 0)
-    last_b = jnp.where(p_compute, hi_max // block_kv, 0)
-    p_visits = jnp.where(p_compute, last_b - first_b + 1, 0)
-    # a query block with nothing to compute keeps one visit (on its first pair) that writes its zeros
-    block_visits = jnp.zeros((nq,), jnp.int32).at[p_block].add(jnp.where(p_live, p_visits, 0))
-    first_pair = p_live & (p == pair_end[p_block] - pairs_per_block[p_block])
-    p_visits = p_visits + (first_pair & (block_visits[p_block] == 0)).astype(jnp.int32)
-    whole_block = (r0 == p_block * block_q) & (r1 == (p_block + 1) * block_q)
-
-    # ---- visits: the pairs' key blocks, pair after pair
-    visit_end = jnp.cumsum(p_visits)
-    count = visit_end[-1]
-    v = jnp.arange(size, dtype=jnp.int32)
-    live = v < count
-    vp = jnp.minimum(
-        jnp.searchsorted(visit_end, jnp.minimum(v, count - 1), side="right").astype(jnp.int32), max_pairs - 1
-    )
-    kv_block = first_b[vp] + v - (visit_end[vp] - p_visits[vp])
-    kv_block = jnp.clip(kv_block, 0, blocks_per_seq - 1)
-    q_block = p_block[vp]
-    compute = live & p_compute[vp]
-    start = kv_block * block_kv
-    need_lo = jnp.maximum(lo_min[vp], start) - start
-    need_hi = jnp.minimum(hi_max[vp], start + block_kv - 1) - start
-    first_fetch = jnp.where(compute, (need_lo // page_size) * page_size, 0)
-    end_fetch = jnp.minimum((need_hi // page_size + 1) * page_size, kv_lens[p_seq[vp]] - start)
-    end_fetch = jnp.where(compute, jnp.clip(end_fetch, first_fetch, block_kv), 0)
-    full = compute & whole_block[vp] & (lo_max[vp] <= start) & (hi_min[vp] >= start + block_kv - 1) & (first_fetch == 0)
-    prev_q = jnp.concatenate([jnp.full((1,), -1, jnp.int32), q_block[:-1]])
-    next_q = jnp.concatenate([q_block[1:], jnp.full((1,), -1, jnp.int32)])
-    first = live & (q_block != prev_q)
-    last = live & ((q_block != next_q) | (v == count - 1))
-    words = (
-        q_block
-        | jnp.where(first, FIRST, 0)
-        | jnp.where(last, LAST, 0)
-        | jnp.where(compute, COMPUTE, 0)
-        | jnp.where(compute & ~full, MASKED, 0)
-    ).astype(jnp.int32)
-    kv_blocks = (p_seq[vp] * blocks_per_seq + kv_block).astype(jnp.int32)
-    rows = (first_fetch | (end_fetch << ROW_BITS)).astype(jnp.int32)
-    return words, kv_blocks, rows, jnp.minimum(count, size).astype(jnp.int32).reshape(1), lo, hi
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((size,), i32),
+            jax.ShapeDtypeStruct((size,), i32),
+            jax.ShapeDtypeStruct((size,), i32),
+            jax.ShapeDtypeStruct((2,), i32),
+            jax.ShapeDtypeStruct((n,), i32),
+            jax.ShapeDtypeStruct((n + 1,), i32),
+        ),
+        in_specs=[smem, smem, smem],
+        out_specs=(smem, smem, smem, smem, smem, smem),
+        name="paged_attention_visits",
+    )(kv_lens.astype(i32), cu_q_lens.astype(i32), jnp.asarray(num_seqs, i32).reshape(1))
