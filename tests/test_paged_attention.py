@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tpu_kernels_jax import api as tk
-from tpu_kernels_jax.paged_attention import schedule
+from tpu_kernels_jax.paged_attention import kernel, schedule
 from tpu_kernels_jax.paged_attention.reference import ragged_paged_attention_reference
 
 F32_TOL = dict(rtol=1e-4, atol=2e-5)
@@ -112,6 +112,20 @@ def test_mixed_batch_matches_reference(rand, feature):
         options["sinks"] = rand.normal((8,), scale=2.0)
     tol = dict(F32_TOL, atol=1e-4) if feature == "scale_one" else F32_TOL
     _check(rand, batch, blocks=BLOCKS, tol=tol, **options)
+
+
+@pytest.mark.parametrize("feature", ["everything", "window_both_sides_not_causal"])
+@pytest.mark.parametrize("hkv", [2, 4])
+def test_every_head_at_once(rand, feature, hkv):
+    """Head dim 128 with a few query rows per block: a visit takes every kv head in one matmul over the page buffer
+    (kernel.merges_heads), the cross-head scores masked."""
+    options = dict(FEATURES[feature])
+    hq = 4 * hkv
+    assert kernel.merges_heads(hkv=hkv, head_dim=128, v_head_dim=128, block_rows=4 * 4)
+    batch = Batch(rand, Q_LENS, KV_LENS, hq=hq, hkv=hkv, d=128)
+    if options.pop("sinks", False):
+        options["sinks"] = rand.normal((hq,), scale=2.0)
+    _check(rand, batch, blocks=tk.PagedAttentionBlocks(queries_per_block=4, pages_per_block=2), tol=F32_TOL, **options)
 
 
 # (D, Dv, Hq, Hkv): head dims 64 to 512, GQA 1, 2 and 8 (MQA), a V head dim other than Q/K's.

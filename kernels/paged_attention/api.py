@@ -93,6 +93,7 @@ def ragged_paged_attention(
         softmax_scale=scale,
         softcap=softcap,
         window_size=(window[0], 0 if causal else window[1]),
+        merged=kernel.merges_heads(hkv=hkv, head_dim=d, v_head_dim=dv, block_rows=block_q * group),
     )
     size = schedule.visit_bound(
         tokens=tokens,
@@ -136,6 +137,9 @@ def ragged_paged_attention(
     if sinks is not None:
         per_row = jnp.tile(sinks.astype(jnp.float32).reshape(hkv, 1, group), (1, block_q, 1))
         sink_rows = jnp.broadcast_to(per_row.reshape(hkv, block_q * group, 1), (hkv, block_q * group, 128))
+    if layout.merged:  # the same bytes in HBM (see kernel.merges_heads): no copy
+        k_cache = k_cache.reshape(num_pages, page_size * hkv, d)
+        v_cache = v_cache.reshape(num_pages, page_size * hkv, dv)
     out = kernel.paged_attention(
         q_rows,
         k_cache,

@@ -47,6 +47,7 @@ class Layout:
     softmax_scale: float
     softcap: float
     window_size: tuple[int, int]  # (left, right), -1 unbounded; right = 0 when causal
+    merged: bool = False  # caches viewed as [pages, page_size * kv_heads, head_dim]: every head in one matmul
 
     @property
     def group(self) -> int:
@@ -68,6 +69,33 @@ class Layout:
     @property
     def max_context(self) -> int:
         return self.pages_per_seq * self.page_size
+
+
+MERGED_TOKENS = 256  # tokens of a key block per chunk of a visit that takes every head at once
+MERGED_ROWS = 128  # score rows (kv heads x query rows per head) up to which a visit takes every head at once
+
+
+def merges_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int) -> bool:
+    """Whether a visit takes every kv head in one matmul over the page buffer as it lies. Needs a cache whose
+    [page_size, kv_heads, 128] pages are laid out as [page_size * kv_heads, 128] rows (XLA tiles the two minor dims:
+    with one lane tile of head dim, the tiles of kv_heads rows of consecutive tokens are the tiles of the merged rows,
+    so the reshape is free), 2 or 4 kv heads, and few score rows: the cross-head scores are wasted vector work,
+    kv_heads times the useful, which pays at decode where the per-head gathers dominate."""
+    return head_dim == v_head_dim == LANES and hkv in (2, 4) and hkv * block_rows <= MERGED_ROWS
+
+
+def _zero_unfetched(v, first_token: int, rows, hkv: int):
+    """v [tokens * hkv, Dv] (rows token-major, heads minor) with the rows of tokens outside the visit's fetched range
+    zeroed: their VMEM is stale or past the context, and zero weight times NaN is NaN. A 16-bit v is selected as 32-bit
+    words (two rows of one token: hkv is even), which needs no mask packing."""
+    packing = 4 // v.dtype.itemsize
+    words = pltpu.bitcast(v, jnp.uint32) if packing > 1 else v
+    per_token = hkv // packing
+    assert per_token & (per_token - 1) == 0 and per_token >= 1, (hkv, packing)
+    token = first_token + (jax.lax.broadcasted_iota(jnp.int32, (words.shape[0], 1), 0) >> (per_token.bit_length() - 1))
+    fetched = (token >= (rows & schedule.ROW_MASK)) & (token < (rows >> schedule.ROW_BITS))
+    words = jnp.where(fetched, words, jnp.zeros_like(words))
+    return pltpu.bitcast(words, v.dtype) if packing > 1 else words
 
 
 def _split_block(block, layout: Layout):
@@ -116,11 +144,13 @@ def _wait(visit, slot, refs, layout):
             v_copy.wait()
 
 
-def _keep(word, block, kv_lens_ref, cu_ref, lay: Layout):
+def _keep(word, block, kv_lens_ref, cu_ref, lay: Layout, row, key):
     """The kept scores of a masked visit, [block rows, block keys]: rows of the visit's sequence, keys within the row's
     causal / window range and the context. Row r is token first_token + r // group at context position token +
     kv_len - q_end; the bounds are multiplied through by the group so that no vector division is needed:
-    token <= X  <=>  r < group * (X - first_token + 1)  and  token >= Y  <=>  r >= group * (Y - first_token)."""
+    token <= X  <=>  r < group * (X - first_token + 1)  and  token >= Y  <=>  r >= group * (Y - first_token).
+    row: int32 [R, 1], each score row's row within the query block; key: int32 [1, K], each score column's key within
+    the key block."""
     left, right = lay.window_size
     g, bk = lay.group, lay.block_kv
     seq, block_in_seq = _split_block(block, lay)
@@ -128,16 +158,14 @@ def _keep(word, block, kv_lens_ref, cu_ref, lay: Layout):
     first_token = (word & schedule.QUERY_BLOCK_MASK) * lay.block_q
     first_key = block_in_seq * bk
     shift = kv_len - q_end  # a row's position minus its token index
-    shape = (lay.block_rows, bk)
-    row = jax.lax.broadcasted_iota(jnp.int32, (lay.block_rows, 1), 0)
     keep = (row >= g * (q_start - first_token)) & (row < g * (q_end - first_token))
-    diagonal = jax.lax.broadcasted_iota(jnp.int32, shape, 0) - g * jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    diagonal = row - g * key
     if left >= 0:  # key >= position - left  <=>  token <= key - shift + left
         keep = keep & (diagonal < g * (first_key - shift + left - first_token + 1))
     if right >= 0:  # key <= position + right  <=>  token >= key - shift - right
         keep = keep & (diagonal >= g * (first_key - shift - right - first_token))
     if right != 0:  # key < kv_len (implied by the causal bound for rows of the sequence)
-        keep = keep & (jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1) < kv_len - first_key)
+        keep = keep & (key < kv_len - first_key)
     return keep
 
 
@@ -194,7 +222,9 @@ def _kernel(
 
     def accumulate(masked: bool):
         if masked:
-            keep = _keep(word, kv_blocks_ref[visit], kv_lens_ref, cu_ref, lay)
+            row = jax.lax.broadcasted_iota(jnp.int32, (lay.block_rows, 1), 0)
+            key = jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            keep = _keep(word, kv_blocks_ref[visit], kv_lens_ref, cu_ref, lay, row, key)
             rows = rows_ref[visit]
             key_rows = jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
             fetched = (key_rows >= (rows & schedule.ROW_MASK)) & (key_rows < (rows >> schedule.ROW_BITS))
@@ -216,9 +246,59 @@ def _kernel(
             m_ref[j] = m_new
             acc_ref[j] = acc_ref[j] * lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
 
+    def accumulate_merged(masked: bool):
+        # Every kv head at once: score row (head h, row r) against key column (token t, head h') is kept only where
+        # h' == h, so the cross-head scores cost vector work but the page buffer is read as it lies (no per-head
+        # sublane gathers) and K / V pass through the MXU once. The key block goes in chunks of MERGED_TOKENS tokens
+        # (online softmax across them) so that a chunk's scores stay within the vector registers.
+        hkv, rows_per_head = lay.kv_heads, lay.block_rows
+        n_rows = hkv * rows_per_head
+        tokens = min(bk, MERGED_TOKENS, lay.page_size) if bk % MERGED_TOKENS else MERGED_TOKENS
+        cols, shift = tokens * hkv, hkv.bit_length() - 1
+        row = jax.lax.broadcasted_iota(jnp.int32, (n_rows, 1), 0)
+        row_head = sum((row >= h * rows_per_head).astype(jnp.int32) for h in range(1, hkv))
+        col = jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+        same_head = row_head == (col & (hkv - 1))
+        if masked:
+            rows = rows_ref[visit]
+            block = kv_blocks_ref[visit]
+        q = q_scaled_ref[...].reshape(n_rows, d)
+        m = m_ref[...].reshape(n_rows, LANES)
+        l = l_ref[...].reshape(n_rows, LANES)
+        acc = acc_ref[...].reshape(n_rows, dv)
+        for c in range(bk // tokens):
+            first = c * tokens
+            if tokens >= lay.page_size:
+                at = (slot, pl.ds(first // lay.page_size, tokens // lay.page_size))
+            else:
+                at = (slot, first // lay.page_size, pl.ds((first % lay.page_size) * hkv, cols))
+            k = k_buf[at].reshape(cols, d)
+            v = v_buf[at].reshape(cols, dv)
+            if k.dtype != compute_dtype:
+                k, v = k.astype(compute_dtype), v.astype(compute_dtype)
+            keep = same_head
+            if masked:
+                key = first + (col >> shift)
+                keep = keep & _keep(word, block, kv_lens_ref, cu_ref, lay, row - row_head * rows_per_head, key)
+                v = _zero_unfetched(v, first, rows, hkv)
+            s = dot_nt(q, k)
+            if lay.softcap > 0:
+                s = jnp.tanh(s) * (lay.softcap * LOG2_E)
+            s = jnp.where(keep, s, -jnp.inf)
+            m_new = jnp.maximum(m, row_stat(jnp.max(s, axis=1, keepdims=True)))
+            p = jnp.exp2(s - lanes(m_new, cols))
+            alpha = jnp.exp2(m - m_new)
+            l = alpha * l + row_stat(jnp.sum(p, axis=1, keepdims=True))
+            acc = acc * lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
+            m = m_new
+        m_ref[...] = m.reshape(m_ref.shape)
+        l_ref[...] = l.reshape(l_ref.shape)
+        acc_ref[...] = acc.reshape(acc_ref.shape)
+
+    step = accumulate_merged if lay.merged else accumulate
     masked = (word & schedule.MASKED) != 0
-    pl.when(compute & masked)(lambda: accumulate(True))
-    pl.when(compute & ~masked)(lambda: accumulate(False))
+    pl.when(compute & masked)(lambda: step(True))
+    pl.when(compute & ~masked)(lambda: step(False))
 
     @pl.when((word & schedule.LAST) != 0)
     def _finalize():
@@ -292,8 +372,8 @@ def paged_attention(
             in_specs=in_specs,
             out_specs=pl.BlockSpec((hkv, rows_per_block, lay.v_head_dim), q_map),
             scratch_shapes=[
-                pltpu.VMEM((2, lay.pages_per_block, lay.page_size, hkv, lay.head_dim), k_pages.dtype),
-                pltpu.VMEM((2, lay.pages_per_block, lay.page_size, hkv, lay.v_head_dim), v_pages.dtype),
+                pltpu.VMEM((2, lay.pages_per_block, *k_pages.shape[1:]), k_pages.dtype),
+                pltpu.VMEM((2, lay.pages_per_block, *v_pages.shape[1:]), v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.VMEM((hkv, rows_per_block, lay.head_dim), compute_dtype),
                 pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),

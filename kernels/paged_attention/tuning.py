@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from ..common import chip
 from ..common.blocks import check_tile, check_vmem_fit, sublane_multiple
+from .kernel import merges_heads
 
 KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
 PREFILL_ROWS = {"v5e": 128, "v6e": 128, "v7x": 128}
@@ -63,6 +64,8 @@ def working_set(
     acc = kv_heads * rows * v_head_dim * 4
     rinfo = 2 * rows * 128 * 4
     temporaries = 6 * rows * keys * 4
+    if merges_heads(hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, block_rows=rows):
+        temporaries *= kv_heads * kv_heads  # every head's rows against every head's keys
     return buffers + widened + 3 * q + 2 * out + stats + acc + rinfo + temporaries
 
 
