@@ -115,6 +115,30 @@ def test_low_precision_dtypes(rand, dtype):
     )
 
 
+def test_row_sums_on_the_mxu(rand):
+    """bfloat16 at V head dim 128 takes the row sums from the p @ [v | 1] matmul on 256-wide MXUs (v6e, v7x, the
+    interpret default): rows that see no key, sinks, a window and ragged blocks, with the log-sum-exp."""
+    from tpu_kernels_jax.common import chip
+    from tpu_kernels_jax.flash_attention import forward
+    from tpu_kernels_jax.flash_attention.geometry import Geometry
+
+    geometry = Geometry(300, 200, 4, 2, 128, 128, 128, 128, 1, 0.1, 0.0)
+    assert forward.sums_on_mxu(geometry, jnp.bfloat16, chip.current_tpu_info())
+    assert not forward.sums_on_mxu(geometry, jnp.bfloat16, chip.tpu_info_for("v5e"))
+    assert not forward.sums_on_mxu(geometry, jnp.float32, chip.tpu_info_for("v6e"))
+    q, k, v = _inputs(rand, 2, 300, 200, 4, 2, 128, dtype=jnp.bfloat16)
+    sinks = rand.normal((4,), scale=2.0)
+    options = dict(causal=True, window_size=(90, 0), sinks=sinks)
+    out, lse = tk.flash_attention(q, k, v, blocks=SMALL, return_lse=True, **options)
+    ref_out, ref_lse = attention_reference(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), return_lse=True, **options
+    )
+    ladder.assert_close(out, ref_out, dtype=jnp.bfloat16, what="out", context=repr(rand))
+    lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+    assert not np.isnan(lse).any()
+    np.testing.assert_allclose(lse, ref_lse, rtol=2e-2, atol=2e-2, err_msg=f"lse {rand!r}")
+
+
 def test_default_blocks_one_block_per_sequence(rand):
     """The tuning table's blocks (larger than these sequences: one block covers all rows) give the same result."""
     q, k, v = _inputs(rand, 3, 100, 77, 4, 4, 128)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common import chip
 from ..common.blocks import LANES
 from . import schedule
 from .geometry import (
@@ -34,7 +35,9 @@ from .geometry import (
 )
 
 
-def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks: bool, with_lse: bool):
+def _forward_kernel(
+    visits_ref, status_ref, *refs, geometry: Geometry, has_sinks: bool, with_lse: bool, sum_on_mxu: bool
+):
     if has_sinks:
         sinks_ref, *refs = refs
     qinfo_ref, q_ref, k_ref, v_ref, out_ref, *refs = refs
@@ -61,6 +64,10 @@ def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks
         for j in range(g.kv_heads_per_step):
             k = sanitize_rows(k_ref[:, j * d : (j + 1) * d], kv_block, g.block_kv, g.kv_rows)
             v = sanitize_rows(v_ref[:, j * dv : (j + 1) * dv], kv_block, g.block_kv, g.kv_rows)
+            if sum_on_mxu:
+                # 128 columns of ones beside V fill the MXU tile's idle half: p @ [v | 1] gives the row sums,
+                # already lane-replicated, for no extra MXU pass and no VPU adds or cross-lane reductions
+                v = jnp.concatenate([v, jnp.ones((g.block_kv, LANES), v.dtype)], axis=1)
             for i in range(g.group):
                 h = j * g.group + i
                 s = log2_scores(dot_nt(q_scaled_ref[:, h * d : (h + 1) * d], k), g)
@@ -72,9 +79,14 @@ def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks
                 m_new = jnp.maximum(m_prev, row_stat(jnp.max(s, axis=1, keepdims=True)))
                 p = jnp.exp2(s - lanes(m_new, g.block_kv))
                 alpha = jnp.exp2(m_prev - m_new)
-                l_ref[h] = alpha * l_ref[h] + row_stat(jnp.sum(p, axis=1, keepdims=True))
+                pv = dot_nn(p.astype(v.dtype), v)
+                if sum_on_mxu:
+                    l_ref[h] = alpha * l_ref[h] + pv[:, dv:]
+                    pv = pv[:, :dv]
+                else:
+                    l_ref[h] = alpha * l_ref[h] + row_stat(jnp.sum(p, axis=1, keepdims=True))
                 m_ref[h] = m_new
-                acc_ref[h] = acc_ref[h] * lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
+                acc_ref[h] = acc_ref[h] * lanes(alpha, dv) + pv
 
     schedule.run_visit(word, accumulate)
 
@@ -100,6 +112,14 @@ def _forward_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_sinks
             if with_lse:
                 lse = (m_final + jnp.log2(jnp.where(nonzero, l, 1.0))) * LN_2
                 lse_ref[:, h : h + 1] = jnp.where(overflow, jnp.nan, jnp.where(nonzero, lse, jnp.inf))
+
+
+def sums_on_mxu(geometry: Geometry, dtype, info) -> bool:
+    """Whether the row sums ride on the p @ v matmul: V's head dim leaves exactly 128 columns of the MXU's last
+    weight tile idle (head dim 128 on 256-wide MXUs: v6e, v7x), and the inputs are bfloat16 (float32's multi-pass
+    matmuls would pay for the extra columns)."""
+    dv = geometry.v_head_dim
+    return dtype == jnp.bfloat16 and dv % LANES == 0 and (-dv) % info.mxu_column_size == LANES
 
 
 def forward(
@@ -139,7 +159,13 @@ def forward(
     if with_lse:
         out_shape.append(jax.ShapeDtypeStruct((g.head_groups, g.q_rows, hs), jnp.float32))
         out_specs.append(pl.BlockSpec((None, bq, hs), lse_map))
-    kernel = functools.partial(_forward_kernel, geometry=g, has_sinks=sinks is not None, with_lse=with_lse)
+    kernel = functools.partial(
+        _forward_kernel,
+        geometry=g,
+        has_sinks=sinks is not None,
+        with_lse=with_lse,
+        sum_on_mxu=sums_on_mxu(g, v2d.dtype, chip.current_tpu_info()),
+    )
     flops = 2 * g.q_heads * (d + dv) * g.block_q * g.block_kv
     cost = pl.CostEstimate(
         flops=flops * visits.shape[0],
