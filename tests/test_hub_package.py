@@ -4,8 +4,9 @@
 
 The module builds its own copy into a tmp dir with scripts/build_hub.py's `build()`, so it does not depend on the
 state of build/. Everything that imports torch + TorchTPU runs in two subprocesses (one where the host is what it
-is, a CPU host; one where the TPU backend is detected because `torch.backends.tpu` is present), started in parallel
-once per module, each printing a JSON report that the tests below check one property at a time.
+is, a CPU host; one where the TPU backend is detected because `torch.backends.tpu` is present), forked once per module
+from one process that did the imports both share (torch with TorchTPU, JAX, kernels: most of the probe's time), each
+printing a JSON report that the tests below check one property at a time.
 """
 
 from __future__ import annotations
@@ -161,10 +162,10 @@ def test_absolute_imports_of_third_party_libraries_are_allowed(tmp_path):
 # Loading through the kernels library, in subprocesses.
 
 _PROBE = r"""
-import json, socket, sys, types
+import json, os, socket, sys, traceback, types
 from pathlib import Path
 
-mode, root = sys.argv[1], Path(sys.argv[2])
+root = Path(sys.argv[1])
 report = {}
 
 # No network: every way of opening a connection or resolving a name raises and is recorded.
@@ -198,9 +199,6 @@ import kernels
 from kernels.backends import _backend
 
 report["host_backend"] = _backend().name
-if mode == "tpu":
-    torch.backends.tpu = types.ModuleType("torch.backends.tpu")  # what torch_tpu sets on a TPU host
-report["backend"] = _backend().name
 
 def describe(module):
     ns = module.add_op_namespace_prefix("rms_norm").split("::")[0]
@@ -213,69 +211,87 @@ def describe(module):
         "jax_rms_norm": callable(getattr(getattr(module, "jax", None), "rms_norm", None)),
     }
 
-kernel = kernels.get_kernel("kernels-community/tpu-kernels", version=1)
-report["get_kernel"] = describe(kernel)
-report["get_local_kernel_repo_is_same"] = kernels.get_local_kernel(root) is kernel
-report["get_local_kernel_build_is_same"] = kernels.get_local_kernel(root / "build") is kernel
-# The other variant in the same process: by backend on a TPU host, by its variant path on a CPU host.
-if mode == "tpu":
-    other = kernels.get_kernel("kernels-community/tpu-kernels", version=1, backend="cpu")
-else:
-    other = kernels.get_local_kernel(root / "build" / "torch-tpu")
-report["other"] = describe(other)
-report["loaded"] = sorted(k.metadata.id for k in kernels.get_loaded_kernels())
-report["network_attempts"] = list(ATTEMPTS)
-report["compile_events_at_import"] = sorted(set(EVENTS))
-report["dynamo_frames_at_import"] = sum(torch._dynamo.utils.counters["frames"].values())
+def probe(mode):
+    if mode == "tpu":
+        torch.backends.tpu = types.ModuleType("torch.backends.tpu")  # what torch_tpu sets on a TPU host
+    report["backend"] = _backend().name
+    kernel = kernels.get_kernel("kernels-community/tpu-kernels", version=1)
+    report["get_kernel"] = describe(kernel)
+    report["get_local_kernel_repo_is_same"] = kernels.get_local_kernel(root) is kernel
+    report["get_local_kernel_build_is_same"] = kernels.get_local_kernel(root / "build") is kernel
+    # The other variant in the same process: by backend on a TPU host, by its variant path on a CPU host.
+    if mode == "tpu":
+        other = kernels.get_kernel("kernels-community/tpu-kernels", version=1, backend="cpu")
+    else:
+        other = kernels.get_local_kernel(root / "build" / "torch-tpu")
+    report["other"] = describe(other)
+    report["loaded"] = sorted(k.metadata.id for k in kernels.get_loaded_kernels())
+    report["network_attempts"] = list(ATTEMPTS)
+    report["compile_events_at_import"] = sorted(set(EVENTS))
+    report["dynamo_frames_at_import"] = sum(torch._dynamo.utils.counters["frames"].values())
 
-# Numerics through the op (CPU: the Pallas kernel in TPU interpret mode), against plain torch.
-if mode == "cpu":
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 256, generator=g)
-    w = torch.randn(256, generator=g)
-    eps = 1e-6
-    x64, w64 = x.double(), w.double()
-    ref = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w64).float()
-    for key, module in (("numerics", kernel), ("numerics_other", other)):
-        y = module.rms_norm(x, w, eps)
+    # Numerics through the op (CPU: the Pallas kernel in TPU interpret mode), against plain torch.
+    if mode == "cpu":
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 256, generator=g)
+        w = torch.randn(256, generator=g)
+        eps = 1e-6
+        x64, w64 = x.double(), w.double()
+        ref = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w64).float()
+        for key, module in (("numerics", kernel), ("numerics_other", other)):
+            y = module.rms_norm(x, w, eps)
+            try:
+                torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+                report[key] = "ok"
+            except AssertionError as e:
+                report[key] = str(e)
+            report[key + "_dtype_shape"] = [str(y.dtype), list(y.shape)]
+        report["compile_events_after_call"] = len(EVENTS)  # the detector's positive control
+    report["network_attempts_total"] = list(ATTEMPTS)
+    Path(f"report-{mode}.json").write_text(json.dumps(report))  # a file each: the children print at the same time
+
+
+# Each mode in a child forked here, after the imports: each loads the variants into a process of its own, in its own
+# order. No JAX backend exists yet (nothing has been compiled), so JAX has no threads of its own to lose in the fork.
+from jax._src import xla_bridge
+assert not xla_bridge.backends_are_initialized(), "a JAX backend was initialized before the fork"
+sys.stdout.flush()
+sys.stderr.flush()
+children = {}
+for mode in ("cpu", "tpu"):
+    pid = os.fork()
+    if pid == 0:
+        code = 1
         try:
-            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
-            report[key] = "ok"
-        except AssertionError as e:
-            report[key] = str(e)
-        report[key + "_dtype_shape"] = [str(y.dtype), list(y.shape)]
-    report["compile_events_after_call"] = len(EVENTS)  # the detector's positive control
-report["network_attempts_total"] = list(ATTEMPTS)
-print("REPORT " + json.dumps(report))
+            probe(mode)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    children[mode] = pid
+codes = {mode: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for mode, pid in children.items()}
+print("EXIT " + json.dumps(codes), flush=True)
+sys.exit(1 if any(codes.values()) else 0)
 """ % {"ops": EXPECTED_OPS}  # noqa: UP031  (the probe is a script full of braces)
 
 
 @pytest.fixture(scope="module")
 def reports(hub_root, tmp_path_factory) -> dict[str, dict]:
-    """Run the probe once per mode ('cpu': this host as it is; 'tpu': torch.backends.tpu present), in parallel."""
+    """Run the probe: one report per mode ('cpu': this host as it is; 'tpu': torch.backends.tpu present), each from a
+    child process of its own."""
     work = tmp_path_factory.mktemp("probe")
     script = work / "probe.py"
     script.write_text(_PROBE)
     env = environment.subprocess_env(LOCAL_KERNELS=f"{REPO_ID}={hub_root}")
     env.pop("PYTHONPATH", None)
-    procs = {
-        mode: subprocess.Popen(
-            [sys.executable, str(script), mode, str(hub_root)],
-            cwd=work,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for mode in ("cpu", "tpu")
-    }
-    out = {}
-    for mode, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        lines = [line for line in stdout.splitlines() if line.startswith("REPORT ")]
-        assert proc.returncode == 0 and lines, f"probe ({mode}) failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
-        out[mode] = json.loads(lines[-1][len("REPORT ") :])
-    return out
+    proc = subprocess.run(
+        [sys.executable, str(script), str(hub_root)], cwd=work, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, f"probe failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return {mode: json.loads((work / f"report-{mode}.json").read_text()) for mode in ("cpu", "tpu")}
 
 
 def _ids(variants) -> dict[str, str]:
