@@ -203,8 +203,14 @@ ROPE_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("case", ROPE_CASES)
+# Every rope type in f32 (the tight tolerance); bf16 (the kernel's rounding of the rotated rows) at the default and the
+# head dim 512 proportional one.
+ROPE_DTYPE_CASES = [(case, jnp.float32) for case in ROPE_CASES] + [
+    (case, jnp.bfloat16) for case in ("default", "proportional_gemma4_full")
+]
+
+
+@pytest.mark.parametrize("case,dtype", ROPE_DTYPE_CASES, ids=[f"{c}-{jnp.dtype(d).name}" for c, d in ROPE_DTYPE_CASES])
 def test_rope_and_write_matches_rotary_reference(rand, case, dtype):
     options = dict(ROPE_CASES[case])
     heads, head_dim = options.pop("heads", 4), options.pop("head_dim", 128)
@@ -507,18 +513,21 @@ def test_export_for_tpu(dtype):
 
 
 # v6e compiles every model in bf16 and fp8, the plain write at one page size and the fused RoPE at another (page sizes
-# 16, 64, 256 all appear), a decode batch of 256 and a prefill chunk; v5e and v7x the same for Gemma 4's full layers
-# (head dim 512: the largest blocks), the kernel body being the same code at every model's head layout.
+# 16, 64, 256 all appear), a decode batch of 256 and a prefill chunk; v5e and v7x Gemma 4's full layers (head dim
+# 512: the largest blocks) in bf16 at a decode batch, the kernel body being the same code at every model's head
+# layout, page size and dtype.
 COMPILE_CASES = [
     (model, dtype, page_size, rope_page_size)
     for model in MODELS
     for dtype, page_size, rope_page_size in ((jnp.bfloat16, 16, 256), (FP8, 64, 16), (jnp.bfloat16, 256, 64))
 ]
 
+COMPILE_CASES_V5E_V7X = ("gemma4_full", jnp.bfloat16, 16, 256)
+
 
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 def test_compiles_for_tpu(generation):
-    cases = [c for c in COMPILE_CASES if generation == "v6e" or c[0] == "gemma4_full"]
+    cases = [c for c in COMPILE_CASES if generation == "v6e" or c == COMPILE_CASES_V5E_V7X]
     for model, dtype, page_size, rope_page_size in cases:
         tokens = 256 if page_size != 256 else 2048
         label = f"write_kv_cache {model} {jnp.dtype(dtype).name} page {page_size} tokens {tokens}"

@@ -3,8 +3,8 @@ fused epilogue, down grouped matmul, weighted combine) and small-batch (touched 
 kernel), each forced through blocks= — vs the dense masked reference in strict interpret mode (both weight layouts,
 gated concatenated / interleaved and ungated experts, biases, expert-parallel sentinels, T in {1, 7, 64}, bf16 and
 f32); gradients; blocks= reaching every kernel, the table's choice and its candidates; bad input (blocks=
-included); TPU export; deviceless compile of the whole experts_forward (v6e: every decode benchmark
-shape; v5e and v7x: the quick benchmark set) (its backward is exported here and the grouped matmul backward compiled in
+included); TPU export; deviceless compile of the whole experts_forward (v6e: every decode benchmark shape; v5e and
+v7x: the smallest and largest batch) (its backward is exported here and the grouped matmul backward compiled in
 test_ragged_dot.py). The torch side (transformers' experts interface, tiny models) is
 tests/test_moe_torch.py."""
 
@@ -212,10 +212,10 @@ def test_no_tokens(rand):
 
 
 # ------------------------------------------------------------------------------------------------ gradients
-GRAD_CASES = [CASES[1], CASES[5]]  # f32 concatenated + biases; bf16 ungated + biases + sentinels
-
-
-GRAD_PATH_CASES = [(c, p) for c in GRAD_CASES for p in ladder.MOE_PATHS]
+# Each path once, each with one of the two cases: bf16 ungated + biases + sentinels on the grouped path, f32
+# concatenated + biases on the small-batch path (whose custom_vjp is the grouped path's backward, the same kernels).
+GRAD_PATH_CASES = [(CASES[5], "grouped"), (CASES[1], "small_batch")]
+assert {p for _, p in GRAD_PATH_CASES} == set(ladder.MOE_PATHS)
 GRAD_NAMES = ["d hidden_states", "d top_k_weights", "d gate_up_proj", "d down_proj", "d gate_up_bias", "d down_bias"]
 
 
@@ -540,12 +540,14 @@ def test_export_for_tpu():
 
 
 # ------------------------------------------------------------------------------------------------ rung 3
-# Every decode benchmark shape on every generation (about a second each).
+# Every decode benchmark shape on v6e (the generation the benchmarks model), the smallest and largest batch on v5e
+# and v7x (about a second each).
 DECODE = [
     (generation, model, tokens)
     for generation in ladder.GENERATIONS
     for model in MOE_MODELS
     for tokens in RAGGED_DOT_DECODE_TOKENS
+    if generation == "v6e" or tokens in (min(RAGGED_DOT_DECODE_TOKENS), max(RAGGED_DOT_DECODE_TOKENS))
 ]
 
 
