@@ -532,7 +532,7 @@ MODELS = {
     "gemma4": lambda seed: tiny_models.gemma4(seed, global_head_dim=128),
 }
 PROMPT_LENGTHS = (7, 20, 3)  # 20 is longer than a page and than Gemma 4's sliding window of 8
-NEW_TOKENS = 4
+NEW_TOKENS = 2  # the prompts, then a decode step of the three sequences: further steps are more decode steps
 
 
 @pytest.fixture(scope="module")
