@@ -154,8 +154,12 @@ def _dense_experts(experts, x, index, weights):
     return out.to(x.dtype)
 
 
-@pytest.mark.parametrize("has_bias", [False, True])
-@pytest.mark.parametrize("is_transposed", [False, True])
+# Biases and transposed weights are two independent switches of the wrapper (operands passed or not, a static
+# layout flag): each value of each on each path, in two cases instead of four (their combinations are the kernels'
+# own tests). Biases with plain weights also in test_experts_forward_autograd_matches_eager (both paths).
+@pytest.mark.parametrize(
+    ("has_bias", "is_transposed"), [(False, False), (True, True)], ids=["plain", "bias-transposed"]
+)
 def test_experts_forward_matches_dense_experts_with_sentinels(rand, has_bias, is_transposed, moe_path):
     experts = _experts_module(rand, has_bias=has_bias, is_transposed=is_transposed)
     x = _randn(rand, 9, experts.gate_up_proj.shape[2 if not is_transposed else 1])
@@ -239,6 +243,9 @@ def test_experts_forward_autograd_matches_eager(rand, moe_path):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m} ({rand})")
 
 
+# One path: the cast of int64 ids and the views are the wrapper's, before the path is chosen; gradients through each
+# path's kernels: test_experts_forward_autograd_matches_eager.
+@pytest.mark.parametrize("moe_path", ["grouped"], indirect=True)
 def test_experts_forward_takes_transformers_inputs(rand, moe_path):
     """What transformers' MoE blocks pass: int64 router ids (cast once to int32: the same result as int32 ids), hidden
     states that are a non-contiguous view and require grad (the block's activations during training)."""
@@ -327,8 +334,26 @@ def test_model_logits_match_eager_f32(rand, model_name, moe_path):
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("model_name", MODELS)
+# Each dtype on each path and each model, in four cases instead of all eight: bfloat16 runs natively, so its two
+# cases take the two paths' bfloat16 kernels (one model each); float16 runs as float32 (the op casts before either
+# path), so its two cases give each model a float16 run, each on the other path. The float32 kernels of both paths
+# under both models: test_model_logits_match_eager_f32.
+@pytest.mark.parametrize(
+    ("model_name", "dtype", "moe_path"),
+    [
+        ("gemma4_moe", torch.bfloat16, "small_batch"),
+        ("qwen3_moe", torch.bfloat16, "grouped"),
+        ("qwen3_moe", torch.float16, "small_batch"),
+        ("gemma4_moe", torch.float16, "grouped"),
+    ],
+    ids=[
+        "gemma4_moe-bf16-small_batch",
+        "qwen3_moe-bf16-grouped",
+        "qwen3_moe-f16-small_batch",
+        "gemma4_moe-f16-grouped",
+    ],
+    indirect=["moe_path"],
+)
 def test_model_logits_in_half_precision_are_as_accurate_as_eager(rand, model_name, dtype, moe_path):
     """In bf16 (or f16) two implementations round at different places, so their logits differ by rounding noise
     through the whole model. The meaningful check: against the f32 model, our logits are no less accurate than
@@ -427,7 +452,7 @@ def test_greedy_generation_gives_the_same_tokens(rand, model_name):
         model.set_experts_implementation(implementation)
         with torch.no_grad():
             generated[implementation] = model.generate(
-                prompt, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(prompt)
+                prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt)
             )
     assert torch.equal(generated["eager"], generated[EXPERTS_IMPLEMENTATION])
 
