@@ -108,7 +108,8 @@ def _sds(shape, dtype):
 # ------------------------------------------------------------------ tests
 
 
-# Between them the copy (v6e, v7x) and the matmul (v5e, v6e) check every generation's bandwidth and MXU constants.
+# The copy (v6e, v7x) and the matmul (v6e) check the bandwidth and MXU constants; v5e's are checked against measured
+# timings in test_perf_calibration.py.
 @pytest.mark.parametrize("gen", ("v6e", "v7x"))
 def test_copy_256mib_is_modeled_at_the_dma_bandwidth_plus_the_per_step_cost(gen):
     x = _sds((65536, 1024), jnp.float32)  # 256 MiB
@@ -131,7 +132,7 @@ def _xla_dot_model(gen):
     return perf_model.model_function(xla_dot, (a, a), gen=gen)
 
 
-@pytest.mark.parametrize("gen", ("v5e", "v6e"))
+@pytest.mark.parametrize("gen", ("v6e",))
 def test_matmul_8192_within_30pct_of_xla_estimate(gen):
     a = _sds((8192, 8192), jnp.bfloat16)
     m = perf_model.model_function(pallas_matmul, (a, a), gen=gen)
@@ -140,10 +141,8 @@ def test_matmul_8192_within_30pct_of_xla_estimate(gen):
     flops = 2 * 8192**3
     assert abs(k.dot_flops / flops - 1) < 1e-6
     assert abs(k.mxu_flops / flops - 1) < 0.01  # vmatmul count x MXU tile == logical flops
-    # 2 MiB of blocks a step: compute-bound on v5e and v7x; on v6e at the knee (1.17 us of MXU work against 1.6 us of
-    # DMA at the calibrated bandwidth), so the bound is not asserted there.
-    if gen != "v6e":
-        assert k.bound == "compute"
+    # 2 MiB of blocks a step: on v6e at the knee (1.17 us of MXU work against 1.6 us of DMA at the calibrated
+    # bandwidth), so the bound is not asserted.
     ref = _xla_dot_model(gen)
     assert not ref.kernels and ref.xla_ops
     ratio = m.modeled_s / ref.modeled_s  # XLA's estimated_cycles / the same clock
