@@ -99,7 +99,8 @@ def moe_blocks(
 ):
     """blocks= forcing `path` for these weights: the grouped matmuls at any batch, or the small-batch kernel at any
     batch with its smallest legal intermediate chunk (several grid steps per expert). With `fallback`, weights the
-    small-batch kernel cannot serve (interleaved gate/up, no legal chunk) get the grouped path instead."""
+    small-batch kernel cannot serve (more experts than its touched-expert list takes, no legal chunk) get the
+    grouped path instead."""
     from tpu_kernels_jax.api import ExpertsBlocks
     from tpu_kernels_jax.moe import tuning
 
@@ -175,7 +176,7 @@ class MoePath:
         specs = [jax.ShapeDtypeStruct((tokens, hidden), dtype), *routing, *weights]
         fn = functools.partial(
             moe_ops.experts_forward_op.jax_fn,
-            activation=moe_ops.activation_name(experts.act_fn),
+            activation=moe_ops.gating(experts, has_gate),
             gate_layout=gate_layout or "none",
             weights_transposed=transposed,
             blocks=moe_ops.experts_blocks_json(blocks),

@@ -19,11 +19,16 @@ import pytest
 from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, MOE_TOP_K, RAGGED_DOT_DECODE_TOKENS
 from tpu_kernels_jax import api as tk
 from tpu_kernels_jax.api import ExpertsBlocks, MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
+from tpu_kernels_jax.common.activation import ClampedSwiGLU
 from tpu_kernels_jax.moe import api, touched
 from tpu_kernels_jax.moe import tuning as moe_tuning
 from tpu_kernels_jax.moe.reference import experts_forward_reference
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+# gpt-oss's gating with a limit the test pre-activations (std ~1.1 plus biases) cross on both sides of both clamps.
+GPT_OSS_GATE = ClampedSwiGLU(limit=0.75, alpha=1.702)
+# Its alpha = 1, up_offset = 0 form: SiLU(clamped gate) * clamped up (DeepSeek-V4's experts).
+CLAMPED_SILU_GATE = ClampedSwiGLU(limit=0.75, alpha=1.0, up_offset=0.0)
 
 
 def routing(rand, tokens, experts, top_k, *, sentinels=0):
@@ -62,6 +67,11 @@ CASES = [
     ("t7-concat-i96-unfused-f32-transposed", 7, 4, 2, 128, 96, F32, "concatenated", True, False, "silu", 0),
     # down_proj [E, 256, 96] is stored as [E, 96, 256] (96 pads the lanes): both paths read it that way round.
     ("t5-concat-i96-stored-swapped-bf16", 5, 6, 2, 256, 96, BF16, "concatenated", False, False, "gelu_tanh", 0),
+    # gpt-oss's layout: [E, H, 2I] interleaved with biases, its clamped SwiGLU; I = 192 is one and a half of the
+    # de-interleave's 128-column pieces.
+    ("t7-gpt-oss-i192-f32", 7, 6, 2, 128, 192, F32, "interleaved", True, True, GPT_OSS_GATE, 3),
+    ("t16-gpt-oss-bf16", 16, 8, 4, 128, 128, BF16, "interleaved", True, True, GPT_OSS_GATE, 0),
+    ("t7-concat-clamped-silu-bf16", 7, 6, 2, 128, 128, BF16, "concatenated", False, True, CLAMPED_SILU_GATE, 0),
 ]
 F32_TOL = dict(rtol=1e-5, atol=5e-5)
 
@@ -77,9 +87,8 @@ def _case_args(rand, case):
     return (x, index, w.astype(dtype), gate_up, down, gate_up_bias, down_bias), kw
 
 
-# The small-batch kernel does not take an interleaved gate/up: these run on the grouped path only (blocks= asking for
-# the small-batch kernel is a clear error, see BAD_INPUTS). (The 96-wide intermediate, unfused on the grouped path, is
-# fine there: its gate_up is stored with I on the sublanes.)
+# The interleaved silu / gelu cases on the grouped path only: the small-batch kernel's interleaved read is the same
+# whatever the activation, and the gpt-oss cases take it on both paths (the suite's time budget).
 GROUPED_ONLY = {"t7-interleaved-silu-bias-f32", "t64-interleaved-gelu-bf16-transposed"}
 PATH_CASES = [(c, p) for c in CASES for p in ladder.MOE_PATHS if p == "grouped" or c[0] not in GROUPED_ONLY]
 
@@ -97,9 +106,30 @@ def forced_blocks(path, args, kw):
     )
 
 
+def assert_clamps_bite(args, kw):
+    """A ClampedSwiGLU case must exercise its clamps: routed pre-activations beyond the limit and inside it, for the
+    gate (clamped above) and for up (clamped on both sides)."""
+    activation = kw["activation"]
+    if not isinstance(activation, ClampedSwiGLU):
+        return
+    x, index, _, gate_up, _, gate_up_bias, _ = args
+    w = np.asarray(gate_up, np.float32)
+    w = w if kw["weights_transposed"] else np.swapaxes(w, 1, 2)  # [E, H, 2I]
+    routed = np.clip(np.asarray(index), 0, w.shape[0] - 1)
+    h = np.einsum("th,tkhn->tkn", np.asarray(x, np.float32), w[routed])
+    if gate_up_bias is not None:
+        h = h + np.asarray(gate_up_bias, np.float32)[routed]
+    half = h.shape[-1] // 2
+    gate, up = (h[..., 0::2], h[..., 1::2]) if kw["gate_layout"] == "interleaved" else (h[..., :half], h[..., half:])
+    limit = activation.limit
+    assert (gate > limit).any() and (gate < limit).any(), "the gate clamp is not exercised"
+    assert (up > limit).any() and (up < -limit).any() and (abs(up) < limit).any(), "the up clamp is not exercised"
+
+
 @pytest.mark.parametrize("case,path", PATH_CASES, ids=[f"{c[0]}-{p}" for c, p in PATH_CASES])
 def test_experts_forward_matches_reference(rand, case, path):
     args, kw = _case_args(rand, case)
+    assert_clamps_bite(args, kw)
     dtype = case[6]
     fn = functools.partial(tk.experts_forward, blocks=forced_blocks(path, args, kw), **kw)
     ladder.assert_moe_path(fn, args, path)
@@ -213,8 +243,10 @@ def test_no_tokens(rand):
 
 # ------------------------------------------------------------------------------------------------ gradients
 # Each path once, each with one of the two cases: bf16 ungated + biases + sentinels on the grouped path, f32
-# concatenated + biases on the small-batch path (whose custom_vjp is the grouped path's backward, the same kernels).
-GRAD_PATH_CASES = [(CASES[5], "grouped"), (CASES[1], "small_batch")]
+# concatenated + biases on the small-batch path (whose custom_vjp is the grouped path's backward, the same kernels);
+# and gpt-oss's clamped SwiGLU, interleaved with biases (f32, through the small-batch path's forward and the
+# grouped kernels' backward): no gradient where a clamp bites.
+GRAD_PATH_CASES = [(CASES[5], "grouped"), (CASES[1], "small_batch"), (CASES[8], "small_batch")]
 assert {p for _, p in GRAD_PATH_CASES} == set(ladder.MOE_PATHS)
 GRAD_NAMES = ["d hidden_states", "d top_k_weights", "d gate_up_proj", "d down_proj", "d gate_up_bias", "d down_bias"]
 
@@ -223,6 +255,7 @@ GRAD_NAMES = ["d hidden_states", "d top_k_weights", "d gate_up_proj", "d down_pr
 def test_experts_forward_gradients(rand, case, path):
     """d hidden_states, d top_k_weights, d gate_up_proj, d down_proj (and d biases) vs jax.grad of the reference."""
     args, kw = _case_args(rand, case)
+    assert_clamps_bite(args, kw)
     dtype = case[6]
     has_bias = args[5] is not None
     # bf16: the reference rounds the intermediate once as the kernel does, but its backward stays in f32 where the
@@ -421,6 +454,13 @@ BAD_INPUTS = [
         "activation", dict(activation="relu"), ValueError, "activation: expected one of ('silu', 'gelu_tanh')"
     ),
     ladder.BadInput("gate_layout", dict(gate_layout="stacked"), ValueError, "gate_layout: expected one of"),
+    ladder.BadInput(
+        "clamped swiglu without a gate",
+        dict(activation=GPT_OSS_GATE, gate_layout=None),
+        ValueError,
+        "activation: ClampedSwiGLU(limit=0.75, alpha=1.702, up_offset=1.0) gates the up projection with the gate, so "
+        "it needs a gated layout",
+    ),
     # blocks=: the structure, the path's fit to the inputs, the small-batch chunk and VMEM, the grouped matmuls' tiles.
     ladder.BadInput(
         "blocks type",
@@ -445,12 +485,6 @@ BAD_INPUTS = [
         dict(blocks=ExpertsBlocks(path="grouped", vmem_limit_bytes=16 << 20)),
         ValueError,
         "blocks.vmem_limit_bytes: a tile of the small-batch kernel, so it needs path='small_batch', got path='grouped'",
-    ),
-    ladder.BadInput(
-        "blocks small batch interleaved",
-        dict(gate_layout="interleaved", blocks=ExpertsBlocks(path="small_batch")),
-        ValueError,
-        "blocks.path: 'small_batch' cannot serve these inputs: gate_layout='interleaved'",
     ),
     ladder.BadInput(
         "blocks small batch too many experts",
@@ -515,6 +549,23 @@ def test_bad_input_is_a_clear_error(rand, case):
     ladder.assert_clear_error(case, lambda arguments: tk.experts_forward(**arguments), _good(rand), rand)
 
 
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(limit=0.0), "activation.limit: expected a number > 0"),
+        (dict(limit=float("inf")), "activation.limit: expected a finite real number, got inf"),
+        (dict(limit=7.0, alpha=float("nan")), "activation.alpha: expected a finite real number, got nan"),
+        (dict(limit=7.0, up_offset="1"), "activation.up_offset: expected a finite real number, got '1'"),
+        (dict(limit=True), "activation.limit: expected a finite real number, got True"),
+    ],
+    ids=["limit zero", "limit inf", "alpha nan", "up_offset str", "limit bool"],
+)
+def test_clamped_swiglu_bad_parameters(fields, message):
+    with pytest.raises(ValueError) as info:
+        ClampedSwiGLU(**fields)
+    assert message in str(info.value)
+
+
 # ------------------------------------------------------------------------------------------------ rung 2
 def _decode_specs(model, tokens, dtype=BF16):
     dims = MOE_MODELS[model]
@@ -537,6 +588,50 @@ def test_export_for_tpu():
     ladder.export_for_tpu(api.experts_forward, *args, *biases, activation="silu")
     grad = jax.grad(lambda *a: ladder.vjp_loss(api.experts_forward(*a, activation="silu")), argnums=(0, 2, 3, 4))
     ladder.export_for_tpu(grad, *args)
+
+
+# gpt-oss-20b's experts: hidden 2880, intermediate 2880 (not a multiple of 128: the grouped path's gate/up output
+# tile is the whole width), 32 experts, top-4, [E, H, 2I] interleaved with biases, the clamped SwiGLU.
+GPT_OSS_20B = dict(hidden=2880, intermediate=2880, experts=32, top_k=4)
+
+
+def _gpt_oss_specs(tokens):
+    h, i, e, k = (GPT_OSS_20B[f] for f in ("hidden", "intermediate", "experts", "top_k"))
+    return [
+        ((tokens, h), BF16),
+        ((tokens, k), jnp.int32),
+        ((tokens, k), BF16),
+        ((e, h, 2 * i), BF16),
+        ((e, i, h), BF16),
+        ((e, 2 * i), BF16),
+        ((e, h), BF16),
+    ]
+
+
+GPT_OSS_KW = dict(activation=ClampedSwiGLU(limit=7.0, alpha=1.702), gate_layout="interleaved", weights_transposed=True)
+
+
+@pytest.mark.parametrize("tokens,path", [(8, "small_batch"), (512, "grouped")])
+def test_gpt_oss_experts_compile_for_tpu(tokens, path):
+    """gpt-oss-20b's experts on v6e, the table's path at a decode batch (the small-batch kernel) and at 512 tokens
+    (the grouped matmuls): the de-interleave and the clamped SwiGLU in both kernels' epilogues compile with Mosaic."""
+    specs = [jax.ShapeDtypeStruct(*sd) for sd in _gpt_oss_specs(tokens)]
+    with jax.default_device(ladder.tpu_device("v6e")):
+        ladder.assert_moe_path(functools.partial(api.experts_forward, **GPT_OSS_KW), specs, path)
+    ladder.compile_for_tpu(
+        api.experts_forward,
+        "v6e",
+        *_gpt_oss_specs(tokens),
+        min_kernels=2,
+        label="experts_forward gpt-oss-20b",
+        **GPT_OSS_KW,
+    )
+
+
+def test_gpt_oss_experts_backward_exports_for_tpu():
+    """The gradient of gpt-oss's experts (the grouped kernels' backward through the clamped SwiGLU) for the TPU."""
+    grad = jax.grad(lambda *a: ladder.vjp_loss(api.experts_forward(*a, **GPT_OSS_KW)), argnums=(0, 2, 3, 4, 5, 6))
+    ladder.export_for_tpu(grad, *[jax.ShapeDtypeStruct(*sd) for sd in _gpt_oss_specs(8)])
 
 
 # ------------------------------------------------------------------------------------------------ rung 3

@@ -298,7 +298,11 @@ def test_experts_forward_compiles_fullgraph_with_autograd(rand):
     ladder.check_compiled_matches_eager(fn, inputs, rand=rand)
 
 
-MODELS = {"qwen3_moe": tiny_models.qwen3_moe, "gemma4_moe": lambda seed: tiny_models.gemma4(seed, moe=True)}
+MODELS = {
+    "qwen3_moe": tiny_models.qwen3_moe,
+    "gemma4_moe": lambda seed: tiny_models.gemma4(seed, moe=True),
+    "gpt_oss": tiny_models.gpt_oss_moe,
+}
 
 
 FORCED_IMPLEMENTATION = "tpu_ragged_dot_blocks"
@@ -455,6 +459,97 @@ def test_greedy_generation_gives_the_same_tokens(rand, model_name):
                 prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt)
             )
     assert torch.equal(generated["eager"], generated[EXPERTS_IMPLEMENTATION])
+
+
+# Gradients of the whole model through our experts (the small-batch forward, the grouped kernels' backward through the
+# clamped SwiGLU) against eager's: gpt-oss, whose gating is the one with its own backward (the clamps).
+@pytest.mark.parametrize("moe_path", ["small_batch"], indirect=True)
+def test_model_gradients_match_eager(rand, moe_path):
+    model = tiny_models.gpt_oss_moe(rand.seed)
+    tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (2, 7)))
+    cotangent = _randn(rand, 2, 7, tiny_models.VOCAB)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = {}
+    for implementation in ("eager", _forced_implementation(model, tokens, moe_path)):
+        model.set_experts_implementation(implementation)
+        loss = (model(tokens).logits.float() * cotangent).sum()
+        grads[implementation] = torch.autograd.grad(loss, params)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, ours, eager in zip(names, grads[FORCED_IMPLEMENTATION], grads["eager"]):
+        assert torch.isfinite(ours).all(), name
+        scale = eager.abs().max().item()
+        torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4 * scale, msg=lambda m: f"{name}: {m} ({rand})")
+    experts = model.model.layers[0].mlp.experts
+    assert grads["eager"][names.index("model.layers.0.mlp.experts.gate_up_proj")].abs().max() > 0, experts
+
+
+def _clamped_gate_module(key, limit, alpha):
+    """An instance of a transformers experts class whose _apply_gate is in CLAMPED_SWIGLU_GATES, with only what the
+    gate reads set (the class's own __init__ needs a full config)."""
+    import importlib
+
+    module_name, class_name = key
+    cls = getattr(importlib.import_module(module_name), class_name)
+    experts = cls.__new__(cls)
+    torch.nn.Module.__init__(experts)
+    spec = moe_ops.CLAMPED_SWIGLU_GATES[key]
+    setattr(experts, spec.limit, limit)
+    if spec.alpha is not None:
+        setattr(experts, spec.alpha, alpha)
+    experts.act_fn = torch.nn.SiLU()
+    return experts
+
+
+@pytest.mark.parametrize("key", list(moe_ops.CLAMPED_SWIGLU_GATES), ids=[c for _, c in moe_ops.CLAMPED_SWIGLU_GATES])
+def test_recognized_gates_are_the_kernels_gating(rand, key):
+    """Each transformers _apply_gate that experts_forward recognizes computes the ClampedSwiGLU it is mapped to (values
+    on both sides of both clamps), gradient included: the kernels' gating (common.activation.apply_gating) against
+    the class's own torch code."""
+    import jax
+
+    from tpu_kernels_jax.common.activation import apply_gating
+
+    limit, alpha = 0.5 + rand.rng.random(), 1.0 + rand.rng.random()
+    experts = _clamped_gate_module(key, limit, alpha)
+    activation = moe_ops.parse_activation(moe_ops.gating(experts, True))
+    assert activation.limit == limit and activation.alpha == (1.0 if activation.up_offset == 0 else alpha)
+    gate_up = _randn(rand, 16, 64, scale=2.0).requires_grad_()
+    out = experts._apply_gate(gate_up)
+    cotangent = _randn(rand, 16, 32)
+    (expected_grad,) = torch.autograd.grad((out * cotangent).sum(), [gate_up])
+    interleaved = key[1] == "GptOssExperts"  # the others chunk gate_up in halves
+
+    def ours(h):
+        gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else (h[:, :32], h[:, 32:])
+        return apply_gating(gate, up, activation)
+
+    h = gate_up.detach().numpy()
+    assert (h > limit).any() and (h < -limit).any() and (abs(h) < limit).any()
+    actual, vjp = jax.vjp(ours, h)
+    (actual_grad,) = vjp(cotangent.numpy())
+    np.testing.assert_allclose(np.asarray(actual), out.detach().numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(actual_grad), expected_grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_clamped_gate_parameters_are_checked():
+    """The limit and alpha come from the module (else its config); missing or bad ones are clear errors."""
+    key = next(k for k in moe_ops.CLAMPED_SWIGLU_GATES if k[1] == "GptOssExperts")
+    experts = _clamped_gate_module(key, 7.0, 1.702)
+    expected = moe_ops.ClampedSwiGLU(limit=7.0, alpha=1.702, up_offset=1.0)
+    assert moe_ops.parse_activation(moe_ops.gating(experts, True)) == expected
+    experts.limit = None
+    with pytest.raises(
+        ValueError, match=r"self.limit: GptOssExperts's clamped SwiGLU needs it \(or config.swiglu_limit"
+    ):
+        moe_ops.gating(experts, True)
+    experts.config = type("Config", (), {"swiglu_limit": 3.0})()
+    assert moe_ops.parse_activation(moe_ops.gating(experts, True)).limit == 3.0
+    experts.limit = -1.0
+    with pytest.raises(ValueError, match="self.limit: expected a clamp limit > 0, got -1.0"):
+        moe_ops.gating(experts, True)
+    experts.limit, experts.alpha = 7.0, float("nan")
+    with pytest.raises(ValueError, match="self.alpha: expected a finite number, got nan"):
+        moe_ops.gating(experts, True)
 
 
 def _experts_call(arguments):

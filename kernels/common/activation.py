@@ -1,8 +1,15 @@
-"""The activations the kernels' epilogues apply (ragged dot's fused epilogue, the MoE small-batch kernel), written
-once for the Pallas kernel bodies and the XLA epilogue of the unfused paths, so every path computes the same function.
+"""The activations and gatings the kernels' epilogues apply (ragged dot's fused epilogue, the MoE small-batch kernel),
+written once for the Pallas kernel bodies and the XLA epilogue of the unfused paths, so every path computes the same
+function.
 
-Each reference writes its own (plain `jax.nn`); tests/test_ragged_dot.py ties the two together for every activation.
+An activation is None, "silu", "gelu_tanh" (gated: act(gate) * up) or a `ClampedSwiGLU` (gpt-oss's gating, which
+needs a gate: it acts on gate and up together). Each reference writes its own (plain `jax.nn`);
+tests/test_ragged_dot.py ties the two together for every activation.
 """
+
+import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +17,47 @@ import jax.numpy as jnp
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 _SQRT_2_OVER_PI = 0.7978845608028654
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's gating of the gate/up projection (hashable: a static argument of the kernels):
+
+        gate = min(gate, limit);  up = clip(up, -limit, limit)
+        out  = (up + up_offset) * gate * sigmoid(alpha * gate)
+
+    gpt-oss: limit = config.swiglu_limit (7.0), alpha = config.swiglu_alpha (1.702), up_offset = 1. alpha = 1 and
+    up_offset = 0 is SiLU(clamped gate) * clamped up (DeepSeek-V4's experts, for one). Where a clamp bites its input
+    gets no gradient (torch's clamp: the bound itself still passes it)."""
+
+    limit: float
+    alpha: float = 1.702
+    up_offset: float = 1.0
+
+    def __post_init__(self):
+        for field in ("limit", "alpha", "up_offset"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"activation.{field}: expected a finite real number, got {value!r}")
+            object.__setattr__(self, field, float(value))
+        if self.limit <= 0:
+            raise ValueError(
+                f"activation.limit: expected a number > 0 (gate <= limit, |up| <= limit), got {self.limit}"
+            )
+
+
+def check_activation(activation, *, gated: bool, allow_none: bool = True):
+    """`activation` must be one of ACTIVATIONS (or None where allowed) or, with a gate, a ClampedSwiGLU."""
+    if isinstance(activation, ClampedSwiGLU):
+        if not gated:
+            raise ValueError(
+                f"activation: {activation} gates the up projection with the gate, so it needs a gated layout "
+                "(gated / gate_layout 'concatenated' or 'interleaved'), got none"
+            )
+        return
+    allowed = ((None,) if allow_none else ()) + ACTIVATIONS
+    if not isinstance(activation, (str, type(None))) or activation not in allowed:
+        raise ValueError(f"activation: expected one of {allowed} or a ClampedSwiGLU, got {activation!r}")
 
 
 def apply_activation(x, activation):
@@ -22,3 +70,48 @@ def apply_activation(x, activation):
     if activation == "gelu_tanh":
         return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
     raise ValueError(f"activation: expected None or one of {ACTIVATIONS}, got {activation!r}")
+
+
+def apply_gating(gate, up, activation):
+    """The gated epilogue on f32 gate and up of one shape: act(gate) * up, or the ClampedSwiGLU."""
+    if isinstance(activation, ClampedSwiGLU):
+        limit = activation.limit
+        # Selects, not min/max: no gradient where a clamp bites, all of it at the bound (as torch's clamp).
+        gate = jnp.where(gate > limit, limit, gate)
+        up = jnp.where(up > limit, limit, jnp.where(up < -limit, -limit, up))
+        return (up + activation.up_offset) * (gate * jax.nn.sigmoid(activation.alpha * gate))
+    return apply_activation(gate, activation) * up
+
+
+# Output lanes of one selection matmul in deinterleaved_gating: 128 (one lane tile) from 256 interleaved inputs.
+_PIECE = 128
+
+
+def _select_lanes(h, parity, width):
+    """h[:, parity::2] of an f32 piece h [rows, 2 * width], exactly, as matmuls against a 0/1 selection matrix:
+    Mosaic has no lane-strided slice. h is split into three bf16 parts (hi + mid + lo == h to within f32 rounding),
+    each selected exactly by one bf16 MXU pass with f32 accumulation: three passes instead of HIGHEST's six."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, (2 * width, width), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (2 * width, width), 1)
+    select = jnp.where(rows == 2 * cols + parity, 1.0, 0.0).astype(jnp.bfloat16)
+    out = None
+    rest = h
+    for _ in range(3):
+        part = rest.astype(jnp.bfloat16)
+        rest = rest - part.astype(jnp.float32)
+        picked = jnp.dot(part, select, preferred_element_type=jnp.float32)
+        out = picked if out is None else out + picked
+    return out
+
+
+def deinterleaved_gating(h, activation):
+    """The gated epilogue of an interleaved f32 pre-activation h [rows, 2 * n] (gate at even columns, up at odd),
+    [rows, n], for kernel bodies. Piece by piece, 256 input lanes to 128 output lanes, so the selection work is
+    3 * 2 * 256 MACs per output column whatever the tile width (no [2n, n] selection matrix)."""
+    n = h.shape[1] // 2
+    outs = []
+    for start in range(0, n, _PIECE):
+        width = min(_PIECE, n - start)
+        piece = h[:, 2 * start : 2 * (start + width)]
+        outs.append(apply_gating(_select_lanes(piece, 0, width), _select_lanes(piece, 1, width), activation))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)

@@ -1,10 +1,10 @@
 """Mixture-of-Experts experts forward (transformers' experts interface, in JAX), on one of two kernel paths.
 
-Small batch (decode; up to tuning.SMALL_BATCH_MAX_TOKENS tokens, concatenated or no gate): one kernel runs every
+Small batch (decode; up to tuning.SMALL_BATCH_MAX_TOKENS tokens): one kernel runs every
 touched expert over all tokens and keeps each token's own experts, weighted (small_batch.py); no routing ops at all.
 Its gradient is the grouped path's.
 
-Grouped (larger batches, and interleaved gate/up). Route: sort the (token, slot) pairs by expert (stable, so equal
+Grouped (larger batches). Route: sort the (token, slot) pairs by expert (stable, so equal
 experts keep token order), gather the token rows; gate/up grouped matmul with act(gate) * up fused into its epilogue
 (written once, width I); down grouped matmul with each row scaled by its routing weight in the epilogue; sum each
 token's k rows in f32. Expert ids outside [0, num_experts) (expert-parallel sentinels) are sorted past the last
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..common.activation import ClampedSwiGLU, check_activation
 from ..common.interpret import interpret_eager_cpu_calls
 from ..common.validation import FLOAT_DTYPES, check_array, is_concrete
 from ..ragged_dot import api as ragged_dot_api
@@ -26,7 +27,6 @@ from . import small_batch, tuning
 from .tuning import ExpertsBlocks
 
 INDEX_DTYPES = (jnp.dtype(jnp.int32),)
-ACTIVATIONS = ("silu", "gelu_tanh")
 GATE_LAYOUTS = ("concatenated", "interleaved", None)
 
 
@@ -51,10 +51,9 @@ def _validate(
     check_array("top_k_weights", top_k_weights, ndim=2, dtypes=FLOAT_DTYPES)
     check_array("gate_up_proj", gate_up_proj, ndim=3, dtypes=FLOAT_DTYPES[:2])
     check_array("down_proj", down_proj, ndim=3, dtypes=FLOAT_DTYPES[:2])
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
     if gate_layout not in GATE_LAYOUTS:
         raise ValueError(f"gate_layout: expected one of {GATE_LAYOUTS}, got {gate_layout!r}")
+    check_activation(activation, gated=gate_layout is not None, allow_none=False)
     tokens, hidden = hidden_states.shape
     if tuple(top_k_index.shape) != tuple(top_k_weights.shape) or top_k_index.shape[0] != tokens:
         raise ValueError(
@@ -229,7 +228,7 @@ def experts_forward(
     gate_up_bias: jax.Array | None = None,
     down_bias: jax.Array | None = None,
     *,
-    activation: str = "silu",
+    activation: str | ClampedSwiGLU = "silu",
     gate_layout: str | None = "concatenated",
     weights_transposed: bool = False,
     blocks: ExpertsBlocks | None = None,
@@ -240,7 +239,9 @@ def experts_forward(
     [E, H, I] as transformers stores them (applied as x @ W[e].T), or [E, H, 2I] / [E, I, H] with
     weights_transposed. gate_layout: "concatenated" (gate rows first), "interleaved" (gate, up alternate), or None for
     experts without a gate (gate_up_proj is then the up projection [E, I, H] and the activation applies to it).
-    Biases [E, 2I] and [E, H] are optional. Returns [T, H] in hidden_states' dtype; f32 accumulation throughout.
+    activation: "silu" or "gelu_tanh", or with a gate a ClampedSwiGLU(limit, alpha, up_offset) (gpt-oss's gating,
+    which replaces act(gate) * up; common/activation.py). Biases [E, 2I] and [E, H] are optional. Returns [T, H] in
+    hidden_states' dtype; f32 accumulation throughout.
     `blocks`: the path and the tiles of its kernels (an ExpertsBlocks, see tuning.py); None: the tuning table's.
     """
     (tokens, hidden, _, _), plan, layout = _validate(

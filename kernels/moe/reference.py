@@ -9,7 +9,7 @@ ids outside [0, num_experts) (expert-parallel sentinels) contribute nothing.
 import jax
 import jax.numpy as jnp
 
-from ..ragged_dot.reference import activation_reference
+from ..ragged_dot.reference import activation_reference, gating_reference
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -59,7 +59,7 @@ def experts_forward_reference(
             act = activation_reference(h, activation)
         else:
             gate, up = gate_and_up(h, gate_layout)
-            act = activation_reference(gate, activation) * up
+            act = gating_reference(gate, up, activation)
         # Round the intermediate to the model dtype, as every implementation stores it between the two matmuls.
         act = act.astype(hidden_states.dtype).astype(jnp.float32)
         y = jnp.dot(act, w_down[e], precision=_HIGHEST)

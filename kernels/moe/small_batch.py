@@ -15,9 +15,11 @@ away (never multiplied by zero, so an overflow there cannot turn into NaN).
 Grid (visit, chunk): visit v is touched expert experts[v] (a dynamic grid bound: the number touched, read from SMEM);
 chunk c covers intermediate columns [c * tc, (c + 1) * tc) of that expert: the gate and up rows of the chunk and the
 matching columns of down_proj, so act(gate) * up of the chunk goes straight into the down matmul and is never
-written anywhere. Small chunks keep the first step's weight DMA (exposed: nothing to overlap it with) short. Weights
-are read in the orientation XLA stores them (ragged_dot.tuning.stored_minor_to_major_swapped); x, the routing and the
-f32 accumulator [T, H] stay in VMEM for the whole call.
+written anywhere (an interleaved gate/up: the chunk's 2 * tc alternating rows, de-interleaved in VMEM after the
+matmul, common.activation.deinterleaved_gating). Small chunks keep the first step's weight DMA (exposed: nothing to
+overlap it with) short. Weights are read in the orientation XLA stores them
+(ragged_dot.tuning.stored_minor_to_major_swapped); x, the routing and the f32 accumulator [T, H] stay in VMEM for the
+whole call.
 """
 
 import dataclasses
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common.activation import apply_activation
+from ..common.activation import apply_activation, apply_gating, deinterleaved_gating
 from ..ragged_dot.kernel import matmul_precision
 from . import touched
 
@@ -36,17 +38,22 @@ from . import touched
 @dataclasses.dataclass(frozen=True)
 class WeightStream:
     """How the kernel reads one weight operand (in its stored orientation): the axis holding the intermediate
-    dimension (1: sublanes, 2: lanes) and the block offset of this stream along it (the up half of a concatenated
-    gate/up sits I / tc blocks in)."""
+    dimension (1: sublanes, 2: lanes), the block offset of this stream along it (the up half of a concatenated
+    gate/up sits I / tc blocks in) and whether it holds gate and up interleaved (then a chunk's block is 2 * tc
+    wide: its tc gate and tc up columns alternating)."""
 
     i_axis: int
     block_offset: int = 0
+    interleaved: bool = False
+
+    def width(self, tc: int) -> int:
+        return 2 * tc if self.interleaved else tc
 
 
 def _weight_spec(array_shape, stream: WeightStream, tc: int):
     hidden_axis = 3 - stream.i_axis
     block = [None, 0, 0]
-    block[stream.i_axis] = tc
+    block[stream.i_axis] = stream.width(tc)
     block[hidden_axis] = array_shape[hidden_axis]
 
     def index(v, c, experts_ref, count_ref):
@@ -108,9 +115,12 @@ def _fused_kernel(
     # x [T, H] against a block with H on the axis other than the intermediate one.
     parts = [_contract(x, r[...], 1, 3 - s.i_axis - 1, up_dtype) for r, s in zip(up_refs, up_streams)]
     parts = [p + b[...].astype(jnp.float32) for p, b in zip(parts, up_bias_refs)] if num_up_bias else parts
-    h = apply_activation(parts[0], activation)
-    if len(parts) == 2:
-        h = h * parts[1]
+    if up_streams[0].interleaved:
+        h = deinterleaved_gating(parts[0], activation)
+    elif len(parts) == 2:
+        h = apply_gating(parts[0], parts[1], activation)
+    else:
+        h = apply_activation(parts[0], activation)
     # The grouped path writes act(gate) * up in the activations' dtype before the down matmul; so does this one.
     h = h.astype(h_dtype)
     y = _contract(h, down_ref[...], 1, down_i_axis - 1, down_dtype)  # [T, H] f32
@@ -140,7 +150,8 @@ def experts_forward_small_batch(
     vmem_limit_bytes,
 ):
     """out [T, H] in hidden_states' dtype. gate_up / down are in their stored orientation, described by up_streams
-    (one WeightStream per gate/up operand: two for a concatenated gate, one without a gate) and down_i_axis; tc
+    (one WeightStream per gate/up operand: two for a concatenated gate, one interleaved or without a gate) and
+    down_i_axis; tc
     divides `intermediate`. Biases (or None): gate_up_bias [E, 1, N], down_bias [E, 1, H]. Validated by api.py and
     chosen by tuning.py."""
     tokens, hidden = hidden_states.shape
@@ -160,7 +171,8 @@ def experts_forward_small_batch(
         for s in up_streams:
             in_specs.append(
                 pl.BlockSpec(
-                    (None, 1, tc), lambda v, c, experts_ref, count_ref, s=s: (experts_ref[v], 0, c + s.block_offset)
+                    (None, 1, s.width(tc)),
+                    lambda v, c, experts_ref, count_ref, s=s: (experts_ref[v], 0, c + s.block_offset),
                 )
             )
             operands.append(gate_up_bias)

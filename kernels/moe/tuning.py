@@ -114,11 +114,6 @@ def _legal(tc: int, i_axis: int, dim: int, sublanes: int) -> bool:
 
 def small_batch_unsupported(*, num_experts: int, gate_layout) -> str | None:
     """Why the small-batch kernel cannot serve these inputs at any batch, or None."""
-    if gate_layout not in ("concatenated", None):
-        return (
-            f"gate_layout={gate_layout!r}: it reads gate and up as whole chunks of a concatenated gate_up_proj "
-            "(Mosaic cannot split a bf16 block into even and odd rows)"
-        )
     if num_experts > SMALL_BATCH_MAX_EXPERTS:
         return (
             f"{num_experts} experts: its touched-expert list builds [E, E] matrices in VMEM, which compiles on every "
@@ -145,11 +140,12 @@ def small_batch_chunks(
     n_up = 2 * intermediate if gate_layout else intermediate
     down_dtype = weight_dtype if down_dtype is None else down_dtype
     sub = max(sublane_multiple(weight_dtype), sublane_multiple(down_dtype))
+    width = 2 if gate_layout == "interleaved" else 1  # an interleaved chunk's gate/up block: 2 * tc rows / lanes
 
     def legal(tc):
-        ok = _legal(tc, up_axis, n_up, sub) and _legal(tc, down_axis, intermediate, sub)
+        ok = _legal(width * tc, up_axis, n_up, sub) and _legal(tc, down_axis, intermediate, sub)
         if has_gate_up_bias:
-            ok = ok and _legal(tc, 2, n_up, sub)  # bias blocks (1, tc): lanes
+            ok = ok and _legal(width * tc, 2, n_up, sub)  # bias blocks (1, tc): lanes
         return ok
 
     return [tc for tc in range(intermediate, 0, -1) if intermediate % tc == 0 and legal(tc)]
@@ -241,11 +237,10 @@ def plan_small_batch(
         if working_set > int(info.vmem_capacity_bytes * VMEM_SHARE):
             return None
         limit = chip.scoped_vmem_limit(info, working_set, ragged_dot_tuning.VMEM_SLACK_BYTES)
-    up_streams = (
-        (WeightStream(up_axis, 0), WeightStream(up_axis, intermediate // tc))
-        if gate_layout
-        else (WeightStream(up_axis, 0),)
-    )
+    if gate_layout == "concatenated":
+        up_streams = (WeightStream(up_axis, 0), WeightStream(up_axis, intermediate // tc))
+    else:
+        up_streams = (WeightStream(up_axis, 0, interleaved=gate_layout == "interleaved"),)
     return SmallBatchPlan(
         swap_gate_up=swap_up,
         swap_down=swap_down,

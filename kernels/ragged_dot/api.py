@@ -21,10 +21,12 @@ Row scale (for the MoE down projection): `row_scale` [M] multiplies each output 
 (the routing weight of each sorted (token, expert) row), so the weighted rows are written once.
 
 Fused epilogue (for the MoE gate/up projection): `bias` [rhs groups, N] is added per group; `activation` in
-{None, "silu", "gelu_tanh"}; with `gated="concatenated"` (gate = columns [0, N/2), up = [N/2, N)) or
-`gated="interleaved"` (gate = even columns, up = odd) the output is act(gate) * up, of width N/2, written once.
-Layouts the kernel cannot split into aligned gate/up blocks (see `_fusable`) are computed unfused (the grouped matmul
-in f32, then the epilogue in XLA), which is correct but does an extra pass over the [M, N] intermediate.
+{None, "silu", "gelu_tanh"} or, gated only, a `ClampedSwiGLU(limit, alpha, up_offset)` (gpt-oss's gating:
+(clip(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g = min(gate, limit)); with
+`gated="concatenated"` (gate = columns [0, N/2), up = [N/2, N)) or `gated="interleaved"` (gate = even columns,
+up = odd) the output is act(gate) * up (or the ClampedSwiGLU), of width N/2, written once. A concatenated layout
+whose halves the kernel cannot read as aligned blocks (see `_fusable`) is computed unfused (the grouped matmul in
+f32, then the epilogue in XLA), which is correct but does an extra pass over the [M, N] intermediate.
 
 Checks that need values (negative group sizes, sizes summing past M, the window of a concrete group_offset) run when
 those values are concrete; under jit they are traced and unchecked: the kernel then treats negative sizes as zero and
@@ -48,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..common import chip
-from ..common.activation import apply_activation
+from ..common.activation import apply_activation, apply_gating, check_activation
 from ..common.blocks import sublane_multiple
 from ..common.interpret import interpret_eager_cpu_calls
 from ..common.validation import check_array, is_concrete
@@ -57,7 +59,6 @@ from .tuning import MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
 
 MATMUL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-ACTIVATIONS = (None, "silu", "gelu_tanh")
 GATED = (None, "concatenated", "interleaved")
 
 
@@ -175,10 +176,9 @@ def check_inputs(
             f"group_offset: the window [group_offset, group_offset + num_local_groups) = [{group_offset}, "
             f"{group_offset + n_local}) must lie inside [0, {num_groups}) (len(group_sizes))"
         )
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
     if gated not in GATED:
         raise ValueError(f"gated: expected one of {GATED}, got {gated!r}")
+    check_activation(activation, gated=gated is not None)
     if gated is not None and n % 2:
         raise ValueError(f"rhs: gated={gated!r} needs an even number of output columns N, got N = {n}")
     if bias is not None:
@@ -242,10 +242,9 @@ def _fusable(gated, rhs_transposed, half_n, rhs_dtype) -> bool:
         # Gate/up blocks along N: lanes (multiples of 128) unless rhs is transposed (sublanes); the output block
         # (tm, tn) is legal for tn = half_n or a multiple of 128.
         return half_n % 128 == 0 if not rhs_transposed else half_n % sub == 0
-    # Interleaved: gate/up alternate along N; splitting a weight block into even/odd rows or lanes is not
-    # supported by Mosaic's strided loads for bf16, so this layout runs unfused. For decode the extra [M, N] f32
-    # pass is small beside the weights; for prefill it costs about one more read and write of the intermediate.
-    return False
+    # Interleaved: one block of 2 tn alternating gate/up columns per output tile, de-interleaved in the epilogue
+    # (kernel.py), with tn dividing the output width: whole blocks in any orientation.
+    return True
 
 
 def _has_epilogue(cfg: _Config) -> bool:
@@ -431,7 +430,8 @@ def _fused_forward(cfg: _Config, lhs, rhs, bias2d, row_scale, group_sizes, group
 
 
 def _epilogue(h, cfg: _Config):
-    """act / act(gate) * up on the f32 pre-activation h [M, N] (rows outside the window are 0 and stay 0)."""
+    """act / act(gate) * up (or the ClampedSwiGLU) on the f32 pre-activation h [M, N] (rows outside the window are 0
+    and stay 0: a ClampedSwiGLU's (0 + up_offset) * 0 * sigmoid(0) is 0 too)."""
     if cfg.gated is None:
         return apply_activation(h, cfg.activation)
     if cfg.gated == "concatenated":
@@ -439,7 +439,7 @@ def _epilogue(h, cfg: _Config):
         gate, up = h[:, :half], h[:, half:]
     else:
         gate, up = h[:, 0::2], h[:, 1::2]
-    return apply_activation(gate, cfg.activation) * up
+    return apply_gating(gate, up, cfg.activation)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

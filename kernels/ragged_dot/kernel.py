@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common.activation import apply_activation
+from ..common.activation import apply_activation, apply_gating, deinterleaved_gating
 from . import metadata
 from .metadata import F_FETCH_TILE, F_FIRST, F_GROUP, F_HI, F_KPIN, F_LO, F_TILE, NUM_FIELDS, group_bounds
 
@@ -93,7 +93,7 @@ def _forward_kernel(
     compute_dtype,
     static_grid,
 ):
-    n_rhs = 2 if gated == "concatenated" else 1
+    n_rhs = 2 if gated == "concatenated" else 1  # interleaved: one stream of 2 * tn columns, gate and up alternating
     rhs_refs = refs[:n_rhs]
     bias_refs = refs[n_rhs : n_rhs + num_bias]
     scale_ref = refs[n_rhs + num_bias] if has_row_scale else None
@@ -139,8 +139,10 @@ def _forward_kernel(
             parts = [p + b[...].astype(jnp.float32) for p, b in zip(parts, bias_refs)]
         if gated is None:
             r = apply_activation(parts[0], activation)
+        elif gated == "interleaved":
+            r = deinterleaved_gating(parts[0], activation)
         else:
-            r = apply_activation(parts[0], activation) * parts[1]
+            r = apply_gating(parts[0], parts[1], activation)
         if has_row_scale:
             r = r * scale_ref[...]  # (tm, 1) f32: one factor per row (the MoE routing weight)
         start = tile * tm
@@ -213,9 +215,12 @@ def ragged_dot_forward(
 
     rhs: [Gr, K, N] or [Gr, N, K] (rhs_transposed). gated None: n_out = N. gated "concatenated": n_out = N / 2, the
     gate is rhs columns [0, n_out) and up [n_out, N), read as two block streams of the same array (tn must divide
-    n_out); the epilogue writes act(gate) * up. (An interleaved gate/up layout is not fused: Mosaic's strided loads
-    cannot split a bf16 (2 tn, tk) block into even and odd rows, "last dim size is not 128"; api.py computes it
-    unfused.) bias: tuple of [Gr, 1, n_out] arrays, one per stream (gate, up) or one.
+    n_out); the epilogue writes act(gate) * up (or the ClampedSwiGLU). gated "interleaved": gate and up alternate
+    along N; output tile n reads the one block of rhs columns [2 n tn, 2 (n + 1) tn) (tn must divide n_out, so no
+    block holds columns past N: the de-interleave's selection matmuls would carry their garbage into every lane) and
+    the epilogue de-interleaves the f32 result in VMEM (common.activation.deinterleaved_gating: Mosaic has no
+    lane-strided slice, nor a strided load that splits a bf16 block's rows). bias: tuple of [Gr, 1, N'] arrays, one
+    per block stream: the gate and up halves (concatenated), or the whole bias (interleaved, ungated).
     """
     m, k = lhs.shape
     n_full = rhs.shape[1] if rhs_transposed else rhs.shape[2]
@@ -256,23 +261,23 @@ def ragged_dot_forward(
     def out_map(n, v, kk, meta):
         return meta[F_TILE * V + v], n
 
-    if gated not in (None, "concatenated"):
-        raise ValueError(f"gated: the kernel fuses only the concatenated layout, got {gated!r}")
+    if gated not in (None, "concatenated", "interleaved"):
+        raise ValueError(f"gated: expected None, 'concatenated' or 'interleaved', got {gated!r}")
     in_specs = [pl.BlockSpec((tm, tk), lhs_map)]
     operands = [lhs]
     shifts = [0, n_out // tn] if gated == "concatenated" else [0]
-    wshape = (None, tn, tk) if rhs_transposed else (None, tk, tn)
+    wn = 2 * tn if gated == "interleaved" else tn  # rhs columns per block: gate and up alternate within one block
+    wshape = (None, wn, tk) if rhs_transposed else (None, tk, wn)
     for s in shifts:
         in_specs.append(pl.BlockSpec(wshape, rhs_map(s)))
         operands.append(rhs)
     for b in bias:
-        in_specs.append(pl.BlockSpec((None, 1, tn), bias_map))
+        in_specs.append(pl.BlockSpec((None, 1, wn), bias_map))
         operands.append(b)
     if row_scale is not None:
         in_specs.append(pl.BlockSpec((tm, 1), lambda n, v, kk, meta: (meta[F_TILE * V + v], 0)))
         operands.append(row_scale)
-    streams = 2 if gated else 1
-    scratch = [pltpu.VMEM((tm, tn), jnp.float32) for _ in range(streams)] if tiles_k > 1 else []
+    scratch = [pltpu.VMEM((tm, wn), jnp.float32) for _ in shifts] if tiles_k > 1 else []
     compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     kernel = functools.partial(
         _forward_kernel,

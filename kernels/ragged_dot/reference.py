@@ -10,6 +10,8 @@ past sum(group_sizes) are zero. rhs holds either every group or only the window'
 import jax
 import jax.numpy as jnp
 
+from ..common.activation import ClampedSwiGLU
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -21,6 +23,15 @@ def activation_reference(x, activation):
     if activation == "gelu_tanh":
         return jax.nn.gelu(x, approximate=True)
     raise ValueError(f"activation: expected None, 'silu' or 'gelu_tanh', got {activation!r}")
+
+
+def gating_reference(gate, up, activation):
+    """act(gate) * up, or gpt-oss's clamped SwiGLU for a ClampedSwiGLU (limit, alpha, up_offset)."""
+    if isinstance(activation, ClampedSwiGLU):
+        gate = jnp.minimum(gate, activation.limit)
+        up = jnp.clip(up, -activation.limit, activation.limit)
+        return (up + activation.up_offset) * gate * jax.nn.sigmoid(gate * activation.alpha)
+    return activation_reference(gate, activation) * up
 
 
 def row_groups(group_sizes, m):
@@ -78,7 +89,7 @@ def ragged_dot_reference(
             gate, up = out[:, 0::2], out[:, 1::2]
         else:
             raise ValueError(f"gated: expected None, 'concatenated' or 'interleaved', got {gated!r}")
-        res = activation_reference(gate, activation) * up
+        res = gating_reference(gate, up, activation)
     if row_scale is not None:
         res = res * row_scale.astype(jnp.float32)[:, None]
     in_window = (local >= 0) & (local < n_local)

@@ -2,12 +2,16 @@
 function transformers' experts interface calls (`ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", experts_forward)`).
 """
 
+import dataclasses
 import json
+import math
+import sys
 
 import jax
 import jax.numpy as jnp
 import torch
 
+from tpu_kernels_jax.common.activation import ClampedSwiGLU
 from tpu_kernels_jax.moe import api as moe_api
 from tpu_kernels_jax.moe.tuning import ExpertsBlocks
 from tpu_kernels_jax.ragged_dot import api as ragged_dot_api
@@ -16,6 +20,21 @@ from . import _torch_checks as checks
 from ._op_registry import define_op, static_json
 
 _NO_GATE = "none"  # gate_layout=None as a torch schema string
+_CLAMPED_SWIGLU = "clamped_swiglu:"  # a ClampedSwiGLU as the op's activation string: this prefix + its fields' JSON
+
+
+def activation_string(activation: str | ClampedSwiGLU) -> str:
+    """The op's static activation string: the name, or a ClampedSwiGLU's fields as JSON (floats round-trip)."""
+    if isinstance(activation, ClampedSwiGLU):
+        return _CLAMPED_SWIGLU + json.dumps(dataclasses.asdict(activation), sort_keys=True)
+    return activation
+
+
+def parse_activation(activation: str) -> str | ClampedSwiGLU:
+    """The inverse of activation_string."""
+    if activation.startswith(_CLAMPED_SWIGLU):
+        return ClampedSwiGLU(**json.loads(activation[len(_CLAMPED_SWIGLU) :]))
+    return activation
 
 
 def _f32(x):
@@ -50,7 +69,7 @@ def _experts_forward_jax(
         _f32(down_proj),
         _f32(gate_up_bias),
         _f32(down_bias),
-        activation=activation,
+        activation=parse_activation(activation),
         gate_layout=None if gate_layout == _NO_GATE else gate_layout,
         weights_transposed=weights_transposed,
         blocks=ExpertsBlocks.from_dict(json.loads(blocks)) if blocks else None,
@@ -131,6 +150,101 @@ def activation_name(act_fn) -> str:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _ClampedGate:
+    """Where a transformers experts class keeps its clamped SwiGLU's parameters: the attribute holding the limit,
+    the one holding alpha (None: alpha = 1), up_offset, and whether the gate's activation is self.act_fn (which must
+    then be SiLU) rather than the sigmoid written out."""
+
+    limit: str
+    alpha: str | None
+    up_offset: float
+    act_fn: bool = False
+
+
+# The custom `_apply_gate`s of the pinned transformers that compute a ClampedSwiGLU, by (defining module, class).
+# A class is recognized only when its `_apply_gate` *is* that class's function object (inherited or the class
+# itself), so a replacement or an edited copy is refused; tests/test_moe_torch.py runs each one against the kernel's
+# gating on values that hit both clamps.
+_MODELS = "transformers.models."
+CLAMPED_SWIGLU_GATES = {
+    (_MODELS + "gpt_oss.modeling_gpt_oss", "GptOssExperts"): _ClampedGate("limit", "alpha", 1.0),
+    (_MODELS + "openai_privacy_filter.modeling_openai_privacy_filter", "OpenAIPrivacyFilterExperts"): _ClampedGate(
+        "limit", "alpha", 1.0
+    ),
+    (_MODELS + "minimax_m3_vl.modeling_minimax_m3_vl", "MiniMaxM3VLExperts"): _ClampedGate(
+        "swiglu_limit", "swiglu_alpha", 1.0
+    ),
+    (_MODELS + "deepseek_v4.modeling_deepseek_v4", "DeepseekV4Experts"): _ClampedGate("limit", None, 0.0, act_fn=True),
+    (_MODELS + "hy_v4.modeling_hy_v4", "HYV4Experts"): _ClampedGate("swiglu_limit", None, 0.0),
+    (_MODELS + "glm5_next.modeling_glm5_next", "Glm5NextTextExperts"): _ClampedGate("swiglu_limit", None, 0.0),
+}
+
+
+# Both evaluated once when torch.compile traces the caller (their arguments are Python constants there), their
+# results taken as constants: Dynamo cannot trace the module lookup, nor the dataclass and JSON.
+@torch.compiler.assume_constant_result
+def _recognized_gate(apply_gate) -> tuple | None:
+    """The clamped gate `apply_gate` is (by identity with the function its transformers class defines), as
+    (class name, _ClampedGate fields), or None."""
+    owner = apply_gate.__qualname__.rpartition(".")[0]
+    spec = CLAMPED_SWIGLU_GATES.get((apply_gate.__module__, owner))
+    cls = getattr(sys.modules.get(apply_gate.__module__), owner, None)
+    if spec is None or cls is None or vars(cls).get("_apply_gate") is not apply_gate:
+        return None
+    return dataclasses.astuple(spec)
+
+
+@torch.compiler.assume_constant_result
+def _clamped_swiglu_string(limit: float, alpha: float, up_offset: float) -> str:
+    return activation_string(ClampedSwiGLU(limit=limit, alpha=alpha, up_offset=up_offset))
+
+
+def _gate_parameter(self, attribute: str) -> float:
+    """A gating parameter of the experts module, else of its config (transformers' name there: swiglu_*)."""
+    value = getattr(self, attribute, None)
+    if value is None:
+        config_name = "swiglu_" + attribute.removeprefix("swiglu_")
+        value = getattr(getattr(self, "config", None), config_name, None)
+        if value is None:
+            raise ValueError(
+                f"self.{attribute}: {type(self).__name__}'s clamped SwiGLU needs it (or config.{config_name}), got "
+                "neither"
+            )
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"self.{attribute}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def gating(self: torch.nn.Module, has_gate: bool) -> str:
+    """The kernel's activation for this experts module as the op's string (activation_string): act_fn's name for the
+    default act(gate) * up, a ClampedSwiGLU for a recognized clamped gate (parameters read from the module), or a
+    ValueError naming what is missing."""
+    apply_gate = getattr(type(self), "_apply_gate", None)
+    if not has_gate or apply_gate is None or apply_gate.__name__ == "_default_apply_gate":
+        return activation_name(self.act_fn)
+    found = _recognized_gate(apply_gate)
+    if found is None:
+        raise ValueError(
+            f"self._apply_gate: {type(self).__name__} has a custom gating function ({apply_gate.__qualname__}), "
+            "which experts_forward does not implement (it fuses act(gate) * up and the clamped SwiGLU of "
+            f"{', '.join(cls for _, cls in CLAMPED_SWIGLU_GATES)}); use another experts implementation"
+        )
+    spec = _ClampedGate(*found)
+    if spec.act_fn and activation_name(self.act_fn) != "silu":
+        raise ValueError(
+            f"self.act_fn: {type(self).__name__}'s clamped gate is fused with a SiLU act_fn, got "
+            f"{type(self.act_fn).__name__}"
+        )
+    limit = _gate_parameter(self, spec.limit)
+    if limit <= 0:
+        raise ValueError(f"self.{spec.limit}: expected a clamp limit > 0, got {limit}")
+    alpha = 1.0 if spec.alpha is None else _gate_parameter(self, spec.alpha)
+    return _clamped_swiglu_string(limit, alpha, spec.up_offset)
+
+
 def experts_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -144,11 +258,13 @@ def experts_forward(
     `experts_implementation="tpu_ragged_dot"`.
 
     Reads self.gate_up_proj / self.up_proj, self.down_proj, their biases (self.has_bias), self.is_transposed,
-    self.is_concatenated, self.has_gate, self.act_fn. hidden_states and the expert weights in float32, bfloat16 or
-    float16 (run as float32); top_k_index int32 or int64 (the router's, cast once; on a host tensor the ids must
-    fit int32 and be >= 0). Expert ids >= self.num_experts are expert-parallel sentinels and contribute nothing.
-    Returns [T, H] in hidden_states.dtype. Differentiable in the hidden states, the routing weights and the expert
-    weights and biases.
+    self.is_concatenated, self.has_gate, self.act_fn, and for a custom `_apply_gate` that is one of
+    CLAMPED_SWIGLU_GATES (gpt-oss's clamped SwiGLU and its kin) the clamp limit and alpha (from the module, else its
+    config's swiglu_limit / swiglu_alpha); any other custom gate is a ValueError. hidden_states and the expert
+    weights in float32, bfloat16 or float16 (run as float32); top_k_index int32 or int64 (the router's, cast once;
+    on a host tensor the ids must fit int32 and be >= 0). Expert ids >= self.num_experts are expert-parallel
+    sentinels and contribute nothing. Returns [T, H] in hidden_states.dtype. Differentiable in the hidden states,
+    the routing weights and the expert weights and biases.
 
     `blocks` (keyword-only; transformers' three-argument call leaves it None, the tuning table's choice): an
     ExpertsBlocks (tpu_kernels_jax.moe.tuning, also `kernel.jax.ExpertsBlocks`) forcing the path and the tiles of
@@ -159,14 +275,8 @@ def experts_forward(
         raise ValueError(
             "self.has_post_expert_norm: experts with a post-expert norm are not supported by experts_forward"
         )
-    apply_gate = getattr(type(self), "_apply_gate", None)
     has_gate = getattr(self, "has_gate", True)
-    if has_gate and apply_gate is not None and apply_gate.__name__ != "_default_apply_gate":
-        raise ValueError(
-            f"self._apply_gate: {type(self).__name__} has a custom gating function, which experts_forward does not "
-            "implement (it fuses act(gate) * up)"
-        )
-    activation = activation_name(self.act_fn)
+    activation = gating(self, has_gate)  # the op's string
     gate_layout = (
         ("concatenated" if getattr(self, "is_concatenated", True) else "interleaved") if has_gate else _NO_GATE
     )
@@ -199,7 +309,7 @@ def experts_forward(
             ph("down_proj", self.down_proj),
             ph("gate_up_bias", gate_up_bias),
             ph("down_bias", down_bias),
-            activation=activation,
+            activation=parse_activation(activation),
             gate_layout=None if gate_layout == _NO_GATE else gate_layout,
             weights_transposed=transposed,
             blocks=blocks,
