@@ -3,6 +3,7 @@ cu_seqlens), input validation, block choice, the visit lists, and the custom_vjp
 dk/dv kernels. Semantics are flash-attn 2's (see reference.py).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 
 from ..common import chip
 from ..common.interpret import interpret_eager_cpu_calls
+from ..common.manual_axes import cotangent_like
 from . import backward, checks, forward, schedule, tuning
 from .geometry import Geometry
 from .tuning import FlashAttentionBlocks
@@ -50,14 +52,25 @@ def _geometry(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap)
             f"blocks: {geometry.num_q_blocks} query blocks and {geometry.num_kv_blocks} key blocks, more than the "
             f"{schedule.MAX_BLOCKS} a visit can address; use larger blocks"
         )
-    return geometry, blocks.vmem_limit_bytes
+    return geometry, blocks.vmem_limit_bytes, blocks.fused_backward
 
 
-def _plan(geometry, lo, hi, xp, size=None):
-    """What the kernels need beyond q, k, v: (arrays, static_counts). arrays: the row ranges in two layouts
+def _choose_backward(blocks, geometry_for, slots: int):
+    """(geometry, vmem limit, fused) where the tuning table chose the fused backward: unfused unless the caller asked
+    for it when its dq slots (f32 dq blocks of HBM per query block: the most key blocks one needs, or their bound for
+    traced cu_seqlens) would be more than tuning.MAX_DQ_SLOTS."""
+    if slots <= tuning.MAX_DQ_SLOTS or (blocks is not None and blocks.fused_backward is not None):
+        return geometry_for(blocks)
+    return geometry_for(dataclasses.replace(blocks or FlashAttentionBlocks(), fused_backward=False))
+
+
+def _plan(geometry, lo, hi, xp, size=None, *, fused: bool, slot_bound: int | None = None):
+    """What the kernels need beyond q, k, v: (arrays, static_counts, dq_slots). arrays: the row ranges in two layouts
     ([Tq padded, 2] for column blocks, [2, Tq padded] for row blocks), the forward / dq and the dk/dv visit lists,
-    their run-time counts (int32 scalars) and an overflow status [1]. static_counts: (forward, dk/dv) visit counts
-    as ints when the lists are constants (numpy), else None (the grids take the run-time counts)."""
+    their run-time counts (int32 scalars), an overflow status [1], and for the fused backward each dk/dv visit's dq
+    slot and each query block's filled slots (else placeholders). static_counts: (forward, dk/dv) visit counts as
+    ints when the lists are constants (numpy), else None (the grids take the run-time counts). dq_slots: the fused
+    backward's slots per query block (the most key blocks one needs; slot_bound when traced), 0 when unfused."""
     g = geometry
     needed, full = schedule.block_pairs(lo, hi, block_q=g.block_q, block_kv=g.block_kv, kv_rows=g.kv_rows, xp=xp)
     q_visits, q_count = schedule.visits(needed, full, by="q", size=size, xp=xp)
@@ -65,13 +78,20 @@ def _plan(geometry, lo, hi, xp, size=None):
     pad = g.num_q_blocks * g.block_q - g.q_rows
     lo = xp.concatenate([lo, xp.full((pad,), schedule.EMPTY_LO, xp.int32)])
     hi = xp.concatenate([hi, xp.full((pad,), schedule.EMPTY_HI, xp.int32)])
+    dq_slots, visit_slots, filled = 0, xp.zeros((1,), xp.int32), xp.zeros((1,), xp.int32)
+    if fused:
+        dq_slots = max(int(needed.sum(axis=1).max()), 1) if xp is np else slot_bound
+        visit_slots, filled = schedule.dq_slots(needed, kv_visits, slots=dq_slots, xp=xp)
     if xp is np:
         static_counts = (int(q_count), int(kv_count))
         status = np.zeros((1,), np.int32)
     else:
         static_counts = None
         # a list longer than its static size was cut short: the kernels then write NaN (never a silent result)
-        status = ((q_count > size) | (kv_count > size)).astype(jnp.int32).reshape(1)
+        overflow = (q_count > size) | (kv_count > size)
+        if fused:
+            overflow |= filled.max() > dq_slots
+        status = overflow.astype(jnp.int32).reshape(1)
     arrays = (
         xp.stack([lo, hi], axis=1),
         xp.stack([lo, hi], axis=0),
@@ -80,17 +100,19 @@ def _plan(geometry, lo, hi, xp, size=None):
         xp.minimum(q_count, q_visits.shape[0]).astype(xp.int32),
         xp.minimum(kv_count, kv_visits.shape[0]).astype(xp.int32),
         status,
+        visit_slots,
+        filled,
     )
-    return tuple(jnp.asarray(a) for a in arrays), static_counts
+    return tuple(jnp.asarray(a) for a in arrays), static_counts, dq_slots
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _attention(geometry, vmem_limit, with_lse, static_counts, q2d, k2d, v2d, sinks, plan):
-    return _attention_fwd(geometry, vmem_limit, with_lse, static_counts, q2d, k2d, v2d, sinks, plan)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _attention(geometry, vmem_limit, with_lse, static_counts, dq_slots, q2d, k2d, v2d, sinks, plan):
+    return _attention_fwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, q2d, k2d, v2d, sinks, plan)[0]
 
 
-def _attention_fwd(geometry, vmem_limit, with_lse, static_counts, q2d, k2d, v2d, sinks, plan):
-    qinfo, _, q_visits, _, q_count, _, status = plan
+def _attention_fwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, q2d, k2d, v2d, sinks, plan):
+    qinfo, _, q_visits, _, q_count, _, status, _, _ = plan
     count = q_count if static_counts is None else static_counts[0]
     out, lse = forward.forward(
         q2d,
@@ -109,7 +131,7 @@ def _attention_fwd(geometry, vmem_limit, with_lse, static_counts, q2d, k2d, v2d,
     return result, (q2d, k2d, v2d, sinks, plan, out, lse)
 
 
-def _attention_bwd(geometry, vmem_limit, with_lse, static_counts, residuals, cotangents):
+def _attention_bwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, residuals, cotangents):
     q2d, k2d, v2d, sinks, plan, out, lse = residuals
     d_out, d_lse = cotangents
     dq, dk, dv, dsinks = backward.backward(
@@ -125,15 +147,16 @@ def _attention_bwd(geometry, vmem_limit, with_lse, static_counts, residuals, cot
         static_counts,
         geometry=geometry,
         vmem_limit_bytes=vmem_limit,
+        dq_slots=dq_slots,
     )
     plan_cotangents = tuple(None for _ in plan)
-    return dq, dk, dv, dsinks, plan_cotangents
+    return dq, dk, dv, cotangent_like(dsinks, sinks), plan_cotangents
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _call(q3d, k3d, v3d, sinks, lo, hi, xp, size, *, geometry, vmem_limit, with_lse):
+def _call(q3d, k3d, v3d, sinks, lo, hi, xp, size, *, geometry, vmem_limit, with_lse, fused, slot_bound=None):
     """q3d [Tq, Hq, D], k3d [Tk, Hkv, D], v3d [Tk, Hkv, Dv] -> out [Tq, Hq, Dv], lse [Hq, Tq] or None."""
     g = geometry
     compute_dtype = jnp.float32 if q3d.dtype == jnp.float16 else q3d.dtype  # float16 runs as float32 on TPU
@@ -141,8 +164,8 @@ def _call(q3d, k3d, v3d, sinks, lo, hi, xp, size, *, geometry, vmem_limit, with_
     k2d = k3d.astype(compute_dtype).reshape(g.kv_rows, g.kv_heads * g.head_dim)
     v2d = v3d.astype(compute_dtype).reshape(g.kv_rows, g.kv_heads * g.v_head_dim)
     sinks32 = None if sinks is None else sinks.astype(jnp.float32)
-    plan, static_counts = _plan(g, lo, hi, xp, size)
-    out, lse = _attention(g, vmem_limit, with_lse, static_counts, q2d, k2d, v2d, sinks32, plan)
+    plan, static_counts, dq_slots = _plan(g, lo, hi, xp, size, fused=fused, slot_bound=slot_bound)
+    out, lse = _attention(g, vmem_limit, with_lse, static_counts, dq_slots, q2d, k2d, v2d, sinks32, plan)
     out = out.reshape(g.q_rows, g.q_heads, g.v_head_dim).astype(q3d.dtype)
     if with_lse:
         lse = lse.transpose(0, 2, 1).reshape(g.q_heads, g.q_rows)
@@ -190,8 +213,8 @@ def flash_attention(
     if batch * sq == 0 or batch * sk == 0:
         out, lse = _empty_result(batch * sq, hq, dv, dtype, sinks, return_lse, q.dtype)
     else:
-        geometry, vmem_limit = _geometry(
-            blocks,
+        geometry_for = functools.partial(
+            _geometry,
             q_rows=batch * sq,
             kv_rows=batch * sk,
             hq=hq,
@@ -202,8 +225,13 @@ def flash_attention(
             scale=scale,
             softcap=softcap,
         )
+        geometry, vmem_limit, fused = geometry_for(blocks)
         cu_q, cu_k = np.arange(batch + 1) * sq, np.arange(batch + 1) * sk
         lo, hi = schedule.key_ranges(cu_q, cu_k, batch * sq, causal=causal, window_size=window, xp=np)
+        if fused:
+            g = geometry
+            needed, _ = schedule.block_pairs(lo, hi, block_q=g.block_q, block_kv=g.block_kv, kv_rows=g.kv_rows, xp=np)
+            geometry, vmem_limit, fused = _choose_backward(blocks, geometry_for, int(needed.sum(axis=1).max()))
         out, lse = _call(
             q.reshape(batch * sq, hq, d),
             k.reshape(batch * sk, hkv, d),
@@ -216,6 +244,7 @@ def flash_attention(
             geometry=geometry,
             vmem_limit=vmem_limit,
             with_lse=return_lse,
+            fused=fused,
         )
     out = out.reshape(batch, sq, hq, dv)
     if not return_lse:
@@ -266,20 +295,12 @@ def flash_attention_varlen(
     max_k = checks.check_max_seqlen("max_seqlen_k", max_seqlen_k, actual_k)
     if q_rows == 0 or kv_rows == 0:
         return _finish_varlen(*_empty_result(q_rows, hq, dv, dtype, sinks, return_lse, q.dtype), return_lse)
-    geometry, vmem_limit = _geometry(
-        blocks,
-        q_rows=q_rows,
-        kv_rows=kv_rows,
-        hq=hq,
-        hkv=hkv,
-        d=d,
-        dv=dv,
-        dtype=dtype,
-        scale=scale,
-        softcap=softcap,
+    geometry_for = functools.partial(
+        _geometry, q_rows=q_rows, kv_rows=kv_rows, hq=hq, hkv=hkv, d=d, dv=dv, dtype=dtype, scale=scale, softcap=softcap
     )
+    geometry, vmem_limit, fused = geometry_for(blocks)
     num_seqs = cu_seqlens_q.shape[0] - 1
-    size = schedule.visit_bound(
+    size, slot_bound = schedule.visit_bound(
         geometry.num_q_blocks,
         geometry.num_kv_blocks,
         num_seqs=num_seqs,
@@ -295,8 +316,24 @@ def flash_attention_varlen(
             f"blocks: these sequences may need up to {size} (query block, key block) visits, more than the "
             f"{MAX_VISITS} the kernels keep in SMEM; use larger blocks"
         )
+    if fused:
+        geometry, vmem_limit, fused = _choose_backward(blocks, geometry_for, slot_bound)
     lo, hi = schedule.key_ranges(cu_seqlens_q, cu_seqlens_k, q_rows, causal=causal, window_size=window)
-    out, lse = _call(q, k, v, sinks, lo, hi, jnp, size, geometry=geometry, vmem_limit=vmem_limit, with_lse=return_lse)
+    out, lse = _call(
+        q,
+        k,
+        v,
+        sinks,
+        lo,
+        hi,
+        jnp,
+        size,
+        geometry=geometry,
+        vmem_limit=vmem_limit,
+        with_lse=return_lse,
+        fused=fused,
+        slot_bound=slot_bound,
+    )
     return _finish_varlen(out, lse, return_lse)
 
 

@@ -16,14 +16,25 @@ in f32 scratch and are written at the key block's last visit.
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common.blocks import LANES
-from . import schedule
-from .geometry import LOG2_E, Geometry, dot_nn, dot_nt, keep_mask, lanes, query_scale, row_stat, sanitize_rows
+from ..common.manual_axes import out_struct
+from . import fused_dq, schedule
+from .geometry import (
+    LOG2_E,
+    Geometry,
+    dot_nn,
+    dot_nt,
+    dot_tn,
+    keep_mask,
+    lanes,
+    query_scale,
+    row_stat,
+    sanitize_rows,
+)
 
 
 def _softcap_grad(ds, t):
@@ -38,26 +49,12 @@ def _log2_scores(raw, g: Geometry):
     return raw, None
 
 
-def _dq_kernel(
-    visits_ref,
-    status_ref,
-    qinfo_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    o_ref,
-    dlse_ref,
-    dq_ref,
-    delta_out_ref,
-    q_scaled_ref,
-    lse_s_ref,
-    delta_s_ref,
-    acc_ref,
-    *,
-    geometry: Geometry,
-):
+def _dq_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_dlse: bool):
+    qinfo_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, *refs = refs
+    dlse_ref = None
+    if has_dlse:
+        dlse_ref, *refs = refs
+    dq_ref, delta_out_ref, q_scaled_ref, lse_s_ref, delta_s_ref, acc_ref = refs
     g = geometry
     word = visits_ref[pl.program_id(1)]
     _, kv_block = schedule.unpack(word)
@@ -70,9 +67,7 @@ def _dq_kernel(
         q_scaled_ref[...] = (q_ref[...].astype(jnp.float32) * query_scale(g)).astype(q_scaled_ref.dtype)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         for h in range(g.heads_per_step):
-            o = o_ref[:, h * dv : (h + 1) * dv].astype(jnp.float32)
-            do = do_ref[:, h * dv : (h + 1) * dv].astype(jnp.float32)
-            delta = jnp.sum(o * do, axis=1, keepdims=True) - dlse_ref[:, h : h + 1]
+            delta = fused_dq.delta_column(o_ref, do_ref, dlse_ref, h, dv)
             delta_out_ref[:, h : h + 1] = delta
             delta_s_ref[h] = row_stat(delta)
             lse_s_ref[h] = row_stat(lse_ref[:, h : h + 1] * LOG2_E)
@@ -101,24 +96,13 @@ def _dq_kernel(
             dq_ref[:, h * d : (h + 1) * d] = (acc_ref[h] * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(
-    visits_ref,
-    status_ref,
-    qinfo_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    dk_ref,
-    dv_ref,
-    k_scaled_ref,
-    dk_acc_ref,
-    dv_acc_ref,
-    *,
-    geometry: Geometry,
-):
+def _dkv_kernel(visits_ref, status_ref, *refs, geometry: Geometry, fused: bool):
+    if fused:
+        _, *refs = refs  # the dq slots: read by the index maps only
+    qinfo_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *refs = refs
+    if fused:
+        dq_ref, *refs = refs
+    k_scaled_ref, dk_acc_ref, dv_acc_ref = refs
     g = geometry
     word = visits_ref[pl.program_id(1)]
     q_block, kv_block = schedule.unpack(word)
@@ -126,7 +110,9 @@ def _dkv_kernel(
 
     @pl.when((word & schedule.FIRST) != 0)
     def _init():
-        k_scaled_ref[...] = (k_ref[...].astype(jnp.float32) * query_scale(g)).astype(k_scaled_ref.dtype)
+        # K rows past the array are stale VMEM: zeroed, as the fused dq sums over key rows (ds^T k)
+        k = sanitize_rows(k_ref[...], kv_block, g.block_kv, g.kv_rows)
+        k_scaled_ref[...] = (k.astype(jnp.float32) * query_scale(g)).astype(k_scaled_ref.dtype)
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
 
@@ -137,6 +123,8 @@ def _dkv_kernel(
         for j in range(g.kv_heads_per_step):
             k_scaled = k_scaled_ref[:, j * d : (j + 1) * d]
             v = v_ref[:, j * dv : (j + 1) * dv]
+            if fused:  # stale V rows would make NaN ds^T rows, which dq sums over
+                v = sanitize_rows(v, kv_block, g.block_kv, g.kv_rows)
             for i in range(g.group):
                 h = j * g.group + i
                 # q and do rows past the array are stale VMEM: zeroed, as their zero probabilities would not
@@ -149,8 +137,11 @@ def _dkv_kernel(
                 p_t = jnp.exp2(s_t - lse_ref[h : h + 1, :])
                 dv_acc_ref[j] += dot_nn(p_t.astype(do.dtype), do)
                 dp_t = dot_nt(v, do)
-                ds_t = _softcap_grad(p_t * (dp_t - delta_ref[h : h + 1, :]), t_t)
-                dk_acc_ref[j] += dot_nn(ds_t.astype(q.dtype), q)
+                ds_t = _softcap_grad(p_t * (dp_t - delta_ref[h : h + 1, :]), t_t).astype(q.dtype)
+                dk_acc_ref[j] += dot_nn(ds_t, q)
+                if fused:
+                    # this key block's share of dq (against the scaled k: backward() undoes the scale)
+                    dq_ref[:, h * d : (h + 1) * d] = dot_tn(ds_t, k_scaled)
 
     schedule.run_visit(word, accumulate)
 
@@ -166,27 +157,27 @@ def _specs(g: Geometry, rows_layout: bool):
     """BlockSpecs of (row ranges, q, k, v, do, lse, delta) for a kernel over visit words."""
     hs, d, dv, bq, bk = g.heads_per_step, g.head_dim, g.v_head_dim, g.block_q, g.block_kv
 
-    def q_map(group, v, visits_ref, status_ref):
+    def q_map(group, v, visits_ref, *_):
         return schedule.unpack(visits_ref[v])[0], group
 
-    def kv_map(group, v, visits_ref, status_ref):
+    def kv_map(group, v, visits_ref, *_):
         return schedule.unpack(visits_ref[v])[1], group
 
     if rows_layout:
 
-        def info_map(group, v, visits_ref, status_ref):
+        def info_map(group, v, visits_ref, *_):
             return 0, schedule.unpack(visits_ref[v])[0]
 
-        def stats_map(group, v, visits_ref, status_ref):
+        def stats_map(group, v, visits_ref, *_):
             return group, 0, schedule.unpack(visits_ref[v])[0]
 
         info_spec, stats_spec = pl.BlockSpec((2, bq), info_map), pl.BlockSpec((None, hs, bq), stats_map)
     else:
 
-        def info_map(group, v, visits_ref, status_ref):
+        def info_map(group, v, visits_ref, *_):
             return schedule.unpack(visits_ref[v])[0], 0
 
-        def stats_map(group, v, visits_ref, status_ref):
+        def stats_map(group, v, visits_ref, *_):
             return group, schedule.unpack(visits_ref[v])[0], 0
 
         info_spec, stats_spec = pl.BlockSpec((bq, 2), info_map), pl.BlockSpec((None, bq, hs), stats_map)
@@ -205,27 +196,106 @@ def _pad_rows(x, rows, value):
 
 
 def backward(
-    q2d, k2d, v2d, sinks, out, lse, d_out, d_lse, plan, static_counts, *, geometry: Geometry, vmem_limit_bytes
+    q2d, k2d, v2d, sinks, out, lse, d_out, d_lse, plan, static_counts, *, geometry, vmem_limit_bytes, dq_slots=0
 ):
     """(dq, dk, dv, dsinks) of the forward's (out, lse); lse [head groups, Tq, heads per step] f32; d_lse None or in
-    lse's layout. The dq kernel runs first: it also computes delta, which the dk/dv kernel reads."""
+    lse's layout. dq_slots 0: the dq kernel runs first (it also computes delta, which the dk/dv kernel reads); else
+    the fused backward: delta in XLA, the dk/dv kernel also writes each visit's dq contribution to one of dq_slots
+    slots of its query block (plan's slot per visit), summed in XLA."""
     g = geometry
     hs = g.heads_per_step
-    qinfo, qinfo_rows, q_visits, kv_visits, q_count, kv_count, status = plan
+    qinfo, qinfo_rows, q_visits, kv_visits, q_count, kv_count, status, visit_slots, filled = plan
     if static_counts is not None:
         q_count, kv_count = static_counts
     d_out = d_out.astype(q2d.dtype)
-    if d_lse is None:
-        d_lse = jnp.zeros(lse.shape, jnp.float32)
-    params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit_bytes)
-    flops_per_visit = 2 * g.q_heads * g.block_q * g.block_kv * (2 * g.head_dim + 2 * g.v_head_dim)
 
+    def params_for(semantics):
+        return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit_bytes)
+
+    params = params_for(("parallel", "arbitrary"))
+    flops_per_visit = 2 * g.q_heads * g.block_q * g.block_kv * (2 * g.head_dim + 2 * g.v_head_dim)
+    fused = dq_slots > 0
+
+    if fused:
+        delta = fused_dq.delta(out, d_out, d_lse, lse.shape, geometry=g, params_for=params_for)
+    else:
+        dq, delta = _dq_call(q2d, k2d, v2d, out, lse, d_out, d_lse, qinfo, q_visits, q_count, status, g, params)
+
+    padded_rows = g.num_q_blocks * g.block_q
+    dsinks = None
+    if sinks is not None:
+        lse_heads = lse.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
+        delta_heads = delta.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
+        dsinks = -jnp.sum(jnp.exp(sinks[None, :] - lse_heads) * delta_heads, axis=0)
+    # the dk/dv kernel takes its statistics as lane rows, the log-sum-exp in log2 units
+    lse_rows = _pad_rows((lse * LOG2_E).transpose(0, 2, 1), padded_rows, jnp.inf)
+    delta_rows = _pad_rows(delta.transpose(0, 2, 1), padded_rows, 0.0)
+
+    in_specs, q_map, kv_map = _specs(g, rows_layout=True)
+    operands = (kv_visits, status, qinfo_rows, q2d, k2d, v2d, d_out, lse_rows, delta_rows)
+    out_shape = [out_struct(k2d.shape, k2d.dtype, operands), out_struct(v2d.shape, v2d.dtype, operands)]
+    out_specs = [
+        pl.BlockSpec((g.block_kv, g.kv_heads_per_step * g.head_dim), kv_map),
+        pl.BlockSpec((g.block_kv, g.kv_heads_per_step * g.v_head_dim), kv_map),
+    ]
+    prefetch = [kv_visits, status]
+    parts_bytes = 0
+    if fused:
+
+        def slot_map(group, v, visits_ref, status_ref, slots_ref):
+            return slots_ref[v] * g.num_q_blocks + schedule.unpack(visits_ref[v])[0], 0, group
+
+        # slot r of query block i is block r * (query blocks) + i; the last block takes the visits that compute nothing
+        parts_shape = (dq_slots * g.num_q_blocks + 1, g.block_q, q2d.shape[1])
+        out_shape.append(out_struct(parts_shape, jnp.float32, operands, visit_slots))
+        out_specs.append(pl.BlockSpec((None, g.block_q, hs * g.head_dim), slot_map))
+        prefetch.append(visit_slots)
+        parts_bytes = kv_visits.shape[0] * g.head_groups * g.block_q * hs * g.head_dim * 4
+    results = pl.pallas_call(
+        functools.partial(_dkv_kernel, geometry=g, fused=fused),
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch),
+            grid=(g.head_groups, kv_count),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=[
+                pltpu.VMEM((g.block_kv, g.kv_heads_per_step * g.head_dim), k2d.dtype),
+                pltpu.VMEM((g.kv_heads_per_step, g.block_kv, g.head_dim), jnp.float32),
+                pltpu.VMEM((g.kv_heads_per_step, g.block_kv, g.v_head_dim), jnp.float32),
+            ],
+        ),
+        compiler_params=params,
+        cost_estimate=pl.CostEstimate(
+            flops=flops_per_visit * kv_visits.shape[0] * (5 if fused else 4) // 4,
+            transcendentals=g.q_heads * g.block_q * g.block_kv * kv_visits.shape[0],
+            bytes_accessed=(q2d.size + 2 * k2d.size + 2 * v2d.size + d_out.size) * q2d.dtype.itemsize + parts_bytes,
+        ),
+        name="flash_attention_dkv",
+    )(*prefetch, qinfo_rows, q2d, k2d, v2d, d_out, lse_rows, delta_rows)
+    dk, dv = results[:2]
+    if fused:
+        # the kernel multiplied ds by the scaled k (query_scale): dq = ds k * softmax_scale
+        scale = g.softmax_scale / query_scale(g)
+        dq = fused_dq.sum_slots(
+            results[2], filled, status, geometry=g, scale=scale, dtype=q2d.dtype, params_for=params_for
+        )
+    return dq, dk, dv, dsinks
+
+
+def _dq_call(q2d, k2d, v2d, out, lse, d_out, d_lse, qinfo, q_visits, q_count, status, g: Geometry, params):
+    """The unfused backward's dq kernel: (dq, delta in lse's layout)."""
+    hs = g.heads_per_step
+    flops_per_visit = 2 * g.q_heads * g.block_q * g.block_kv * (2 * g.head_dim + 2 * g.v_head_dim)
     in_specs, q_map, _ = _specs(g, rows_layout=False)
     stats_spec = in_specs[-1]
-    in_specs = in_specs[:-1] + [pl.BlockSpec((g.block_q, hs * g.v_head_dim), q_map), stats_spec]
-    dq, delta = pl.pallas_call(
-        functools.partial(_dq_kernel, geometry=g),
-        out_shape=[jax.ShapeDtypeStruct(q2d.shape, q2d.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32)],
+    in_specs = in_specs[:-1] + [pl.BlockSpec((g.block_q, hs * g.v_head_dim), q_map)]
+    # the lse cotangent only when the lse output is differentiated
+    in_specs += [] if d_lse is None else [stats_spec]
+    operands = (q_visits, status, qinfo, q2d, k2d, v2d, d_out, lse, out, d_lse)
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, geometry=g, has_dlse=d_lse is not None),
+        out_shape=[out_struct(q2d.shape, q2d.dtype, operands), out_struct(lse.shape, jnp.float32, operands)],
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(g.head_groups, q_count),
@@ -245,43 +315,4 @@ def backward(
             bytes_accessed=(2 * q2d.size + k2d.size + v2d.size + 2 * d_out.size) * q2d.dtype.itemsize,
         ),
         name="flash_attention_dq",
-    )(q_visits, status, qinfo, q2d, k2d, v2d, d_out, lse, out, d_lse)
-
-    padded_rows = g.num_q_blocks * g.block_q
-    dsinks = None
-    if sinks is not None:
-        lse_heads = lse.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
-        delta_heads = delta.transpose(1, 0, 2).reshape(g.q_rows, g.q_heads)
-        dsinks = -jnp.sum(jnp.exp(sinks[None, :] - lse_heads) * delta_heads, axis=0)
-    # the dk/dv kernel takes its statistics as lane rows, the log-sum-exp in log2 units
-    lse_rows = _pad_rows((lse * LOG2_E).transpose(0, 2, 1), padded_rows, jnp.inf)
-    delta_rows = _pad_rows(delta.transpose(0, 2, 1), padded_rows, 0.0)
-
-    in_specs, _, kv_map = _specs(g, rows_layout=True)
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, geometry=g),
-        out_shape=[jax.ShapeDtypeStruct(k2d.shape, k2d.dtype), jax.ShapeDtypeStruct(v2d.shape, v2d.dtype)],
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(g.head_groups, kv_count),
-            in_specs=in_specs,
-            out_specs=[
-                pl.BlockSpec((g.block_kv, g.kv_heads_per_step * g.head_dim), kv_map),
-                pl.BlockSpec((g.block_kv, g.kv_heads_per_step * g.v_head_dim), kv_map),
-            ],
-            scratch_shapes=[
-                pltpu.VMEM((g.block_kv, g.kv_heads_per_step * g.head_dim), k2d.dtype),
-                pltpu.VMEM((g.kv_heads_per_step, g.block_kv, g.head_dim), jnp.float32),
-                pltpu.VMEM((g.kv_heads_per_step, g.block_kv, g.v_head_dim), jnp.float32),
-            ],
-        ),
-        compiler_params=params,
-        cost_estimate=pl.CostEstimate(
-            flops=flops_per_visit * kv_visits.shape[0],
-            transcendentals=g.q_heads * g.block_q * g.block_kv * kv_visits.shape[0],
-            bytes_accessed=(q2d.size + 2 * k2d.size + 2 * v2d.size + d_out.size) * q2d.dtype.itemsize,
-        ),
-        name="flash_attention_dkv",
-    )(kv_visits, status, qinfo_rows, q2d, k2d, v2d, d_out, lse_rows, delta_rows)
-
-    return dq, dk, dv, dsinks
+    )(q_visits, status, qinfo, q2d, k2d, v2d, d_out, lse, out, *([] if d_lse is None else [d_lse]))

@@ -105,6 +105,12 @@ def dot_nn(a, b):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
 
 
+def dot_tn(a, b):
+    """a^T @ b in f32 (the compiler transposes a)."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
+
+
 def query_scale(geometry: Geometry) -> float:
     """What q is multiplied by before q k^T: softmax_scale / softcap under a softcap (tanh comes first), else
     softmax_scale * log2(e), so that the product is already a log2-unit logit."""

@@ -102,10 +102,11 @@ def visit_bound(
     block_kv: int,
     window_size: tuple[int, int],
     causal: bool,
-) -> int:
-    """At most how many visits a varlen call can need: each (query block, sequence) pair that shares rows needs at
-    most the key blocks its sequence's keys span (or its window spans), plus one; there are at most
-    num_q_blocks + num_seqs such pairs."""
+) -> tuple[int, int]:
+    """(visits, dq slots): at most how many visits a varlen call can need, and how many key blocks one query block
+    can need (the fused backward's dq slots). Each (query block, sequence) pair that shares rows needs at most the
+    key blocks its sequence's keys span (or its window spans), plus one; there are at most num_q_blocks + num_seqs
+    such pairs, and at most min(num_seqs, block_q) of them in one query block."""
     left, right = window_size
     if causal:
         right = 0
@@ -114,7 +115,21 @@ def visit_bound(
         per_pair = min(per_pair, -(-(min(block_q, max(max_seqlen_q, 1)) + left + right) // block_kv) + 1)
     pairs = num_q_blocks + num_seqs
     # + one visit per key block that no query needs (the dk/dv list's zero visits); never more than every pair
-    return min(num_q_blocks * num_kv_blocks, pairs * per_pair + num_kv_blocks)
+    visits = min(num_q_blocks * num_kv_blocks, pairs * per_pair + num_kv_blocks)
+    return visits, max(1, min(num_kv_blocks, min(num_seqs, block_q) * per_pair))
+
+
+def dq_slots(needed, kv_words, *, slots: int, xp=jnp):
+    """(slot per visit, filled slots per query block) for the fused backward, which writes each visit's dq
+    contribution to its own (slot, query block) block and sums the slots afterwards. A computing visit of (query
+    block i, key block j) takes slot r = how many key blocks before j block i needs, so that block i fills slots
+    0 .. n_i - 1 (n_i = the key blocks it needs); a visit that computes nothing takes slot `slots`, which is never
+    read. kv_words: the dk/dv list (padding included) -> ([len(kv_words)] int32, [num query blocks] int32)."""
+    needed = needed.astype(xp.int32)
+    rank = xp.cumsum(needed, axis=1) - needed
+    q_block, kv_block = unpack(kv_words)
+    slot = xp.where((kv_words & COMPUTE) != 0, rank[q_block, kv_block], slots)
+    return slot.astype(xp.int32), needed.sum(axis=1).astype(xp.int32)
 
 
 def visits(needed, full, *, by: str, size: int | None = None, xp=jnp):

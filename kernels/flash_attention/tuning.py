@@ -10,6 +10,7 @@ shapes on v5e, v6e and v7x.
 
 import dataclasses
 
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common import chip
@@ -29,6 +30,18 @@ TABLE = {
     "v6e": {64: (512, 512), 128: (1024, 1024), 256: (512, 512), 512: (512, 1024)},
     "v7x": {64: (512, 512), 128: (1024, 512), 256: (512, 512), 512: (256, 512)},
 }
+# Whether the backward fuses dq into the dk/dv kernel, by generation and head dim (see docs/flash_attention.md,
+# "Backward"): modeled per shape; provisional until the table is modeled.
+FUSED_DQ = {
+    "v5e": {64: True, 128: True, 256: True, 512: True},
+    "v6e": {64: True, 128: True, 256: True, 512: True},
+    "v7x": {64: True, 128: True, 256: True, 512: True},
+}
+# The fused backward keeps, per query block, one f32 dq block of HBM for each key block it needs (the most any
+# query block needs; for traced cu_seqlens a bound, schedule.visit_bound); beyond this many the table's fused choice
+# falls back to unfused (long sequences, packed batches whose query blocks may hold many sequences), so that the
+# slots take at most this many f32 copies of dq.
+MAX_DQ_SLOTS = 8
 # Never ask for more than this share of the core's VMEM.
 VMEM_SHARE = 0.75
 
@@ -44,12 +57,16 @@ class FlashAttentionBlocks:
         blocks must be whole multiples of 128 lanes (at head dim 64: an even count) or cover all heads. None: the
         fewest that are legal.
     vmem_limit_bytes: the scoped VMEM the kernels may use; None: derived from the working set.
+    fused_backward: True: the dk/dv kernel also computes dq (per key block partials, summed in XLA); False: a
+        separate dq kernel recomputes the scores; None: the tuning table's choice (unfused where a query block may
+        need more than MAX_DQ_SLOTS key blocks: long sequences, loosely bounded packed batches).
     """
 
     block_q: int | None = None
     block_kv: int | None = None
     kv_heads_per_step: int | None = None
     vmem_limit_bytes: int | None = None
+    fused_backward: bool | None = None
 
 
 def check_blocks_type(blocks):
@@ -57,10 +74,11 @@ def check_blocks_type(blocks):
         raise TypeError(f"blocks: expected a FlashAttentionBlocks or None, got {type(blocks).__name__}")
 
 
-def working_set(block_q, block_kv, kv_heads_per_step, group, head_dim, v_head_dim, itemsize) -> int:
-    """VMEM of the widest of the three kernels: double-buffered blocks, scratch, and the f32 temporaries of the
+def working_set(block_q, block_kv, kv_heads_per_step, group, head_dim, v_head_dim, itemsize, fused=False) -> int:
+    """VMEM of the widest of the kernels: double-buffered blocks, scratch, and the f32 temporaries of the
     (block_q, block_kv) score tiles (8 of them: Mosaic keeps several heads' tiles alive in the unrolled head loop;
-    fewer underestimates what a head dim 512 forward needs)."""
+    fewer underestimates what a head dim 512 forward needs). fused: the dk/dv kernel also writes an f32 dq block
+    (and has no dq kernel beside it)."""
     heads = kv_heads_per_step * group
     row_block = block_q * LANES * 4  # a (block_q, up to 128) f32 / int32 block: lanes padded to 128
     stat = heads * block_q * LANES * 4  # lane-replicated per-row statistics of every head of the step
@@ -76,11 +94,13 @@ def working_set(block_q, block_kv, kv_heads_per_step, group, head_dim, v_head_di
         + k
         + kv_heads_per_step * block_kv * (head_dim + v_head_dim) * 4
     )
+    if fused:
+        return max(forward, dkv + 2 * heads * block_q * head_dim * 4) + temporaries
     return max(forward, dq, dkv) + temporaries
 
 
-def _table_entry(generation: str, head_dim: int) -> tuple[int, int]:
-    table = TABLE.get(generation, TABLE["v6e"])
+def _table_entry(generation: str, head_dim: int, table=TABLE):
+    table = table.get(generation, table["v6e"])
     for dim in sorted(table):
         if head_dim <= dim:
             return table[dim]
@@ -137,13 +157,22 @@ def resolve_blocks(
                 f"blocks.kv_heads_per_step: expected a count whose K/V lane blocks ({per_step} x {head_dim} and "
                 f"{per_step} x {v_head_dim}) are multiples of 128 lanes, or all {kv_heads} kv heads, got {per_step}"
             )
-    need = working_set(block_q, block_kv, per_step, group, head_dim, v_head_dim, itemsize)
+    fused = blocks.fused_backward
+    if fused is None:
+        fused = _table_entry(chip.generation_name(info), max(head_dim, v_head_dim), FUSED_DQ)
+    elif not isinstance(fused, (bool, np.bool_)):
+        raise TypeError(f"blocks.fused_backward: expected a bool or None, got {type(fused).__name__} {fused!r}")
+    need = working_set(block_q, block_kv, per_step, group, head_dim, v_head_dim, itemsize, bool(fused))
     vmem_limit = blocks.vmem_limit_bytes
     if vmem_limit is None:
         vmem_limit = min(int(info.vmem_capacity_bytes * VMEM_SHARE), chip.scoped_vmem_limit(info, need))
     check_vmem_fit("blocks", need, vmem_limit, info)
     return FlashAttentionBlocks(
-        block_q=block_q, block_kv=block_kv, kv_heads_per_step=per_step, vmem_limit_bytes=int(vmem_limit)
+        block_q=block_q,
+        block_kv=block_kv,
+        kv_heads_per_step=per_step,
+        vmem_limit_bytes=int(vmem_limit),
+        fused_backward=bool(fused),
     )
 
 
