@@ -1,11 +1,11 @@
 """MoE experts_forward, JAX side, up the ladder: both kernel paths — grouped (route, gate/up grouped matmul with the
 fused epilogue, down grouped matmul, weighted combine) and small-batch (touched experts over all tokens in one
 kernel), each forced through blocks= — vs the dense masked reference in strict interpret mode (both weight layouts,
-gated concatenated / interleaved and ungated experts, biases, expert-parallel sentinels, T in {1, 7, 64}, bf16 and
-f32); gradients; blocks= reaching every kernel, the table's choice and its candidates; bad input (blocks=
-included); TPU export; deviceless compile of the whole experts_forward (v6e: every decode benchmark shape; v5e and
-v7x: the smallest and largest batch) (its backward is exported here and the grouped matmul backward compiled in
-test_ragged_dot.py). The torch side (transformers' experts interface, tiny models) is
+gated concatenated / interleaved and ungated experts, gpt-oss's clamped SwiGLU, biases, expert-parallel sentinels, T
+in {1, 7, 64}, bf16 and f32); gradients; blocks= reaching every kernel, the table's choice and its candidates; bad
+input (blocks= included); TPU export; deviceless compile of the whole experts_forward (v6e: every decode benchmark
+shape; v5e and v7x: the smallest and largest batch) (its backward is exported here and the grouped matmul backward
+compiled in test_ragged_dot.py). The torch side (transformers' experts interface, tiny models) is
 tests/test_moe_torch.py."""
 
 import functools
@@ -72,6 +72,8 @@ CASES = [
     ("t7-gpt-oss-i192-f32", 7, 6, 2, 128, 192, F32, "interleaved", True, True, GPT_OSS_GATE, 3),
     ("t16-gpt-oss-bf16", 16, 8, 4, 128, 128, BF16, "interleaved", True, True, GPT_OSS_GATE, 0),
     ("t7-concat-clamped-silu-bf16", 7, 6, 2, 128, 128, BF16, "concatenated", False, True, CLAMPED_SILU_GATE, 0),
+    # Nemotron-H's experts: no gate, ReLU squared.
+    ("t7-ungated-relu2-f32", 7, 6, 2, 128, 128, F32, None, False, False, "relu2", 0),
 ]
 F32_TOL = dict(rtol=1e-5, atol=5e-5)
 
@@ -451,7 +453,7 @@ BAD_INPUTS = [
         "down_bias shape", dict(down_bias=jnp.zeros((5, 128))), ValueError, "down_bias: expected shape (4, 128)"
     ),
     ladder.BadInput(
-        "activation", dict(activation="relu"), ValueError, "activation: expected one of ('silu', 'gelu_tanh')"
+        "activation", dict(activation="relu"), ValueError, "activation: expected one of ('silu', 'gelu_tanh', 'relu2')"
     ),
     ladder.BadInput("gate_layout", dict(gate_layout="stacked"), ValueError, "gate_layout: expected one of"),
     ladder.BadInput(

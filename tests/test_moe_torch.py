@@ -1,8 +1,8 @@
 """Ragged dot and MoE experts_forward, torch side: the ops and their derived backward ops, autograd, the inputs
 transformers passes (int64 expert ids, float16 models, views, tensors that require grad), transformers' experts
-interface in tiny random Qwen3-MoE and Gemma 4 models (same logits as "eager", same greedy tokens, the whole model
-under torch.compile(fullgraph=True), and with every layer we provide), and bad input. The experts_forward checks run
-on both of its paths (the `moe_path` fixture's blocks=: grouped matmuls, small-batch kernel)."""
+interface in tiny random Qwen3-MoE, Gemma 4 and gpt-oss models (same logits as "eager", same greedy tokens, the whole
+model under torch.compile(fullgraph=True), and with every layer we provide), and bad input. The experts_forward
+checks run on both of its paths (the `moe_path` fixture's blocks=: grouped matmuls, small-batch kernel)."""
 
 import functools
 
@@ -492,15 +492,19 @@ def _clamped_gate_module(key, limit, alpha):
     cls = getattr(importlib.import_module(module_name), class_name)
     experts = cls.__new__(cls)
     torch.nn.Module.__init__(experts)
-    spec = moe_ops.CLAMPED_SWIGLU_GATES[key]
-    setattr(experts, spec.limit, limit)
-    if spec.alpha is not None:
-        setattr(experts, spec.alpha, alpha)
+    spec = moe_ops.CLAMPED_SWIGLU_GATES.get(key)
+    if spec is not None:
+        setattr(experts, spec.limit, limit)
+        if spec.alpha is not None:
+            setattr(experts, spec.alpha, alpha)
     experts.act_fn = torch.nn.SiLU()
     return experts
 
 
-@pytest.mark.parametrize("key", list(moe_ops.CLAMPED_SWIGLU_GATES), ids=[c for _, c in moe_ops.CLAMPED_SWIGLU_GATES])
+RECOGNIZED_GATES = [*moe_ops.CLAMPED_SWIGLU_GATES, *moe_ops.DEFAULT_GATES]
+
+
+@pytest.mark.parametrize("key", RECOGNIZED_GATES, ids=[c for _, c in RECOGNIZED_GATES])
 def test_recognized_gates_are_the_kernels_gating(rand, key):
     """Each transformers _apply_gate that experts_forward recognizes computes the ClampedSwiGLU it is mapped to (values
     on both sides of both clamps), gradient included: the kernels' gating (common.activation.apply_gating) against
@@ -512,7 +516,10 @@ def test_recognized_gates_are_the_kernels_gating(rand, key):
     limit, alpha = 0.5 + rand.rng.random(), 1.0 + rand.rng.random()
     experts = _clamped_gate_module(key, limit, alpha)
     activation = moe_ops.parse_activation(moe_ops.gating(experts, True))
-    assert activation.limit == limit and activation.alpha == (1.0 if activation.up_offset == 0 else alpha)
+    if key in moe_ops.DEFAULT_GATES:
+        assert activation == "silu"
+    else:
+        assert activation.limit == limit and activation.alpha == (1.0 if activation.up_offset == 0 else alpha)
     gate_up = _randn(rand, 16, 64, scale=2.0).requires_grad_()
     out = experts._apply_gate(gate_up)
     cotangent = _randn(rand, 16, 32)
@@ -575,6 +582,8 @@ def _experts_with(**attributes):
     def change(rand):
         experts = _experts_module(rand)
         for name, value in attributes.items():
+            if name in experts._modules and not isinstance(value, torch.nn.Module):
+                del experts._modules[name]  # a plain function in place of a submodule (act_fn=torch.nn.functional.*)
             setattr(experts, name, value)
         return {"self": experts}
 
@@ -622,7 +631,13 @@ BAD_EXPERTS_INPUTS = [
         "relu experts",
         _experts_with(act_fn=torch.nn.ReLU()),
         ValueError,
-        "self.act_fn: experts_forward supports SiLU and tanh-approximated GELU activations, got ReLU",
+        "self.act_fn: experts_forward supports SiLU, tanh-approximated GELU and ReLU-squared activations, got ReLU",
+    ),
+    ladder.BadInput(
+        "relu function experts",  # a plain function (Lfm2-MoE's act_fn is torch.nn.functional.silu) is named
+        _experts_with(act_fn=torch.nn.functional.relu),
+        ValueError,
+        "ReLU-squared activations, got relu;",
     ),
     ladder.BadInput(
         "blocks not ExpertsBlocks",

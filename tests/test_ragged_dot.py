@@ -313,7 +313,7 @@ def test_gradients_match_reference(rand, regime, case):
 
 # ------------------------------------------------------------------------------------------------ row scale
 # (id, M, K, N, groups, dtype, rhs_transposed, bias, activation, gated): the plain kernel, the fused epilogue, and
-# the unfused (interleaved) path, each with a per-row scale (the MoE routing weights) applied last.
+# the interleaved one, each with a per-row scale (the MoE routing weights) applied last.
 ROW_SCALE_CASES = [
     ("plain-bias-f32", 40, 128, 256, 4, F32, True, True, None, None),
     ("concat-gelu-bf16", 48, 128, 256, 5, BF16, False, False, "gelu_tanh", "concatenated"),
@@ -422,7 +422,7 @@ def test_blocks_reach_every_kernel():
         assert f"vmem_limit_bytes={limit}" in text, f"blocks.{part} did not reach its kernel"
 
 
-# (lhs, rhs, kwargs) shapes whose resolved blocks are compared: plain, fused gated, unfused interleaved, row scale.
+# (lhs, rhs, kwargs) shapes whose resolved blocks are compared: plain, fused gated, fused interleaved, row scale.
 RESOLVE_CASES = [
     ((512, 2048), (128, 1536, 2048), dict(rhs_transposed=True, activation="silu", gated="concatenated")),
     ((4096, 768), (128, 2048, 768), dict(rhs_transposed=True)),

@@ -2,9 +2,9 @@
 written once for the Pallas kernel bodies and the XLA epilogue of the unfused paths, so every path computes the same
 function.
 
-An activation is None, "silu", "gelu_tanh" (gated: act(gate) * up) or a `ClampedSwiGLU` (gpt-oss's gating, which
-needs a gate: it acts on gate and up together). Each reference writes its own (plain `jax.nn`);
-tests/test_ragged_dot.py ties the two together for every activation.
+An activation is None, "silu", "gelu_tanh", "relu2" (ReLU squared, Nemotron-H's experts; gated: act(gate) * up) or a
+`ClampedSwiGLU` (gpt-oss's gating, which needs a gate: it acts on gate and up together). Each reference writes its
+own (plain `jax.nn`); tests/test_ragged_dot.py ties the two together for every activation.
 """
 
 import dataclasses
@@ -14,7 +14,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "relu2")
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 
@@ -61,14 +61,17 @@ def check_activation(activation, *, gated: bool, allow_none: bool = True):
 
 
 def apply_activation(x, activation):
-    """act(x) for activation in (None, "silu", "gelu_tanh"); None is the identity. Elementwise, so it lowers inside a
-    Mosaic kernel body and in XLA alike (tanh and the sigmoid's exp go to the EUP)."""
+    """act(x) for activation in (None, "silu", "gelu_tanh", "relu2"); None is the identity. Elementwise, so it lowers
+    inside a Mosaic kernel body and in XLA alike (tanh and the sigmoid's exp go to the EUP)."""
     if activation is None:
         return x
     if activation == "silu":
         return x * jax.nn.sigmoid(x)
     if activation == "gelu_tanh":
         return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+    if activation == "relu2":
+        r = jnp.maximum(x, 0.0)
+        return r * r
     raise ValueError(f"activation: expected None or one of {ACTIVATIONS}, got {activation!r}")
 
 

@@ -22,7 +22,9 @@ def activation_reference(x, activation):
         return x * jax.nn.sigmoid(x)
     if activation == "gelu_tanh":
         return jax.nn.gelu(x, approximate=True)
-    raise ValueError(f"activation: expected None, 'silu' or 'gelu_tanh', got {activation!r}")
+    if activation == "relu2":
+        return jnp.square(jax.nn.relu(x))
+    raise ValueError(f"activation: expected None, 'silu', 'gelu_tanh' or 'relu2', got {activation!r}")
 
 
 def gating_reference(gate, up, activation):

@@ -135,17 +135,26 @@ def ragged_dot(
 
 _SILU = {"SiLU", "SiLUActivation"}
 _GELU_TANH = {"GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation"}
+_RELU2 = {"ReLUSquaredActivation"}
 
 
 def activation_name(act_fn) -> str:
-    """Map a transformers / torch activation module to the kernel's activation, or raise."""
+    """Map a transformers / torch activation module (or torch.nn.functional.silu itself) to the kernel's activation,
+    or raise."""
+    if act_fn is torch.nn.functional.silu:
+        return "silu"
     name = type(act_fn).__name__
     if name in _SILU:
         return "silu"
     if name in _GELU_TANH or (isinstance(act_fn, torch.nn.GELU) and act_fn.approximate == "tanh"):
         return "gelu_tanh"
+    if name in _RELU2:
+        return "relu2"
+    got = (
+        getattr(act_fn, "__qualname__", name) if callable(act_fn) and not isinstance(act_fn, torch.nn.Module) else name
+    )
     raise ValueError(
-        f"self.act_fn: experts_forward supports SiLU and tanh-approximated GELU activations, got {name}; "
+        f"self.act_fn: experts_forward supports SiLU, tanh-approximated GELU and ReLU-squared activations, got {got}; "
         "use another experts implementation for this model"
     )
 
@@ -180,19 +189,24 @@ CLAMPED_SWIGLU_GATES = {
     (_MODELS + "glm5_next.modeling_glm5_next", "Glm5NextTextExperts"): _ClampedGate("swiglu_limit", None, 0.0),
 }
 
+# Custom `_apply_gate`s that compute the default act(gate) * up as the kernels do (Beam's: act(gate) * up in f32,
+# rounded once to the activations' dtype).
+DEFAULT_GATES = {(_MODELS + "beam.modeling_beam", "BeamExperts")}
+
 
 # Both evaluated once when torch.compile traces the caller (their arguments are Python constants there), their
 # results taken as constants: Dynamo cannot trace the module lookup, nor the dataclass and JSON.
 @torch.compiler.assume_constant_result
 def _recognized_gate(apply_gate) -> tuple | None:
-    """The clamped gate `apply_gate` is (by identity with the function its transformers class defines), as
-    (class name, _ClampedGate fields), or None."""
+    """What `apply_gate` is (by identity with the function its transformers class defines): () for the default
+    act(gate) * up, _ClampedGate's fields for a clamped gate, or None."""
     owner = apply_gate.__qualname__.rpartition(".")[0]
-    spec = CLAMPED_SWIGLU_GATES.get((apply_gate.__module__, owner))
+    key = (apply_gate.__module__, owner)
+    spec = CLAMPED_SWIGLU_GATES.get(key)
     cls = getattr(sys.modules.get(apply_gate.__module__), owner, None)
-    if spec is None or cls is None or vars(cls).get("_apply_gate") is not apply_gate:
+    if (spec is None and key not in DEFAULT_GATES) or cls is None or vars(cls).get("_apply_gate") is not apply_gate:
         return None
-    return dataclasses.astuple(spec)
+    return () if spec is None else dataclasses.astuple(spec)
 
 
 @torch.compiler.assume_constant_result
@@ -226,6 +240,8 @@ def gating(self: torch.nn.Module, has_gate: bool) -> str:
     if not has_gate or apply_gate is None or apply_gate.__name__ == "_default_apply_gate":
         return activation_name(self.act_fn)
     found = _recognized_gate(apply_gate)
+    if found == ():
+        return activation_name(self.act_fn)
     if found is None:
         raise ValueError(
             f"self._apply_gate: {type(self).__name__} has a custom gating function ({apply_gate.__qualname__}), "
