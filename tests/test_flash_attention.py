@@ -402,6 +402,12 @@ BAD_INPUTS = [
     BadInput("blocks type", dict(blocks=(128, 128)), TypeError, "blocks: expected a FlashAttentionBlocks"),
     BadInput("block_q not lanes", dict(blocks=tk.FlashAttentionBlocks(block_q=4)), ValueError, "blocks.block_q"),
     BadInput(
+        "fused_backward not a bool",
+        dict(blocks=tk.FlashAttentionBlocks(fused_backward=1)),
+        TypeError,
+        "blocks.fused_backward: expected a bool",
+    ),
+    BadInput(
         "kv_heads_per_step",
         dict(blocks=tk.FlashAttentionBlocks(kv_heads_per_step=1)),
         ValueError,
@@ -592,7 +598,8 @@ def test_compiles_for_tpu(generation):
 
 def _benchmark_cases():
     """(shape, generation): each model's causal dense benchmark shape at sequence 4096 on v6e, and Gemma 4's full
-    layers (head dim 512: the largest working set) on v7x, the generation with the least VMEM. A kernel's body
+    layers (head dim 512: the largest working set, the fused backward's f32 dq blocks included) on v7x, the
+    generation with the least VMEM, and on v5e, whose table blocks differ. A kernel's body
     depends on the model (head dims, GQA group, the tuning table's blocks, which every benchmark sequence length
     fills), not on the sequence length or the mask (those set the grid and the visit list, which the kernels read at
     run time), so these prove the lowering and VMEM fit of every benchmark shape's kernels at a fraction of the
@@ -600,7 +607,9 @@ def _benchmark_cases():
     features on every generation."""
     shapes = [s for s in FLASH_ATTENTION if s["layout"] == "dense" and s["mask"] == "causal" and s.batch == 4096]
     assert {s["model"] for s in shapes} == set(FLASH_ATTENTION_MODELS)
-    return [(s, "v6e") for s in shapes] + [(s, "v7x") for s in shapes if s["model"] == "gemma4-full"]
+    return [(s, "v6e") for s in shapes] + [
+        (s, gen) for s in shapes if s["model"] == "gemma4-full" for gen in ("v7x", "v5e")
+    ]
 
 
 @pytest.mark.slow
