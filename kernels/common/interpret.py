@@ -12,6 +12,11 @@ import jax
 from jax._src import config as _jax_config
 from jax.experimental.pallas import tpu as pltpu
 
+try:  # the module of jax's TPU interpreter (jax 0.10 - 0.12)
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interpreter
+except ImportError:  # pragma: no cover - older layout
+    from jax._src.pallas.mosaic import interpret as _interpreter
+
 # What the CPU paths (torch CPU ops, eager JAX calls on CPU arrays) use: out-of-bounds reads raise and uninitialized
 # VMEM reads as NaN, so a kernel bug shows up as an error or NaN rather than a plausible number.
 CPU_INTERPRET_PARAMS = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
@@ -20,6 +25,29 @@ CPU_INTERPRET_PARAMS = pltpu.InterpretParams(out_of_bounds_reads="raise", uninit
 STRICT_INTERPRET_PARAMS = pltpu.InterpretParams(
     detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan", dma_execution_mode="on_wait"
 )
+
+
+@contextlib.contextmanager
+def interpreter_in_shard_map():
+    """Within this block jax's TPU interpreter runs without shard_map's varying-axes checks (check_vma).
+
+    The interpreter (jax 0.10 - 0.12) evaluates a kernel's index maps by binding primitives on the scalar-prefetch
+    operands as given, which vary over shard_map's manual axes, together with its own grid indices, which do not;
+    check_vma refuses that mix ("requires varying manual axes to match"). pallas_call itself traces kernel bodies with
+    the check off; the interpreter's lowering lacks the same. Only the interpret mode is affected: the lowering to a
+    Mosaic kernel evaluates nothing. The replaced function is jax's own, called unchanged under the setting."""
+    original = _interpreter.interpret_pallas_call
+
+    @functools.wraps(original)
+    def unchecked(*args, **kwargs):
+        with _jax_config._check_vma(False):
+            return original(*args, **kwargs)
+
+    _interpreter.interpret_pallas_call = unchecked
+    try:
+        yield
+    finally:
+        _interpreter.interpret_pallas_call = original
 
 
 def interpret_mode_forced() -> bool:
@@ -33,7 +61,7 @@ def interpret_on_cpu(params: pltpu.InterpretParams = CPU_INTERPRET_PARAMS):
     if interpret_mode_forced():
         yield
         return
-    with pltpu.force_tpu_interpret_mode(params):
+    with pltpu.force_tpu_interpret_mode(params), interpreter_in_shard_map():
         yield
 
 

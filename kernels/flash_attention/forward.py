@@ -11,13 +11,13 @@ itself; per-row statistics are kept lane-replicated, (bq, 128), so that they mee
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common import chip
 from ..common.blocks import LANES
+from ..common.manual_axes import out_struct
 from . import schedule
 from .geometry import (
     LN_2,
@@ -169,10 +169,10 @@ def forward(
     if sinks is not None:
         in_specs.insert(0, pl.BlockSpec(memory_space=pltpu.SMEM))
         operands.insert(0, sinks)
-    out_shape = [jax.ShapeDtypeStruct((g.q_rows, g.q_heads * dv), q2d.dtype)]
+    out_shape = [out_struct((g.q_rows, g.q_heads * dv), q2d.dtype, visits, status, operands)]
     out_specs = [pl.BlockSpec((bq, hs * dv), q_map)]
     if with_lse:
-        out_shape.append(jax.ShapeDtypeStruct((g.head_groups, g.q_rows, hs), jnp.float32))
+        out_shape.append(out_struct((g.head_groups, g.q_rows, hs), jnp.float32, visits, status, operands))
         out_specs.append(pl.BlockSpec((None, bq, hs), lse_map))
     kernel = functools.partial(
         _forward_kernel,

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common.manual_axes import out_struct
 from ..rotary import kernel as rotary_kernel
 from ..rotary.tuning import RotaryBlocks
 from .tuning import KVCacheBlocks
@@ -169,11 +170,11 @@ def write(
 
     out_shape, out_specs = [], []
     if cfg.rope is not None:
-        out_shape.append(jax.ShapeDtypeStruct(query.shape, query.dtype))
+        out_shape.append(out_struct(query.shape, query.dtype, slot_mapping, operands))
         out_specs.append(token_block(query))
     out_shape += [
-        jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        out_struct(k_cache.shape, k_cache.dtype, slot_mapping, operands),
+        out_struct(v_cache.shape, v_cache.dtype, slot_mapping, operands),
     ]
     out_specs += [hbm, hbm]
     cache_out = len(out_shape) - 2

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common.activation import apply_activation, apply_gating, deinterleaved_gating
+from ..common.manual_axes import out_struct
 from ..ragged_dot.kernel import matmul_precision
 from . import touched
 
@@ -205,7 +206,7 @@ def experts_forward_small_batch(
     )
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((tokens, hidden), hidden_states.dtype),
+        out_shape=out_struct((tokens, hidden), hidden_states.dtype, experts, count, operands),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(jnp.maximum(count, 1), chunks),

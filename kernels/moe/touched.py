@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ..common.manual_axes import out_struct
+
 
 def _touched_kernel(idx_ref, experts_ref, count_ref, *, num_experts):
     # Vector code only: a scalar loop over the ids (mark, then compact) costs ~30 cycles an id, 37-48 us at 256
@@ -39,7 +41,7 @@ def touched_experts(top_k_index, num_experts: int):
     """(experts [num_experts] int32, count [] int32) for top_k_index [T, k] int32; see the module docstring."""
     experts, count = pl.pallas_call(
         functools.partial(_touched_kernel, num_experts=num_experts),
-        out_shape=(jax.ShapeDtypeStruct((1, num_experts), jnp.int32), jax.ShapeDtypeStruct((1, 1), jnp.int32)),
+        out_shape=(out_struct((1, num_experts), jnp.int32, top_k_index), out_struct((1, 1), jnp.int32, top_k_index)),
         name="moe_touched_experts",
     )(top_k_index.astype(jnp.int32))
     return experts.reshape(-1), count.reshape(())

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common.blocks import LANES
+from ..common.manual_axes import out_struct
 from ..flash_attention.geometry import LOG2_E, MAX_INIT, dot_nn, dot_nt, lanes, row_stat
 from . import schedule
 
@@ -363,9 +364,10 @@ def paged_attention(
         transcendentals=lay.q_heads * lay.block_q * lay.block_kv * size,
         bytes_accessed=kv_bytes * size + 2 * q_rows.size * q_rows.dtype.itemsize,
     )
+    prefetch = (words, kv_blocks, rows, pages, count, kv_lens, cu_q_lens)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((hkv, lay.tokens * lay.group, lay.v_head_dim), q_rows.dtype),
+        out_shape=out_struct((hkv, lay.tokens * lay.group, lay.v_head_dim), q_rows.dtype, prefetch, operands),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
             grid=(count[0],),
@@ -384,4 +386,4 @@ def paged_attention(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes),
         cost_estimate=cost,
         name="ragged_paged_attention",
-    )(words, kv_blocks, rows, pages, count, kv_lens, cu_q_lens, *operands)
+    )(*prefetch, *operands)

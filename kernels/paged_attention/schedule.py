@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common.manual_axes import out_struct
+
 FIRST = 1 << 26
 LAST = 1 << 27
 COMPUTE = 1 << 28
@@ -217,17 +219,11 @@ def visits(
         left=left,
         right=right,
     )
+    operands = (kv_lens.astype(i32), cu_q_lens.astype(i32), jnp.asarray(num_seqs, i32).reshape(1))
     return pl.pallas_call(
         kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((size,), i32),
-            jax.ShapeDtypeStruct((size,), i32),
-            jax.ShapeDtypeStruct((size,), i32),
-            jax.ShapeDtypeStruct((2,), i32),
-            jax.ShapeDtypeStruct((n,), i32),
-            jax.ShapeDtypeStruct((n + 1,), i32),
-        ),
+        out_shape=tuple(out_struct(shape, i32, operands) for shape in ((size,),) * 3 + ((2,), (n,), (n + 1,))),
         in_specs=[smem, smem, smem],
         out_specs=(smem, smem, smem, smem, smem, smem),
         name="paged_attention_visits",
-    )(kv_lens.astype(i32), cu_q_lens.astype(i32), jnp.asarray(num_seqs, i32).reshape(1))
+    )(*operands)

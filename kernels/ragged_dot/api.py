@@ -53,6 +53,7 @@ from ..common import chip
 from ..common.activation import apply_activation, apply_gating, check_activation
 from ..common.blocks import sublane_multiple
 from ..common.interpret import interpret_eager_cpu_calls
+from ..common.manual_axes import cotangents_like
 from ..common.validation import check_array, is_concrete
 from . import kernel, metadata, tuning
 from .tuning import MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
@@ -505,7 +506,7 @@ def _ragged_dot_bwd(cfg: _Config, saved, g):
         drhs = jax.lax.dynamic_update_slice(jnp.zeros(rhs.shape, rhs.dtype), drhs, (start, 0, 0))
         if dbias is not None:
             dbias = jax.lax.dynamic_update_slice(jnp.zeros(bias2d.shape, bias2d.dtype), dbias, (start, 0))
-    return dlhs, drhs, dbias, d_row_scale, None, None
+    return (*cotangents_like((dlhs, drhs, dbias, d_row_scale), (lhs, rhs, bias2d, row_scale)), None, None)
 
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)

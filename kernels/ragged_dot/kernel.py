@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common.activation import apply_activation, apply_gating, deinterleaved_gating
+from ..common.manual_axes import out_struct
 from . import metadata
 from .metadata import F_FETCH_TILE, F_FIRST, F_GROUP, F_HI, F_KPIN, F_LO, F_TILE, NUM_FIELDS, group_bounds
 
@@ -303,7 +304,7 @@ def ragged_dot_forward(
     )
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),
+        out_shape=out_struct((m, n_out), out_dtype, meta, operands),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(tiles_n, grid_v, tiles_k),
@@ -376,7 +377,7 @@ def transposed_ragged_dot(a, b, group_sizes, *, out_dtype, blocks, group_offset,
     )
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_local_groups, p, q), out_dtype),
+        out_shape=out_struct((num_local_groups, p, q), out_dtype, meta, a, b),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(tiles_p, tiles_q, V if static_grid else nv),

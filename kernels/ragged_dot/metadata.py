@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common.manual_axes import out_struct
+
 # Fields of the forward metadata, each a run of V int32 in one flat SMEM array.
 F_TILE, F_FETCH_TILE, F_GROUP, F_KPIN, F_LO, F_HI, F_FIRST = range(7)
 NUM_FIELDS = 7
@@ -242,7 +244,10 @@ def forward_metadata(group_sizes, *, m, tm, tiles_k, group_offset, num_local_gro
     )
     meta, count = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((NUM_FIELDS * V + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)),
+        out_shape=(
+            out_struct((NUM_FIELDS * V + 1,), jnp.int32, group_sizes, offsets),
+            out_struct((1,), jnp.int32, group_sizes),
+        ),
         in_specs=[smem, smem],
         out_specs=(smem, smem),
         scratch_shapes=[pltpu.SMEM((num_local_groups + 1,), jnp.int32)] * 3,

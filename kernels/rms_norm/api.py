@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from ..common import chip
 from ..common.interpret import interpret_eager_cpu_calls
+from ..common.manual_axes import cotangent_like
 from ..common.validation import FLOAT_DTYPES, check_array, check_finite, check_finite_nonnegative
 from . import kernel, tuning
 from .tuning import RmsNormBlocks
@@ -60,7 +61,9 @@ def _blocks(blocks, x) -> RmsNormBlocks | None:
 
 
 def _weight_grad(partials, weight2d):
-    return None if weight2d is None else partials.sum(axis=(0, 1)).reshape(weight2d.shape).astype(weight2d.dtype)
+    if weight2d is None:
+        return None
+    return cotangent_like(partials.sum(axis=(0, 1)).reshape(weight2d.shape).astype(weight2d.dtype), weight2d)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common.manual_axes import out_struct
 from .tuning import RmsNormBlocks
 
 
@@ -70,7 +71,7 @@ def rms_norm_forward(x2d, weight2d, residual2d, *, eps, weight_offset, blocks: R
     has_residual = residual2d is not None
     operands = [x2d] + ([residual2d] if has_residual else []) + ([weight2d] if has_weight else [])
     in_specs = [_row_spec(blocks, hidden)] * (2 if has_residual else 1) + ([_weight_spec(hidden)] if has_weight else [])
-    out_shape = [jax.ShapeDtypeStruct((rows, hidden), x2d.dtype)] * (2 if has_residual else 1)
+    out_shape = [out_struct((rows, hidden), x2d.dtype, operands)] * (2 if has_residual else 1)
     out_specs = [_row_spec(blocks, hidden)] * len(out_shape)
     kernel = functools.partial(
         _forward_kernel, eps=eps, weight_offset=weight_offset, has_weight=has_weight, has_residual=has_residual
@@ -126,10 +127,10 @@ def rms_norm_backward(s2d, g2d, gsum2d, weight2d, *, eps, weight_offset, blocks:
     has_sum_grad = gsum2d is not None
     operands = [s2d, g2d] + ([gsum2d] if has_sum_grad else []) + ([weight2d] if has_weight else [])
     in_specs = [_row_spec(blocks, hidden)] * (3 if has_sum_grad else 2) + ([_weight_spec(hidden)] if has_weight else [])
-    out_shape = [jax.ShapeDtypeStruct((rows, hidden), s2d.dtype)]
+    out_shape = [out_struct((rows, hidden), s2d.dtype, operands)]
     out_specs = [_row_spec(blocks, hidden)]
     if has_weight:
-        out_shape.append(jax.ShapeDtypeStruct((num_blocks, 1, hidden), jnp.float32))
+        out_shape.append(out_struct((num_blocks, 1, hidden), jnp.float32, operands))
         out_specs.append(pl.BlockSpec((1, 1, hidden), lambda i: (i, 0, 0)))
     kernel = functools.partial(
         _backward_kernel,

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..common import chip
 from ..common.interpret import interpret_eager_cpu_calls
+from ..common.manual_axes import cotangents_like
 from ..common.validation import check_array, check_finite, check_finite_nonnegative, is_concrete
 from ..rms_norm import api as rms_norm_api
 from . import frequencies, kernel, tuning
@@ -259,7 +260,7 @@ def _rope_tables_bwd(cfg, blocks, saved, grads):
         dxs, dws = g_rot, ws
     # cos/sin gradients: sums over heads (and the batch when the table is shared), in XLA.
     dcos, dsin = _table_gradients(xs, ws, grads, cos, sin, cfg)
-    return tuple(dxs), tuple(dws), dcos, dsin
+    return tuple(dxs), tuple(dws), *cotangents_like((dcos, dsin), (cos, sin))
 
 
 _rope_tables.defvjp(_rope_tables_fwd, _rope_tables_bwd)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common.manual_axes import out_struct
 from .tuning import RotaryBlocks
 
 
@@ -423,7 +424,7 @@ def rope(xs, table_a, table_b, weights, *, cfg: RopeConfig, blocks: RotaryBlocks
     n_factor_sets = n if cfg.norm else 1  # (a, b) per x under the norm (its weight folded in), else one shared pair
     outs = pl.pallas_call(
         functools.partial(_kernel, n=n, cfg=cfg, positions=positions, broadcast_loads=broadcast_loads),
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs],
+        out_shape=[out_struct(x.shape, x.dtype, operands) for x in xs],
         grid=grid,
         scratch_shapes=[pltpu.VMEM((2 * n_factor_sets, bb, ts, width), jnp.float32)] if broadcast_loads else [],
         in_specs=in_specs,
