@@ -10,6 +10,7 @@ from .flash_attention.tuning import FlashAttentionBlocks
 from .kv_cache.api import block_table_slots, rope_and_write_kv_cache, write_kv_cache
 from .kv_cache.tuning import KVCacheBlocks
 from .moe.api import experts_forward
+from .moe.expert_parallel import expert_parallel_experts_forward, experts_forward_shard
 from .moe.tuning import ExpertsBlocks
 from .paged_attention.api import ragged_paged_attention
 from .paged_attention.tuning import PagedAttentionBlocks
@@ -40,7 +41,9 @@ __all__ = [
     "apply_rotary_from_positions",
     "apply_rotary_from_positions_backward",
     "block_table_slots",
+    "expert_parallel_experts_forward",
     "experts_forward",
+    "experts_forward_shard",
     "flash_attention",
     "flash_attention_varlen",
     "fused_add_rms_norm",
