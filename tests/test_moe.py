@@ -195,6 +195,23 @@ def test_touched_experts_compiles_for_tpu(generation):
         )
 
 
+def test_interleaved_partial_last_tile(rand):
+    """The grouped path's interleaved gate/up at an output tile that does not divide I (tn = 128 of I = 192): the last
+    tile's weight block runs past N, and its columns there (NaN in strict interpret mode) must not reach the
+    de-interleave's selection matmuls."""
+    case = next(c for c in CASES if c[0] == "t7-gpt-oss-i192-f32")
+    args, kw = _case_args(rand, case)
+    blocks = ExpertsBlocks(path="grouped", gate_up=RaggedDotBlocks(forward=MatmulBlocks(tn=128)))
+    ladder.check_against_reference(
+        functools.partial(tk.experts_forward, blocks=blocks, **kw),
+        jax.jit(functools.partial(experts_forward_reference, **kw)),
+        args,
+        dtype=F32,
+        rand=rand,
+        **F32_TOL,
+    )
+
+
 @pytest.mark.parametrize("path", ladder.MOE_PATHS)
 def test_mixed_weight_dtypes(rand, path):
     """bf16 activations and gate/up weights with an f32 down_proj: each matmul runs in its operands' promoted dtype."""

@@ -86,22 +86,29 @@ def apply_gating(gate, up, activation):
     return apply_activation(gate, activation) * up
 
 
-# Output lanes of one selection matmul in deinterleaved_gating: 128 (one lane tile) from 256 interleaved inputs.
+# Output lanes of gate (and of up) per de-interleave matmul: 128 of each from 256 interleaved inputs, one [256, 256]
+# selection matrix: a full-width pass of v6e's 256-wide MXU (two 128-wide matrices would each cost a full pass).
 _PIECE = 128
 
 
-def _select_lanes(h, parity, width):
-    """h[:, parity::2] of an f32 piece h [rows, 2 * width], exactly, as matmuls against a 0/1 selection matrix:
-    Mosaic has no lane-strided slice. h is split into three bf16 parts (hi + mid + lo == h to within f32 rounding),
+def _deinterleave_matrix(width):
+    """[2 w, 2 w] bf16 0/1 selection: output column j < w takes input lane 2 j (the gate), w + j takes 2 j + 1 (up)."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, (2 * width, 2 * width), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (2 * width, 2 * width), 1)
+    source = jnp.where(cols < width, 2 * cols, 2 * (cols - width) + 1)
+    return jnp.where(rows == source, 1.0, 0.0).astype(jnp.bfloat16)
+
+
+def _deinterleave(piece, select):
+    """[gate | up] of an interleaved f32 piece [rows, 2 w], exactly, as matmuls against the 0/1 `select`: Mosaic has
+    no lane-strided slice. The piece is split into three bf16 parts (hi + mid + lo == piece to within f32 rounding),
     each selected exactly by one bf16 MXU pass with f32 accumulation: three passes instead of HIGHEST's six."""
-    rows = jax.lax.broadcasted_iota(jnp.int32, (2 * width, width), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (2 * width, width), 1)
-    select = jnp.where(rows == 2 * cols + parity, 1.0, 0.0).astype(jnp.bfloat16)
     out = None
-    rest = h
-    for _ in range(3):
+    rest = piece
+    for i in range(3):
         part = rest.astype(jnp.bfloat16)
-        rest = rest - part.astype(jnp.float32)
+        if i < 2:
+            rest = rest - part.astype(jnp.float32)
         picked = jnp.dot(part, select, preferred_element_type=jnp.float32)
         out = picked if out is None else out + picked
     return out
@@ -109,12 +116,15 @@ def _select_lanes(h, parity, width):
 
 def deinterleaved_gating(h, activation):
     """The gated epilogue of an interleaved f32 pre-activation h [rows, 2 * n] (gate at even columns, up at odd),
-    [rows, n], for kernel bodies. Piece by piece, 256 input lanes to 128 output lanes, so the selection work is
-    3 * 2 * 256 MACs per output column whatever the tile width (no [2n, n] selection matrix)."""
+    [rows, n], for kernel bodies. Piece by piece, 256 input lanes to 128 gate and 128 up lanes, so the selection work
+    is 3 * 256 MACs per input element whatever the tile width (no [2n, 2n] selection matrix)."""
     n = h.shape[1] // 2
+    selects = {}
     outs = []
     for start in range(0, n, _PIECE):
         width = min(_PIECE, n - start)
-        piece = h[:, 2 * start : 2 * (start + width)]
-        outs.append(apply_gating(_select_lanes(piece, 0, width), _select_lanes(piece, 1, width), activation))
+        if width not in selects:  # built once per kernel body, shared by the pieces
+            selects[width] = _deinterleave_matrix(width)
+        both = _deinterleave(h[:, 2 * start : 2 * (start + width)], selects[width])
+        outs.append(apply_gating(both[:, :width], both[:, width:], activation))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)

@@ -244,7 +244,7 @@ def _fusable(gated, rhs_transposed, half_n, rhs_dtype) -> bool:
         # (tm, tn) is legal for tn = half_n or a multiple of 128.
         return half_n % 128 == 0 if not rhs_transposed else half_n % sub == 0
     # Interleaved: one block of 2 tn alternating gate/up columns per output tile, de-interleaved in the epilogue
-    # (kernel.py), with tn dividing the output width: whole blocks in any orientation.
+    # (kernel.py), in any orientation (a last partial block's columns past N are zeroed there).
     return True
 
 
@@ -301,7 +301,7 @@ def _resolve_kernels(cfg: _Config, blocks: RaggedDotBlocks, owner: str, *, m, k,
             out_dtype=cfg.out_dtype,
             rhs_transposed=fused_transposed,
             gated=cfg.gated is not None,
-            half_n=n_out if cfg.gated else None,
+            half_n=n_out if cfg.gated == "concatenated" else None,
             fixed=blocks.forward,
             owner=f"{owner}.forward",
             **common,
@@ -603,7 +603,7 @@ def candidate_blocks(lhs, rhs, group_sizes, **kwargs) -> list[RaggedDotBlocks]:
         out_dtype=cfg.out_dtype if mode != "unfused" else jnp.float32,
         rhs_transposed=rhs_transposed,
         gated=gated,
-        half_n=n_out if gated else None,
+        half_n=n_out if gated and cfg.gated == "concatenated" else None,
         info=_info(),
     )
     return [RaggedDotBlocks(forward=f) for f in forwards]

@@ -85,6 +85,7 @@ def _forward_kernel(
     tm,
     tk,
     k,
+    n_full,
     tiles_k,
     transposed,
     gated,
@@ -141,7 +142,13 @@ def _forward_kernel(
         if gated is None:
             r = apply_activation(parts[0], activation)
         elif gated == "interleaved":
-            r = deinterleaved_gating(parts[0], activation)
+            h = parts[0]
+            if n_full % h.shape[1]:
+                # The last n tile's block runs past N: its garbage columns would reach every lane through the
+                # de-interleave's selection matmuls (0 * NaN), so they are zeroed first.
+                cols = pl.program_id(0) * h.shape[1] + jax.lax.broadcasted_iota(jnp.int32, h.shape, 1)
+                h = jnp.where(cols < n_full, h, 0.0)
+            r = deinterleaved_gating(h, activation)
         else:
             r = apply_gating(parts[0], parts[1], activation)
         if has_row_scale:
@@ -217,8 +224,8 @@ def ragged_dot_forward(
     rhs: [Gr, K, N] or [Gr, N, K] (rhs_transposed). gated None: n_out = N. gated "concatenated": n_out = N / 2, the
     gate is rhs columns [0, n_out) and up [n_out, N), read as two block streams of the same array (tn must divide
     n_out); the epilogue writes act(gate) * up (or the ClampedSwiGLU). gated "interleaved": gate and up alternate
-    along N; output tile n reads the one block of rhs columns [2 n tn, 2 (n + 1) tn) (tn must divide n_out, so no
-    block holds columns past N: the de-interleave's selection matmuls would carry their garbage into every lane) and
+    along N; output tile n reads the one block of rhs columns [2 n tn, 2 (n + 1) tn) (columns of a last partial block
+    past N are zeroed before the de-interleave, whose selection matmuls would carry their garbage into every lane) and
     the epilogue de-interleaves the f32 result in VMEM (common.activation.deinterleaved_gating: Mosaic has no
     lane-strided slice, nor a strided load that splits a bf16 block's rows). bias: tuple of [Gr, 1, N'] arrays, one
     per block stream: the gate and up halves (concatenated), or the whole bias (interleaved, ungated).
@@ -286,6 +293,7 @@ def ragged_dot_forward(
         tm=tm,
         tk=tk,
         k=k,
+        n_full=n_full,
         tiles_k=tiles_k,
         transposed=rhs_transposed,
         gated=gated,
