@@ -17,7 +17,8 @@ from . import backward, checks, forward, schedule, tuning
 from .geometry import Geometry
 from .tuning import FlashAttentionBlocks
 
-# Visit lists live in SMEM (one int32 a visit, forward and dk/dv lists); beyond this, larger blocks are needed.
+# Visit lists live in SMEM (one int32 a visit, forward and dk/dv lists; the fused dk/dv kernel also one dq slot a
+# visit); beyond this, larger blocks are needed.
 MAX_VISITS = 32768
 
 
