@@ -89,10 +89,18 @@ def _case_args(rand, case):
     return (x, index, w.astype(dtype), gate_up, down, gate_up_bias, down_bias), kw
 
 
-# The interleaved silu / gelu cases on the grouped path only: the small-batch kernel's interleaved read is the same
-# whatever the activation, and the gpt-oss cases take it on both paths (the suite's time budget).
-GROUPED_ONLY = {"t7-interleaved-silu-bias-f32", "t64-interleaved-gelu-bf16-transposed"}
-PATH_CASES = [(c, p) for c in CASES for p in ladder.MOE_PATHS if p == "grouped" or c[0] not in GROUPED_ONLY]
+# Cases run on one path only (the suite's time budget): the interleaved silu / gelu ones on the grouped path (the
+# small-batch kernel's interleaved read is the same whatever the activation, and the gpt-oss bf16 case takes it on
+# both paths); the gpt-oss I = 192 one on the small-batch path (test_interleaved_partial_last_tile runs it on the
+# grouped path, at a partial last tile); ReLU squared on the small-batch path (an elementwise activation like the
+# others, tied to its reference in test_ragged_dot.py).
+ONE_PATH = {
+    "t7-interleaved-silu-bias-f32": "grouped",
+    "t64-interleaved-gelu-bf16-transposed": "grouped",
+    "t7-gpt-oss-i192-f32": "small_batch",
+    "t7-ungated-relu2-f32": "small_batch",
+}
+PATH_CASES = [(c, p) for c in CASES for p in ladder.MOE_PATHS if ONE_PATH.get(c[0], p) == p]
 
 
 def forced_blocks(path, args, kw):
@@ -201,6 +209,7 @@ def test_interleaved_partial_last_tile(rand):
     de-interleave's selection matmuls."""
     case = next(c for c in CASES if c[0] == "t7-gpt-oss-i192-f32")
     args, kw = _case_args(rand, case)
+    assert_clamps_bite(args, kw)
     blocks = ExpertsBlocks(path="grouped", gate_up=RaggedDotBlocks(forward=MatmulBlocks(tn=128)))
     ladder.check_against_reference(
         functools.partial(tk.experts_forward, blocks=blocks, **kw),
