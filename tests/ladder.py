@@ -232,10 +232,30 @@ def assert_close(actual, expected, *, dtype=None, rtol=None, atol=None, what="ou
     np.testing.assert_allclose(actual_np, expected_np, rtol=rtol, atol=atol, err_msg=f"{what} {context}")
 
 
+# What stops a reference from being jitted: it reads values on the host (a loop over concrete sequence lengths).
+_NEEDS_CONCRETE_VALUES = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerBoolConversionError,
+)
+
+
+def run_reference(reference_fn, *args):
+    """reference_fn(*args), jitted: one XLA compile for the whole reference instead of one per jnp op, which is what
+    an eager reference costs on each new shape (most of a reference check's time). Non-array arguments are static.
+    A reference that needs concrete values runs eagerly."""
+    static = tuple(i for i, a in enumerate(args) if isinstance(a, (bool, int, float, str, tuple)))
+    try:
+        return jax.jit(reference_fn, static_argnums=static)(*args)
+    except _NEEDS_CONCRETE_VALUES:
+        return reference_fn(*args)
+
+
 def check_against_reference(kernel_fn, reference_fn, args, *, dtype, rand=None, rtol=None, atol=None, names=None):
     """Rung 1: kernel (strict interpret mode) vs reference on the same inputs; compares every output leaf."""
     actual = run_interpreted(kernel_fn, *args)
-    expected = reference_fn(*args)
+    expected = run_reference(reference_fn, *args)
     actual_leaves = jax.tree_util.tree_leaves(actual)
     expected_leaves = jax.tree_util.tree_leaves(expected)
     assert len(actual_leaves) == len(expected_leaves), "kernel and reference return different structures"
@@ -264,9 +284,10 @@ def check_gradients(
 ):
     """Gradients of kernel_fn and reference_fn w.r.t. args[argnums] under one fixed random cotangent (vjp_loss).
 
-    The kernel's gradient runs jitted in strict interpret mode (rung 1), the reference's plainly. `atol` / `rtol` may
-    be a number or a dict keyed by gradient name (sums over many rows carry bf16 rounding further); a value may also
-    be a function of the expected gradient (a bound relative to the size of the summed terms).
+    The kernel's gradient runs jitted in strict interpret mode (rung 1), the reference's through run_reference.
+    `atol` / `rtol` may be a number or a dict keyed by gradient name (sums over many rows carry bf16 rounding
+    further); a value may also be a function of the expected gradient (a bound relative to the size of the summed
+    terms).
     """
     argnums = tuple(argnums)
     cotangents = rand.cotangents(reference_fn, *args)
@@ -276,7 +297,7 @@ def check_gradients(
 
     kernel_grad = jax.jit(loss_of(kernel_fn))
     actual = run_interpreted(kernel_grad, *args) if interpret else kernel_grad(*args)
-    expected = loss_of(reference_fn)(*args)
+    expected = run_reference(loss_of(reference_fn), *args)
     names = names or [f"d arg {i}" for i in argnums]
     assert len(names) == len(argnums), "one name per differentiated argument"
     for name, a, e in zip(names, actual, expected):

@@ -9,17 +9,24 @@ k_cache / v_cache [num_pages, page_size, kv_heads, head_dim]. Query rows past cu
 zeros. A float8 cache holds value / scale: keys read back as stored * k_scale, values as stored * v_scale.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..flash_attention.reference import attention_reference
 
+# One sequence's attention, jitted: one compile per context shape instead of one per jnp op (this reference runs
+# eagerly, with a new shape per sequence).
+_sequence_attention = jax.jit(
+    attention_reference, static_argnames=("softmax_scale", "causal", "window_size", "softcap", "return_lse")
+)
 
-def gather_context(cache, page_indices_row, length: int):
-    """[length, heads, dim] float32: the first `length` context rows of one sequence, page by page."""
+
+def gather_context(cache: np.ndarray, page_indices_row, length: int) -> np.ndarray:
+    """[length, heads, dim]: the first `length` context rows of one sequence, page by page (host arrays)."""
     page_size = cache.shape[1]
     pages = -(-length // page_size)
-    rows = cache[np.asarray(page_indices_row)[:pages]].astype(jnp.float32)
+    rows = cache[np.asarray(page_indices_row)[:pages]]
     return rows.reshape(pages * page_size, *cache.shape[2:])[:length]
 
 
@@ -45,26 +52,29 @@ def ragged_paged_attention_reference(
     kv_lens, page_indices, cu_q = (np.asarray(a) for a in (kv_lens, page_indices, cu_q_lens))
     n = kv_lens.shape[0] if num_seqs is None else int(np.asarray(num_seqs).reshape(-1)[0])
     tokens, q_heads = q.shape[0], q.shape[1]
-    out = jnp.zeros((tokens, q_heads, v_cache.shape[-1]), jnp.float32)
+    # The caches are gathered and the output assembled on the host: eager jnp ops would compile one XLA program per
+    # op and per sequence shape.
+    q_host, k_host, v_host = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in (q, k_cache, v_cache))
+    out = np.zeros((tokens, q_heads, v_cache.shape[-1]), np.float32)
     for s in range(n):
         start, end = int(cu_q[s]), int(cu_q[s + 1])
         if end == start:
             continue
-        k = gather_context(k_cache, page_indices[s], int(kv_lens[s]))
-        v = gather_context(v_cache, page_indices[s], int(kv_lens[s]))
+        k = gather_context(k_host, page_indices[s], int(kv_lens[s]))
+        v = gather_context(v_host, page_indices[s], int(kv_lens[s]))
         if k_scale is not None:
             k = k * float(np.asarray(k_scale).reshape(-1)[0])
         if v_scale is not None:
             v = v * float(np.asarray(v_scale).reshape(-1)[0])
-        rows = attention_reference(
-            q[None, start:end].astype(jnp.float32),
+        rows = _sequence_attention(
+            q_host[None, start:end],
             k[None],
             v[None],
             softmax_scale=q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale,
             causal=causal,
-            window_size=window_size,
+            window_size=tuple(window_size),
             softcap=softcap,
             sinks=sinks,
         )
-        out = out.at[start:end].set(rows[0])
-    return out.astype(q.dtype)
+        out[start:end] = np.asarray(rows[0])
+    return jnp.asarray(out).astype(q.dtype)
