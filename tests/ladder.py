@@ -26,7 +26,7 @@ import pytest
 from jax.experimental import topologies
 from jax.experimental.pallas import tpu as pltpu
 
-from tpu_kernels_jax.common.interpret import STRICT_INTERPRET_PARAMS
+from tpu_kernels_jax.common.interpret import STRICT_INTERPRET_PARAMS, interpreter_in_shard_map
 
 try:  # where jax keeps the race detector's verdict (jax 0.10 - 0.12)
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interpret_state
@@ -205,7 +205,7 @@ def run_interpreted(fn, *args, params: pltpu.InterpretParams = STRICT_INTERPRET_
     """Run fn under strict TPU interpret mode; fail on a data race. Returns fn's outputs as numpy-backed arrays."""
     pltpu.reset_tpu_interpret_mode_state()
     try:
-        with pltpu.force_tpu_interpret_mode(params):
+        with pltpu.force_tpu_interpret_mode(params), interpreter_in_shard_map():
             out = jax.block_until_ready(fn(*args, **kwargs))
     except Exception:
         pltpu.reset_tpu_interpret_mode_state()  # the simulator keeps its state after an exception
@@ -421,6 +421,38 @@ def compile_for_tpu(fn, generation: str, *shapes_and_dtypes, label: str = "", mi
         "label": label or getattr(fn, "__name__", str(fn)),
         "generation": generation,
         "inputs": [None if sd is None else [list(sd[0]), str(jnp.dtype(sd[1]))] for sd in shapes_and_dtypes],
+        "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
+        "output_bytes": getattr(memory, "output_size_in_bytes", None),
+        "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+    }
+    COMPILE_STATS.append(stats)
+    return stats
+
+
+@functools.cache
+def tpu_mesh(topology: str, axis_names: tuple):
+    """A one-axis mesh over every chip of a compile-only TPU topology (e.g. "v6e:2x4"): sharded programs for rung 3."""
+    devices = topologies.get_topology_desc(topology, "tpu").devices
+    return jax.sharding.Mesh(np.array(devices), axis_names)
+
+
+def compile_sharded_for_tpu(fn, mesh, shapes_dtypes_specs, *, label: str, min_kernels: int = 1):
+    """Rung 3 for a program over a whole slice: deviceless compile of jit(fn) with each input (shape, dtype,
+    PartitionSpec) sharded over `mesh` (tpu_mesh); records the memory stats (per device) as compile_for_tpu does."""
+    specs = [
+        jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=jax.sharding.NamedSharding(mesh, spec))
+        for shape, dtype, spec in shapes_dtypes_specs
+    ]
+    lowered = jax.jit(fn).lower(*specs)
+    compiled = lowered.compile()
+    kernels = lowered.as_text().count("tpu_custom_call")
+    assert kernels >= min_kernels, f"{label}: the program holds {kernels} Mosaic kernel(s), expected >= {min_kernels}"
+    memory = compiled.memory_analysis()
+    stats = {
+        "label": label,
+        "generation": str(mesh.devices.flat[0].device_kind),
+        "devices": int(mesh.devices.size),
+        "inputs": [[list(shape), str(jnp.dtype(dtype)), str(spec)] for shape, dtype, spec in shapes_dtypes_specs],
         "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
         "output_bytes": getattr(memory, "output_size_in_bytes", None),
         "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
