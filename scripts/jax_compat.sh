@@ -34,6 +34,8 @@ fi
 # perf model and the size/dtype sweeps run in the main environment only (the Mosaic compiler is the same libtpu in
 # both). A short list keeps this run inside make test's budget; one process, not xdist workers (the tests share
 # jitted kernels, which two workers would each compile).
+# Two shard_map checks (test_sharded.py: RMSNorm with its gradient, the expert-parallel MoE) cover the kernels'
+# varying-axes declarations, whose jax API moves between versions.
 smoke=(
     "test_export_for_tpu" "test_exports_for_tpu"
     "(test_rms_norm_matches_reference and tuned and 2048)"
@@ -51,6 +53,7 @@ smoke=(
     "test_rope_and_write_fp8_with_traced_scales_and_long_decode_rows"
     "(test_flash_attention.py and everything and not gradients)"
     "(test_paged_attention.py and everything and (test_mixed_batch or test_every_head_at_once[2-))"
+    "test_rms_norm_sharded" "test_expert_parallel_experts_forward"
 )
 selection=$(printf ' or %s' "${smoke[@]}")
 exec $venv/bin/python -m pytest -p no:cacheprovider -k "${selection# or }" "$@"
