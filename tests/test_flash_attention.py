@@ -78,7 +78,9 @@ def test_forward_matches_reference(rand, feature):
         return tk.flash_attention(q, k, v, sinks=sinks, return_lse=True, blocks=SMALL, **options)
 
     out, lse = ladder.run_interpreted(kernel, *args)
-    ref_out, ref_lse = attention_reference(*args[:3], sinks=args[3], return_lse=True, **options)
+    ref_out, ref_lse = ladder.run_reference(
+        lambda q, k, v, sinks: attention_reference(q, k, v, sinks=sinks, return_lse=True, **options), *args
+    )
     # at scale 1.0 the logits are sqrt(D) = 8x the default scale's, and f32 exp rounding grows with the logit
     tol = dict(F32_TOL, atol=8 * F32_TOL["atol"]) if feature == "scale_one" else F32_TOL
     ladder.assert_close(out, ref_out, dtype=jnp.float32, what="out", context=repr(rand), **tol)
@@ -133,8 +135,9 @@ def test_row_sums_on_the_mxu(rand):
     sinks = rand.normal((4,), scale=2.0)
     options = dict(causal=True, window_size=(90, 0), sinks=sinks)
     out, lse = tk.flash_attention(q, k, v, blocks=SMALL, return_lse=True, **options)
-    ref_out, ref_lse = attention_reference(
-        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), return_lse=True, **options
+    ref_out, ref_lse = ladder.run_reference(
+        lambda q, k, v: attention_reference(q, k, v, return_lse=True, **options),
+        *(x.astype(jnp.float32) for x in (q, k, v)),
     )
     ladder.assert_close(out, ref_out, dtype=jnp.bfloat16, what="out", context=repr(rand))
     lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
