@@ -225,16 +225,10 @@ def test_rope_and_write_matches_rotary_reference(rand, case, dtype):
     def fused(q, k, v, kc, vc, s, p):
         return api.rope_and_write_kv_cache(q, k, v, kc, vc, s, p, blocks=SMALL, **options)
 
-    q_rot, k_out, v_out = ladder.run_interpreted(fused, query, key, value, k_cache, v_cache, slots, positions)
+    args = (query, key, value, k_cache, v_cache, slots, positions)
+    q_rot, k_out, v_out = ladder.run_interpreted(fused, *args)
     q_ref, k_ref, v_ref = ladder.run_reference(
-        lambda *a: reference.rope_and_write_kv_cache_reference(*a, **options),
-        query,
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slots,
-        positions,
+        lambda *a: reference.rope_and_write_kv_cache_reference(*a, **options), *args
     )
     tol = dict(rtol=1e-5, atol=3e-5) if dtype == jnp.float32 else {}
     ladder.assert_close(q_rot, q_ref, dtype=dtype, what="query_rotated", context=repr(rand), **tol)
