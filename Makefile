@@ -28,16 +28,19 @@ build: venv
 
 # The JAX-only tests under Python 3.12 + jax 0.12 (scripts/jax_compat.sh, which makes its own environment) start
 # first, in the background at a lower priority, so that they fill the time the cores are not busy with the main
-# environment's install and the main suite; the main suite runs on two xdist workers (TEST_WORKERS).
+# environment's install and the main suite; the main suite runs on two xdist workers (TEST_WORKERS) with one host CPU
+# device, then the shard_map tests (8 host devices, tests/conftest.py) in a pytest process of their own.
 TEST_WORKERS ?= 2
 test:
 	@mkdir -p build; nice -n 10 scripts/jax_compat.sh -q $(PYTEST_ARGS) > build/jax012-tests.log 2>&1 & compat=$$!; \
 	$(MAKE) --no-print-directory lint build && \
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS); main=$$?; \
+	TPU_KERNELS_HOST_DEVICES=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --ignore=tests/test_sharded.py \
+		$(PYTEST_ARGS); main=$$?; \
+	$(PY) -m pytest -n $(TEST_WORKERS) tests/test_sharded.py $(PYTEST_ARGS); sharded=$$?; \
 	wait $$compat; compat_rc=$$?; \
 	echo "=== JAX-only tests under Python 3.12 + jax 0.12 (full log: build/jax012-tests.log) ==="; \
 	tail -n 15 build/jax012-tests.log; \
-	test $$main -eq 0 && test $$compat_rc -eq 0
+	test $$main -eq 0 && test $$sharded -eq 0 && test $$compat_rc -eq 0
 
 bench: venv
 	$(PY) -m benchmarks $(BENCH_ARGS)

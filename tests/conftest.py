@@ -18,10 +18,15 @@ sys.path.append(str(ROOT))  # `benchmarks` (shapes declared once, the harness); 
 import environment  # noqa: E402  (benchmarks.deviceless, on the path from the line above)
 
 environment.apply()
-# jax's TPU interpreter blocks one XLA CPU client thread per device at its cross-device barriers (test_sharded.py: 8
-# devices); the client's thread pool is NPROC threads (default: the cores, 2 here), and with fewer threads than
-# devices a kernel whose scalar operands another kernel of the same program computed waits for them forever.
-os.environ.setdefault("NPROC", "16")
+# Host CPU devices: 8 by default, for the shard_map tests (test_sharded.py). jax's TPU interpreter then blocks one XLA
+# CPU client thread per device at its cross-device barriers, and with fewer threads in the client's pool (NPROC;
+# default: the cores, 2 here) than devices, a kernel whose scalar operands another kernel of the same program computed
+# waits for them forever. The rest of the suite is faster on one device with the default pool (54 rms_norm reference
+# checks on two xdist workers: 44.4 s against 50.2 s), so `make test` runs it with TPU_KERNELS_HOST_DEVICES=1 and
+# test_sharded.py in a pytest process of its own.
+HOST_DEVICES = int(os.environ.get("TPU_KERNELS_HOST_DEVICES", "8"))
+if HOST_DEVICES > 1:
+    os.environ.setdefault("NPROC", str(2 * HOST_DEVICES))
 # The JAX kernels (`tpu_kernels_jax`) and the torch package (`tpu_kernels`) are installed editable by the Makefile.
 if importlib.util.find_spec("torch") is None:
     # A JAX-only environment (the jax 0.12 / Python 3.12 compatibility run): modules that need torch run in the main
@@ -33,10 +38,7 @@ from hub import hub_root  # noqa: E402,F401  (shared fixtures)
 from ladder import COMPILE_STATS, moe_path  # noqa: E402,F401
 from ladder import rand as rand  # noqa: E402  (the fixture)
 
-# Eight host CPU devices, for the shard_map tests (test_sharded.py); set before the backend starts. The other tests run
-# on the first device as before, at a cost: 54 rms_norm reference checks on two xdist workers took 50.2 s with 8
-# devices and NPROC=16 against 44.4 s with 1 device and NPROC=2.
-jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_num_cpu_devices", HOST_DEVICES)  # before the backend starts
 
 
 @pytest.hookimpl(wrapper=True)
@@ -56,7 +58,8 @@ def pytest_sessionfinish(session, exitstatus):
     if COMPILE_STATS:
         import jax
 
-        worker = os.environ.get("PYTEST_XDIST_WORKER")  # one file per xdist worker: they would overwrite each other
-        out = ROOT / "build" / f"compile_stats-jax{jax.__version__}{'-' + worker if worker else ''}.json"
+        # one file per xdist worker and host device count (make test's two pytest runs): they would overwrite each other
+        tags = [os.environ.get("PYTEST_XDIST_WORKER"), f"{HOST_DEVICES}devices" if HOST_DEVICES > 1 else None]
+        out = ROOT / "build" / f"compile_stats-jax{jax.__version__}{''.join('-' + t for t in tags if t)}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(COMPILE_STATS, indent=1))

@@ -29,7 +29,10 @@ DEVICES = 8
 
 @functools.cache
 def mesh():
-    assert len(jax.devices()) >= DEVICES, "conftest gives the host platform 8 CPU devices"
+    assert len(jax.devices()) >= DEVICES, (
+        f"test_sharded.py needs {DEVICES} host CPU devices, this process has {len(jax.devices())}: run it without "
+        "TPU_KERNELS_HOST_DEVICES=1 (conftest's default is 8; make test runs this file in a process of its own)"
+    )
     return jax.make_mesh((DEVICES,), (AXIS,))
 
 
