@@ -90,14 +90,26 @@ def _case_args(rand, case):
 
 
 # Cases run on one path only (the suite's time budget): the interleaved silu / gelu ones on the grouped path (the
-# small-batch kernel's interleaved read is the same whatever the activation, and the gpt-oss bf16 case takes it on
-# both paths); the gpt-oss I = 192 one on the small-batch path (test_interleaved_partial_last_tile runs it on the
-# grouped path, at a partial last tile); ReLU squared on the small-batch path (an elementwise activation like the
-# others, tied to its reference in test_ragged_dot.py).
+# small-batch kernel's interleaved read is the same whatever the activation: the gpt-oss cases take it there); the
+# gpt-oss ones on the small-batch path (test_interleaved_partial_last_tile runs the clamped SwiGLU interleaved on the
+# grouped path, at a partial last tile); the clamped silu (up_offset 0) on the small-batch path (the grouped path's
+# clamped gating: the same apply_gating, in test_interleaved_partial_last_tile); ReLU squared on the small-batch path
+# (an elementwise activation like the others, tied to its reference in test_ragged_dot.py). The grouped path's
+# ungated epilogue with biases and sentinels: test_experts_forward_gradients (its d top_k_weights is each routed
+# expert's output against the cotangent); its 64-token, multi-tile run with sentinels: the t64 interleaved case and
+# test_sentinels_contribute_nothing; one token on the grouped path is two rows of the grouped matmuls (m1 and the
+# tail cases in test_ragged_dot.py), so the t1 case takes the path the table gives one token; the unfused I = 96
+# gate/up exists on the grouped path only (the small-batch kernel's I = 96: the stored-swapped case).
 ONE_PATH = {
+    "t1-concat-silu-bf16": "small_batch",
+    "t64-concat-silu-bias-bf16-sentinels": "small_batch",
     "t7-interleaved-silu-bias-f32": "grouped",
     "t64-interleaved-gelu-bf16-transposed": "grouped",
+    "t7-ungated-gelu-bias-bf16-transposed": "small_batch",
+    "t7-concat-i96-unfused-f32-transposed": "grouped",
     "t7-gpt-oss-i192-f32": "small_batch",
+    "t16-gpt-oss-bf16": "small_batch",
+    "t7-concat-clamped-silu-bf16": "small_batch",
     "t7-ungated-relu2-f32": "small_batch",
 }
 PATH_CASES = [(c, p) for c in CASES for p in ladder.MOE_PATHS if ONE_PATH.get(c[0], p) == p]
@@ -193,7 +205,11 @@ def test_path_choice():
 
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 def test_touched_experts_compiles_for_tpu(generation):
-    for tokens, experts in ((1, 128), (256, 128), (16, 160), (64, 512), (256, moe_tuning.SMALL_BATCH_MAX_EXPERTS)):
+    """The gridless touched-experts kernel: on v6e one token, a lane-ragged expert count (160) and the VMEM-heaviest
+    shape (its [E, E] matrices at the most experts the small-batch path takes, the largest batch); on v5e and v7x,
+    whose VMEM differs, the VMEM-heaviest (the others are the same kernel at smaller static sizes)."""
+    shapes = ((1, 128), (16, 160)) if generation == "v6e" else ()
+    for tokens, experts in (*shapes, (256, moe_tuning.SMALL_BATCH_MAX_EXPERTS)):
         ladder.compile_for_tpu(
             touched.touched_experts,
             generation,
