@@ -1,5 +1,5 @@
 """RMSNorm, JAX side, up the ladder: reference vs kernel (interpret mode), gradients, bad input, TPU export,
-deviceless compile for v5e / v6e / v7x at every benchmark shape. Tilings other than the table's are forced through
+deviceless compile for v5e / v6e / v7x at one benchmark shape per distinct kernel. Tilings other than the table's are forced through
 `blocks=`."""
 
 import contextlib
@@ -41,11 +41,27 @@ def blocks_for(request):
 WEIGHT_KINDS = ["weight", "no_weight", "offset_weight"]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("hidden", HIDDENS)
+def blocks_cases(hiddens, dtypes_of):
+    """(blocks kind, hidden, dtype) cases: every hidden size with both tilings, each with the dtypes dtypes_of(index of
+    the hidden size, 0 tuned / 1 small) names; ids as the full product's (blocks-hidden-dtype)."""
+    return [
+        pytest.param(kind, hidden, dtype, id=f"{kind}-{hidden}-{jnp.dtype(dtype).name}")
+        for h, hidden in enumerate(hiddens)
+        for b, kind in enumerate(("tuned_blocks", "small_blocks"))
+        for dtype in dtypes_of(h, b)
+    ]
+
+
+# Each hidden size runs once per tiling (one block / many steps with a ragged last block), the dtype rotating so every
+# dtype meets both tilings and, through the weight kind's rotation below, every weight kind: 12 cases instead of the
+# 36 of the full product, which repeat these code paths.
+@pytest.mark.parametrize(
+    "blocks_for,hidden,dtype",
+    blocks_cases(HIDDENS, lambda h, b: [DTYPES[(h + b + h // 3) % len(DTYPES)]]),
+    indirect=["blocks_for"],
+)
 def test_rms_norm_matches_reference(rand, blocks_for, dtype, hidden):
-    # The weight kind rotates with (hidden, dtype): every dtype meets every kind at two hidden sizes, and every
-    # hidden size every kind once, without the full product.
+    # The weight kind rotates with (hidden, dtype): with the dtype rotation above, every dtype meets every kind.
     weight_kind = WEIGHT_KINDS[(HIDDENS.index(hidden) + DTYPES.index(dtype)) % len(WEIGHT_KINDS)]
     leading = LEADING[HIDDENS.index(hidden) % len(LEADING)]  # 1 to 130 rows: one block, or many with small blocks
     x = rand.normal(leading + (hidden,), dtype, scale=3.0, offset=0.5)
@@ -62,8 +78,13 @@ def test_rms_norm_matches_reference(rand, blocks_for, dtype, hidden):
     )
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("hidden", [64, 200, 4096])
+# Each hidden size (under a lane tile, ragged lanes, many lane tiles) in one dtype of its own, with both tilings: every
+# dtype and every hidden size meets both tilings.
+@pytest.mark.parametrize(
+    "blocks_for,hidden,dtype",
+    blocks_cases([64, 200, 4096], lambda h, b: [DTYPES[h]]),
+    indirect=["blocks_for"],
+)
 def test_fused_add_rms_norm_matches_reference(rand, blocks_for, dtype, hidden):
     x = rand.normal((37, hidden), dtype)
     residual = rand.normal((37, hidden), dtype, scale=2.0)
@@ -94,8 +115,17 @@ def test_zero_rows_give_an_empty_result(rand, fn):
         assert out.shape == (0, 256) and out.dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("with_weight", [True, False])
+# Each dtype meets each tiling and both weight options once (4 of the 8 combinations).
+@pytest.mark.parametrize(
+    "blocks_for,with_weight,dtype",
+    [
+        pytest.param("small_blocks", True, jnp.float32, id="small_blocks-True-float32"),
+        pytest.param("small_blocks", False, jnp.bfloat16, id="small_blocks-False-bfloat16"),
+        pytest.param("tuned_blocks", True, jnp.bfloat16, id="tuned_blocks-True-bfloat16"),
+        pytest.param("tuned_blocks", False, jnp.float32, id="tuned_blocks-False-float32"),
+    ],
+    indirect=["blocks_for"],
+)
 def test_rms_norm_gradients(rand, blocks_for, dtype, with_weight):
     x = rand.normal((45, 384), dtype, scale=2.0)
     weight = rand.normal((384,), dtype) if with_weight else None
@@ -113,7 +143,15 @@ def test_rms_norm_gradients(rand, blocks_for, dtype, with_weight):
     )
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+# Each dtype once, each tiling once.
+@pytest.mark.parametrize(
+    "blocks_for,dtype",
+    [
+        pytest.param("small_blocks", jnp.float32, id="small_blocks-float32"),
+        pytest.param("tuned_blocks", jnp.bfloat16, id="tuned_blocks-bfloat16"),
+    ],
+    indirect=["blocks_for"],
+)
 def test_fused_add_rms_norm_gradients(rand, blocks_for, dtype):
     x = rand.normal((33, 256), dtype)
     residual = rand.normal((33, 256), dtype)
@@ -303,10 +341,15 @@ BENCH_TOKENS = list(RMS_NORM_TOKENS)  # the benchmark shapes, declared once in b
 BENCH_HIDDENS = list(RMS_NORM_HIDDENS)
 
 
-# Every benchmark shape on v6e (the generation the benchmarks model); v5e and v7x at the smallest and largest token
-# counts (one row block, and the most grid steps).
-BENCH_COMPILES = [("v6e", t, h) for t in BENCH_TOKENS for h in BENCH_HIDDENS] + [
-    (g, t, h) for g in ("v5e", "v7x") for t in (BENCH_TOKENS[0], BENCH_TOKENS[-1]) for h in BENCH_HIDDENS
+# One benchmark shape per distinct Mosaic kernel: the kernel body depends on the block table's entry (block_rows,
+# vmem_limit_bytes), the hidden size and the dtype, not on the grid size. On v6e (the generation the benchmarks model)
+# the table gives block_rows = tokens for 1 to 64 tokens (one block; 1 and 8 rows both under a bf16 sublane tile, so
+# 1 stands for 8; 64 rows at one hidden size), 512 rows at 512 x 2048, and one entry per hidden size from 4096 tokens
+# up (1024 rows at 2048, 512 rows and 84 MiB at 4096, also 512 x 4096's): 32768 tokens stands for 4096 (same entry,
+# the most grid steps) and is the VMEM-heaviest. v5e and v7x at 32768 tokens, where their entries differ from v6e's
+# (256 / 512 rows on v5e, 288 / 576 rows and a 47 MiB limit on v7x); at 1 token they share v6e's entry.
+BENCH_COMPILES = [("v6e", t, h) for t, h in ((1, 2048), (1, 4096), (64, 4096), (512, 2048))] + [
+    (g, BENCH_TOKENS[-1], h) for g in ladder.GENERATIONS for h in BENCH_HIDDENS
 ]
 
 
@@ -318,13 +361,20 @@ def test_compiles_for_tpu_at_benchmark_shapes(generation, tokens, hidden):
     ladder.compile_for_tpu(api.fused_add_rms_norm, generation, x, x, w, label="fused_add_rms_norm")
 
 
-@pytest.mark.parametrize("generation", ladder.GENERATIONS)
 @pytest.mark.parametrize(
-    "shape,dtype",
-    [((4096, 16384), jnp.float32), ((1000, 200), jnp.bfloat16), ((9, 64), jnp.float16), ((4096, 2816), jnp.float32)],
-    ids=["16384xf32", "200xbf16", "64xf16", "2816xf32"],
+    "shape,dtype,generation",
+    [pytest.param((4096, 16384), jnp.float32, g, id=f"16384xf32-{g}") for g in ladder.GENERATIONS]
+    + [
+        pytest.param((1000, 200), jnp.bfloat16, "v5e", id="200xbf16-v5e"),
+        pytest.param((9, 64), jnp.float16, "v7x", id="64xf16-v7x"),
+    ],
 )
 def test_compiles_for_tpu_across_sizes_and_backward(generation, shape, dtype):
+    """Forward (with and without weight) and both backwards compile. The VMEM-heaviest shape (16384 f32: the fewest
+    rows per block, table entries that differ per generation) on every generation. Ragged lanes in bf16 (200 wide,
+    one 1000-row block: the same entry on every generation) on v5e, whose missing bf16 VPU makes its lowering the one
+    that differs; float16 (runs as float32; 9 rows, one block, the same entry everywhere) on one generation. A 2816-wide
+    f32 shape was the 16384 one's path (128-multiple lanes, f32, many row blocks) with another block count."""
     x = (shape, dtype)
     w = ((shape[-1],), dtype)
     ladder.compile_for_tpu(api.rms_norm, generation, x, w, label="rms_norm")
