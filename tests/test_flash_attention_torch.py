@@ -3,9 +3,9 @@ JAX functions exported for TPU), flash-attn 2's flash_attn_func / flash_attn_var
 autograd of the formula (GQA, causal bottom-right, windows, softcap, sinks as s_aux, Dv != D, packed sequences with
 int64 cu_seqlens and tensor max_seqlen), bad input, and transformers: tiny random Qwen3, Gemma 4 (head dims 256 and
 512, K = V, scaling 1) and gpt-oss (sinks, sliding window) models loaded with
-attn_implementation="kernels-community/tpu-kernels" from the Hub build give eager's logits and greedy tokens (padded
-batches and packed sequences included) with every attention layer counted on our op, a training step's gradients
-equal eager's, and attention_forward registered under AttentionInterface does the same.
+attn_implementation="kernels-community/tpu-kernels" from the Hub build give eager's logits and greedy tokens (Gemma 4's
+full batch, gpt-oss's padded batch, Qwen3's packed sequences) with every attention layer counted on our op, a training
+step's gradients equal eager's, and attention_forward registered under AttentionInterface does the same.
 
 Sizes are tiny: every new shape is a compile of the Pallas kernels in interpret mode (seconds each)."""
 
@@ -141,6 +141,9 @@ DENSE_CASES = {
 
 @pytest.mark.parametrize("case", DENSE_CASES)
 def test_flash_attn_func_and_autograd_match_torch(rand, case):
+    """Outputs and gradients against torch's autograd of the formula; with every feature at once, also under
+    torch.compile(fullgraph=True): the wrapper's checks and casts trace without a graph break, and the compiled
+    results and gradients equal eager's exactly (on the shapes just run: no new kernel compiles)."""
     c = DENSE_CASES[case]
     inputs = {
         "q": _randn(rand, 2, c["sq"], c["hq"], c["d"], requires_grad=True),
@@ -158,6 +161,8 @@ def test_flash_attn_func_and_autograd_match_torch(rand, case):
         with torch.no_grad():
             out = tpu_kernels.flash_attn_func(inputs["q"], inputs["k"], inputs["v"], causal=True)
         assert (out[:, :7] == 0).all() and (out[:, 7:] != 0).any()
+    else:
+        ladder.check_compiled_matches_eager(lambda **a: tpu_kernels.flash_attn_func(**a), inputs, rand=rand)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -190,6 +195,8 @@ def _varlen_inputs(rand, index_dtype=torch.int64):
 
 
 def test_flash_attn_varlen_func_and_autograd_match_torch(rand):
+    """Against torch's autograd of the formula; int32 cu_seqlens give the int64 result; under
+    torch.compile(fullgraph=True) (int64 cu_seqlens, an int max_seqlen) the results and gradients are eager's."""
     inputs = _varlen_inputs(rand)
     grads = ladder.check_torch_gradients(
         tpu_kernels.flash_attn_varlen_func, _torch_varlen, inputs, rand=rand, rtol=1e-4, atol=1e-5
@@ -200,6 +207,8 @@ def test_flash_attn_varlen_func_and_autograd_match_torch(rand):
         torch.testing.assert_close(
             tpu_kernels.flash_attn_varlen_func(**int32), tpu_kernels.flash_attn_varlen_func(**inputs), rtol=0, atol=0
         )
+    compiled = {**inputs, "max_seqlen_q": 11}
+    ladder.check_compiled_matches_eager(lambda **a: tpu_kernels.flash_attn_varlen_func(**a), compiled, rand=rand)
 
 
 def test_meta_tensors_give_shapes_and_are_checked_by_shape(rand):
@@ -211,19 +220,6 @@ def test_meta_tensors_give_shapes_and_are_checked_by_shape(rand):
     assert out.shape == (5, 4, 8) and out.device.type == "meta"
     with pytest.raises(ValueError, match="k: expected the head dim of q"):
         tpu_kernels.flash_attn_func(q, torch.empty(2, 7, 2, 16, device="meta"), v)
-
-
-def test_wrappers_compile_fullgraph_with_autograd(rand):
-    """flash_attn_func and flash_attn_varlen_func (int64 cu_seqlens, int max_seqlen) under
-    torch.compile(fullgraph=True): the checks and casts trace without a graph break; results and gradients equal
-    eager's exactly."""
-    q, k, v, sinks = _op_inputs(rand)
-    dense = {"q": q, "k": k, "v": v, "s_aux": sinks}
-    ladder.check_compiled_matches_eager(
-        lambda **a: tpu_kernels.flash_attn_func(**a, causal=True, window_size=(4, 0)), dense, rand=rand
-    )
-    varlen = {**_varlen_inputs(rand), "max_seqlen_q": 11}
-    ladder.check_compiled_matches_eager(lambda **a: tpu_kernels.flash_attn_varlen_func(**a), varlen, rand=rand)
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
@@ -422,7 +418,9 @@ def _counted(expected: dict | None = None):
         assert dict(mode.calls) == expected, f"our attention ops ran {dict(mode.calls)}, expected {expected}"
 
 
-@pytest.mark.parametrize("model_name", MODELS)
+# Gemma 4 holds what the others' full batches would check here (GQA causal layers, a sliding window, two head dims);
+# gpt-oss's sinks run on the Hub path in the padded-batch and training-step tests, Qwen3 in the packed and compiled.
+@pytest.mark.parametrize("model_name", ["gemma4"])
 def test_hub_attention_gives_eager_logits_and_tokens(rand, model_name, hub_kernels, tmp_path):
     """attn_implementation="kernels-community/tpu-kernels": transformers registers its flash_attention_forward over
     the build's flash_attn_varlen_func / flash_attn_func; every layer runs our op (a full batch: flash_attn_func),
