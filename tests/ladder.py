@@ -179,6 +179,8 @@ class MoePath:
             activation=moe_ops.gating(experts, has_gate),
             gate_layout=gate_layout or "none",
             weights_transposed=transposed,
+            gate_up_scale=None,
+            down_scale=None,
             blocks=moe_ops.experts_blocks_json(blocks),
         )
         assert_moe_path(fn, specs, blocks.path)

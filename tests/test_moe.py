@@ -585,6 +585,36 @@ BAD_INPUTS = [
         ValueError,
         "blocks.down.rhs_grad.tp: expected a multiple of 128 (lanes) or at least P = 128, got 64",
     ),
+    ladder.BadInput(
+        "scale with float weights",
+        lambda rand: dict(gate_up_scale=rand.uniform((4, 128), 0.01, 0.02)),
+        ValueError,
+        "gate_up_scale: a scale goes with quantized weights (int8 / float8_e4m3fn), got gate_up_proj in float32",
+    ),
+    ladder.BadInput(
+        "quantized weights without their scale",
+        lambda rand: dict(gate_up_proj=rand.integers(-127, 128, (4, 128, 128), jnp.int8)),
+        ValueError,
+        "gate_up_scale: gate_up_proj is int8 (quantized), so its per-output-channel scale (E, 2I) float32 is "
+        "required, got None",
+    ),
+    ladder.BadInput(
+        "scale shape",
+        lambda rand: dict(
+            down_proj=rand.normal((4, 128, 64)).astype(jnp.float8_e4m3fn), down_scale=rand.uniform((4, 64), 0.01, 1)
+        ),
+        ValueError,
+        "down_scale: expected shape (4, 128) (E, H), got (4, 64)",
+    ),
+    ladder.BadInput(
+        "scale dtype",
+        lambda rand: dict(
+            down_proj=rand.integers(-127, 128, (4, 128, 64), jnp.int8),
+            down_scale=rand.uniform((4, 128), 0.01, 1, jnp.bfloat16),
+        ),
+        TypeError,
+        "down_scale: expected dtype in (float32), got bfloat16",
+    ),
 ]
 
 
@@ -608,6 +638,161 @@ def test_clamped_swiglu_bad_parameters(fields, message):
     with pytest.raises(ValueError) as info:
         ClampedSwiGLU(**fields)
     assert message in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------ quantized weights
+QUANT_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+def quantize(w, dtype, out_axis):
+    """Symmetric per-output-channel quantization of f32 weights [E, ., .] whose output channels are on `out_axis`:
+    (q, scale [E, N] f32), w ~ q * scale."""
+    w = np.asarray(w, np.float32)
+    dtype = jnp.dtype(dtype)
+    scale = np.abs(w).max(axis=3 - out_axis) / QUANT_MAX[dtype]
+    ratio = w / np.expand_dims(scale, 3 - out_axis)
+    q = np.clip(np.round(ratio), -127, 127) if dtype == jnp.int8 else ratio
+    return jnp.asarray(q).astype(dtype), jnp.asarray(scale, F32)
+
+
+def dequantize(q, scale, out_axis):
+    """The reference's weights: q * scale in f32 (exact up to f32 rounding of one product)."""
+    return q.astype(F32) * jnp.expand_dims(scale, 3 - out_axis)
+
+
+def quantized_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_scale, down_scale, *b, **kw):
+    """experts_forward with the scales positional (for jit specs and compile_for_tpu)."""
+    return api.experts_forward(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up,
+        down,
+        *b,
+        gate_up_scale=gate_up_scale,
+        down_scale=down_scale,
+        **kw,
+    )
+
+
+# (id, weight dtype, activation dtype, weights_transposed, biases, I, gate layout, activation). bf16 activations:
+# the reference runs on the dequantized weights in f32 and rounds what every implementation rounds (the bf16
+# intermediate and output), so the kernels may differ from it by bf16 rounding only (ladder's bf16 tolerance); f32
+# activations: to f32 rounding.
+QUANT_CASES = [
+    # I = 256: the small-batch kernel's smallest chunk is 128 (down_proj holds I on lanes), two a gate/up stream.
+    ("int8-bf16-i256", jnp.int8, BF16, False, False, 256, "concatenated", "silu"),
+    # gpt-oss's layout (interleaved, transposed, biases, its clamped SwiGLU): small-batch chunks of 64 (2 steps).
+    ("fp8-f32-gpt-oss", jnp.float8_e4m3fn, F32, True, True, 128, "interleaved", GPT_OSS_GATE),
+]
+# The int8 case on the small-batch path only (its grouped matmuls' dequantization: test_ragged_dot.py, with k steps).
+QUANT_PATH_CASES = [(c, p) for c in QUANT_CASES for p in ladder.MOE_PATHS if (c[0], p) != ("int8-bf16-i256", "grouped")]
+
+
+def _quantized_case(rand, case, tokens=7):
+    """(kernel args, kernel keywords): T tokens, top-2 of 6 experts (2 sentinel slots), H = 128."""
+    _, weight_dtype, dtype, transposed, bias, inter, gate_layout, activation = case
+    x = rand.normal((tokens, 128), dtype)
+    index, w = routing(rand, tokens, 6, 2, sentinels=2)
+    gate_up, down, gate_up_bias, down_bias = weights(
+        rand, 6, 128, inter, gated=True, transposed=transposed, bias=bias, dtype=dtype
+    )
+    out_axis = 2 if transposed else 1
+    (gate_up_q, gate_up_scale), (down_q, down_scale) = (quantize(a, weight_dtype, out_axis) for a in (gate_up, down))
+    kw = dict(activation=activation, gate_layout=gate_layout, weights_transposed=transposed)
+    return (x, index, w.astype(dtype), gate_up_q, down_q, gate_up_scale, down_scale, gate_up_bias, down_bias), kw
+
+
+def _quantized_reference(kw):
+    """The dense reference on the dequantized weights, taking the kernel's arguments (scales in place)."""
+
+    def reference(x, index, w, gate_up_q, down_q, gate_up_scale, down_scale, gate_up_bias, down_bias):
+        out_axis = 2 if kw["weights_transposed"] else 1
+        gate_up = dequantize(gate_up_q, gate_up_scale, out_axis)
+        down = dequantize(down_q, down_scale, out_axis)
+        return experts_forward_reference(x, index, w, gate_up, down, gate_up_bias, down_bias, **kw)
+
+    return reference
+
+
+@pytest.mark.parametrize("case,path", QUANT_PATH_CASES, ids=[f"{c[0]}-{p}" for c, p in QUANT_PATH_CASES])
+def test_quantized_experts_match_dequantized_reference(rand, case, path):
+    """int8 / fp8 weights with per-output-channel scales, dequantized in VMEM by both paths' kernels, against the
+    dense reference on the dequantized weights."""
+    args, kw = _quantized_case(rand, case)
+    dtype = case[2]
+    blocks = ladder.moe_blocks(
+        path, args[3], args[4], args[7], gate_layout=kw["gate_layout"], weights_transposed=kw["weights_transposed"]
+    )
+    fn = functools.partial(quantized_experts, blocks=blocks, **kw)
+    ladder.assert_moe_path(fn, args, path)
+    out = ladder.check_against_reference(
+        jax.jit(fn),
+        jax.jit(_quantized_reference(kw)),
+        args,
+        dtype=dtype,
+        rand=rand,
+        **(F32_TOL if dtype == F32 else {}),
+    )
+    assert out.shape == args[0].shape and out.dtype == dtype
+
+
+# Each weight dtype on v6e (int8 at Qwen3-30B-A3B's B = 64, fp8 at Gemma 4's, whose 352-column chunks select
+# unaligned columns of the scale row), fp8 on v5e (no fp8 MXU there: the kernel's VPU cast compiles), int8 on v7x:
+# the small-batch kernel. The grouped matmuls: test_quantized_grouped_matmuls_compile_for_tpu.
+QUANT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+QUANT_COMPILES = [("v6e", "int8", "qwen3-30b-a3b"), ("v6e", "fp8", "gemma4-26b-a4b"), ("v5e", "fp8", "qwen3-30b-a3b")]
+QUANT_COMPILES += [("v7x", "int8", "qwen3-30b-a3b")]
+
+
+def _quantized_specs(model, weights, tokens):
+    dims = MOE_MODELS[model]
+    specs = _decode_specs(model, tokens)
+    specs[3], specs[4] = (specs[3][0], QUANT_DTYPES[weights]), (specs[4][0], QUANT_DTYPES[weights])
+    return specs + [((MOE_EXPERTS, 2 * dims["intermediate"]), F32), ((MOE_EXPERTS, dims["hidden"]), F32)]
+
+
+@pytest.mark.parametrize("generation,weights,model", QUANT_COMPILES, ids=[f"{g}-{w}-{m}" for g, w, m in QUANT_COMPILES])
+def test_quantized_experts_compile_for_tpu(generation, weights, model):
+    activation = MOE_MODELS[model]["activation"]
+    specs = _quantized_specs(model, weights, 64)
+    with jax.default_device(ladder.tpu_device(generation)):
+        fn = functools.partial(quantized_experts, activation=activation)
+        ladder.assert_moe_path(fn, [jax.ShapeDtypeStruct(*sd) for sd in specs], "small_batch")
+    ladder.compile_for_tpu(
+        quantized_experts,
+        generation,
+        *specs,
+        min_kernels=2,
+        label=f"experts_forward {model} {weights}",
+        activation=activation,
+    )
+
+
+def _grouped_matmuls(x, int8_gate_up, gate_up_scale, fp8_down, down_scale, sizes):
+    h = tk.ragged_dot(
+        x, int8_gate_up, sizes, rhs_transposed=True, rhs_scale=gate_up_scale, gated="concatenated", activation="silu"
+    )
+    return tk.ragged_dot(h, fp8_down, sizes, rhs_transposed=True, rhs_scale=down_scale, row_scale=x[:, 0])
+
+
+def test_quantized_grouped_matmuls_compile_for_tpu():
+    """The grouped path's two matmuls at Qwen3-30B-A3B's 512 tokens x top-8 rows on v6e, int8 gate/up with the fused
+    SiLU gating and fp8 down with the row scale (the whole grouped experts_forward compiles as the bf16 one does)."""
+    dims = MOE_MODELS["qwen3-30b-a3b"]
+    h, i, rows = dims["hidden"], dims["intermediate"], 512 * MOE_TOP_K
+    ladder.compile_for_tpu(
+        _grouped_matmuls,
+        "v6e",
+        ((rows, h), BF16),
+        ((MOE_EXPERTS, 2 * i, h), jnp.int8),
+        ((MOE_EXPERTS, 2 * i), F32),
+        ((MOE_EXPERTS, h, i), jnp.float8_e4m3fn),
+        ((MOE_EXPERTS, h), F32),
+        ((MOE_EXPERTS,), jnp.int32),
+        min_kernels=2,
+        label="quantized grouped matmuls qwen3",
+    )
 
 
 # ------------------------------------------------------------------------------------------------ rung 2

@@ -184,6 +184,8 @@ def _op_args(experts, x, index, weights):
         experts.down_proj.detach(),
         experts.gate_up_proj_bias.detach(),
         experts.down_proj_bias.detach(),
+        None,
+        None,
         "silu",
         "concatenated",
         False,
@@ -219,7 +221,7 @@ def test_op_functions_export_for_tpu(rand, tokens):
     experts = _experts_module(rand, dtype=torch.float16)
     x, grad = _randn(rand, tokens, 128, dtype=torch.float16), _randn(rand, tokens, 128, dtype=torch.float16)
     index, weights = _routing(rand, tokens, experts.num_experts, 2)
-    args = (x, index.int(), weights, experts.gate_up_proj.detach(), experts.down_proj.detach(), None, None)
+    args = (x, index.int(), weights, experts.gate_up_proj.detach(), experts.down_proj.detach(), None, None, None, None)
     args += ("silu", "concatenated", False, "")
     ladder.export_torch_op_for_tpu(moe_ops.experts_forward_op, args)
     wrt = "hidden_states,top_k_weights,gate_up_proj,down_proj"
@@ -676,6 +678,121 @@ BAD_EXPERTS_INPUTS = [
 @ladder.bad_input_params(BAD_EXPERTS_INPUTS)
 def test_experts_forward_bad_input(rand, case):
     ladder.assert_clear_error(case, _experts_call, _good_experts(rand), rand)
+
+
+# ---------------------------------------------------------------------------------------------- quantized experts
+def _fp8_experts(rand, dtype, *, gate_up_blocks, down_blocks):
+    """transformers' FP8 experts (what its fine-grained FP8 quantizer installs, through the experts interface) with
+    random `dtype` weights and float32 scales `<proj>_scale_inv` [E, S, 1]: S blocks of the output channels each
+    (S = N: per channel; 1: per expert)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+    from transformers.integrations.moe import use_experts_implementation
+
+    ALL_FP8_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, tpu_kernels.experts_forward)
+    config = Qwen3MoeConfig(hidden_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2)
+    config._experts_implementation = EXPERTS_IMPLEMENTATION
+    # A subclass: the decorator edits the class it is given (transformers hands it FP8Experts itself).
+    under_test = type("FP8ExpertsUnderTest", (FP8Experts,), {})
+    cls = use_experts_implementation(experts_class=under_test, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    experts = cls(config, block_size=None)
+
+    def weight(*shape):
+        if dtype == torch.int8:
+            return torch.from_numpy(rand.rng.integers(-127, 128, shape).astype(np.int8))
+        return (_randn(rand, *shape) * 100).clamp(-448, 448).to(dtype)  # e4m3's range (beyond it: NaN)
+
+    def scale(e, n, blocks):
+        return torch.from_numpy(rand.rng.uniform(0.5, 1.5, (e, blocks, 1)).astype(np.float32)) / (100 * n**0.5)
+
+    e, n, h, i = 8, 128, 128, 64
+    experts.gate_up_proj = torch.nn.Parameter(weight(e, n, h), requires_grad=False)
+    experts.down_proj = torch.nn.Parameter(weight(e, h, i), requires_grad=False)
+    experts.gate_up_proj_scale_inv = torch.nn.Parameter(scale(e, h, gate_up_blocks))
+    experts.down_proj_scale_inv = torch.nn.Parameter(scale(e, i, down_blocks))
+    return experts
+
+
+def _dequantized_experts(experts):
+    """A float stand-in of FP8 experts for _dense_experts: weights = q * scale_inv, per block of output rows."""
+    import types
+
+    def dequantized(q, scale):
+        return q.float() * scale.float().repeat_interleave(q.shape[1] // scale.shape[1], dim=1)
+
+    return types.SimpleNamespace(
+        num_experts=experts.num_experts,
+        is_transposed=False,
+        has_bias=False,
+        act_fn=experts.act_fn,
+        gate_up_proj=dequantized(experts.gate_up_proj, experts.gate_up_proj_scale_inv),
+        down_proj=dequantized(experts.down_proj, experts.down_proj_scale_inv),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_fp8_experts_module_matches_dequantized_experts(rand, dtype):
+    """transformers' FP8 experts module, its forward dispatched to experts_forward by the experts interface: the
+    weights and their `_scale_inv` scales read off the module (gate/up per output channel, down one per expert),
+    against the dense experts on the dequantized weights (f32 activations: f32 rounding), output and the hidden
+    states' gradient."""
+    experts = _fp8_experts(rand, dtype, gate_up_blocks=128, down_blocks=1)
+    x = _randn(rand, 5, 128).requires_grad_()
+    index, weights = _routing(rand, 5, experts.num_experts, 2, sentinels=True)
+    out = experts(x, index, weights)  # the module's forward: the experts interface calls experts_forward
+    x_ref = x.detach().clone().requires_grad_()
+    expected = _dense_experts(_dequantized_experts(experts), x_ref, index, weights)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # The hidden states' gradient (the weights and scales are constants of it), against the dense experts'.
+    cotangent = _randn(rand, 5, 128)
+    (grad,) = torch.autograd.grad(out, x, cotangent)
+    (grad_ref,) = torch.autograd.grad(expected, x_ref, cotangent)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-5)
+
+
+def _fp8_experts_with(**scales):
+    def change(rand):
+        experts = _fp8_experts(rand, torch.int8, gate_up_blocks=128, down_blocks=128)
+        for name, value in scales.items():
+            setattr(experts, name, None if value is None else torch.nn.Parameter(value, requires_grad=False))
+        return {"self": experts}
+
+    return change
+
+
+BAD_QUANTIZED_INPUTS = [
+    ladder.BadInput(
+        "no scale",
+        _fp8_experts_with(down_proj_scale_inv=None),
+        ValueError,
+        "self.down_proj_scale_inv: down_proj is torch.int8 (quantized), so its scale [8, 128 (or a divisor of it), "
+        "1] float32 (transformers' per-output-channel convention) is required, got none",
+    ),
+    ladder.BadInput(
+        "block scales along the input",
+        _fp8_experts_with(gate_up_proj_scale_inv=torch.ones(8, 1, 2)),
+        ValueError,
+        "self.gate_up_proj_scale_inv: expected [8, 128 (or a divisor of it), 1] float32 (transformers' "
+        "per-output-channel convention), got shape (8, 1, 2) (block scales along the input dimension are not "
+        "supported)",
+    ),
+    ladder.BadInput(
+        "bfloat16 scales",
+        _fp8_experts_with(down_proj_scale_inv=torch.ones(8, 128, 1, dtype=torch.bfloat16)),
+        TypeError,
+        "self.down_proj_scale_inv: expected [8, 128 (or a divisor of it), 1] float32 (transformers' "
+        "per-output-channel convention), got dtype torch.bfloat16",
+    ),
+]
+
+
+@ladder.bad_input_params(BAD_QUANTIZED_INPUTS)
+def test_quantized_experts_bad_scales(rand, case):
+    good = {
+        "hidden_states": _randn(rand, 4, 128),
+        **dict(zip(("top_k_index", "top_k_weights"), _routing(rand, 4, 8, 2))),
+    }
+    ladder.assert_clear_error(case, _experts_call, good, rand)
 
 
 def _sizes(*values, dtype=torch.int32):

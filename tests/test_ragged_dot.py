@@ -367,6 +367,36 @@ def test_row_scale_and_its_gradient(rand, regime, case):
     )
 
 
+# ------------------------------------------------------------------------------------------------ quantized rhs
+def test_quantized_rhs_matches_dequantized_reference(rand):
+    """int8 rhs with a per-column f32 scale, cast in VMEM, against the reference on the dequantized rhs (exact
+    weights; f32 lhs, so to f32 rounding): the fused concatenated epilogue (the scale split into gate and up halves
+    like the bias) with k accumulated over two steps (K = 200: a masked partial last block; the scale applies once,
+    after the last), in a group window of an rhs holding every group; d lhs (the column scale moved onto the
+    cotangent, per row by its group) and d bias. bf16 activations and fp8 weights: test_moe.py."""
+    m, k, n, groups = 24, 200, 256, 5
+    kw = dict(rhs_transposed=True, activation="silu", gated="concatenated", group_offset=1, num_local_groups=3)
+    lhs = rand.normal((m, k))
+    rhs = rand.integers(-127, 128, rhs_shape(groups, k, n, True), jnp.int8)
+    scale = rand.uniform((groups, n), 0.001, 0.01)
+    bias = rand.normal((groups, n))
+    sizes = group_sizes(rand, groups, m - 3)
+    blocks = RaggedDotBlocks(forward=MatmulBlocks(tk=128), recompute=MatmulBlocks(tk=128))
+
+    def kernel(l, q, c, sz, b):
+        return tk.ragged_dot(l, q, sz, rhs_scale=c, bias=b, blocks=blocks, **kw)
+
+    def reference(l, q, c, sz, b):
+        return ragged_dot_reference(l, q.astype(F32) * c[:, :, None], sz, bias=b, **kw)
+
+    args = (lhs, rhs, scale, sizes, bias)
+    out = ladder.check_against_reference(jax.jit(kernel), jax.jit(reference), args, dtype=F32, rand=rand, **F32_TOL)
+    assert out.dtype == F32 and bool(jnp.all(out[m - 3 :] == 0)), "tail rows are not exactly zero"
+    ladder.check_gradients(
+        kernel, reference, args, argnums=(0, 4), names=["d lhs", "d bias"], rand=rand, dtype=F32, **F32_TOL
+    )
+
+
 # ------------------------------------------------------------------------------------------------ activation
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("activation", kernel_activation.ACTIVATIONS)

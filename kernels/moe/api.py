@@ -9,15 +9,22 @@ experts keep token order), gather the token rows; gate/up grouped matmul with ac
 (written once, width I); down grouped matmul with each row scaled by its routing weight in the epilogue; sum each
 token's k rows in f32. Expert ids outside [0, num_experts) (expert-parallel sentinels) are sorted past the last
 group, so the grouped matmuls leave their rows zero and skip their work.
+
+Quantized expert weights (inference): int8 or float8_e4m3fn gate_up_proj / down_proj with per-output-channel f32
+scales gate_up_scale [E, 2I] / down_scale [E, H] (the biases' shapes); both paths' kernels cast each weight block to
+the activations' dtype in VMEM and scale the f32 result's columns. Gradients flow to the hidden states, the routing
+weights and the biases; the quantized weights and their scales are constants.
 """
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..common import quantization
 from ..common.activation import ClampedSwiGLU, check_activation
 from ..common.interpret import interpret_eager_cpu_calls
 from ..common.validation import FLOAT_DTYPES, check_array, is_concrete
@@ -27,6 +34,7 @@ from . import small_batch, tuning
 from .tuning import ExpertsBlocks
 
 INDEX_DTYPES = (jnp.dtype(jnp.int32),)
+WEIGHT_DTYPES = FLOAT_DTYPES[:2] + quantization.QUANTIZED_DTYPES
 GATE_LAYOUTS = ("concatenated", "interleaved", None)
 
 
@@ -42,6 +50,8 @@ def _validate(
     activation,
     gate_layout,
     weights_transposed,
+    gate_up_scale=None,
+    down_scale=None,
     blocks=None,
 ):
     """Validate experts_forward's arguments, `blocks` included; return ((T, H, E, I), small-batch plan or None,
@@ -49,8 +59,8 @@ def _validate(
     check_array("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES[:2])
     check_array("top_k_index", top_k_index, ndim=2, dtypes=INDEX_DTYPES)
     check_array("top_k_weights", top_k_weights, ndim=2, dtypes=FLOAT_DTYPES)
-    check_array("gate_up_proj", gate_up_proj, ndim=3, dtypes=FLOAT_DTYPES[:2])
-    check_array("down_proj", down_proj, ndim=3, dtypes=FLOAT_DTYPES[:2])
+    check_array("gate_up_proj", gate_up_proj, ndim=3, dtypes=WEIGHT_DTYPES)
+    check_array("down_proj", down_proj, ndim=3, dtypes=WEIGHT_DTYPES)
     if gate_layout not in GATE_LAYOUTS:
         raise ValueError(f"gate_layout: expected one of {GATE_LAYOUTS}, got {gate_layout!r}")
     check_activation(activation, gated=gate_layout is not None, allow_none=False)
@@ -86,6 +96,14 @@ def _validate(
         check_array("down_bias", down_bias, ndim=2, dtypes=FLOAT_DTYPES[:2])
         if tuple(down_bias.shape) != (num_experts, hidden):
             raise ValueError(f"down_bias: expected shape {(num_experts, hidden)}, got {tuple(down_bias.shape)}")
+    up_doc = "(E, 2I)" if gate_layout is not None else "(E, I)"
+    for name, scale, weight_name, weight, shape, doc in (
+        ("gate_up_scale", gate_up_scale, "gate_up_proj", gate_up_proj, (num_experts, up_out), up_doc),
+        ("down_scale", down_scale, "down_proj", down_proj, (num_experts, hidden), "(E, H)"),
+    ):
+        quantization.check_scale(
+            name, scale, weight_name=weight_name, weight=weight, expected_shape=shape, shape_doc=doc
+        )
     if is_concrete(top_k_index) and top_k_index.size and int(np.min(np.asarray(top_k_index))) < 0:
         bad = np.argwhere(np.asarray(top_k_index) < 0)[0]
         raise ValueError(
@@ -100,6 +118,8 @@ def _validate(
         down_proj,
         gate_up_bias,
         down_bias,
+        gate_up_scale,
+        down_scale,
         activation=activation,
         gate_layout=gate_layout,
         weights_transposed=weights_transposed,
@@ -110,7 +130,8 @@ def _validate(
 
 def check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, **kwargs):
     """Validate experts_forward's arguments (arrays or ShapeDtypeStructs; keywords activation, gate_layout,
-    weights_transposed and optionally blocks), `blocks` included; return (T, H, E, I)."""
+    weights_transposed and optionally gate_up_scale, down_scale and blocks), `blocks` included; return
+    (T, H, E, I)."""
     dims, _, _ = _validate(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, **kwargs
     )
@@ -142,6 +163,8 @@ def _plan(
     down_proj,
     gate_up_bias,
     down_bias,
+    gate_up_scale,
+    down_scale,
     *,
     activation,
     gate_layout,
@@ -164,6 +187,7 @@ def _plan(
             sizes,
             preferred_element_type=dtype,
             bias=gate_up_bias,
+            rhs_scale=gate_up_scale,
             activation=activation,
             gated=gate_layout,
             blocks=blocks.gate_up,
@@ -177,6 +201,7 @@ def _plan(
             sizes,
             preferred_element_type=dtype,
             bias=down_bias,
+            rhs_scale=down_scale,
             row_scale=spec((rows,), jnp.float32),
             blocks=blocks.down,
             owner="blocks.down",
@@ -231,6 +256,8 @@ def experts_forward(
     activation: str | ClampedSwiGLU = "silu",
     gate_layout: str | None = "concatenated",
     weights_transposed: bool = False,
+    gate_up_scale: jax.Array | None = None,
+    down_scale: jax.Array | None = None,
     blocks: ExpertsBlocks | None = None,
 ) -> jax.Array:
     """transformers' MoE experts forward: y[t] = sum_j w[t,j] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = idx[t,j].
@@ -242,6 +269,9 @@ def experts_forward(
     activation: "silu" or "gelu_tanh", or with a gate a ClampedSwiGLU(limit, alpha, up_offset) (gpt-oss's gating,
     which replaces act(gate) * up; common/activation.py). Biases [E, 2I] and [E, H] are optional. Returns [T, H] in
     hidden_states' dtype; f32 accumulation throughout.
+    Quantized weights: gate_up_proj / down_proj in int8 or float8_e4m3fn need gate_up_scale [E, 2I] / down_scale
+    [E, H] float32, one scale per output channel (w = q * scale); the kernels dequantize in VMEM (forward; the
+    gradient reaches the hidden states, routing weights and biases, the quantized weights are constants).
     `blocks`: the path and the tiles of its kernels (an ExpertsBlocks, see tuning.py); None: the tuning table's.
     """
     (tokens, hidden, _, _), plan, layout = _validate(
@@ -255,15 +285,16 @@ def experts_forward(
         activation=activation,
         gate_layout=gate_layout,
         weights_transposed=weights_transposed,
+        gate_up_scale=gate_up_scale,
+        down_scale=down_scale,
         blocks=blocks,
     )
     if tokens * top_k_index.shape[1] == 0:
         return jnp.zeros((tokens, hidden), hidden_states.dtype)
+    weights = _Weights(gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scale, down_scale)
     if plan is not None:
-        return _small_batch(
-            plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
-        )
-    return _grouped(layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
+        return _small_batch(plan, layout, hidden_states, top_k_index, top_k_weights, weights)
+    return _grouped(layout, hidden_states, top_k_index, top_k_weights, weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,23 +307,33 @@ class _Layout:
     down_blocks: ragged_dot_tuning.RaggedDotBlocks | None = None
 
 
-def _grouped(
-    layout: _Layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
-):
+class _Weights(NamedTuple):
+    """The expert weights of one call (a pytree; absent biases and scales are None)."""
+
+    gate_up_proj: jax.Array
+    down_proj: jax.Array
+    gate_up_bias: jax.Array | None
+    down_bias: jax.Array | None
+    gate_up_scale: jax.Array | None
+    down_scale: jax.Array | None
+
+
+def _grouped(layout: _Layout, hidden_states, top_k_index, top_k_weights, weights: _Weights):
     """Route, gather, gate/up grouped matmul with the fused epilogue, down grouped matmul, weighted combine."""
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
-    num_experts = gate_up_proj.shape[0]
+    num_experts = weights.gate_up_proj.shape[0]
     order, group_sizes = route(top_k_index, num_experts)
     # Both row gathers index by a permutation of [0, T * k), in bounds by construction: jnp.take's default "fill"
     # mode would add a bounds select over the whole [T * k, H] gather (modeled v6e: 405 us at 32768 rows).
     x_sorted = hidden_states.at[order // top_k].get(mode="promise_in_bounds")
     h = ragged_dot_api.ragged_dot(
         x_sorted,
-        gate_up_proj,
+        weights.gate_up_proj,
         group_sizes,
         rhs_transposed=not layout.weights_transposed,
-        bias=gate_up_bias,
+        bias=weights.gate_up_bias,
+        rhs_scale=weights.gate_up_scale,
         activation=layout.activation,
         gated=layout.gate_layout,
         preferred_element_type=hidden_states.dtype,
@@ -302,14 +343,15 @@ def _grouped(
     # rows sit past the last group and come out zero anyway), so the weighted rows are written once, in the
     # activations' dtype as transformers' eager path does, and the combine is one gather + sum over k in f32.
     valid = (top_k_index >= 0) & (top_k_index < num_experts)
-    weights = jnp.where(valid, top_k_weights.astype(jnp.float32), 0.0).reshape(-1)
+    routing = jnp.where(valid, top_k_weights.astype(jnp.float32), 0.0).reshape(-1)
     y = ragged_dot_api.ragged_dot(
         h,
-        down_proj,
+        weights.down_proj,
         group_sizes,
         rhs_transposed=not layout.weights_transposed,
-        bias=down_bias,
-        row_scale=weights.at[order].get(mode="promise_in_bounds"),
+        bias=weights.down_bias,
+        rhs_scale=weights.down_scale,
+        row_scale=routing.at[order].get(mode="promise_in_bounds"),
         preferred_element_type=hidden_states.dtype,
         blocks=layout.down_blocks,
     )
@@ -318,19 +360,23 @@ def _grouped(
     return per_slot.astype(jnp.float32).sum(axis=1).astype(hidden_states.dtype)
 
 
-def _small_batch_forward(
-    plan, layout: _Layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
-):
-    gate_up = jnp.swapaxes(gate_up_proj, 1, 2) if plan.swap_gate_up else gate_up_proj
-    down = jnp.swapaxes(down_proj, 1, 2) if plan.swap_down else down_proj
+def _small_batch_forward(plan, layout: _Layout, hidden_states, top_k_index, top_k_weights, weights: _Weights):
+    def stored(w, swap):
+        return jnp.swapaxes(w, 1, 2) if swap else w
+
+    def per_column(v):  # [E, N] -> [E, 1, N] blocks
+        return None if v is None else v[:, None, :]
+
     return small_batch.experts_forward_small_batch(
         hidden_states,
         top_k_index,
         top_k_weights,
-        gate_up,
-        down,
-        None if gate_up_bias is None else gate_up_bias[:, None, :],
-        None if down_bias is None else down_bias[:, None, :],
+        stored(weights.gate_up_proj, plan.swap_gate_up),
+        stored(weights.down_proj, plan.swap_down),
+        per_column(weights.gate_up_bias),
+        per_column(weights.down_bias),
+        gate_up_scale=per_column(weights.gate_up_scale),
+        down_scale=per_column(weights.down_scale),
         up_streams=plan.up_streams,
         down_i_axis=plan.down_i_axis,
         tc=plan.tc,
@@ -343,34 +389,34 @@ def _small_batch_forward(
 # The small-batch kernel has no backward of its own: its gradient is the grouped path's (same function, recomputed
 # in the backward pass), whose kernels have Pallas backward passes.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _small_batch(
-    plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
-):
-    return _small_batch_forward(
-        plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
-    )
+def _small_batch(plan, layout, hidden_states, top_k_index, top_k_weights, weights):
+    return _small_batch_forward(plan, layout, hidden_states, top_k_index, top_k_weights, weights)
 
 
-def _small_batch_fwd(
-    plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
-):
-    out = _small_batch_forward(
-        plan, layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
-    )
-    return out, (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
+def _small_batch_fwd(plan, layout, hidden_states, top_k_index, top_k_weights, weights):
+    out = _small_batch_forward(plan, layout, hidden_states, top_k_index, top_k_weights, weights)
+    return out, (hidden_states, top_k_index, top_k_weights, weights)
 
 
 def _small_batch_bwd(plan, layout, saved, g):
-    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias = saved
+    hidden_states, top_k_index, top_k_weights, weights = saved
+    # Quantized weights and their scales are constants of the grouped path's gradient (zero cotangent, None);
+    # float weights and the biases are differentiated.
+    constant = {
+        "gate_up_scale",
+        "down_scale",
+        *(n for n in ("gate_up_proj", "down_proj") if quantization.is_quantized(getattr(weights, n).dtype)),
+    }
+    free = {n: v for n, v in weights._asdict().items() if n not in constant}
 
-    def grouped(hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias):
-        return _grouped(
-            layout, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias
-        )
+    def grouped(hidden_states, top_k_weights, free):
+        w = _Weights(**free, **{n: getattr(weights, n) for n in constant})
+        return _grouped(layout, hidden_states, top_k_index, top_k_weights, w)
 
-    _, vjp = jax.vjp(grouped, hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
-    dx, dw, dup, ddown, dup_bias, ddown_bias = vjp(g)
-    return dx, None, dw, dup, ddown, dup_bias, ddown_bias
+    _, vjp = jax.vjp(grouped, hidden_states, top_k_weights, free)
+    dx, dw, dfree = vjp(g)
+    dweights = _Weights(**dfree, **{n: None for n in constant})
+    return dx, None, dw, dweights
 
 
 _small_batch.defvjp(_small_batch_fwd, _small_batch_bwd)

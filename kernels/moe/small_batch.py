@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common import quantization
 from ..common.activation import apply_activation, apply_gating, deinterleaved_gating
 from ..common.manual_axes import out_struct
 from ..ragged_dot.kernel import matmul_precision
@@ -75,6 +76,18 @@ def _contract(a, block, a_axis, block_axis, compute_dtype):
     )
 
 
+def _chunk_columns(ref, c, stream: WeightStream, chunks: int, width: int):
+    """Columns [(c + offset) * width, ...) of the expert's whole per-column row `ref` (1, N), for chunk c: a chain
+    of selects over static slices (Mosaic slices lanes at static offsets only, and a (1, width) block of its own
+    would need width to be whole lane tiles, which would rule out chunks such as Gemma 4's 352 of I = 704)."""
+    start = stream.block_offset * width
+    out = ref[:, start : start + width]
+    for ci in range(1, chunks):
+        lo = start + ci * width
+        out = jnp.where(c == ci, ref[:, lo : lo + width], out)
+    return out
+
+
 def _fused_kernel(
     experts_ref,
     count_ref,
@@ -84,7 +97,9 @@ def _fused_kernel(
     *refs,
     up_streams,
     down_i_axis,
+    num_up_scale,
     num_up_bias,
+    has_down_scale,
     has_down_bias,
     chunks,
     activation,
@@ -94,11 +109,16 @@ def _fused_kernel(
 ):
     up_refs = refs[: len(up_streams)]
     rest = refs[len(up_streams) :]
+    up_scale_refs = rest[:num_up_scale]
+    rest = rest[num_up_scale:]
     up_bias_refs = rest[:num_up_bias]
     rest = rest[num_up_bias:]
     down_ref = rest[0]
-    down_bias_ref = rest[1] if has_down_bias else None
-    out_ref, acc_ref = rest[1 + has_down_bias :]
+    rest = rest[1:]
+    down_scale_ref = rest[0] if has_down_scale else None
+    rest = rest[has_down_scale:]
+    down_bias_ref = rest[0] if has_down_bias else None
+    out_ref, acc_ref = rest[has_down_bias:]
     v = pl.program_id(0)
     c = pl.program_id(1)
     e = experts_ref[v]
@@ -115,6 +135,9 @@ def _fused_kernel(
     x = x_ref[...]
     # x [T, H] against a block with H on the axis other than the intermediate one.
     parts = [_contract(x, r[...], 1, 3 - s.i_axis - 1, up_dtype) for r, s in zip(up_refs, up_streams)]
+    # Quantized weights: cast in VMEM by _contract, their per-column scale on the f32 result (not on the block).
+    if num_up_scale:
+        parts = [p * _chunk_columns(up_scale_refs[0], c, s, chunks, p.shape[1]) for p, s in zip(parts, up_streams)]
     parts = [p + b[...].astype(jnp.float32) for p, b in zip(parts, up_bias_refs)] if num_up_bias else parts
     if up_streams[0].interleaved:
         h = deinterleaved_gating(parts[0], activation)
@@ -125,6 +148,8 @@ def _fused_kernel(
     # The grouped path writes act(gate) * up in the activations' dtype before the down matmul; so does this one.
     h = h.astype(h_dtype)
     y = _contract(h, down_ref[...], 1, down_i_axis - 1, down_dtype)  # [T, H] f32
+    if has_down_scale:
+        y = y * down_scale_ref[...]
     if has_down_bias:
         y = y + jnp.where(c == 0, 1.0, 0.0) * down_bias_ref[...].astype(jnp.float32)  # once per expert
     acc_ref[...] += jnp.where(routed, coefficient * y, 0.0)
@@ -143,6 +168,8 @@ def experts_forward_small_batch(
     gate_up_bias,
     down_bias,
     *,
+    gate_up_scale=None,
+    down_scale=None,
     up_streams,
     down_i_axis,
     tc,
@@ -154,7 +181,8 @@ def experts_forward_small_batch(
     (one WeightStream per gate/up operand: two for a concatenated gate, one interleaved or without a gate) and
     down_i_axis; tc
     divides `intermediate`. Biases (or None): gate_up_bias [E, 1, N], down_bias [E, 1, H]. Validated by api.py and
-    chosen by tuning.py."""
+    chosen by tuning.py. Quantized (int8 / float8_e4m3fn) weights come with f32 per-column scales shaped like the
+    biases (gate_up_scale [E, 1, N], down_scale [E, 1, H]); their blocks are cast to the activations' dtype in VMEM."""
     tokens, hidden = hidden_states.shape
     num_experts = gate_up.shape[0]
     experts, count = touched.touched_experts(top_k_index, num_experts)
@@ -168,6 +196,11 @@ def experts_forward_small_batch(
     for s in up_streams:
         in_specs.append(_weight_spec(gate_up.shape, s, tc))
         operands.append(gate_up)
+    if gate_up_scale is not None:  # the expert's whole row, fetched once per expert; each chunk selects its columns
+        in_specs.append(
+            pl.BlockSpec((None, 1, gate_up_scale.shape[2]), lambda v, c, experts_ref, count_ref: (experts_ref[v], 0, 0))
+        )
+        operands.append(gate_up_scale)
     if gate_up_bias is not None:
         for s in up_streams:
             in_specs.append(
@@ -179,17 +212,23 @@ def experts_forward_small_batch(
             operands.append(gate_up_bias)
     in_specs.append(_weight_spec(down.shape, WeightStream(down_i_axis), tc))
     operands.append(down)
-    if down_bias is not None:
-        in_specs.append(pl.BlockSpec((None, 1, hidden), lambda v, c, experts_ref, count_ref: (experts_ref[v], 0, 0)))
-        operands.append(down_bias)
-    # Each matmul in its operands' promoted dtype, as the grouped path's kernels do (an f32 down_proj stays f32).
-    up_dtype = jnp.promote_types(hidden_states.dtype, gate_up.dtype)
-    down_dtype = jnp.promote_types(hidden_states.dtype, down.dtype)
+    for per_column in (down_scale, down_bias):
+        if per_column is not None:
+            in_specs.append(
+                pl.BlockSpec((None, 1, hidden), lambda v, c, experts_ref, count_ref: (experts_ref[v], 0, 0))
+            )
+            operands.append(per_column)
+    # Each matmul in its operands' promoted dtype, as the grouped path's kernels do (an f32 down_proj stays f32;
+    # quantized weights run in the activations' dtype).
+    up_dtype = quantization.compute_dtype(hidden_states.dtype, gate_up.dtype)
+    down_dtype = quantization.compute_dtype(hidden_states.dtype, down.dtype)
     kernel = functools.partial(
         _fused_kernel,
         up_streams=tuple(up_streams),
         down_i_axis=down_i_axis,
+        num_up_scale=int(gate_up_scale is not None),
         num_up_bias=len(up_streams) if gate_up_bias is not None else 0,
+        has_down_scale=down_scale is not None,
         has_down_bias=down_bias is not None,
         chunks=chunks,
         activation=activation,
@@ -198,7 +237,9 @@ def experts_forward_small_batch(
         down_dtype=down_dtype,
     )
     touched_bound = min(num_experts, top_k_index.size)
-    weight_bytes = touched_bound * (len(up_streams) + 1) * intermediate * hidden * gate_up.dtype.itemsize
+    weight_bytes = (
+        touched_bound * intermediate * hidden * (len(up_streams) * gate_up.dtype.itemsize + down.dtype.itemsize)
+    )
     cost = pl.CostEstimate(
         flops=2 * touched_bound * tokens * hidden * intermediate * (len(up_streams) + 1),
         transcendentals=touched_bound * tokens * intermediate,

@@ -207,6 +207,8 @@ def plan_small_batch(
     streams = 2 if gate_layout else 1
     wb = max(jnp.dtype(weight_dtype).itemsize, jnp.dtype(down_dtype).itemsize)
     hb = jnp.dtype(hidden_dtype).itemsize
+    # Quantized (1-byte) weight blocks are also held cast to the activations' dtype in the kernel body.
+    cast_bytes = sum(hb * n for d, n in ((weight_dtype, streams), (down_dtype, 1)) if jnp.dtype(d).itemsize == 1)
 
     def step_bytes(tc):
         return (streams + 1) * tc * hidden * wb
@@ -224,6 +226,7 @@ def plan_small_batch(
         tc = fitting[0] if fitting else options[-1]
     working_set = (
         2 * step_bytes(tc)
+        + tc * hidden * cast_bytes
         + 4 * tokens * hidden * hb
         + tokens * hidden * 4
         + F32_TEMPORARIES * tokens * (tc * streams + hidden) * 4

@@ -17,6 +17,12 @@ num_local_groups defaults to G (no window; rhs must then hold G groups). group_o
 scalar array (shape () or (1,)); a concrete one is checked to keep the window inside [0, G); a traced one cannot be,
 and window groups outside [0, G) then contribute nothing.
 
+Quantized rhs (inference): int8 or float8_e4m3fn rhs with `rhs_scale` [rhs groups, N] f32, one scale per output
+column of each group (w = q * scale). Each weight block is cast to lhs's dtype in VMEM (exact) and the scale multiplies
+the f32 result's columns before the bias and the epilogue; the output dtype defaults to lhs's. Differentiable in lhs,
+bias and row_scale (d lhs = (g * scale) @ q^T through the same kernel); the quantized rhs and its scale are constants
+(zero cotangent), as transformers' FP8 layers treat them.
+
 Row scale (for the MoE down projection): `row_scale` [M] multiplies each output row last, in the kernel's epilogue
 (the routing weight of each sorted (token, expert) row), so the weighted rows are written once.
 
@@ -49,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..common import chip
+from ..common import chip, quantization
 from ..common.activation import apply_activation, apply_gating, check_activation
 from ..common.blocks import sublane_multiple
 from ..common.interpret import interpret_eager_cpu_calls
@@ -59,6 +65,7 @@ from . import kernel, metadata, tuning
 from .tuning import MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
 
 MATMUL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+RHS_DTYPES = MATMUL_DTYPES + quantization.QUANTIZED_DTYPES
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 GATED = (None, "concatenated", "interleaved")
 
@@ -70,7 +77,7 @@ class _Kernels:
     forward: MatmulBlocks
     recompute: MatmulBlocks | None
     lhs_grad: MatmulBlocks
-    rhs_grad: TransposedMatmulBlocks
+    rhs_grad: TransposedMatmulBlocks | None  # None for quantized (constant) rhs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +91,7 @@ class _Config:
     activation: str | None
     gated: str | None
     static_grid: bool
+    quantized: bool = False  # int8 / float8_e4m3fn rhs with a per-column scale (forward and d lhs only)
     kernels: _Kernels | None = None  # None when no kernel runs (M, N, K or the window empty)
 
 
@@ -115,6 +123,7 @@ def check_inputs(
     activation=None,
     gated=None,
     row_scale=None,
+    rhs_scale=None,
     blocks=None,
     owner="blocks",
 ):
@@ -124,7 +133,7 @@ def check_inputs(
     `blocks` (a RaggedDotBlocks or None) is resolved into the blocks of every kernel the call runs; `owner` is how
     errors name it (the MoE passes its own field, e.g. "blocks.gate_up")."""
     lhs_dtype = check_array("lhs", lhs, ndim=2, dtypes=MATMUL_DTYPES)
-    rhs_dtype = check_array("rhs", rhs, ndim=3, dtypes=MATMUL_DTYPES)
+    rhs_dtype = check_array("rhs", rhs, ndim=3, dtypes=RHS_DTYPES)
     check_array("group_sizes", group_sizes, ndim=1, dtypes=(jnp.dtype(jnp.int32),))
     if not isinstance(rhs_transposed, (bool, np.bool_)):
         raise TypeError(f"rhs_transposed: expected a bool, got {type(rhs_transposed).__name__}")
@@ -140,7 +149,7 @@ def check_inputs(
             f"K = {k} (lhs shape {tuple(lhs.shape)})"
         )
     if preferred_element_type is None:
-        out_dtype = jnp.promote_types(lhs_dtype, rhs_dtype)
+        out_dtype = quantization.compute_dtype(lhs_dtype, rhs_dtype)
     else:
         try:
             out_dtype = jnp.dtype(preferred_element_type)
@@ -186,6 +195,14 @@ def check_inputs(
         check_array("bias", bias, ndim=2, dtypes=MATMUL_DTYPES)
         if tuple(bias.shape) != (rhs_groups, n):
             raise ValueError(f"bias: expected shape {(rhs_groups, n)} (rhs groups, N), got {tuple(bias.shape)}")
+    quantization.check_scale(
+        "rhs_scale",
+        rhs_scale,
+        weight_name="rhs",
+        weight=rhs,
+        expected_shape=(rhs_groups, n),
+        shape_doc="(rhs groups, N)",
+    )
     if row_scale is not None:
         check_array("row_scale", row_scale, ndim=1, dtypes=MATMUL_DTYPES)
         if row_scale.shape[0] != m:
@@ -206,6 +223,7 @@ def check_inputs(
         activation=activation,
         gated=gated,
         static_grid=False,
+        quantized=quantization.is_quantized(rhs_dtype),
     )
     n_out = n // 2 if gated else n
     if m and n_out and k and n_local:
@@ -314,11 +332,14 @@ def _resolve_kernels(cfg: _Config, blocks: RaggedDotBlocks, owner: str, *, m, k,
         recompute = plain(
             "recompute", k=k, lhs_dtype=lhs_dtype, out_dtype=jnp.float32, rhs_transposed=cfg.rhs_transposed
         )
-    # The backward's cotangent g [M, N]: f32 once the epilogue or the row scale has been differentiated in XLA.
-    g_dtype = jnp.dtype(jnp.float32) if recompute is not None else cfg.out_dtype
+    # The backward's cotangent g [M, N]: f32 once the epilogue, the row scale or a quantized rhs's column scale has
+    # been applied to it in XLA.
+    g_dtype = jnp.dtype(jnp.float32) if recompute is not None or cfg.quantized else cfg.out_dtype
     lhs_grad = plain(
         "lhs_grad", k=n_full, lhs_dtype=g_dtype, out_dtype=lhs_dtype, rhs_transposed=not cfg.rhs_transposed
     )
+    if cfg.quantized:  # constant weights: no rhs gradient kernel
+        return _Kernels(forward=forward, recompute=recompute, lhs_grad=lhs_grad, rhs_grad=None)
     a_dtype, b_dtype = (g_dtype, lhs_dtype) if cfg.rhs_transposed else (lhs_dtype, g_dtype)
     p, q = (n_full, k) if cfg.rhs_transposed else (k, n_full)
     rhs_grad = tuning.choose_transposed_blocks(
@@ -340,6 +361,7 @@ def _plain_forward(
     lhs,
     rhs,
     bias2d,
+    scale2d,
     group_sizes,
     group_offset,
     *,
@@ -354,6 +376,7 @@ def _plain_forward(
     """Grouped matmul (+ bias) with no epilogue, through the forward kernel, with resolved `blocks`."""
     rhs, rhs_transposed = _as_stored(rhs, rhs_transposed)
     bias = () if bias2d is None else (bias2d[:, None, :],)
+    scale = () if scale2d is None else (scale2d[:, None, :],)
     return kernel.ragged_dot_forward(
         lhs,
         rhs,
@@ -365,6 +388,7 @@ def _plain_forward(
         num_local_groups=n_local,
         rhs_group_base=group_offset if rhs_global else 0,
         bias=bias,
+        scale=scale,
         static_grid=static_grid,
         row_scale=_scale_column(row_scale),
     )
@@ -374,12 +398,15 @@ def _scale_column(row_scale):
     return None if row_scale is None else row_scale.astype(jnp.float32)[:, None]
 
 
-def _cfg_matmul(cfg: _Config, blocks, lhs, rhs, bias2d, group_sizes, group_offset, *, out_dtype, row_scale=None):
-    """The call's grouped matmul (+ bias, x row scale) with no epilogue, in out_dtype."""
+def _cfg_matmul(
+    cfg: _Config, blocks, lhs, rhs, scale2d, bias2d, group_sizes, group_offset, *, out_dtype, row_scale=None
+):
+    """The call's grouped matmul (x column scale, + bias, x row scale) with no epilogue, in out_dtype."""
     return _plain_forward(
         lhs,
         rhs,
         bias2d,
+        scale2d,
         group_sizes,
         group_offset,
         blocks=blocks,
@@ -392,10 +419,19 @@ def _cfg_matmul(cfg: _Config, blocks, lhs, rhs, bias2d, group_sizes, group_offse
     )
 
 
-def _fused_forward(cfg: _Config, lhs, rhs, bias2d, row_scale, group_sizes, group_offset):
+def _halves(v2d, gated, half):
+    """A per-column [G, N] array (bias, scale) as the fused kernel's per-stream [G, 1, N'] blocks."""
+    if v2d is None:
+        return ()
+    if gated == "concatenated":
+        return (v2d[:, None, :half], v2d[:, None, half:])
+    return (v2d[:, None, :],)
+
+
+def _fused_forward(cfg: _Config, lhs, rhs, scale2d, bias2d, row_scale, group_sizes, group_offset):
     blocks = cfg.kernels.forward
     mode, rhs_transposed = _forward_mode(cfg, rhs.shape, rhs.dtype)
-    matmul = functools.partial(_cfg_matmul, cfg, blocks, lhs, rhs, bias2d, group_sizes, group_offset)
+    matmul = functools.partial(_cfg_matmul, cfg, blocks, lhs, rhs, scale2d, bias2d, group_sizes, group_offset)
     if mode == "plain":
         return matmul(out_dtype=cfg.out_dtype, row_scale=row_scale)
     if mode == "unfused":
@@ -406,12 +442,6 @@ def _fused_forward(cfg: _Config, lhs, rhs, bias2d, row_scale, group_sizes, group
     if rhs_transposed != cfg.rhs_transposed:  # read in the stored orientation: a bitcast of the weights
         rhs = jnp.swapaxes(rhs, 1, 2)
     half = (rhs.shape[1] if rhs_transposed else rhs.shape[2]) // 2
-    if bias2d is None:
-        bias = ()
-    elif cfg.gated == "concatenated":
-        bias = (bias2d[:, None, :half], bias2d[:, None, half:])
-    else:
-        bias = (bias2d[:, None, :],)
     return kernel.ragged_dot_forward(
         lhs,
         rhs,
@@ -422,7 +452,8 @@ def _fused_forward(cfg: _Config, lhs, rhs, bias2d, row_scale, group_sizes, group
         group_offset=group_offset,
         num_local_groups=cfg.num_local_groups,
         rhs_group_base=group_offset if cfg.rhs_global else 0,
-        bias=bias,
+        bias=_halves(bias2d, cfg.gated, half),
+        scale=_halves(scale2d, cfg.gated, half),
         gated=cfg.gated,
         activation=cfg.activation,
         static_grid=cfg.static_grid,
@@ -444,24 +475,34 @@ def _epilogue(h, cfg: _Config):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged_dot(cfg: _Config, lhs, rhs, bias2d, row_scale, group_sizes, group_offset):
-    return _fused_forward(cfg, lhs, rhs, bias2d, row_scale, group_sizes, group_offset)
+def _ragged_dot(cfg: _Config, lhs, rhs, scale2d, bias2d, row_scale, group_sizes, group_offset):
+    return _fused_forward(cfg, lhs, rhs, scale2d, bias2d, row_scale, group_sizes, group_offset)
 
 
-def _ragged_dot_fwd(cfg, lhs, rhs, bias2d, row_scale, group_sizes, group_offset):
-    out = _fused_forward(cfg, lhs, rhs, bias2d, row_scale, group_sizes, group_offset)
-    return out, (lhs, rhs, bias2d, row_scale, group_sizes, group_offset)
+def _ragged_dot_fwd(cfg, lhs, rhs, scale2d, bias2d, row_scale, group_sizes, group_offset):
+    out = _fused_forward(cfg, lhs, rhs, scale2d, bias2d, row_scale, group_sizes, group_offset)
+    return out, (lhs, rhs, scale2d, bias2d, row_scale, group_sizes, group_offset)
+
+
+def _group_rows(cfg: _Config, values2d, group_sizes, group_offset, m):
+    """values2d [rhs groups, N] gathered per row of lhs: its group's row ([M, N]; rows outside the window get a
+    valid row, which the kernels leave out anyway)."""
+    local = metadata.local_group_of_rows(group_sizes, m, group_offset, cfg.num_local_groups)
+    index = jnp.minimum(local, cfg.num_local_groups - 1) + (group_offset if cfg.rhs_global else 0)
+    return values2d[index]
 
 
 def _ragged_dot_bwd(cfg: _Config, saved, g):
-    lhs, rhs, bias2d, row_scale, group_sizes, group_offset = saved
+    lhs, rhs, scale2d, bias2d, row_scale, group_sizes, group_offset = saved
     m = lhs.shape[0]
     n_local = cfg.num_local_groups
     has_epilogue = _has_epilogue(cfg)
     d_row_scale = None
     if has_epilogue or row_scale is not None:
         # Recompute the pre-activation (f32); differentiate the row scale and the epilogue in XLA.
-        h = _cfg_matmul(cfg, cfg.kernels.recompute, lhs, rhs, bias2d, group_sizes, group_offset, out_dtype=jnp.float32)
+        h = _cfg_matmul(
+            cfg, cfg.kernels.recompute, lhs, rhs, scale2d, bias2d, group_sizes, group_offset, out_dtype=jnp.float32
+        )
         g = g.astype(jnp.float32)
         if row_scale is not None:
             unscaled = _epilogue(h, cfg) if has_epilogue else h
@@ -470,10 +511,14 @@ def _ragged_dot_bwd(cfg: _Config, saved, g):
         if has_epilogue:
             _, epilogue_vjp = jax.vjp(lambda h: _epilogue(h, cfg), h)
             (g,) = epilogue_vjp(g)
+    g_lhs = g
+    if cfg.quantized:  # d lhs = (g * scale) @ q^T: the column scale moves onto the cotangent
+        g_lhs = g.astype(jnp.float32) * _group_rows(cfg, scale2d, group_sizes, group_offset, m)
     # d lhs: the same grouped matmul against rhs read the other way round; rows outside the window get zero.
     dlhs = _plain_forward(
-        g,
+        g_lhs,
         rhs,
+        None,
         None,
         group_sizes,
         group_offset,
@@ -484,18 +529,21 @@ def _ragged_dot_bwd(cfg: _Config, saved, g):
         rhs_global=cfg.rhs_global,
         static_grid=cfg.static_grid,
     )
-    # d rhs: per group, lhs[rows]^T @ g[rows] ([K, N]), or g[rows]^T @ lhs[rows] for the transposed layout.
-    a, b = (g, lhs) if cfg.rhs_transposed else (lhs, g)
-    drhs = kernel.transposed_ragged_dot(
-        a,
-        b,
-        group_sizes,
-        out_dtype=rhs.dtype,
-        blocks=cfg.kernels.rhs_grad,
-        group_offset=group_offset,
-        num_local_groups=n_local,
-        static_grid=cfg.static_grid,
-    )
+    # d rhs: per group, lhs[rows]^T @ g[rows] ([K, N]), or g[rows]^T @ lhs[rows] for the transposed layout. A
+    # quantized rhs and its scale are constants (None: a zero cotangent).
+    drhs = None
+    if not cfg.quantized:
+        a, b = (g, lhs) if cfg.rhs_transposed else (lhs, g)
+        drhs = kernel.transposed_ragged_dot(
+            a,
+            b,
+            group_sizes,
+            out_dtype=rhs.dtype,
+            blocks=cfg.kernels.rhs_grad,
+            group_offset=group_offset,
+            num_local_groups=n_local,
+            static_grid=cfg.static_grid,
+        )
     dbias = None
     if bias2d is not None:
         local = metadata.local_group_of_rows(group_sizes, m, group_offset, n_local)
@@ -503,10 +551,12 @@ def _ragged_dot_bwd(cfg: _Config, saved, g):
         dbias = dbias.astype(bias2d.dtype)
     if cfg.rhs_global:
         start = jnp.asarray(group_offset, jnp.int32)
-        drhs = jax.lax.dynamic_update_slice(jnp.zeros(rhs.shape, rhs.dtype), drhs, (start, 0, 0))
+        if drhs is not None:
+            drhs = jax.lax.dynamic_update_slice(jnp.zeros(rhs.shape, rhs.dtype), drhs, (start, 0, 0))
         if dbias is not None:
             dbias = jax.lax.dynamic_update_slice(jnp.zeros(bias2d.shape, bias2d.dtype), dbias, (start, 0))
-    return (*cotangents_like((dlhs, drhs, dbias, d_row_scale), (lhs, rhs, bias2d, row_scale)), None, None)
+    dlhs, drhs, dbias, d_row_scale = cotangents_like((dlhs, drhs, dbias, d_row_scale), (lhs, rhs, bias2d, row_scale))
+    return dlhs, drhs, None, dbias, d_row_scale, None, None
 
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
@@ -542,15 +592,17 @@ def ragged_dot(
     activation: str | None = None,
     gated: str | None = None,
     row_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
     static_grid: bool = False,
     blocks: RaggedDotBlocks | None = None,
 ) -> jax.Array:
     """Grouped matmul with `jax.lax.ragged_dot` semantics, an optional local group window and fused epilogue.
 
-    lhs [M, K] (f32/bf16), rows sorted by group; rhs [R, K, N] or [R, N, K] (rhs_transposed) (f32/bf16), R = G or
-    num_local_groups; group_sizes [G] int32. Returns [M, N] (or [M, N/2] when gated) in preferred_element_type or
-    the promoted input dtype. row_scale [M] (f32/bf16) multiplies each output row last. See the module docstring for
-    the window, the epilogue and what is checked when.
+    lhs [M, K] (f32/bf16), rows sorted by group; rhs [R, K, N] or [R, N, K] (rhs_transposed) (f32/bf16, or int8 /
+    float8_e4m3fn with rhs_scale [R, N] f32: w = rhs * scale per output column), R = G or num_local_groups;
+    group_sizes [G] int32. Returns [M, N] (or [M, N/2] when gated) in preferred_element_type or the promoted input
+    dtype (lhs's against quantized rhs). row_scale [M] (f32/bf16) multiplies each output row last. See the module
+    docstring for the window, the epilogue, quantized rhs and what is checked when.
     `static_grid=True` sizes the kernel grid by the worst-case visit count instead of the real one (for comparison).
     `blocks`: the tiles of the forward kernel and of the backward's three (a RaggedDotBlocks); None: the table's.
     """
@@ -566,6 +618,7 @@ def ragged_dot(
         activation=activation,
         gated=gated,
         row_scale=row_scale,
+        rhs_scale=rhs_scale,
         blocks=blocks,
     )
     cfg = dataclasses.replace(cfg, static_grid=bool(static_grid))
@@ -577,7 +630,7 @@ def ragged_dot(
     if k == 0:
         n_full = rhs.shape[1] if rhs_transposed else rhs.shape[2]
         return _no_contraction(cfg, m, n_full, bias, row_scale, group_sizes, group_offset)
-    return _ragged_dot(cfg, lhs, rhs, bias, row_scale, group_sizes, group_offset)
+    return _ragged_dot(cfg, lhs, rhs, rhs_scale, bias, row_scale, group_sizes, group_offset)
 
 
 def candidate_blocks(lhs, rhs, group_sizes, **kwargs) -> list[RaggedDotBlocks]:

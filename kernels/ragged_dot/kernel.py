@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common import quantization
 from ..common.activation import apply_activation, apply_gating, deinterleaved_gating
 from ..common.manual_axes import out_struct
 from . import metadata
@@ -90,6 +91,7 @@ def _forward_kernel(
     transposed,
     gated,
     activation,
+    num_scale,
     num_bias,
     has_row_scale,
     compute_dtype,
@@ -97,10 +99,12 @@ def _forward_kernel(
 ):
     n_rhs = 2 if gated == "concatenated" else 1  # interleaved: one stream of 2 * tn columns, gate and up alternating
     rhs_refs = refs[:n_rhs]
-    bias_refs = refs[n_rhs : n_rhs + num_bias]
-    scale_ref = refs[n_rhs + num_bias] if has_row_scale else None
-    out_ref = refs[n_rhs + num_bias + has_row_scale]
-    acc_refs = refs[n_rhs + num_bias + has_row_scale + 1 :]
+    refs = refs[n_rhs:]
+    col_scale_refs = refs[:num_scale]
+    bias_refs = refs[num_scale : num_scale + num_bias]
+    scale_ref = refs[num_scale + num_bias] if has_row_scale else None
+    out_ref = refs[num_scale + num_bias + has_row_scale]
+    acc_refs = refs[num_scale + num_bias + has_row_scale + 1 :]
     v = pl.program_id(1)
     kk = pl.program_id(2)
     tile = meta_ref[F_TILE * V + v]
@@ -128,6 +132,7 @@ def _forward_kernel(
         x = mask_k(lhs_ref[...].astype(compute_dtype), 1)
         outs = []
         for w in weights():
+            # Quantized weights (int8 / e4m3) are cast here, in VMEM: exact in bf16; their scale comes in finalize.
             w = mask_k(w.astype(compute_dtype), 1 if transposed else 0)
             outs.append(
                 jax.lax.dot_general(
@@ -137,6 +142,9 @@ def _forward_kernel(
         return outs
 
     def finalize(parts):
+        if num_scale:
+            # Per-output-column scale of quantized weights, on the f32 result: one multiply per output element.
+            parts = [p * s[...] for p, s in zip(parts, col_scale_refs)]
         if num_bias:
             parts = [p + b[...].astype(jnp.float32) for p, b in zip(parts, bias_refs)]
         if gated is None:
@@ -213,6 +221,7 @@ def ragged_dot_forward(
     num_local_groups,
     rhs_group_base,
     bias=(),
+    scale=(),
     gated=None,
     activation=None,
     row_scale=None,
@@ -228,7 +237,9 @@ def ragged_dot_forward(
     past N are zeroed before the de-interleave, whose selection matmuls would carry their garbage into every lane) and
     the epilogue de-interleaves the f32 result in VMEM (common.activation.deinterleaved_gating: Mosaic has no
     lane-strided slice, nor a strided load that splits a bf16 block's rows). bias: tuple of [Gr, 1, N'] arrays, one
-    per block stream: the gate and up halves (concatenated), or the whole bias (interleaved, ungated).
+    per block stream: the gate and up halves (concatenated), or the whole bias (interleaved, ungated). scale: () or,
+    for quantized rhs (int8 / float8_e4m3fn, cast to lhs's dtype block by block in VMEM), one [Gr, 1, N'] f32 array
+    per block stream like bias, multiplying the f32 result's columns before the bias and the epilogue.
     """
     m, k = lhs.shape
     n_full = rhs.shape[1] if rhs_transposed else rhs.shape[2]
@@ -279,6 +290,9 @@ def ragged_dot_forward(
     for s in shifts:
         in_specs.append(pl.BlockSpec(wshape, rhs_map(s)))
         operands.append(rhs)
+    for c in scale:
+        in_specs.append(pl.BlockSpec((None, 1, wn), bias_map))
+        operands.append(c)
     for b in bias:
         in_specs.append(pl.BlockSpec((None, 1, wn), bias_map))
         operands.append(b)
@@ -286,7 +300,7 @@ def ragged_dot_forward(
         in_specs.append(pl.BlockSpec((tm, 1), lambda n, v, kk, meta: (meta[F_TILE * V + v], 0)))
         operands.append(row_scale)
     scratch = [pltpu.VMEM((tm, wn), jnp.float32) for _ in shifts] if tiles_k > 1 else []
-    compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    compute_dtype = quantization.compute_dtype(lhs.dtype, rhs.dtype)
     kernel = functools.partial(
         _forward_kernel,
         V=V,
@@ -298,6 +312,7 @@ def ragged_dot_forward(
         transposed=rhs_transposed,
         gated=gated,
         activation=activation,
+        num_scale=len(scale),
         num_bias=len(bias),
         has_row_scale=row_scale is not None,
         compute_dtype=compute_dtype,

@@ -191,9 +191,12 @@ def choose_tm(m: int, num_groups: int, dtype, generation: str, rhs_transposed: b
 
 def forward_working_set(tm, tk, tn, *, k, lhs_dtype, rhs_dtype, out_dtype, streams=1) -> int:
     """VMEM bytes of the forward kernel: double-buffered lhs, weight and output blocks, the f32 accumulator (when K
-    takes several steps) and the body's f32 temporaries; `streams` weight streams (2: gate and up)."""
+    takes several steps) and the body's f32 temporaries; `streams` weight streams (2: gate and up). A quantized
+    (1-byte) weight block is also held cast to lhs's dtype."""
     lb, rb, ob = (jnp.dtype(d).itemsize for d in (lhs_dtype, rhs_dtype, out_dtype))
     ws = 2 * tm * tk * lb + 2 * streams * tk * tn * rb + 2 * tm * tn * ob
+    if rb == 1:
+        ws += streams * tk * tn * lb
     return ws + (0 if tk >= k else streams * tm * tn * 4) + F32_TEMPORARIES * streams * tm * tn * 4
 
 

@@ -56,6 +56,8 @@ def _experts_forward_jax(
     down_proj: jax.Array,
     gate_up_bias: jax.Array | None,
     down_bias: jax.Array | None,
+    gate_up_scale: jax.Array | None,
+    down_scale: jax.Array | None,
     activation: str,
     gate_layout: str,
     weights_transposed: bool,
@@ -72,6 +74,8 @@ def _experts_forward_jax(
         activation=parse_activation(activation),
         gate_layout=None if gate_layout == _NO_GATE else gate_layout,
         weights_transposed=weights_transposed,
+        gate_up_scale=gate_up_scale,
+        down_scale=down_scale,
         blocks=ExpertsBlocks.from_dict(json.loads(blocks)) if blocks else None,
     )
     return out.astype(hidden_states.dtype)
@@ -193,6 +197,12 @@ CLAMPED_SWIGLU_GATES = {
 # rounded once to the activations' dtype).
 DEFAULT_GATES = {(_MODELS + "beam.modeling_beam", "BeamExperts")}
 
+# transformers' FP8 experts (what its fine-grained FP8 quantizer puts in place of any experts module): its
+# `_apply_gate` is chosen by its config: gpt-oss's clamped SwiGLU when swiglu_alpha is set, else SiLU of the gate
+# clamped at `limit` times the clamped up when a limit is set, else the default.
+FP8_EXPERTS = ("transformers.integrations.finegrained_fp8", "FP8Experts")
+_BY_CONFIG = "by config"
+
 
 # Both evaluated once when torch.compile traces the caller (their arguments are Python constants there), their
 # results taken as constants: Dynamo cannot trace the module lookup, nor the dataclass and JSON.
@@ -204,8 +214,11 @@ def _recognized_gate(apply_gate) -> tuple | None:
     key = (apply_gate.__module__, owner)
     spec = CLAMPED_SWIGLU_GATES.get(key)
     cls = getattr(sys.modules.get(apply_gate.__module__), owner, None)
-    if (spec is None and key not in DEFAULT_GATES) or cls is None or vars(cls).get("_apply_gate") is not apply_gate:
+    known = spec is not None or key in DEFAULT_GATES or key == FP8_EXPERTS
+    if not known or cls is None or vars(cls).get("_apply_gate") is not apply_gate:
         return None
+    if key == FP8_EXPERTS:
+        return (_BY_CONFIG,)
     return () if spec is None else dataclasses.astuple(spec)
 
 
@@ -240,6 +253,13 @@ def gating(self: torch.nn.Module, has_gate: bool) -> str:
     if not has_gate or apply_gate is None or apply_gate.__name__ == "_default_apply_gate":
         return activation_name(self.act_fn)
     found = _recognized_gate(apply_gate)
+    if found == (_BY_CONFIG,):  # FP8 experts: what its _apply_gate computes follows its attributes
+        if getattr(self, "swiglu_alpha", None) is not None:
+            found = dataclasses.astuple(_ClampedGate("swiglu_limit", "swiglu_alpha", 1.0))
+        elif getattr(self, "limit", None) is not None:
+            found = dataclasses.astuple(_ClampedGate("limit", None, 0.0, act_fn=True))
+        else:
+            found = ()
     if found == ():
         return activation_name(self.act_fn)
     if found is None:
@@ -261,6 +281,34 @@ def gating(self: torch.nn.Module, has_gate: bool) -> str:
     return _clamped_swiglu_string(limit, alpha, spec.up_offset)
 
 
+QUANTIZED_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def expert_scale(self: torch.nn.Module, proj: str, weight: torch.Tensor, transposed: bool) -> torch.Tensor | None:
+    """The kernels' per-output-channel scale [E, N] f32 of a quantized expert weight (None for a float one), read
+    the way transformers' FP8 experts store it: `self.<proj>_scale_inv`, [E, S, 1] float32 multiplying the weight
+    (w = q * scale_inv, N output channels in S blocks of N / S rows: S = N per channel, S = 1 per expert, S = 2 one
+    for each of gate and up). Scales in blocks along the input dimension (its last size > 1) are refused."""
+    if weight.dtype not in QUANTIZED_WEIGHT_DTYPES:
+        return None
+    name = f"self.{proj}_scale_inv"
+    scale = getattr(self, f"{proj}_scale_inv", None)
+    experts, n = weight.shape[0], weight.shape[2] if transposed else weight.shape[1]
+    expected = f"[{experts}, {n} (or a divisor of it), 1] float32 (transformers' per-output-channel convention)"
+    if scale is None:
+        raise ValueError(f"{name}: {proj} is {weight.dtype} (quantized), so its scale {expected} is required, got none")
+    checks.check_tensor(name, scale, device=weight.device)
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{name}: expected {expected}, got dtype {scale.dtype}")
+    if scale.dim() != 3 or scale.shape[0] != experts or scale.shape[2] != 1 or n % scale.shape[1]:
+        raise ValueError(
+            f"{name}: expected {expected}, got shape {tuple(scale.shape)} (block scales along the input dimension "
+            "are not supported)"
+        )
+    scale = scale.detach()[:, :, 0]
+    return scale if scale.shape[1] == n else scale.repeat_interleave(n // scale.shape[1], dim=1)
+
+
 def experts_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -277,7 +325,9 @@ def experts_forward(
     self.is_concatenated, self.has_gate, self.act_fn, and for a custom `_apply_gate` that is one of
     CLAMPED_SWIGLU_GATES (gpt-oss's clamped SwiGLU and its kin) the clamp limit and alpha (from the module, else its
     config's swiglu_limit / swiglu_alpha); any other custom gate is a ValueError. hidden_states and the expert
-    weights in float32, bfloat16 or float16 (run as float32); top_k_index int32 or int64 (the router's, cast once;
+    weights in float32, bfloat16 or float16 (run as float32), or quantized: int8 / float8_e4m3fn with per-output-
+    channel float32 scales `self.<proj>_scale_inv` [E, N, 1] as transformers' FP8 experts store them (expert_scale;
+    constants: no gradient reaches them); top_k_index int32 or int64 (the router's, cast once;
     on a host tensor the ids must fit int32 and be >= 0). Expert ids >= self.num_experts are expert-parallel
     sentinels and contribute nothing. Returns [T, H] in hidden_states.dtype. Differentiable in the hidden states,
     the routing weights and the expert weights and biases.
@@ -301,6 +351,12 @@ def experts_forward(
     gate_up_bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
     down_bias = self.down_proj_bias if has_bias else None
     transposed = bool(getattr(self, "is_transposed", False))
+    down = self.down_proj
+    gate_up_scale = expert_scale(self, "gate_up_proj" if has_gate else "up_proj", gate_up, transposed)
+    down_scale = expert_scale(self, "down_proj", down, transposed)
+    # Quantized weights are constants of the kernels' gradient: detached, autograd asks nothing of them.
+    gate_up = gate_up.detach() if gate_up_scale is not None else gate_up
+    down = down.detach() if down_scale is not None else down
 
     checks.check_tensor("hidden_states", hidden_states)
     device = hidden_states.device
@@ -308,7 +364,7 @@ def experts_forward(
         ("top_k_index", top_k_index),
         ("top_k_weights", top_k_weights),
         ("gate_up_proj", gate_up),
-        ("down_proj", self.down_proj),
+        ("down_proj", down),
     ]:
         checks.check_tensor(name, t, device=device)
     top_k_index = checks.as_int32("top_k_index", top_k_index)
@@ -322,16 +378,19 @@ def experts_forward(
             checks.values_or_placeholder("top_k_index", top_k_index),
             ph("top_k_weights", top_k_weights),
             ph("gate_up_proj", gate_up),
-            ph("down_proj", self.down_proj),
+            ph("down_proj", down),
             ph("gate_up_bias", gate_up_bias),
             ph("down_bias", down_bias),
             activation=parse_activation(activation),
             gate_layout=None if gate_layout == _NO_GATE else gate_layout,
             weights_transposed=transposed,
+            gate_up_scale=ph("gate_up_scale", gate_up_scale),
+            down_scale=ph("down_scale", down_scale),
             blocks=blocks,
         )
     if gate_up.shape[0] != self.num_experts:
         raise ValueError(f"self.num_experts: {self.num_experts} does not match the {gate_up.shape[0]} expert weights")
-    tensors = (hidden_states, top_k_index, top_k_weights, gate_up, self.down_proj, gate_up_bias, down_bias)
+    experts = (gate_up, down, gate_up_bias, down_bias, gate_up_scale, down_scale)
+    tensors = (hidden_states, top_k_index, top_k_weights, *experts)
     static = (activation, gate_layout, transposed, experts_blocks_json(blocks))
     return experts_forward_op(*(checks.contiguous(x) for x in tensors), *static)
