@@ -8,7 +8,9 @@ loaded, which is why this is a fresh process. This file imports nothing from the
 project, so it works whatever the parent's package layout is; the payload carries
 the parent's sys.path so the pickled functions (pickled by reference) can be found.
 
-Payload: (sys_path, blob, dump_dir); blob unpickles to (topology, [(fn, arg_specs), ...]).
+Payload: (sys_path, blob, dump_dir); blob unpickles to (topology, [(fn, arg_specs, partition specs or None), ...],
+mesh axes or None). With mesh axes ((name, size), ...) the functions compile over a mesh of every chip of the
+topology, each array argument sharded by its partition spec (one tuple per leaf of arg_specs, in order).
 The functions compile one after the other; after each compile the dump files that
 appeared in dump_dir are moved to dump_dir/<index>/, so each program's kernels are
 found in its own folder. OUT.json is a list with one entry per function: the compile
@@ -38,20 +40,25 @@ def _dumped_hlo():
         return f.read()
 
 
-def _compile_one(fn, arg_specs, dev):
+def _compile_one(fn, arg_specs, dev, mesh=None, pspecs=None):
+    import contextlib
+
     import jax
 
-    sharding = jax.sharding.SingleDeviceSharding(dev)
-
-    def to_sds(leaf):
-        if isinstance(leaf, tuple) and len(leaf) == 3 and leaf[0] == "__spec__":
-            return jax.ShapeDtypeStruct(leaf[1], leaf[2], sharding=sharding)
-        return leaf
-
-    args = jax.tree.map(
-        to_sds, arg_specs, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 3 and x[0] == "__spec__"
+    is_spec = lambda x: isinstance(x, tuple) and len(x) == 3 and x[0] == "__spec__"  # noqa: E731
+    leaves, tree = jax.tree.flatten(arg_specs, is_leaf=is_spec)
+    shardings = iter(
+        [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*p)) for p in pspecs] if mesh is not None else []
     )
-    with jax.default_device(dev):
+    single = jax.sharding.SingleDeviceSharding(dev)
+    args = [
+        jax.ShapeDtypeStruct(leaf[1], leaf[2], sharding=next(shardings) if mesh is not None else single)
+        if is_spec(leaf)
+        else leaf
+        for leaf in leaves
+    ]
+    args = jax.tree.unflatten(tree, args)
+    with jax.default_device(dev), jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         compiled = jax.jit(fn).lower(*args).compile()
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax returned a list of dicts
@@ -86,15 +93,22 @@ def main(payload_path: str, out_path: str) -> None:
         if p not in sys.path:
             sys.path.insert(0, p)
 
-    import jax  # noqa: F401
+    import jax
     from jax.experimental import topologies
 
-    topology, items = pickle.loads(blob)
-    dev = topologies.get_topology_desc(topology, "tpu").devices[0]
+    topology, items, mesh_axes = pickle.loads(blob)
+    devices = topologies.get_topology_desc(topology, "tpu").devices
+    dev = devices[0]
+    mesh = None
+    if mesh_axes:  # a sharded program over every chip of the topology
+        import numpy as np
+
+        names, sizes = zip(*mesh_axes)
+        mesh = jax.sharding.Mesh(np.array(devices).reshape(sizes), names)
     out = []
-    for i, (fn, arg_specs) in enumerate(items):
+    for i, (fn, arg_specs, pspecs) in enumerate(items):
         try:
-            out.append(_compile_one(fn, arg_specs, dev))
+            out.append(_compile_one(fn, arg_specs, dev, mesh, pspecs))
         except Exception as e:  # noqa: BLE001 - one failing function must not lose the others
             out.append(
                 {

@@ -189,29 +189,40 @@ def compile_deviceless_many(
     dump: bool = True,
     keep_dumps: str | None = None,
     timeout: float | None = None,
+    topology: str | None = None,
+    mesh_axes: tuple | None = None,
     _xla_text_dump: bool = False,
 ) -> list:
     """Compile several (fn, args) for `gen` in ONE fresh subprocess (the subprocess's start, importing jax and
     loading libtpu, is most of a single compile's wall time). Returns, per item, (compile_info, dump_files) as
     `compile_deviceless` does, or the Exception that item raised (the others are still compiled). Cached per item.
-    `keep_dumps` copies item i's dumps to `keep_dumps/<i>` (to `keep_dumps` itself for a single item)."""
+    `keep_dumps` copies item i's dumps to `keep_dumps/<i>` (to `keep_dumps` itself for a single item).
+
+    Sharded programs: `topology` names a multi-chip slice of `gen` (e.g. "v6e:2x4") and `mesh_axes` ((name, size),
+    ...) a mesh over all its chips; an item is then (fn, args, partition specs), the specs one tuple per array leaf
+    of args (jax.tree.leaves order; () replicated), and the program is compiled with those shardings under that mesh
+    (a shard_map in fn finds it as the context mesh). The compiled HLO is the per-chip SPMD program."""
     chip = C.get_chip(gen)
+    topology = topology or chip.topology
     results: list = [None] * len(items)
-    todo = []  # (index, key, fn, specs)
-    for i, (fn, args) in enumerate(items):
+    todo = []  # (index, key, fn, specs, partition specs)
+    for i, (fn, args, *pspecs) in enumerate(items):
         try:
             fn, specs = _pickle_item(fn, args)
-            key = hashlib.sha256(pickle.dumps((fn, specs, chip.topology)) + repr(dump).encode()).hexdigest()
+            pspecs = tuple(pspecs[0]) if pspecs else None
+            key = hashlib.sha256(
+                pickle.dumps((fn, specs, topology, mesh_axes, pspecs)) + repr(dump).encode()
+            ).hexdigest()
         except Exception as e:  # noqa: BLE001
             results[i] = e
             continue
         if key in _COMPILE_CACHE and keep_dumps is None:
             results[i] = _COMPILE_CACHE[key]
         else:
-            todo.append((i, key, fn, specs))
+            todo.append((i, key, fn, specs, pspecs))
     if not todo:
         return results
-    blob = pickle.dumps((chip.topology, [(fn, specs) for _, _, fn, specs in todo]))
+    blob = pickle.dumps((topology, [(fn, specs, pspecs) for _, _, fn, specs, pspecs in todo], mesh_axes))
     timeout = timeout if timeout is not None else 300.0 + 120.0 * len(todo)
     tmp = tempfile.mkdtemp(prefix="perf_model_")
     try:
@@ -245,7 +256,7 @@ def compile_deviceless_many(
         with open(out_path) as f:
             outs = json.load(f)
         retry = []
-        for j, ((i, key, _, _), info) in enumerate(zip(todo, outs)):
+        for j, ((i, key, *_), info) in enumerate(zip(todo, outs)):
             if "error" in info and info.get("as_text_failed") and not _xla_text_dump:
                 retry.append(i)
                 continue
@@ -264,7 +275,15 @@ def compile_deviceless_many(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if retry:
-        again = compile_deviceless_many([items[i] for i in retry], gen, dump=dump, timeout=timeout, _xla_text_dump=True)
+        again = compile_deviceless_many(
+            [items[i] for i in retry],
+            gen,
+            dump=dump,
+            timeout=timeout,
+            topology=topology,
+            mesh_axes=mesh_axes,
+            _xla_text_dump=True,
+        )
         for i, r in zip(retry, again):
             results[i] = r
     return results
