@@ -46,26 +46,26 @@ def _assert_lse_close(actual, expected, what, rand):
     np.testing.assert_allclose(actual[finite], expected[finite], rtol=1e-5, atol=1e-5, err_msg=f"{what} {rand!r}")
 
 
-# Each feature alone, then together; Sq != Sk everywhere (bottom-right alignment), neither a multiple of 128.
+# Each mask shape alone, then every feature together; Sq != Sk everywhere (bottom-right alignment), neither a
+# multiple of 128. Softcap, sinks, a non-default scale and causal's override of the window's right side are checked
+# in "everything" (each changes its result); scale 1.0 alone (its sharp softmaxes take a looser tolerance).
 FEATURES = {
     "plain": dict(),
-    "causal": dict(causal=True),
     "causal_more_queries_than_keys": dict(causal=True, sq=300, sk=200),  # the first 100 rows see no key
     "window": dict(window_size=(70, 20)),
     "window_left_only": dict(window_size=(40, -1)),
     "window_longer_than_sequence": dict(window_size=(5000, 5000)),
-    "causal_window": dict(causal=True, window_size=(100, 7)),  # causal forces right = 0
-    "softcap": dict(softcap=2.5),
-    "sinks": dict(sinks=True),
     "scale_one": dict(softmax_scale=1.0),
-    "everything": dict(causal=True, window_size=(90, 0), softcap=4.0, sinks=True, softmax_scale=0.3),
+    # causal forces the window's right side (7) to 0
+    "everything": dict(causal=True, window_size=(90, 7), softcap=4.0, sinks=True, softmax_scale=0.3),
 }
 
 
 def _feature_call(rand, feature, dtype=jnp.float32, d=64, hq=4, hkv=2):
     options = dict(FEATURES[feature])
     sq, sk = options.pop("sq", 200), options.pop("sk", 300)
-    q, k, v = _inputs(rand, 2, sq, sk, hq, hkv, d, dtype=dtype)
+    # one batch row: the grid walks batch rows like head groups (test_low_precision_dtypes runs two)
+    q, k, v = _inputs(rand, 1, sq, sk, hq, hkv, d, dtype=dtype)
     sinks = rand.normal((hq,), scale=2.0) if options.pop("sinks", False) else None
     return (q, k, v, sinks), options
 
@@ -87,9 +87,9 @@ def test_forward_matches_reference(rand, feature):
     _assert_lse_close(lse, ref_lse, "lse", rand)
 
 
-# (D, Dv, Hq, Hkv): head dims 64 to 512, GQA ratios 1, 2 and 8, a V head dim different from Q/K's; at head dim 64 a
-# step takes two kv heads (128 lanes).
-HEAD_LAYOUTS = [(64, 64, 8, 8), (128, 128, 8, 1), (256, 128, 2, 2), (512, 512, 4, 2), (128, 256, 4, 4)]
+# (D, Dv, Hq, Hkv): head dims 64 to 512, GQA ratios 1, 2 and 8, a V head dim wider and one narrower than Q/K's; at
+# head dim 64 a step takes two kv heads (128 lanes).
+HEAD_LAYOUTS = [(64, 64, 8, 8), (128, 256, 8, 1), (256, 128, 2, 2), (512, 512, 4, 2)]
 
 
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS, ids=lambda t: "d{}_dv{}_hq{}_hkv{}".format(*t))
@@ -158,7 +158,10 @@ def test_default_blocks_one_block_per_sequence(rand):
     )
 
 
-GRADIENT_FEATURES = ["causal", "causal_more_queries_than_keys", "window", "everything"]
+# The backward's masks: rows that see no key here; a causal mask in test_gradients_gqa_head_dims (head dim 128) and
+# test_bfloat16_gradients, a two-sided window there (head dim 64); every feature at once (sinks, softcap, scale,
+# causal window) in test_gradient_of_the_log_sum_exp, whose loss takes the output's gradient with the lse's.
+GRADIENT_FEATURES = ["causal_more_queries_than_keys"]
 
 
 @pytest.mark.parametrize("feature", GRADIENT_FEATURES)
@@ -179,11 +182,18 @@ def test_gradients_match_reference(rand, feature):
     )
 
 
-@pytest.mark.parametrize("layout", [(128, 64, 8, 1), (64, 64, 4, 4)], ids=lambda t: "d{}_dv{}_hq{}_hkv{}".format(*t))
+# (D, Dv, Hq, Hkv, options): GQA 8 with a narrower V head dim under a causal mask; head dim 64 (two kv heads a step)
+# under a window open on both sides, without causal
+GRADIENT_LAYOUTS = [
+    (128, 64, 8, 1, dict(causal=True, softcap=3.0)),
+    (64, 64, 4, 4, dict(window_size=(70, 20), softcap=3.0)),
+]
+
+
+@pytest.mark.parametrize("layout", GRADIENT_LAYOUTS, ids=lambda t: "d{}_dv{}_hq{}_hkv{}".format(*t))
 def test_gradients_gqa_head_dims(rand, layout):
-    d, dv, hq, hkv = layout
+    d, dv, hq, hkv, options = layout
     q, k, v = _inputs(rand, 1, 136, 260, hq, hkv, d, dv)
-    options = dict(causal=True, softcap=3.0)
     ladder.check_gradients(
         lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL, **options),
         lambda q, k, v: attention_reference(q, k, v, **options),
@@ -246,7 +256,9 @@ def _varlen_inputs(rand, hq=4, hkv=2, d=64, dtype=jnp.float32):
     return (q, k, v, cu_q, cu_k), int(lens_q.max()), int(lens_k.max())
 
 
-@pytest.mark.parametrize("feature", ["plain", "causal", "causal_window", "everything"])
+# no mask, and every feature at once (causal, a window, softcap, sinks, scale); the traced cu_seqlens test below
+# runs a causal window too
+@pytest.mark.parametrize("feature", ["plain", "everything"])
 def test_varlen_matches_reference(rand, feature):
     (q, k, v, cu_q, cu_k), max_q, max_k = _varlen_inputs(rand)
     options = {key: value for key, value in FEATURES[feature].items() if key not in ("sq", "sk")}
@@ -569,34 +581,20 @@ def test_exports_for_tpu():
     )
 
 
-@pytest.mark.parametrize("generation", ladder.GENERATIONS)
-def test_compiles_for_tpu(generation):
-    """Forward and backward with every feature at once lower and fit VMEM on v5e and v7x (the gradient's program
-    holds the forward kernel too; v6e compiles each model's kernels at its benchmark shape, window included, in
-    test_compiles_at_benchmark_shapes), and the varlen entry point's (its visit list built at run time) on v6e."""
-    q, k = (4, 2048, 16, 128), (4, 2048, 4, 128)
-    options = dict(causal=True, window_size=(511, 0), softcap=20.0)
-    if generation != "v6e":
-        ladder.compile_for_tpu(
-            _grad_fn(**options),
-            generation,
-            (q, jnp.bfloat16),
-            (k, jnp.bfloat16),
-            (k, jnp.bfloat16),
-            label="flash_attention everything grad",
-            min_kernels=3,
-        )
-    else:
-        ladder.compile_for_tpu(
-            lambda q, k, v, a, b: tk.flash_attention_varlen(q, k, v, a, b, 2048, 2048, causal=True),
-            generation,
-            ((8192, 16, 64), jnp.bfloat16),
-            ((8192, 4, 64), jnp.bfloat16),
-            ((8192, 4, 64), jnp.bfloat16),
-            ((9,), jnp.int32),
-            ((9,), jnp.int32),
-            label="flash_attention_varlen d64",
-        )
+def test_compiles_for_tpu():
+    """The varlen entry point (its visit list built at run time) at head dim 64 (two kv heads a step) lowers and fits
+    VMEM on v6e; the features on every generation and each model's kernels are compiled in
+    test_compiles_at_benchmark_shapes."""
+    ladder.compile_for_tpu(
+        lambda q, k, v, a, b: tk.flash_attention_varlen(q, k, v, a, b, 2048, 2048, causal=True),
+        "v6e",
+        ((8192, 16, 64), jnp.bfloat16),
+        ((8192, 4, 64), jnp.bfloat16),
+        ((8192, 4, 64), jnp.bfloat16),
+        ((9,), jnp.int32),
+        ((9,), jnp.int32),
+        label="flash_attention_varlen d64",
+    )
 
 
 def _benchmark_cases():
@@ -606,8 +604,9 @@ def _benchmark_cases():
     depends on the model (head dims, GQA group, the tuning table's blocks, which every benchmark sequence length
     fills), not on the sequence length or the mask (those set the grid and the visit list, which the kernels read at
     run time), so these prove the lowering and VMEM fit of every benchmark shape's kernels at a fraction of the
-    longest shape's compile time (its visit lists are constants of the program); test_compiles_for_tpu lowers the
-    features on every generation."""
+    longest shape's compile time (its visit lists are constants of the program). On v5e and v7x the program also
+    takes every score feature (a causal window, softcap): one compile per generation proves the features' lowering
+    with the generation's heaviest working set (on v6e, Gemma 4's sliding layers compile a window)."""
     shapes = [s for s in FLASH_ATTENTION if s["layout"] == "dense" and s["mask"] == "causal" and s.batch == 4096]
     assert {s["model"] for s in shapes} == set(FLASH_ATTENTION_MODELS)
     return [(s, "v6e") for s in shapes] + [
@@ -628,6 +627,8 @@ def test_compiles_at_benchmark_shapes(case):
         window_size=(window - 1, 0) if window > 0 else (-1, -1),
         softmax_scale=1.0 if shape["model"].startswith("gemma") else None,
     )
+    if generation != "v6e":
+        options.update(window_size=(511, 0), softcap=20.0)
     # the gradient's program holds the forward kernel as well as the dq and dk/dv kernels
     ladder.compile_for_tpu(
         _grad_fn(**options), generation, q, k, k, label=f"flash_attention grad {shape.id}", min_kernels=3
