@@ -105,13 +105,74 @@ def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+# Every program the tests below model, per generation, as shapes: perf_model's compile cache is keyed by the function
+# and the argument shapes (concrete values only matter to the host-side evaluation), so modeling them all with
+# model_functions first, one compile subprocess per generation, turns each test's own compile into a cache hit and a
+# test's time into its host-side trace and evaluation (a compile subprocess's start, importing jax and loading libtpu,
+# is ~8 s of CPU). A program missing here is compiled by its test as before (slower, same result). The batching
+# test's programs are left out (that test checks model_functions' own subprocess), and so is the paged attention
+# program (modeled from its shapes alone it did not reach the cache; its test compiles it).
+def _programs_by_generation():
+    f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+    a8192 = _sds((8192, 8192), bf16)
+    page_gather_args = (_sds((1,), i32), _sds((64,), i32), _sds((512, 16, 1024), bf16))
+    page_copies_args = (_sds((64,), i32), _sds((256, 16, 512), bf16))
+    emit_block8 = (functools.partial(pallas_emit_pipeline_scale, block=8), (_sds((4096, 1024), f32),))
+    v6e = [
+        (pallas_copy, (_sds((65536, 1024), f32),)),
+        (pallas_matmul, (a8192, a8192)),
+        (xla_dot, (a8192, a8192)),
+        (functools.partial(pallas_poly, block_rows=256), (_sds((2048, 1024), f32),)),
+        (functools.partial(pallas_poly, block_rows=512), (_sds((4096, 1024), f32),)),
+        *[
+            (
+                functools.partial(pallas_matmul, bm=bm, bk=512, bn=1024),
+                (_sds((2 * bm, 2048), bf16), _sds((2048, 2048), bf16)),
+            )
+            for bm in (1024, 2048)
+        ],
+        (pallas_gather_rows, (_sds((8,), i32), _sds((4096, 512), f32))),
+        (pallas_copy_tuned_by_chip, (_sds((4096, 1024), f32),)),
+        (routing_like_program, (_sds((8192,), i32), _sds((8192, 256), f32))),
+        (pallas_smem_double, (_sds((256,), i32),)),
+        (xla_ragged_dot, (_sds((256, 512), bf16), _sds((8, 512, 512), bf16), _sds((8,), i32))),
+        (pallas_nested_when, (_sds((8,), i32), _sds((2048, 1024), f32))),
+        (pallas_if_else, (_sds((4096, 512), bf16), _sds((512, 512), bf16))),
+        (pallas_flagged, (_sds((16,), i32), _sds((4096, 512), bf16), _sds((512, 512), bf16))),
+        (pallas_emit_pipeline_scale, (_sds((8192, 1024), f32),)),
+        (pallas_page_gather, page_gather_args),
+        (pallas_batched_gather, page_gather_args),
+        (relayout, (_sds((8192, 16384), bf16),)),
+        emit_block8,
+        (pallas_page_copies, page_copies_args),
+        (functools.partial(pallas_page_copies, contiguous=True), page_copies_args),
+        *[
+            (functools.partial(pallas_blocked_copy, block=block), (_sds((4096, 1024), bf16),))
+            for block in ((512, 128), (64, 1024))
+        ],
+        (pallas_head_copies, (_sds((8,), i32), _sds((64, 16, 16, 128), bf16))),
+        (pallas_per_page_dmas, (_sds((16,), i32), _sds((64,), i32), _sds((256, 16, 512), f32))),
+    ]
+    v5e = [(pallas_copy_tuned_by_chip, (_sds((4096, 1024), f32),)), emit_block8]
+    v7x = [(pallas_copy, (_sds((65536, 1024), f32),)), (pallas_copy_edge, (_sds((4096, 1024), f32),))]
+    return {"v6e": v6e, "v5e": v5e, "v7x": v7x}
+
+
+@pytest.fixture(scope="module")
+def compiled_once():
+    """Models every program of this module's tests, one compile subprocess per generation, into perf_model's cache
+    (model_functions traces each program first, as model_function does, so the cache keys are the tests' own)."""
+    for gen, items in _programs_by_generation().items():
+        perf_model.model_functions(items, gen)
+
+
 # ------------------------------------------------------------------ tests
 
 
 # The copy (v6e, v7x) and the matmul (v6e) check the bandwidth and MXU constants; v5e's are checked against measured
 # timings in test_perf_calibration.py.
 @pytest.mark.parametrize("gen", ("v6e", "v7x"))
-def test_copy_256mib_is_modeled_at_the_dma_bandwidth_plus_the_per_step_cost(gen):
+def test_copy_256mib_is_modeled_at_the_dma_bandwidth_plus_the_per_step_cost(gen, compiled_once):
     x = _sds((65536, 1024), jnp.float32)  # 256 MiB
     m = perf_model.model_function(pallas_copy, (x,), gen=gen)
     assert m.label == f"modeled {gen}"
@@ -133,7 +194,7 @@ def _xla_dot_model(gen):
 
 
 @pytest.mark.parametrize("gen", ("v6e",))
-def test_matmul_8192_within_30pct_of_xla_estimate(gen):
+def test_matmul_8192_within_30pct_of_xla_estimate(gen, compiled_once):
     a = _sds((8192, 8192), jnp.bfloat16)
     m = perf_model.model_function(pallas_matmul, (a, a), gen=gen)
     (k,) = m.kernels
@@ -170,7 +231,7 @@ def pallas_poly(x, block_rows):
 
 
 @pytest.mark.parametrize("gen", ["v6e"])
-def test_doubling_work_per_step_doubles_compute_time(gen):
+def test_doubling_work_per_step_doubles_compute_time(gen, compiled_once):
     times = []
     for block_rows in (256, 512):
         x = _sds((8 * block_rows, 1024), jnp.float32)  # same grid (8,), twice the work per step
@@ -180,7 +241,7 @@ def test_doubling_work_per_step_doubles_compute_time(gen):
     assert abs(times[1] / times[0] - 2) < 0.2, times
 
 
-def test_doubling_matmul_rows_per_step_doubles_compute_time():
+def test_doubling_matmul_rows_per_step_doubles_compute_time(compiled_once):
     times = []
     for bm in (1024, 2048):
         a = _sds((2 * bm, 2048), jnp.bfloat16)
@@ -192,7 +253,7 @@ def test_doubling_matmul_rows_per_step_doubles_compute_time():
     assert abs(times[1] / times[0] - 2) < 0.2, times
 
 
-def test_scalar_prefetch_traffic_skips_repeated_blocks():
+def test_scalar_prefetch_traffic_skips_repeated_blocks(compiled_once):
     """Concrete scalar-prefetch values drive the byte count: a repeated block is fetched once."""
     x = jnp.zeros((4096, 512), jnp.float32)  # 16 blocks of 256 x 512 f32 = 512 KiB
     idx = jnp.array([0, 0, 0, 3, 3, 5, 5, 5], jnp.int32)  # 3 distinct runs
@@ -206,7 +267,7 @@ def test_scalar_prefetch_traffic_skips_repeated_blocks():
 
 
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
-def test_traffic_is_counted_for_the_blocks_of_the_generation_compiled_for(gen):
+def test_traffic_is_counted_for_the_blocks_of_the_generation_compiled_for(gen, compiled_once):
     """The host-side trace sees the target generation's chip, so grid and bytes match the compiled kernel."""
     m = perf_model.model_function(pallas_copy_tuned_by_chip, (_sds((4096, 1024), jnp.float32),), gen=gen)
     (k,) = m.kernels
@@ -223,7 +284,7 @@ def routing_like_program(ids, x):
     return jnp.take(pallas_copy(rows, block_rows=8), inverse, axis=0)
 
 
-def test_gathers_and_scatters_are_charged_not_counted_as_zero():
+def test_gathers_and_scatters_are_charged_not_counted_as_zero(compiled_once):
     """XLA would offload these to the SparseCore, where they carry no estimate (and break compiled.as_text(), which
     hides every other op's estimate): the model keeps them on the TensorCore so each XLA op is estimated."""
     m = perf_model.model_function(
@@ -391,7 +452,7 @@ def pallas_smem_double(x):
     )(x)
 
 
-def test_smem_operands_are_counted_from_the_schedules_dmas():
+def test_smem_operands_are_counted_from_the_schedules_dmas(compiled_once):
     """SMEM operands are not pipelined by BlockSpecs: the jaxpr gives them no bytes, the schedule's HBM<->SMEM DMAs do
     (1 KiB in, 1 KiB out), and the count is exact."""
     m = perf_model.model_function(pallas_smem_double, (_sds((256,), jnp.int32),), gen="v6e")
@@ -406,7 +467,7 @@ def xla_ragged_dot(lhs, rhs, group_sizes):
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
 
 
-def test_xla_ragged_dot_kernels_are_explained_not_warned_about():
+def test_xla_ragged_dot_kernels_are_explained_not_warned_about(compiled_once):
     """lax.ragged_dot on TPU compiles to Mosaic kernels XLA emits itself (a metadata kernel and a grouped matmul with a
     grid sized at run time): no pallas_call to match. Their bytes come from their schedules' DMAs: the metadata
     kernel's exactly, the matmul's as a lower bound (one grid step), and the output says why in notes."""
@@ -450,7 +511,7 @@ def pallas_nested_when(flags, x, block_rows=256):
     )(flags, x)
 
 
-def test_nested_pl_when_on_scalar_prefetch_is_evaluated_per_step():
+def test_nested_pl_when_on_scalar_prefetch_is_evaluated_per_step(compiled_once):
     """pl.when conditions that read concrete scalar-prefetch values are evaluated at every step, nested ones too
     (each a region of the schedule): steps whose flags skip the work cost fewer cycles, and nothing is warned."""
     flags = jnp.array([0, 1, 2, 0, 2, 1, 0, 2], jnp.int32)
@@ -473,7 +534,7 @@ def pallas_copy_edge(x, block_rows=576):
     )(x)
 
 
-def test_partial_edge_block_is_clipped_and_its_branches_are_not_taken_for_pl_whens():
+def test_partial_edge_block_is_clipped_and_its_branches_are_not_taken_for_pl_whens(compiled_once):
     """4096 rows in blocks of 576: 8 steps, the last one 64 rows; the bytes are the array's, once in and once out.
     The compiler's edge-block branches are no pl.when (the kernel has none): noted, not warned about."""
     m = perf_model.model_function(pallas_copy_edge, (_sds((4096, 1024), jnp.float32),), gen="v7x")
@@ -509,7 +570,7 @@ def pallas_if_else(x, w):
     )(x, w)
 
 
-def test_if_else_branches_are_charged_only_where_they_run():
+def test_if_else_branches_are_charged_only_where_they_run(compiled_once):
     """A two-branch lax.cond is two regions of the schedule (the true branch, then the false one): each step is
     charged the branch it takes. Heavy steps (4 matmuls) every fourth step, light ones (a scale) otherwise."""
     x, w = _sds((4096, 512), jnp.bfloat16), _sds((512, 512), jnp.bfloat16)
@@ -544,7 +605,7 @@ def pallas_flagged(flags, x, w):
     )(flags, x, w)
 
 
-def test_pl_when_on_a_concrete_input_is_decided_per_step():
+def test_pl_when_on_a_concrete_input_is_decided_per_step(compiled_once):
     rng = np.random.default_rng()
     flags = rng.integers(0, 2, 16).astype(np.int32)
     flags[:2] = (0, 1)  # both kinds of step
@@ -605,7 +666,7 @@ def pallas_page_gather(n, idx, pages):
     )(n, idx, pages)
 
 
-def test_emit_pipeline_traffic_and_steps_are_counted_from_the_kernel():
+def test_emit_pipeline_traffic_and_steps_are_counted_from_the_kernel(compiled_once):
     """emit_pipeline's DMAs are the kernel's own: every block in and out once (exact), 32 pipeline steps, and the
     time is the stream's, not one loop trip's."""
     x = _sds((8192, 1024), jnp.float32)
@@ -618,7 +679,7 @@ def test_emit_pipeline_traffic_and_steps_are_counted_from_the_kernel():
     assert m.modeled_s >= k.hbm_bytes / chip.dma_bytes_per_s
 
 
-def test_manual_page_gathers_in_a_run_time_loop_are_counted_with_their_trips():
+def test_manual_page_gathers_in_a_run_time_loop_are_counted_with_their_trips(compiled_once):
     """make_async_copy of one page per iteration of a fori_loop to a run-time bound: the bytes are the pages
     gathered (n of them, not one), the loop's cycles run n times."""
     rng = np.random.default_rng()
@@ -644,7 +705,7 @@ def relayout(x):
     return jnp.swapaxes(x, 0, 1) * 1  # the transpose is a layout-changing copy of x
 
 
-def test_layout_copies_are_costed_by_the_bytes_they_move():
+def test_layout_copies_are_costed_by_the_bytes_they_move(compiled_once):
     x = _sds((8192, 16384), jnp.bfloat16)  # 268 MB
     m = perf_model.model_function(relayout, (x,), gen="v6e")
     copies = [op for op in m.xla_ops if op.basis == "bytes_moved"]
@@ -656,7 +717,7 @@ def test_layout_copies_are_costed_by_the_bytes_they_move():
     assert copy.modeled_s < copy.estimated_cycles / chip.clock_hz  # XLA's estimate is several times higher
 
 
-def test_a_pipeline_too_long_to_evaluate_whole_is_sampled_and_scaled(monkeypatch):
+def test_a_pipeline_too_long_to_evaluate_whole_is_sampled_and_scaled(monkeypatch, compiled_once):
     """emit_pipeline over 512 steps with an evaluation budget for ~100 of them: the loop's trip count is known (a
     fori_loop to a known bound), so a sample of its iterations is scaled to it: the bytes come out as the whole
     pipeline's (within 1 %), the figure is marked approximate and noted."""
@@ -775,7 +836,7 @@ def dma_shape_costs(monkeypatch):
     chips.get_chip.cache_clear()
 
 
-def test_many_page_dmas_model_slower_than_one_contiguous_dma_by_the_descriptor_cost(dma_shape_costs):
+def test_many_page_dmas_model_slower_than_one_contiguous_dma_by_the_descriptor_cost(dma_shape_costs, compiled_once):
     """The same 64 pages of 16 KiB as 64 DMAs or as one: the page copies cost 63 more descriptors, each
     dma_descriptor_s on the DMA side (both kernels are DMA-bound), at the calibrated value and at a larger one."""
     pages = _sds((256, 16, 512), jnp.bfloat16)
@@ -799,7 +860,7 @@ def test_many_page_dmas_model_slower_than_one_contiguous_dma_by_the_descriptor_c
         assert gather.modeled_s - one.modeled_s == pytest.approx(63 * descriptor_s, rel=1e-6, abs=1e-12)
 
 
-def test_a_strided_block_models_slower_than_a_contiguous_one_by_its_runs(dma_shape_costs):
+def test_a_strided_block_models_slower_than_a_contiguous_one_by_its_runs(dma_shape_costs, compiled_once):
     """A (512, 128) block of a (4096, 1024) bf16 array is 32 runs of one tile; a (64, 1024) block of the same bytes is
     one run. Same steps, same bytes: the strided copy costs 31 runs more per block DMA, dma_run_s each."""
     x = _sds((4096, 1024), jnp.bfloat16)
@@ -826,7 +887,7 @@ def test_a_strided_block_models_slower_than_a_contiguous_one_by_its_runs(dma_sha
     )
 
 
-def test_manual_dma_runs_come_from_the_sliced_ref():
+def test_manual_dma_runs_come_from_the_sliced_ref(compiled_once):
     """A copy of 8 of 16 heads of a page (chained .at slices, as ragged paged attention's) is 16 runs of half a tile:
     counted per DMA from the ref the DMA reads."""
     x = _sds((64, 16, 16, 128), jnp.bfloat16)
@@ -897,7 +958,7 @@ def pallas_per_page_dmas(flags, idx, pages_arr, *, pages=4):
     )(flags, idx, pages_arr)
 
 
-def test_dma_only_regions_the_compiler_predicates_leave_the_vector_regions_charged_where_they_run():
+def test_dma_only_regions_the_compiler_predicates_leave_the_vector_regions_charged_where_they_run(compiled_once):
     """16 pl.when regions (two outer ones around the 4 per-page starts of the first and the next step, the per-page
     starts and waits, the heavy and the light region) against the schedule's 2 branches: the compiler predicated
     the DMA-only regions. Those are set aside, the two vector regions pair with the two branches, and each step is
@@ -989,7 +1050,7 @@ def pallas_batched_gather(n, idx, pages):
     )(n, idx, pages)
 
 
-def test_dmas_issued_by_one_loop_and_drained_by_another_are_not_pipeline_steps():
+def test_dmas_issued_by_one_loop_and_drained_by_another_are_not_pipeline_steps(compiled_once):
     """A loop that starts and waits on a page's DMA each iteration runs n pipeline steps (a round trip each, the step
     cost's own pattern); the same pages started by one loop and waited on by the next are one batch: no step cost per
     iteration, the same DMAs and bytes (noted)."""
