@@ -45,10 +45,11 @@ def test_fused_add_rms_norm_op_checks(rand):
     )
 
 
-@pytest.mark.parametrize("wrt", ["x,weight", "x", "weight"])
+@pytest.mark.parametrize("wrt", ["x,weight", "weight"])
 def test_derived_backward_op_checks(rand, wrt):
     """The backward op jax.vjp derives: one cotangent, the forward's arguments, the gradients asked for (the others
-    come back empty)."""
+    come back empty: d x here; d weight empty is test_autograd_of_some_inputs_only's frozen weight, run through the
+    op)."""
     g, x, weight = _randn(rand, 4, 128), _randn(rand, 4, 128), _randn(rand, 128)
     shapes = [(4, 128) if "x" in wrt.split(",") else (0,), (128,) if "weight" in wrt else (0,)]
     backward_op = rms_norm_module.rms_norm_op.backward_op
@@ -91,10 +92,11 @@ def test_torch_rms_norm_matches_reference(rand, dtype):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16], ids=str)
 def test_fused_autograd_matches_torch_reference(rand, dtype):
-    """d x, d residual, d weight of the fused op (its backward op is jax.vjp of the fused forward), in float32 and in
-    float16 (run as float32: gradients come back in float16)."""
+    """d x, d residual, d weight of the fused op (its backward op is jax.vjp of the fused forward) in float16 (run as
+    float32: gradients come back in float16), the wrapper's one dtype-dependent step; the float32 gradients' accuracy
+    is the JAX side's (test_rms_norm.py), float32 autograd through the torch op test_autograd_of_some_inputs_only's."""
     inputs = {
         "x": _randn(rand, 9, 256, dtype=dtype, requires_grad=True),
         "residual": _randn(rand, 9, 256, dtype=dtype, requires_grad=True),
