@@ -76,15 +76,15 @@ def _contract(a, block, a_axis, block_axis, compute_dtype):
     )
 
 
-def _chunk_columns(ref, c, stream: WeightStream, chunks: int, width: int):
-    """Columns [(c + offset) * width, ...) of the expert's whole per-column row `ref` (1, N), for chunk c: a chain
-    of selects over static slices (Mosaic slices lanes at static offsets only, and a (1, width) block of its own
-    would need width to be whole lane tiles, which would rule out chunks such as Gemma 4's 352 of I = 704)."""
+def _chunk_columns(ref, e, c, stream: WeightStream, chunks: int, width: int):
+    """Columns [(c + offset) * width, ...) of expert e's row of the scales `ref` [E, N] (all in VMEM), for chunk c:
+    a chain of selects over static lane slices (Mosaic slices lanes at static offsets only, and a (1, width) block of
+    its own would need width to be whole lane tiles, which would rule out chunks such as Gemma 4's 352 of I = 704)."""
     start = stream.block_offset * width
-    out = ref[:, start : start + width]
+    out = ref[pl.ds(e, 1), start : start + width]
     for ci in range(1, chunks):
         lo = start + ci * width
-        out = jnp.where(c == ci, ref[:, lo : lo + width], out)
+        out = jnp.where(c == ci, ref[pl.ds(e, 1), lo : lo + width], out)
     return out
 
 
@@ -137,7 +137,7 @@ def _fused_kernel(
     parts = [_contract(x, r[...], 1, 3 - s.i_axis - 1, up_dtype) for r, s in zip(up_refs, up_streams)]
     # Quantized weights: cast in VMEM by _contract, their per-column scale on the f32 result (not on the block).
     if num_up_scale:
-        parts = [p * _chunk_columns(up_scale_refs[0], c, s, chunks, p.shape[1]) for p, s in zip(parts, up_streams)]
+        parts = [p * _chunk_columns(up_scale_refs[0], e, c, s, chunks, p.shape[1]) for p, s in zip(parts, up_streams)]
     parts = [p + b[...].astype(jnp.float32) for p, b in zip(parts, up_bias_refs)] if num_up_bias else parts
     if up_streams[0].interleaved:
         h = deinterleaved_gating(parts[0], activation)
@@ -149,7 +149,7 @@ def _fused_kernel(
     h = h.astype(h_dtype)
     y = _contract(h, down_ref[...], 1, down_i_axis - 1, down_dtype)  # [T, H] f32
     if has_down_scale:
-        y = y * down_scale_ref[...]
+        y = y * down_scale_ref[pl.ds(e, 1), :]
     if has_down_bias:
         y = y + jnp.where(c == 0, 1.0, 0.0) * down_bias_ref[...].astype(jnp.float32)  # once per expert
     acc_ref[...] += jnp.where(routed, coefficient * y, 0.0)
@@ -181,8 +181,9 @@ def experts_forward_small_batch(
     (one WeightStream per gate/up operand: two for a concatenated gate, one interleaved or without a gate) and
     down_i_axis; tc
     divides `intermediate`. Biases (or None): gate_up_bias [E, 1, N], down_bias [E, 1, H]. Validated by api.py and
-    chosen by tuning.py. Quantized (int8 / float8_e4m3fn) weights come with f32 per-column scales shaped like the
-    biases (gate_up_scale [E, 1, N], down_scale [E, 1, H]); their blocks are cast to the activations' dtype in VMEM."""
+    chosen by tuning.py. Quantized (int8 / float8_e4m3fn) weights come with f32 per-column scales gate_up_scale
+    [E, N] and down_scale [E, H], each whole in VMEM (read once a call: a per-expert [E, 1, N] view would cost XLA a
+    relayout copy of each, ~7 us modeled v6e at Qwen3's sizes); their blocks are cast to the activations' dtype."""
     tokens, hidden = hidden_states.shape
     num_experts = gate_up.shape[0]
     experts, count = touched.touched_experts(top_k_index, num_experts)
@@ -196,10 +197,8 @@ def experts_forward_small_batch(
     for s in up_streams:
         in_specs.append(_weight_spec(gate_up.shape, s, tc))
         operands.append(gate_up)
-    if gate_up_scale is not None:  # the expert's whole row, fetched once per expert; each chunk selects its columns
-        in_specs.append(
-            pl.BlockSpec((None, 1, gate_up_scale.shape[2]), lambda v, c, experts_ref, count_ref: (experts_ref[v], 0, 0))
-        )
+    if gate_up_scale is not None:  # whole, fetched once; each step selects its expert's row and chunk's columns
+        in_specs.append(whole(gate_up_scale.shape))
         operands.append(gate_up_scale)
     if gate_up_bias is not None:
         for s in up_streams:
@@ -212,12 +211,12 @@ def experts_forward_small_batch(
             operands.append(gate_up_bias)
     in_specs.append(_weight_spec(down.shape, WeightStream(down_i_axis), tc))
     operands.append(down)
-    for per_column in (down_scale, down_bias):
-        if per_column is not None:
-            in_specs.append(
-                pl.BlockSpec((None, 1, hidden), lambda v, c, experts_ref, count_ref: (experts_ref[v], 0, 0))
-            )
-            operands.append(per_column)
+    if down_scale is not None:
+        in_specs.append(whole(down_scale.shape))
+        operands.append(down_scale)
+    if down_bias is not None:
+        in_specs.append(pl.BlockSpec((None, 1, hidden), lambda v, c, experts_ref, count_ref: (experts_ref[v], 0, 0)))
+        operands.append(down_bias)
     # Each matmul in its operands' promoted dtype, as the grouped path's kernels do (an f32 down_proj stays f32;
     # quantized weights run in the activations' dtype).
     up_dtype = quantization.compute_dtype(hidden_states.dtype, gate_up.dtype)

@@ -24,6 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..common import chip
 from ..common.blocks import LANES, check_tile, check_vmem_fit, sublane_multiple
+from ..common.quantization import is_quantized
 from ..ragged_dot import tuning as ragged_dot_tuning
 from ..ragged_dot.tuning import RaggedDotBlocks
 from .small_batch import WeightStream
@@ -207,8 +208,16 @@ def plan_small_batch(
     streams = 2 if gate_layout else 1
     wb = max(jnp.dtype(weight_dtype).itemsize, jnp.dtype(down_dtype).itemsize)
     hb = jnp.dtype(hidden_dtype).itemsize
-    # Quantized (1-byte) weight blocks are also held cast to the activations' dtype in the kernel body.
-    cast_bytes = sum(hb * n for d, n in ((weight_dtype, streams), (down_dtype, 1)) if jnp.dtype(d).itemsize == 1)
+    # Quantized (1-byte) weight blocks are also held cast to the activations' dtype in the kernel body, and their
+    # f32 scales sit whole in VMEM (double-buffered).
+    # Per quantized operand: (blocks a step, scale columns).
+    quantized = [
+        (blocks, columns)
+        for dtype, blocks, columns in ((weight_dtype, streams, streams * intermediate), (down_dtype, 1, hidden))
+        if is_quantized(dtype)
+    ]
+    cast_bytes = sum(hb * blocks for blocks, _ in quantized)
+    scale_bytes = sum(2 * 4 * gate_up_shape[0] * columns for _, columns in quantized)
 
     def step_bytes(tc):
         return (streams + 1) * tc * hidden * wb
@@ -227,6 +236,7 @@ def plan_small_batch(
     working_set = (
         2 * step_bytes(tc)
         + tc * hidden * cast_bytes
+        + scale_bytes
         + 4 * tokens * hidden * hb
         + tokens * hidden * 4
         + F32_TEMPORARIES * tokens * (tc * streams + hidden) * 4
