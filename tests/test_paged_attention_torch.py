@@ -142,8 +142,9 @@ def _ragged_batch(rand, *, q_lens, kv_lens, hq=4, hkv=2, d=64, dv=64, dtype=torc
 
 MIXED = {"q_lens": (5, 1, 0, 1, 9), "kv_lens": (21, 16, 7, 40, 9)}  # a chunk, decodes, an empty and a fresh prompt
 
+# f32 with no option: num_seqs_tensor_padding (its options are the defaults) and flash_attn_varlen_func's block-table
+# test, over the same batch.
 RAGGED_CASES = {
-    "f32": {},
     "bf16_window_softcap_sinks": {
         "dtype": torch.bfloat16,
         "options": {"window_size": (6, 0), "softcap": 3.0, "softmax_scale": 0.3},
