@@ -132,33 +132,6 @@ def test_transposed_views_as_transformers_passes_them(rand):
     ladder.check_torch_gradients(ours, reference, inputs, rand=rand, rtol=1e-5, atol=1e-5)
 
 
-def test_wrappers_compile_fullgraph_with_autograd(rand):
-    """apply_rotary and rms_norm_rope_from_positions (int64 positions, a rope_parameters dict) under
-    torch.compile(fullgraph=True): the checks, the int32 cast and the rope JSON trace without a graph break."""
-    tables = {
-        "q": _randn(rand, 1, 2, 8, 128, requires_grad=True),
-        "k": _randn(rand, 1, 1, 8, 128, requires_grad=True),
-        "cos": _randn(rand, 1, 8, 128, requires_grad=True),
-        "sin": _randn(rand, 1, 8, 128, requires_grad=True),
-    }
-    ladder.check_compiled_matches_eager(lambda **a: tpu_kernels.apply_rotary(**a), tables, rand=rand)
-
-    positions = {
-        "q": _randn(rand, 2, 8, 2, 128, requires_grad=True),
-        "k": _randn(rand, 2, 8, 1, 128, requires_grad=True),
-        "q_weight": _randn(rand, 128, requires_grad=True),
-        "k_weight": _randn(rand, 128),
-        "positions": _positions(rand, 2, 8, dtype=torch.int64),
-    }
-
-    def from_positions(q, k, q_weight, k_weight, positions):
-        return tpu_kernels.rms_norm_rope_from_positions(
-            q, k, q_weight, k_weight, positions, theta=5e5, scaling=LLAMA3, layout="bshd"
-        )
-
-    ladder.check_compiled_matches_eager(from_positions, positions, rand=rand)
-
-
 def _table_inputs(rand):
     return {
         "q": _randn(rand, 2, 4, 8, 128),
@@ -329,6 +302,13 @@ def _rotary_call(name):
 
 
 ROTARY_WRAPPERS = ["apply_rotary", "rms_norm_rope", "apply_rotary_from_positions", "rms_norm_rope_from_positions"]
+# The float inputs besides q/k each wrapper differentiates.
+DIFFERENTIABLE_EXTRAS = {
+    "apply_rotary": ("cos", "sin"),
+    "rms_norm_rope": ("q_weight", "k_weight", "cos", "sin"),
+    "apply_rotary_from_positions": (),
+    "rms_norm_rope_from_positions": ("q_weight", "k_weight"),
+}
 
 
 def _rotary_inputs(rand, dtype=torch.float32):
@@ -347,7 +327,8 @@ def _rotary_inputs(rand, dtype=torch.float32):
 def test_every_rotary_wrapper_takes_transformers_inputs(rand, name):
     """Each rotary op on what transformers passes: transposed q/k views, int64 positions, q/k that require grad, float16
     (run as float32: one float16 rounding from the float32 result), and the wrapper under torch.compile(fullgraph=True)
-    with autograd."""
+    with autograd of q/k and of the tables and weights it takes (the checks, the int64 -> int32 cast and the rope
+    JSON trace without a graph break)."""
     call = _rotary_call(name)
     q_proj, k_proj, extra = _rotary_inputs(rand)
     out_q, out_k = call(q_proj, k_proj, extra)
@@ -365,8 +346,12 @@ def test_every_rotary_wrapper_takes_transformers_inputs(rand, name):
             out.float().numpy(), expected.detach().numpy(), dtype=ladder.jnp.float16, rtol=4e-3, atol=4e-3
         )
 
+    # Under compile the wrapper's tables and norm weights require grad too: their gradients come back through the
+    # compiled graph as eager's.
+    compiled = {"q_proj": q_proj, "k_proj": k_proj}
+    compiled |= {key: extra[key].clone().requires_grad_() for key in DIFFERENTIABLE_EXTRAS[name]}
     ladder.check_compiled_matches_eager(
-        lambda q_proj, k_proj: call(q_proj, k_proj, extra), {"q_proj": q_proj, "k_proj": k_proj}, rand=rand
+        lambda q_proj, k_proj, **grads: call(q_proj, k_proj, extra | grads), compiled, rand=rand
     )
 
 
