@@ -96,8 +96,26 @@ RAGGED_DOT = _moe_sweep(RAGGED_DOT_DECODE_TOKENS, RAGGED_DOT_PREFILL_ROWS)
 RAGGED_DOT_QUICK = _moe_sweep(RAGGED_DOT_QUICK_TOKENS, RAGGED_DOT_QUICK_ROWS)
 # The whole experts_forward: decode batches, and (--full only) prefill of 512 and 4096 tokens (4096 and 32768 rows).
 MOE_PREFILL_ROWS = (4096, 32768)
-MOE = _moe_sweep(RAGGED_DOT_DECODE_TOKENS, MOE_PREFILL_ROWS)
-MOE_QUICK = _moe_sweep(RAGGED_DOT_QUICK_TOKENS, ())
+# Quantized expert weights (the Shape's dtype is the weights'; activations bf16, per-output-channel f32 scales) at the
+# decode batches the decode target covers (B <= 64).
+MOE_QUANTIZED_DTYPES = ("int8", "float8_e4m3fn")
+MOE_QUANTIZED_TOKENS = tuple(b for b in RAGGED_DOT_DECODE_TOKENS if b <= 64)
+MOE_QUANTIZED_QUICK_TOKENS = tuple(b for b in RAGGED_DOT_QUICK_TOKENS if b <= 64)
+
+
+def _moe_quantized_sweep(decode_tokens):
+    return tuple(
+        shape
+        for dtype in MOE_QUANTIZED_DTYPES
+        for model, dims in MOE_MODELS.items()
+        for shape in sweep(
+            "tokens", decode_tokens, dtype, phase="decode", model=model, experts=MOE_EXPERTS, top_k=MOE_TOP_K, **dims
+        )
+    )
+
+
+MOE = _moe_sweep(RAGGED_DOT_DECODE_TOKENS, MOE_PREFILL_ROWS) + _moe_quantized_sweep(MOE_QUANTIZED_TOKENS)
+MOE_QUICK = _moe_sweep(RAGGED_DOT_QUICK_TOKENS, ()) + _moe_quantized_sweep(MOE_QUANTIZED_QUICK_TOKENS)
 
 # ---------------------------------------------------------------------------------------------------------- rotary
 # RoPE and fused per-head RMSNorm + RoPE of q and k, at the attention shapes of Qwen3-30B-A3B and Gemma 4

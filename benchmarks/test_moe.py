@@ -19,6 +19,8 @@ def test_moe(benchmark, bench_case, impl, bench_device):
 def test_transformers_experts(benchmark, bench_case, torch_impl, bench_device):
     if not bench_device.is_tpu:
         pytest.skip("device mode only: transformers' experts on the `tpu` device need a TPU")
+    if bench_case.shape.dtype != "bfloat16":
+        pytest.skip("bf16 weights only: transformers' default experts path takes no quantized weights")
     from benchmarks import torch_moe  # imports torch / torch_tpu: only here, on a TPU host
 
     torch_moe.time_case(benchmark, bench_case, torch_impl, bench_device)

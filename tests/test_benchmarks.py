@@ -194,6 +194,27 @@ def test_moe_shapes():
     assert set(shapes.RAGGED_DOT_QUICK) <= set(shapes.RAGGED_DOT) and set(shapes.MOE_QUICK) <= set(shapes.MOE)
 
 
+def test_moe_quantized_rows():
+    """int8 / fp8 expert weights at the decode batches of the target (B <= 64): specs in the Shape's dtype with f32
+    scales, a roofline of one-byte weights plus their scales, the table's small-batch path."""
+    from benchmarks.ops import moe
+
+    quantized = [s for s in shapes.MOE if s.dtype != "bfloat16"]
+    assert {s.dtype for s in quantized} == {"int8", "float8_e4m3fn"}
+    assert all(s["phase"] == "decode" and s.batch <= 64 for s in quantized) and {s.batch for s in quantized} >= {1, 64}
+    op = moe.SUITE.ops[0]
+    for s in quantized:
+        bf16 = next(b for b in shapes.MOE if b.dtype == "bfloat16" and b.series == s.series and b.batch == s.batch)
+        specs = op.specs(s)
+        assert [str(x.dtype) for x in specs[3:]] == [s.dtype, s.dtype, "float32", "float32"]
+        touched = moe._moe.experts_touched(s) * 4 * (2 * s["intermediate"] + s["hidden"])  # the scales' bytes
+        assert (
+            op.hbm_bytes(s) - touched
+            == op.hbm_bytes(bf16) - moe._moe.experts_touched(s) * 3 * s["intermediate"] * s["hidden"]
+        )
+        assert op.impls(s)["baseline:tokamax"] is not None
+
+
 # One tiny rotary shape: decode, 8 sequences of one token, Qwen3's rope parameters at few heads.
 TINY_ROTARY = shapes.Shape(
     "tokens",
@@ -332,12 +353,14 @@ def _paged_config(**kw):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"window": 20}, {"cache_dtype": "float8_e4m3fn", "scale": 1.0}],
-    ids=["causal", "window", "fp8"],
+    [{}, {"window": 20, "cache_dtype": "float8_e4m3fn", "scale": 1.0}],
+    ids=["causal", "window_fp8"],
 )
 def test_paged_xla_path_equals_the_reference(rand, options):
     """The paged attention suite's XLA path (gather, then attention; windowed gathers from a start page) computes the
-    kernel's reference on a ragged batch of shuffled pages; JAX's reference reads the interleaved layout the same."""
+    kernel's reference on a ragged batch of shuffled pages; JAX's reference reads the interleaved layout the same.
+    The window and the fp8 cache are independent steps of the path (which pages are gathered; how they are
+    dequantized), checked together in one case; the causal bf16 case checks the path with neither."""
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa_kernel
 

@@ -4,14 +4,17 @@ tokamax's ragged dot, and the dense masked MoE in plain JAX (`kernels/moe/refere
 token, masked by the routing; what XLA does with no grouped kernel). Decode batches, tokens routed top-8 over 128
 experts at random (benchmarks/ops/_moe.py).
 
-Weights in transformers' layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]; bf16.
+Weights in transformers' layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]; bf16, or quantized
+(the Shape's dtype: int8 / float8_e4m3fn with per-output-channel f32 scales [E, 2I] / [E, H], activations bf16):
+the kernel dequantizes in VMEM, the XLA compositions dequantize in XLA before their matmuls (what a program without a
+dequantizing kernel runs), tokamax is compared in bf16 only.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_kernels_jax.common import chip
+from tpu_kernels_jax.common import chip, quantization
 from tpu_kernels_jax.moe import api as moe_api
 from tpu_kernels_jax.moe import tuning as moe_tuning
 
@@ -22,7 +25,18 @@ from . import _moe
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 
-def kernel_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation, blocks=None):
+def kernel_experts(
+    hidden_states,
+    top_k_index,
+    top_k_weights,
+    gate_up_proj,
+    down_proj,
+    gate_up_scale=None,
+    down_scale=None,
+    *,
+    activation,
+    blocks=None,
+):
     return moe_api.experts_forward(
         hidden_states,
         top_k_index,
@@ -32,8 +46,18 @@ def kernel_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down
         activation=activation,
         gate_layout="concatenated",
         weights_transposed=False,
+        gate_up_scale=gate_up_scale,
+        down_scale=down_scale,
         blocks=blocks,
     )
+
+
+def _bf16_weights(gate_up_proj, down_proj, scales):
+    """The two weights as the XLA compositions multiply them: as they are, or (quantized, `scales` their [E, N]
+    scales) dequantized to bf16 by XLA."""
+    if not scales:
+        return gate_up_proj, down_proj
+    return tuple((w.astype(F32) * c[:, :, None]).astype(BF16) for w, c in zip((gate_up_proj, down_proj), scales))
 
 
 def _composed(ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
@@ -52,7 +76,8 @@ def _composed(ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_pro
     return per_slot.reshape(tokens, top_k, hidden).astype(F32).sum(axis=1).astype(hidden_states.dtype)
 
 
-def xla_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
+def xla_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *scales, activation):
+    gate_up_proj, down_proj = _bf16_weights(gate_up_proj, down_proj, scales)
     return _composed(
         _moe.xla_ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation
     )
@@ -64,12 +89,13 @@ def tokamax_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     )
 
 
-def dense_masked_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
+def dense_masked_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *scales, activation):
     """The dense masked MoE of kernels/moe/reference.py (every expert over every token, the routing as a mask of
     coefficients), vectorised over experts and in the model's dtype with f32 accumulation: what XLA runs with no
     grouped kernel. (The reference itself, a 128-iteration Python loop of f32 HIGHEST-precision dots, takes ~3 min
     to compile per shape here and runs its matmuls as multi-pass f32 on the MXU; as a speed baseline that would
     overstate the kernel's speedup.)"""
+    gate_up_proj, down_proj = _bf16_weights(gate_up_proj, down_proj, scales)
     num_experts = gate_up_proj.shape[0]
     h = jnp.einsum("th,enh->etn", hidden_states, gate_up_proj, preferred_element_type=F32)
     act = _moe.gated_epilogue(h.reshape(-1, h.shape[-1]), activation, hidden_states.dtype).reshape(
@@ -83,9 +109,17 @@ def dense_masked_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj
     return jnp.einsum("et,eth->th", coefficient, y).astype(hidden_states.dtype)
 
 
+def _quantized(s) -> bool:
+    return quantization.is_quantized(s.dtype)
+
+
 def _weights_specs(s):
-    e, h, i = s["experts"], s["hidden"], s["intermediate"]
-    return jax.ShapeDtypeStruct((e, 2 * i, h), BF16), jax.ShapeDtypeStruct((e, h, i), BF16)
+    """gate_up_proj and down_proj in the Shape's dtype, then (quantized weights) their f32 scales."""
+    e, h, i, dtype = s["experts"], s["hidden"], s["intermediate"], jnp.dtype(s.dtype)
+    specs = (jax.ShapeDtypeStruct((e, 2 * i, h), dtype), jax.ShapeDtypeStruct((e, h, i), dtype))
+    if _quantized(s):
+        specs += (jax.ShapeDtypeStruct((e, 2 * i), F32), jax.ShapeDtypeStruct((e, h), F32))
+    return specs
 
 
 def _specs(s):
@@ -100,9 +134,9 @@ def _specs(s):
 
 def _model_args(s):
     """Activations and weights as specs; the routing concrete (group sizes and block indices follow it)."""
-    hidden, _, _, up, down = _specs(s)
+    hidden, _, _, *experts = _specs(s)
     index, weights = _moe.routing_of(s)
-    return hidden, jnp.asarray(index), jnp.asarray(weights), up, down
+    return hidden, jnp.asarray(index), jnp.asarray(weights), *experts
 
 
 def _arrays(s, seed):
@@ -110,15 +144,26 @@ def _arrays(s, seed):
     e, h, i = s["experts"], s["hidden"], s["intermediate"]
     index, weights = _moe.routing_of(s)
     hidden = jnp.asarray(rng.standard_normal((_moe.tokens_of(s), h), np.float32), BF16)
+    if _quantized(s):  # quantized values spread over the format's range; scales that bring the products to ~1/sqrt(K)
+        dtype = jnp.dtype(s.dtype)
+        up, down = (
+            jnp.asarray(rng.integers(-100, 101, shape, dtype=np.int8)).astype(dtype)
+            for shape in ((e, 2 * i, h), (e, h, i))
+        )
+        up_scale = jnp.asarray(rng.uniform(0.5, 1.5, (e, 2 * i)) / (60 * np.sqrt(h)), F32)
+        down_scale = jnp.asarray(rng.uniform(0.5, 1.5, (e, h)) / (60 * np.sqrt(i)), F32)
+        return hidden, jnp.asarray(index), jnp.asarray(weights), up, down, up_scale, down_scale
     up = jnp.asarray(rng.standard_normal((e, 2 * i, h), np.float32) / np.sqrt(h), BF16)
     down = jnp.asarray(rng.standard_normal((e, h, i), np.float32) / np.sqrt(i), BF16)
     return hidden, jnp.asarray(index), jnp.asarray(weights), up, down
 
 
 def _hbm_bytes(s):
-    """The expert weights touched (gate/up and down), hidden states in and out, the routing."""
+    """The expert weights touched (gate/up and down, in the Shape's dtype, with their f32 scales when quantized),
+    hidden states in and out, the routing."""
     t, h, i, k = _moe.tokens_of(s), s["hidden"], s["intermediate"], s["top_k"]
-    return _moe.experts_touched(s) * 3 * i * h * 2 + 2 * t * h * 2 + t * k * (4 + 4)
+    per_expert = 3 * i * h * jnp.dtype(s.dtype).itemsize + ((2 * i + h) * 4 if _quantized(s) else 0)
+    return _moe.experts_touched(s) * per_expert + 2 * t * h * 2 + t * k * (4 + 4)
 
 
 def _flops(s):
@@ -127,7 +172,7 @@ def _flops(s):
 
 def _candidates(s, gen):
     """experts_forward's candidate paths and small-batch chunks at this shape (the tuning module's, on `gen`)."""
-    up, down = _weights_specs(s)
+    up, down, *_ = _weights_specs(s)
     return moe_tuning.candidate_blocks(
         _moe.tokens_of(s),
         s["hidden"],
@@ -145,6 +190,8 @@ def _candidates(s, gen):
 
 
 def _tokamax_unsupported(s):
+    if _quantized(s):
+        return "compared in bf16 only (tokamax takes quantized weights in its own qwix formats, not set up here)"
     return _moe.tokamax_available() or _moe.tokamax_unsupported(s)
 
 
