@@ -600,7 +600,13 @@ BAD_INPUTS = [
     ),
     ladder.BadInput("lhs int", dict(lhs=jnp.zeros((16, 128), jnp.int32)), TypeError, "lhs: expected dtype"),
     ladder.BadInput("lhs float16", dict(lhs=jnp.zeros((16, 128), F16)), TypeError, "lhs: expected dtype"),
-    ladder.BadInput("rhs int", dict(rhs=jnp.zeros((4, 128, 256), jnp.int8)), TypeError, "rhs: expected dtype"),
+    ladder.BadInput("rhs int", dict(rhs=jnp.zeros((4, 128, 256), jnp.int32)), TypeError, "rhs: expected dtype"),
+    ladder.BadInput(
+        "int8 rhs without its scale",
+        lambda rand: dict(rhs=rand.integers(-127, 128, (4, 128, 256), jnp.int8)),
+        ValueError,
+        "rhs_scale: rhs is int8 (quantized), so its per-output-channel scale (rhs groups, N) float32 is required",
+    ),
     ladder.BadInput(
         "group_sizes float",
         dict(group_sizes=jnp.asarray([3.0, 0, 7, 2])),
