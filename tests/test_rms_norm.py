@@ -1,6 +1,6 @@
 """RMSNorm, JAX side, up the ladder: reference vs kernel (interpret mode), gradients, bad input, TPU export,
-deviceless compile for v5e / v6e / v7x at one benchmark shape per distinct kernel. Tilings other than the table's are forced through
-`blocks=`."""
+deviceless compile for v5e / v6e / v7x at one benchmark shape per distinct kernel. Tilings other than the table's are
+forced through `blocks=`."""
 
 import contextlib
 
