@@ -1,0 +1,101 @@
+"""python -m benchmarks.decode: the CPU smoke end to end through the module's main (tiny random models, greedy tokens
+of our experts_forward against transformers' default), the device mode's refusal without a TPU, and the modeled
+composition's pieces that need no compile (the ring model, the busiest chip's routing, the HBM ceiling), and the
+performance model's whole-slice compile the composition is checked with (a sharded program for v6e:2x4)."""
+
+import importlib
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+decode_main = importlib.import_module("benchmarks.decode.__main__")
+from benchmarks import perf_model  # noqa: E402
+from benchmarks.decode import compose, models, programs, ring  # noqa: E402
+
+
+def test_cpu_smoke_end_to_end(tmp_path):
+    assert decode_main.main(["--cpu-smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "decode-cpu-smoke.json").read_text())
+    markdown = (tmp_path / "decode-cpu-smoke.md").read_text()
+    assert (tmp_path / "decode-cpu-smoke.png").stat().st_size > 0
+    assert result["label"] == "cpu smoke, not a TPU figure" and "cpu smoke, not a TPU figure" in markdown
+    assert len(result["models"]) == 2  # both architectures
+    for name, model in result["models"].items():
+        rows = model["series"][0]["rows"]
+        assert [r["batch"] for r in rows] == list(decode_main.SMOKE_BATCHES), name
+        for row in rows:
+            assert row["tokens_match"] is True, (name, row)
+            assert row["new_tokens"] == decode_main.SMOKE_NEW_TOKENS
+            assert row["impls"]["experts"]["experts_implementation"] == "tpu_ragged_dot"
+            assert row["impls"]["default"]["experts_implementation"] != "tpu_ragged_dot"
+            for impl in ("default", "experts"):
+                assert np.isfinite(row["impls"][impl]["ms"]) and row["impls"][impl]["ms"] > 0
+    assert markdown.count("| yes |") == 2 * len(decode_main.SMOKE_BATCHES)
+
+
+def test_device_mode_without_a_tpu_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPU_KERNELS_BENCH_DEVICE", "cpu")
+    with pytest.raises(SystemExit, match="--device: expected a TPU host"):
+        decode_main.main(["--device", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("argv", [["--batch", "0"], ["--context", "-5"]])
+def test_bad_arguments_name_themselves(argv, capsys):
+    with pytest.raises(SystemExit):
+        decode_main.parse_args(["--modeled", *argv])
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_ring_all_reduce():
+    message = 64 * 2048 * 2
+    bandwidth_part = 14 * message / 16 / ring.LINK_BYTES_PER_S  # 2 (n - 1) steps of 1/(2n) of the message
+    assert ring.all_reduce_s(message, 8, step_latency_s=0.0) == pytest.approx(bandwidth_part)
+    assert ring.all_reduce_s(message, 8, step_latency_s=1e-6) == pytest.approx(bandwidth_part + 14e-6)
+    assert ring.all_reduce_s(message, 1) == 0.0
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_busiest_chip_routing(batch):
+    model = models.QWEN3
+    chip, local, weights = programs.chip_routing(model, batch)
+    index, _ = programs._moe.routing(batch, model.experts, model.top_k)
+    assert local.shape == index.shape and weights.shape == index.shape
+    mine = (index // model.local_experts) == chip
+    np.testing.assert_array_equal(local[mine], index[mine] - chip * model.local_experts)
+    assert (local[~mine] == model.local_experts).all()  # the sentinel
+    touched = [len(np.unique(index[(index // model.local_experts) == c])) for c in range(models.CHIPS)]
+    assert programs.experts_touched(model, batch) == max(touched)
+
+
+def test_hbm_ceiling_matches_the_published_layouts_figure():
+    # Qwen3-30B-A3B, batch 64, context 768, expert parallel with attention replicated: about 8.9 ms at 1.64 TB/s
+    seconds = compose.ceiling_bytes(models.QWEN3, 64, 768) / 1.64e12
+    assert seconds == pytest.approx(8.9e-3, rel=0.03)
+
+
+def _sharded_matmul_sum(x, w):
+    """x @ w with x replicated [T, K] and w's K rows split over "ep": each chip multiplies its columns of x by its rows
+    of w, and the all-reduce sums the parts."""
+
+    def body(x, w):
+        rows = w.shape[0]
+        mine = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("ep") * rows, rows, axis=1)
+        return jax.lax.psum((mine @ w).astype(jnp.float32), "ep")
+
+    return jax.shard_map(body, in_specs=(jax.P(), jax.P("ep")), out_specs=jax.P())(x, w)
+
+
+def test_sharded_program_compiles_for_a_whole_slice_as_the_per_chip_spmd_program():
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+    (result,) = perf_model.compile_deviceless_many(
+        [(_sharded_matmul_sum, (x, w), [(), ("ep",)])], "v6e", topology="v6e:2x4", mesh_axes=(("ep", 8),)
+    )
+    assert not isinstance(result, Exception), result
+    hlo = result[0]["hlo"]
+    assert "all-reduce" in hlo
+    assert "bf16[128,512]" in hlo  # each chip's share of w (1024 / 8 rows), not the whole weight
+    assert "bf16[1024,512]" not in hlo
