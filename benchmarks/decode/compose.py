@@ -128,6 +128,7 @@ def model_items(items: dict, cache_path: pathlib.Path | None, *, workers=None, b
                 cache[hashes[key]] = {"error": f"{type(m).__name__}: {str(m)[:400]}"}
             else:
                 cache[hashes[key]] = {
+                    "program": " ".join(str(k) for k in key),
                     "s": m.modeled_s,
                     "kernels_s": sum(k.modeled_s for k in m.kernels),
                     "xla_s": sum(x.modeled_s for x in m.xla_ops),
