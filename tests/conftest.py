@@ -47,13 +47,6 @@ from ladder import rand as rand  # noqa: E402  (the fixture)
 jax.config.update("jax_num_cpu_devices", HOST_DEVICES)  # before the backend starts
 
 
-def pytest_collection_modifyitems(items):
-    """Tests marked slow (single tests of a minute or more) run first: on two xdist workers a long test started last
-    leaves the other worker idle until it ends. A stable sort, the same on every worker (xdist checks that the
-    workers' collections agree)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """Every failure of a test that drew random inputs names its seed, whatever assertion failed."""

@@ -37,7 +37,6 @@ def test_points_have_a_source_and_unique_names(all_points):
     assert not [p.name for p in all_points if not p.in_fit and not p.note.strip()]
 
 
-@pytest.mark.slow  # its module fixture models the calibration points: ~85 s
 def test_every_in_fit_point_is_modeled(rows):
     assert not [r for r in rows if r["error"]], table.markdown(rows)
     # Figures timed with host dispatch are compared with modeled + dispatch, estimated from their source.
