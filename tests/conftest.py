@@ -27,12 +27,6 @@ environment.apply()
 HOST_DEVICES = int(os.environ.get("TPU_KERNELS_HOST_DEVICES", "8"))
 if HOST_DEVICES > 1:
     os.environ.setdefault("NPROC", str(2 * HOST_DEVICES))
-# XLA:CPU compiles every interpret-mode kernel and jitted reference of the suite, small programs whose compile is most
-# of their cost: without LLVM's expensive passes, at backend optimization level 0, 64 rms_norm / rotary reference
-# checks took 91 CPU seconds against 115. Deviceless TPU compiles ignore both flags (a flash attention gradient and a
-# ragged dot for v6e: the same compiled text, the same modeled time).
-CHEAP_CPU_COMPILES = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CHEAP_CPU_COMPILES}".strip()
 # The JAX kernels (`tpu_kernels_jax`) and the torch package (`tpu_kernels`) are installed editable by the Makefile.
 if importlib.util.find_spec("torch") is None:
     # A JAX-only environment (the jax 0.12 / Python 3.12 compatibility run): modules that need torch run in the main
