@@ -56,15 +56,24 @@ def working_set(
 ) -> int:
     rows = queries_per_block * group
     keys = pages_per_block * page_size
-    buffers = 2 * keys * kv_heads * (head_dim + v_head_dim) * cache_itemsize
-    widened = keys * (head_dim + v_head_dim) * 4 if cache_itemsize == 1 else 0  # a float8 block widened, per head
+    # a token's kv heads are the second-minor dim of the page buffer: Mosaic tiles 8-bit rows in fours and 16-bit rows
+    # in pairs (one 32-bit sublane), so 2 float8 kv heads take the room of 4
+    packed_heads = -(-kv_heads // (4 // cache_itemsize)) * (4 // cache_itemsize)
+    buffers = 2 * keys * packed_heads * (head_dim + v_head_dim) * cache_itemsize
+    # A float8 block is widened per head (float8 -> float32 -> the compute dtype) and Mosaic keeps every head's K and V
+    # of both visit branches (masked, unmasked) in its internal scratch: Gemma 4 full (2 kv heads x 512) needs 19.4 MiB
+    # on v6e, about this estimate; with more heads it is an upper bound (Mosaic reuses some of the room).
+    merged = merges_heads(hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, block_rows=rows)
+    widened = 0
+    if cache_itemsize == 1:
+        widened = keys * (head_dim + v_head_dim) * (4 + q_itemsize) * (1 if merged else 2 * kv_heads)
     q = kv_heads * rows * head_dim * q_itemsize
     out = kv_heads * rows * v_head_dim * q_itemsize
     stats = 2 * kv_heads * rows * 128 * 4
     acc = kv_heads * rows * v_head_dim * 4
     rinfo = 2 * rows * 128 * 4
     temporaries = 6 * rows * keys * 4
-    if merges_heads(hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, block_rows=rows):
+    if merged:
         temporaries *= kv_heads * kv_heads  # every head's rows against every head's keys
     return buffers + widened + 3 * q + 2 * out + stats + acc + rinfo + temporaries
 
