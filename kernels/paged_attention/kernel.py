@@ -145,6 +145,14 @@ def _wait(visit, slot, refs, layout):
             v_copy.wait()
 
 
+def _rows_of_sequence(word, block, cu_ref, lay: Layout, row):
+    """Which rows of the query block (row: int32 [R, 1], each row's row within the block) hold the visit's sequence:
+    row r is token first_token + r // group, multiplied through by the group (no vector division)."""
+    seq, _ = _split_block(block, lay)
+    first_token = (word & schedule.QUERY_BLOCK_MASK) * lay.block_q
+    return (row >= lay.group * (cu_ref[seq] - first_token)) & (row < lay.group * (cu_ref[seq + 1] - first_token))
+
+
 def _keep(word, block, kv_lens_ref, cu_ref, lay: Layout, row, key):
     """The kept scores of a masked visit, [block rows, block keys]: rows of the visit's sequence, keys within the row's
     causal / window range and the context. Row r is token first_token + r // group at context position token +
@@ -155,11 +163,11 @@ def _keep(word, block, kv_lens_ref, cu_ref, lay: Layout, row, key):
     left, right = lay.window_size
     g, bk = lay.group, lay.block_kv
     seq, block_in_seq = _split_block(block, lay)
-    q_start, q_end, kv_len = cu_ref[seq], cu_ref[seq + 1], kv_lens_ref[seq]
+    q_end, kv_len = cu_ref[seq + 1], kv_lens_ref[seq]
     first_token = (word & schedule.QUERY_BLOCK_MASK) * lay.block_q
     first_key = block_in_seq * bk
     shift = kv_len - q_end  # a row's position minus its token index
-    keep = (row >= g * (q_start - first_token)) & (row < g * (q_end - first_token))
+    keep = _rows_of_sequence(word, block, cu_ref, lay, row)
     diagonal = row - g * key
     if left >= 0:  # key >= position - left  <=>  token <= key - shift + left
         keep = keep & (diagonal < g * (first_key - shift + left - first_token + 1))
@@ -222,13 +230,15 @@ def _kernel(
         return x.reshape(bk, width)
 
     def accumulate(masked: bool):
+        row = jax.lax.broadcasted_iota(jnp.int32, (lay.block_rows, 1), 0)
         if masked:
-            row = jax.lax.broadcasted_iota(jnp.int32, (lay.block_rows, 1), 0)
             key = jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             keep = _keep(word, kv_blocks_ref[visit], kv_lens_ref, cu_ref, lay, row, key)
             rows = rows_ref[visit]
             key_rows = jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
             fetched = (key_rows >= (rows & schedule.ROW_MASK)) & (key_rows < (rows >> schedule.ROW_BITS))
+        else:  # every key kept for the sequence's rows; other sequences' rows keep their statistics
+            ours = _rows_of_sequence(word, kv_blocks_ref[visit], cu_ref, lay, row)
         for j in range(lay.kv_heads):
             k = block_of(k_buf, j, d)
             v = block_of(v_buf, j, dv)
@@ -243,9 +253,13 @@ def _kernel(
             m_new = jnp.maximum(m_prev, row_stat(jnp.max(s, axis=1, keepdims=True)))
             p = jnp.exp2(s - lanes(m_new, bk))
             alpha = jnp.exp2(m_prev - m_new)
-            l_ref[j] = alpha * l_ref[j] + row_stat(jnp.sum(p, axis=1, keepdims=True))
-            m_ref[j] = m_new
-            acc_ref[j] = acc_ref[j] * lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
+            l_new = alpha * l_ref[j] + row_stat(jnp.sum(p, axis=1, keepdims=True))
+            acc_new = acc_ref[j] * lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
+            if not masked:
+                m_new = jnp.where(ours, m_new, m_prev)
+                l_new = jnp.where(ours, l_new, l_ref[j])
+                acc_new = jnp.where(ours, acc_new, acc_ref[j])
+            m_ref[j], l_ref[j], acc_ref[j] = m_new, l_new, acc_new
 
     def accumulate_merged(masked: bool):
         # Every kv head at once: score row (head h, row r) against key column (token t, head h') is kept only where
@@ -264,9 +278,9 @@ def _kernel(
             rows = rows_ref[visit]
             block = kv_blocks_ref[visit]
         q = q_scaled_ref[...].reshape(n_rows, d)
-        m = m_ref[...].reshape(n_rows, LANES)
-        l = l_ref[...].reshape(n_rows, LANES)
-        acc = acc_ref[...].reshape(n_rows, dv)
+        m0 = m = m_ref[...].reshape(n_rows, LANES)
+        l0 = l = l_ref[...].reshape(n_rows, LANES)
+        acc0 = acc = acc_ref[...].reshape(n_rows, dv)
         for c in range(bk // tokens):
             first = c * tokens
             if tokens >= lay.page_size:
@@ -292,6 +306,9 @@ def _kernel(
             l = alpha * l + row_stat(jnp.sum(p, axis=1, keepdims=True))
             acc = acc * lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
             m = m_new
+        if not masked:  # every key kept for the sequence's rows; other sequences' rows keep their statistics
+            ours = _rows_of_sequence(word, kv_blocks_ref[visit], cu_ref, lay, row - row_head * rows_per_head)
+            m, l, acc = jnp.where(ours, m, m0), jnp.where(ours, l, l0), jnp.where(ours, acc, acc0)
         m_ref[...] = m.reshape(m_ref.shape)
         l_ref[...] = l.reshape(l_ref.shape)
         acc_ref[...] = acc.reshape(acc_ref.shape)

@@ -11,7 +11,8 @@ without a right window; right = 0 when causal).
 A (query block, sequence) pair is a sequence with rows in the block; each pair visits the key blocks its rows need
 (a contiguous run: lo and hi grow with the row within a sequence). Per visit, three int32 words for SMEM:
 - `words`: the query block, and the flags FIRST / LAST (the block's first / last visit: initialise / finalise),
-  COMPUTE (some key is kept) and MASKED (some score of the pair is masked; else the kernel skips the mask);
+  COMPUTE (some key is kept) and MASKED (some key of the block is hidden from some row of the sequence; else the
+  kernel skips the per-score mask and keeps the sequence's rows by a per-row select of their statistics);
 - `kv_blocks`: sequence * blocks_per_seq + key block within the sequence;
 - `rows`: the block's key rows to fetch, first | end << 16 (whole pages from the first needed one; `end` stops at
   the context's length, so rows past it are zeroed in V, never read as values).
@@ -144,7 +145,6 @@ def _builder(
             compute = has_rows & (r1 > r0) & (lo0 <= hi0) & (lo1 <= hi1) & (lo0 <= hi1)
             first_b = _div(jnp.maximum(lo0, 0), block_kv)
             visits = jnp.where(compute, _div(jnp.maximum(hi1, 0), block_kv) - first_b + 1, 0)
-            whole = (r0 == first_row) & (r1 == first_row + block_q)
 
             def visit(j, v):
                 kv_block = jnp.minimum(first_b + j, blocks_per_seq - 1)
@@ -154,7 +154,7 @@ def _builder(
                 first = _div(need_lo, page_size) * page_size
                 end = jnp.minimum((_div(need_hi, page_size) + 1) * page_size, kv_len - start)
                 end = jnp.clip(end, first, block_kv)
-                full = whole & (lo1 <= start) & (hi0 >= start + block_kv - 1) & (first == 0)
+                full = (lo1 <= start) & (hi0 >= start + block_kv - 1) & (first == 0)
                 word = qb | COMPUTE | jnp.where(full, 0, MASKED) | jnp.where(v == block_v, FIRST, 0)
                 put(v, word, s * blocks_per_seq + kv_block, first | (end << ROW_BITS))
                 return v + 1

@@ -2,10 +2,11 @@
 
 A visit multiplies one query block (queries_per_block tokens x the group's query heads, per kv head) by one key block
 (pages_per_block pages, every kv head) gathered into VMEM. The key block sets the DMA per visit, which must hide the
-~0.14 us cost of a grid step and the page copies' issue: 512 keys a visit (2 pages of 256, 32 of 16) is the
-default. The query block sets the vector work per visit: decode batches (about one token per sequence) take the
-fewest tokens whose rows fill a sublane tile, so that a visit's scores stay a few vregs; prefill-heavy batches take
-blocks of about 128 rows. Every entry is proven by the deviceless compile test on v5e, v6e and v7x.
+~0.14 us cost of a grid step and the page copies' issue: 512 keys a visit (2 pages of 256, 32 of 16) is the default,
+1024 at decode, where a visit's few query rows leave its fixed cost (the online-softmax chain) exposed. The query
+block sets the vector work per visit: decode batches (about one token per sequence) take the fewest tokens whose rows
+fill a sublane tile, so that a visit's scores stay a few vregs; prefill-heavy batches take blocks of about 128 rows.
+Every entry is proven by the deviceless compile test on v5e, v6e and v7x.
 """
 
 import dataclasses
@@ -17,6 +18,9 @@ from ..common.blocks import check_tile, check_vmem_fit, sublane_multiple
 from .kernel import merges_heads
 
 KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
+# Decode-like batches: a visit's fixed cost (the online-softmax chain, the grid step) is a large part of a block of few
+# query rows, so their visits take twice the keys (modeled v6e, Qwen3 decode B = 8 at 4096, page 64: 162.9 -> 79.7 us).
+DECODE_KEYS_PER_BLOCK = {"v5e": 1024, "v6e": 1024, "v7x": 1024}
 PREFILL_ROWS = {"v5e": 128, "v6e": 128, "v7x": 128}
 # Visit lists (three int32 words a visit) and the page table live in SMEM; beyond this, larger blocks are needed.
 SMEM_BUDGET_BYTES = 512 * 1024
@@ -28,7 +32,8 @@ class PagedAttentionBlocks:
 
     queries_per_block: query tokens per block; times the query heads per kv head it must be a multiple of the sublane
         tile (16 rows for 16-bit queries, 8 for float32) unless it covers all tokens. None: the table's.
-    pages_per_block: KV pages gathered per visit (at most the page table's width). None: about 512 keys.
+    pages_per_block: KV pages gathered per visit (at most the page table's width). None: about 512 keys (1024 for a
+        decode-like batch, at most 2 tokens a sequence).
     vmem_limit_bytes: the scoped VMEM the kernel may use; None: derived from the working set.
     """
 
@@ -99,8 +104,8 @@ def resolve_blocks(
     blocks = blocks or PagedAttentionBlocks()
     owner = "PagedAttentionBlocks"
     min_q = min_queries_per_block(group, q_dtype)
+    decode = tokens <= 2 * num_seqs
     if blocks.queries_per_block is None:
-        decode = tokens <= 2 * num_seqs
         target = min_q if decode else max(min_q, PREFILL_ROWS.get(generation, 128) // group)
         queries = -(-target // min_q) * min_q
     else:
@@ -113,7 +118,8 @@ def resolve_blocks(
             )
     queries = min(queries, -(-tokens // min_q) * min_q)
     if blocks.pages_per_block is None:
-        pages = max(1, KEYS_PER_BLOCK.get(generation, 512) // page_size)
+        keys = (DECODE_KEYS_PER_BLOCK if decode else KEYS_PER_BLOCK).get(generation, 512)
+        pages = max(1, keys // page_size)
     else:
         pages = check_tile(owner, "pages_per_block", blocks.pages_per_block)
     pages = min(pages, pages_per_seq)
