@@ -91,14 +91,15 @@ def _case_args(rand, case):
 
 # Cases run on one path only (the suite's time budget): the interleaved silu / gelu ones on the grouped path (the
 # small-batch kernel's interleaved read is the same whatever the activation: the gpt-oss cases take it there); the
-# gpt-oss ones on the small-batch path (test_interleaved_partial_last_tile runs the clamped SwiGLU interleaved on the
-# grouped path, at a partial last tile); the clamped silu (up_offset 0) on the small-batch path (the grouped path's
-# clamped gating: the same apply_gating, in test_interleaved_partial_last_tile); ReLU squared on the small-batch path
-# (an elementwise activation like the others, tied to its reference in test_ragged_dot.py). The grouped path's
-# ungated epilogue with biases and sentinels: test_experts_forward_gradients (its d top_k_weights is each routed
-# expert's output against the cotangent); its 64-token, multi-tile run with sentinels: the t64 interleaved case and
-# test_sentinels_contribute_nothing; one token on the grouped path is two rows of the grouped matmuls (m1 and the
-# tail cases in test_ragged_dot.py), so the t1 case takes the path the table gives one token; the unfused I = 96
+# gpt-oss ones on the small-batch path (the quantized fp8 gpt-oss case runs the clamped SwiGLU interleaved on the
+# grouped path, at a partial last tile: the weights are dequantized in VMEM before the same epilogue); the clamped silu
+# (up_offset 0) on the small-batch path (the grouped path's clamped gating: the same apply_gating, in that quantized
+# case); ReLU squared on the small-batch path (an elementwise activation like the others, tied to its reference in
+# test_ragged_dot.py). The grouped path's ungated epilogue with biases and sentinels: test_experts_forward_gradients
+# (its d top_k_weights is each routed expert's output against the cotangent); its 64-token, multi-tile run with
+# sentinels: the t64 interleaved case and test_sentinels_contribute_nothing; one token on the grouped path is two
+# rows of the grouped matmuls (fewer than a sublane tile: the m7 tail case in test_ragged_dot.py), so the t1 case
+# takes the path the table gives one token; the unfused I = 96
 # gate/up exists on the grouped path only (the small-batch kernel's I = 96: the stored-swapped case).
 ONE_PATH = {
     "t1-concat-silu-bf16": "small_batch",
@@ -112,7 +113,9 @@ ONE_PATH = {
     "t7-concat-clamped-silu-bf16": "small_batch",
     "t7-ungated-relu2-f32": "small_batch",
 }
-PATH_CASES = [(c, p) for c in CASES for p in ladder.MOE_PATHS if ONE_PATH.get(c[0], p) == p]
+# The f32 concatenated gelu case with biases (CASES[1]) runs against the reference on both paths in
+# test_sentinels_contribute_nothing, whose sentinel checks reuse that compiled program.
+PATH_CASES = [(c, p) for c in CASES[:1] + CASES[2:] for p in ladder.MOE_PATHS if ONE_PATH.get(c[0], p) == p]
 
 
 def forced_blocks(path, args, kw):
@@ -219,24 +222,6 @@ def test_touched_experts_compiles_for_tpu(generation):
         )
 
 
-def test_interleaved_partial_last_tile(rand):
-    """The grouped path's interleaved gate/up at an output tile that does not divide I (tn = 128 of I = 192): the last
-    tile's weight block runs past N, and its columns there (NaN in strict interpret mode) must not reach the
-    de-interleave's selection matmuls."""
-    case = next(c for c in CASES if c[0] == "t7-gpt-oss-i192-f32")
-    args, kw = _case_args(rand, case)
-    assert_clamps_bite(args, kw)
-    blocks = ExpertsBlocks(path="grouped", gate_up=RaggedDotBlocks(forward=MatmulBlocks(tn=128)))
-    ladder.check_against_reference(
-        functools.partial(tk.experts_forward, blocks=blocks, **kw),
-        jax.jit(functools.partial(experts_forward_reference, **kw)),
-        args,
-        dtype=F32,
-        rand=rand,
-        **F32_TOL,
-    )
-
-
 @pytest.mark.parametrize("path", ladder.MOE_PATHS)
 def test_mixed_weight_dtypes(rand, path):
     """bf16 activations and gate/up weights with an f32 down_proj: each matmul runs in its operands' promoted dtype."""
@@ -253,26 +238,26 @@ def test_mixed_weight_dtypes(rand, path):
 
 @pytest.mark.parametrize("path", ladder.MOE_PATHS)
 def test_sentinels_contribute_nothing(rand, path):
-    """Replacing some routing ids by sentinels (>= E) gives the result of dropping those slots (weight zero)."""
+    """The f32 concatenated gelu case with biases and transposed weights (CASES[1]) against the reference; then,
+    through the same compiled program, replacing some routing ids by sentinels (>= E) gives the result of dropping
+    those slots (weight zero), and a shard that holds none of the routed experts gives exactly zero, biases
+    included."""
     args, kw = _case_args(rand, CASES[1])
     x, index, w, gate_up, down, gate_up_bias, down_bias = args
     experts = gate_up.shape[0]
+    fn = jax.jit(functools.partial(tk.experts_forward, blocks=forced_blocks(path, args, kw), **kw))
+    ladder.assert_moe_path(fn, args, path)
+    out = ladder.check_against_reference(
+        fn, jax.jit(functools.partial(experts_forward_reference, **kw)), args, dtype=F32, rand=rand, **F32_TOL
+    )
+    assert out.shape == x.shape and out.dtype == F32
     drop = jnp.asarray(rand.rng.random(index.shape) < 0.4)
     with_sentinels = jnp.where(drop, experts + 5, index)
     without = jnp.where(drop, 0.0, w)  # same expert ids, the dropped slots weighted zero
-    fn = jax.jit(functools.partial(tk.experts_forward, blocks=forced_blocks(path, args, kw), **kw))
     out_sentinel = ladder.run_interpreted(fn, x, with_sentinels, w, gate_up, down, gate_up_bias, down_bias)
     out_zero_weight = ladder.run_interpreted(fn, x, index, without, gate_up, down, gate_up_bias, down_bias)
     ladder.assert_close(out_sentinel, out_zero_weight, dtype=F32, **F32_TOL, context=repr(rand))
-
-
-@pytest.mark.parametrize("path", ladder.MOE_PATHS)
-def test_every_slot_a_sentinel_gives_zeros(rand, path):
-    """A shard that holds none of the routed experts: the output is exactly zero, biases included."""
-    args, kw = _case_args(rand, CASES[1])
-    x, index, w, gate_up, down, gate_up_bias, down_bias = args
-    sentinels = jnp.full_like(index, gate_up.shape[0]) + jnp.asarray(rand.rng.integers(0, 5, index.shape), jnp.int32)
-    fn = jax.jit(functools.partial(tk.experts_forward, blocks=forced_blocks(path, args, kw), **kw))
+    sentinels = jnp.full_like(index, experts) + jnp.asarray(rand.rng.integers(0, 5, index.shape), jnp.int32)
     out = ladder.run_interpreted(fn, x, sentinels, w, gate_up, down, gate_up_bias, down_bias)
     assert out.shape == x.shape and bool(jnp.all(out == 0)), "sentinel-only routing produced nonzero output"
 
@@ -286,11 +271,12 @@ def test_no_tokens(rand):
 
 
 # ------------------------------------------------------------------------------------------------ gradients
-# Each path once, each with one of the two cases: bf16 ungated + biases + sentinels on the grouped path, f32
-# concatenated + biases on the small-batch path (whose custom_vjp is the grouped path's backward, the same kernels);
-# and gpt-oss's clamped SwiGLU, interleaved with biases (f32, through the small-batch path's forward and the
-# grouped kernels' backward): no gradient where a clamp bites.
-GRAD_PATH_CASES = [(CASES[5], "grouped"), (CASES[1], "small_batch"), (CASES[8], "small_batch")]
+# Each path once: bf16 ungated + biases + sentinels on the grouped path; gpt-oss's clamped SwiGLU, interleaved with
+# biases (f32, transposed weights, through the small-batch path's forward and its custom_vjp, which is the grouped
+# kernels' backward): no gradient where a clamp bites. The concatenated layout's backward is the same grouped-matmul
+# backward with gated="concatenated" passed through (experts_forward has no layout-specific backward code): its
+# kernels' gradients, with biases, in f32 and bf16, are checked in test_ragged_dot.py.
+GRAD_PATH_CASES = [(CASES[5], "grouped"), (CASES[8], "small_batch")]
 assert {p for _, p in GRAD_PATH_CASES} == set(ladder.MOE_PATHS)
 GRAD_NAMES = ["d hidden_states", "d top_k_weights", "d gate_up_proj", "d down_proj", "d gate_up_bias", "d down_bias"]
 
@@ -359,8 +345,10 @@ def test_blocks_reach_every_kernel():
             assert f"vmem_limit_bytes={blocks.vmem_limit_bytes}" in text, "blocks.vmem_limit_bytes unused"
 
 
+# 64 tokens: the small-batch path on every generation (v7x's limit); 256: v6e's limit, the grouped path on v5e and
+# v7x; 1024: past every limit. One token takes the path 64 does (test_path_choice).
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
-@pytest.mark.parametrize("tokens", [1, 64, 256, 1024])
+@pytest.mark.parametrize("tokens", [64, 256, 1024])
 def test_choose_and_candidate_blocks(generation, tokens):
     """tuning.choose_blocks names the path the table takes (and its chunk), candidate_blocks lists it first, then the
     other path and small-batch chunks next to it, all distinct; experts_forward takes each as blocks= and traces
@@ -682,8 +670,11 @@ def quantized_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, 
 QUANT_CASES = [
     # I = 256: the small-batch kernel's smallest chunk is 128 (down_proj holds I on lanes), two a gate/up stream.
     ("int8-bf16-i256", jnp.int8, BF16, False, False, 256, "concatenated", "silu"),
-    # gpt-oss's layout (interleaved, transposed, biases, its clamped SwiGLU): small-batch chunks of 64 (2 steps).
-    ("fp8-f32-gpt-oss", jnp.float8_e4m3fn, F32, True, True, 128, "interleaved", GPT_OSS_GATE),
+    # gpt-oss's layout (interleaved, transposed, biases, its clamped SwiGLU) at I = 192: small-batch chunks of 64 (3
+    # steps); on the grouped path an output tile that does not divide I (tn = 128, forced): the last tile's weight
+    # block runs past N, and its columns there (NaN in strict interpret mode) must not reach the de-interleave's
+    # selection matmuls.
+    ("fp8-f32-gpt-oss-i192", jnp.float8_e4m3fn, F32, True, True, 192, "interleaved", GPT_OSS_GATE),
 ]
 # The int8 case on the small-batch path only (its grouped matmuls' dequantization: test_ragged_dot.py, with k steps).
 QUANT_PATH_CASES = [(c, p) for c in QUANT_CASES for p in ladder.MOE_PATHS if (c[0], p) != ("int8-bf16-i256", "grouped")]
@@ -720,10 +711,21 @@ def test_quantized_experts_match_dequantized_reference(rand, case, path):
     """int8 / fp8 weights with per-output-channel scales, dequantized in VMEM by both paths' kernels, against the
     dense reference on the dequantized weights."""
     args, kw = _quantized_case(rand, case)
+    x, index, w, gate_up_q, down_q, gate_up_scale, down_scale, gate_up_bias, down_bias = args
+    out_axis = 2 if kw["weights_transposed"] else 1
+    dequantized = (dequantize(gate_up_q, gate_up_scale, out_axis), dequantize(down_q, down_scale, out_axis))
+    assert_clamps_bite((x, index, w, *dequantized, gate_up_bias, down_bias), kw)
     dtype = case[2]
     blocks = ladder.moe_blocks(
-        path, args[3], args[4], args[7], gate_layout=kw["gate_layout"], weights_transposed=kw["weights_transposed"]
+        path,
+        gate_up_q,
+        down_q,
+        gate_up_bias,
+        gate_layout=kw["gate_layout"],
+        weights_transposed=kw["weights_transposed"],
     )
+    if path == "grouped":  # a gate/up output tile that does not divide I (QUANT_CASES)
+        blocks = ExpertsBlocks(path="grouped", gate_up=RaggedDotBlocks(forward=MatmulBlocks(tn=128)))
     fn = functools.partial(quantized_experts, blocks=blocks, **kw)
     ladder.assert_moe_path(fn, args, path)
     out = ladder.check_against_reference(
