@@ -73,15 +73,6 @@ def _op_inputs(rand):
     return q, k, v, _randn(rand, 4, requires_grad=True)
 
 
-def test_flash_attention_op_checks(rand):
-    q, k, v, sinks = _op_inputs(rand)
-    ladder.check_torch_op(
-        flash_attention_ops.flash_attention_op,
-        (q, k, v, sinks, 0.2, True, 4, 0, 0.0),
-        expected_shapes=[(2, 9, 4, 16)],
-    )
-
-
 def test_flash_attention_derived_backward_op_checks(rand):
     """Only q asked for (frozen k, v and sinks): their gradients are not computed and come back empty."""
     q, k, v, sinks = (t.detach() for t in _op_inputs(rand))
@@ -97,12 +88,6 @@ def _varlen_op_args(rand):
     k, v = _randn(rand, 23, 2, 32, requires_grad=True), _randn(rand, 23, 2, 32, requires_grad=True)
     cu_q, cu_k = torch.tensor([0, 5, 5, 20], dtype=torch.int32), torch.tensor([0, 7, 10, 23], dtype=torch.int32)
     return (q, k, v, cu_q, cu_k, None, 15, 13, 0.25, False, -1, -1, 5.0)
-
-
-def test_flash_attention_varlen_op_checks(rand):
-    ladder.check_torch_op(
-        flash_attention_ops.flash_attention_varlen_op, _varlen_op_args(rand), expected_shapes=[(20, 4, 32)]
-    )
 
 
 def test_op_functions_export_for_tpu(rand):
@@ -143,7 +128,9 @@ DENSE_CASES = {
 def test_flash_attn_func_and_autograd_match_torch(rand, case):
     """Outputs and gradients against torch's autograd of the formula; with every feature at once, also under
     torch.compile(fullgraph=True): the wrapper's checks and casts trace without a graph break, and the compiled
-    results and gradients equal eager's exactly (on the shapes just run: no new kernel compiles)."""
+    results and gradients equal eager's exactly, and the op itself passes check_torch_op (opcheck, fake and meta
+    shapes, torch.compile) with the arguments the wrapper gives it (on the shapes just run: no new kernel
+    compiles)."""
     c = DENSE_CASES[case]
     inputs = {
         "q": _randn(rand, 2, c["sq"], c["hq"], c["d"], requires_grad=True),
@@ -163,6 +150,13 @@ def test_flash_attn_func_and_autograd_match_torch(rand, case):
         assert (out[:, :7] == 0).all() and (out[:, 7:] != 0).any()
     else:
         ladder.check_compiled_matches_eager(lambda **a: tpu_kernels.flash_attn_func(**a), inputs, rand=rand)
+        options = c["options"]
+        ladder.check_torch_op(
+            flash_attention_ops.flash_attention_op,
+            (inputs["q"], inputs["k"], inputs["v"], inputs["s_aux"], options["softmax_scale"], False)
+            + (*options["window_size"], options["softcap"]),
+            expected_shapes=[(2, c["sq"], c["hq"], c["dv"])],
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -190,13 +184,16 @@ def _varlen_inputs(rand, index_dtype=torch.int64):
         "max_seqlen_k": 13,
         "causal": True,
         "window_size": (4, -1),
+        "softcap": 5.0,
+        "softmax_scale": 0.25,
         "s_aux": _randn(rand, 4, requires_grad=True),
     }
 
 
 def test_flash_attn_varlen_func_and_autograd_match_torch(rand):
     """Against torch's autograd of the formula; int32 cu_seqlens give the int64 result; under
-    torch.compile(fullgraph=True) (int64 cu_seqlens, an int max_seqlen) the results and gradients are eager's."""
+    torch.compile(fullgraph=True) (int64 cu_seqlens, an int max_seqlen) the results and gradients are eager's; the op
+    itself passes check_torch_op with the arguments the wrapper gives it (the kernels compiled above serve it)."""
     inputs = _varlen_inputs(rand)
     grads = ladder.check_torch_gradients(
         tpu_kernels.flash_attn_varlen_func, _torch_varlen, inputs, rand=rand, rtol=1e-4, atol=1e-5
@@ -209,6 +206,9 @@ def test_flash_attn_varlen_func_and_autograd_match_torch(rand):
         )
     compiled = {**inputs, "max_seqlen_q": 11}
     ladder.check_compiled_matches_eager(lambda **a: tpu_kernels.flash_attn_varlen_func(**a), compiled, rand=rand)
+    op_args = [inputs[name] for name in ("q", "k", "v")] + [int32["cu_seqlens_q"], int32["cu_seqlens_k"]]
+    op_args += [inputs["s_aux"], 11, 13, 0.25, True, 4, -1, 5.0]
+    ladder.check_torch_op(flash_attention_ops.flash_attention_varlen_op, tuple(op_args), expected_shapes=[(17, 4, 32)])
 
 
 def test_meta_tensors_give_shapes_and_are_checked_by_shape(rand):
@@ -444,7 +444,8 @@ def test_hub_attention_gives_eager_logits_and_tokens(rand, model_name, hub_kerne
         actual = ours(tokens).logits
     _assert_logits_close(actual, expected)
 
-    prompt, new = tokens[:, :9], 2  # the prompt, then a decode step: every further step is another decode step
+    # the prompt (the tokens above: their kernels are compiled), then a decode step: every further step is another
+    prompt, new = tokens, 2
     with torch.no_grad():
         expected_tokens = eager.generate(prompt, max_new_tokens=new, do_sample=False, attention_mask=None)
     with _counted({"flash_attention": _layers(ours) * new}):  # the prompt, then one step per further token
@@ -607,7 +608,7 @@ def test_attention_interface_registration(rand, direct_registration, tmp_path):
         generated = ours.generate(tokens, attention_mask=mask, max_new_tokens=2, do_sample=False)
     assert torch.equal(generated, expected_tokens) and sum(calls.values()) == layers * 2
 
-    lengths = (6, 10)
+    lengths = (11, 7)  # the padded batch's sequences: its cu_seqlens and max_seqlen, so no new kernel compiles
     tokens, positions = _packed(rand, lengths)
     with _counted({"flash_attention_varlen": layers}):
         actual = ours(tokens, position_ids=positions).logits
