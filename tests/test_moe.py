@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ladder
 import numpy as np
 import pytest
+from test_ragged_dot import check_forward_and_gradients
 
 from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, MOE_TOP_K, RAGGED_DOT_DECODE_TOKENS
 from tpu_kernels_jax import api as tk
@@ -114,8 +115,11 @@ ONE_PATH = {
     "t7-ungated-relu2-f32": "small_batch",
 }
 # The f32 concatenated gelu case with biases (CASES[1]) runs against the reference on both paths in
-# test_sentinels_contribute_nothing, whose sentinel checks reuse that compiled program.
-PATH_CASES = [(c, p) for c in CASES[:1] + CASES[2:] for p in ladder.MOE_PATHS if ONE_PATH.get(c[0], p) == p]
+# test_sentinels_contribute_nothing, whose sentinel checks reuse that compiled program; gpt-oss's I = 192 case
+# (CASES[8]) on the small-batch path in test_experts_forward_gradients, in the program of its gradients.
+PATH_CASES = [
+    (c, p) for c in CASES[:1] + CASES[2:8] + CASES[9:] for p in ladder.MOE_PATHS if ONE_PATH.get(c[0], p) == p
+]
 
 
 def forced_blocks(path, args, kw):
@@ -283,7 +287,8 @@ GRAD_NAMES = ["d hidden_states", "d top_k_weights", "d gate_up_proj", "d down_pr
 
 @pytest.mark.parametrize("case,path", GRAD_PATH_CASES, ids=[f"{c[0]}-{p}" for c, p in GRAD_PATH_CASES])
 def test_experts_forward_gradients(rand, case, path):
-    """d hidden_states, d top_k_weights, d gate_up_proj, d down_proj (and d biases) vs jax.grad of the reference."""
+    """The output, and d hidden_states, d top_k_weights, d gate_up_proj, d down_proj (and d biases) vs jax.grad of
+    the reference, in one program."""
     args, kw = _case_args(rand, case)
     assert_clamps_bite(args, kw)
     dtype = case[6]
@@ -291,16 +296,20 @@ def test_experts_forward_gradients(rand, case, path):
     # bf16: the reference rounds the intermediate once as the kernel does, but its backward stays in f32 where the
     # kernel's rounds each grouped matmul's result to bf16; weight gradients sum over tokens.
     tol = dict(rtol=3e-2, atol=5e-2) if dtype == BF16 else dict(rtol=1e-4, atol=1e-4)
-    ladder.check_gradients(
-        functools.partial(tk.experts_forward, blocks=forced_blocks(path, args, kw), **kw),
+    fn = functools.partial(tk.experts_forward, blocks=forced_blocks(path, args, kw), **kw)
+    ladder.assert_moe_path(fn, args, path)
+    out = check_forward_and_gradients(
+        fn,
         functools.partial(experts_forward_reference, **kw),
         args,
         argnums=(0, 2, 3, 4, 5, 6) if has_bias else (0, 2, 3, 4),
         names=GRAD_NAMES if has_bias else GRAD_NAMES[:4],
         rand=rand,
         dtype=dtype,
-        **tol,
+        out_tolerance=F32_TOL if dtype == F32 else {},
+        grad_tolerance=tol,
     )
+    assert out.shape == args[0].shape and out.dtype == dtype
 
 
 # ------------------------------------------------------------------------------------------------ blocks=
