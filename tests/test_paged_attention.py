@@ -434,10 +434,10 @@ COMPILE_CASES = [
 # layout (Hq, Hkv, D), page size, dtypes, options and the VMEM limit; the tuning table gives every case above the same
 # blocks and the same VMEM limit on v5e, v6e and v7x (16 MiB, each working set under 2/3 of it; Gemma 4 sliding decode
 # 25.4 MiB; Gemma 4 full's float8 decode 49 MiB, 48 on v7x: 3/4 of its VMEM), and the token, sequence and page counts
-# only size the grid, the visit lists and the SMEM page table. So each case compiles on one generation: on v6e (the benchmarks' generation)
-# Qwen3 and Gemma 4 sliding decode, Gemma 4 full's float8 decode, gpt-oss (head dim 64, sinks) and both ends of the
-# SMEM budget; on v5e (the least scoped VMEM) and v7x (the least VMEM) the widest working sets, the fp8 mixed batch
-# and Gemma 4 full's head dim 512, the same body v6e would compile.
+# only size the grid, the visit lists and the SMEM page table. So each case compiles on one generation: on v6e (the
+# benchmarks' generation) Qwen3 and Gemma 4 sliding decode, Gemma 4 full's float8 decode, gpt-oss (head dim 64, sinks)
+# and both ends of the SMEM budget; on v5e (the least scoped VMEM) and v7x (the least VMEM) the widest working sets,
+# the fp8 mixed batch and Gemma 4 full's head dim 512, the same body v6e would compile.
 COMPILES = [
     (case, generation)
     for case in COMPILE_CASES
