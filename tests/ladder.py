@@ -281,6 +281,26 @@ def vjp_loss(outs, cotangents=None):
     return sum(jnp.sum(leaf.astype(jnp.float32) * c) for leaf, c in zip(leaves, cotangent_leaves))
 
 
+def check_forward_and_gradients(kernel, reference, args, *, argnums, names, rand, dtype, out_tolerance, grad_tolerance):
+    """The output and its gradients w.r.t. args[argnums] under one fixed random cotangent (vjp_loss), kernel
+    (strict interpret mode) against reference: forward and backward in one program each (one compile instead of
+    two). Returns the kernel's output."""
+    cotangents = rand.cotangents(reference, *args)
+
+    def forward_and_gradients(fn):
+        grad = jax.grad(lambda *a: vjp_loss(fn(*a), cotangents), argnums=argnums)
+        return lambda *a: (fn(*a), grad(*a))
+
+    out, grads = run_interpreted(jax.jit(forward_and_gradients(kernel)), *args)
+    expected_out, expected_grads = run_reference(forward_and_gradients(reference), *args)
+    assert out.dtype == expected_out.dtype, f"output: dtype {out.dtype} != reference {expected_out.dtype}"
+    assert_close(out, expected_out, dtype=dtype, context=repr(rand), **out_tolerance)
+    for name, actual, expected in zip(names, grads, expected_grads, strict=True):
+        assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != reference {expected.dtype}"
+        assert_close(actual, expected, dtype=dtype, what=name, context=repr(rand), **grad_tolerance)
+    return out
+
+
 def check_gradients(
     kernel_fn, reference_fn, args, *, argnums, rand, dtype, names=None, atol=None, rtol=None, interpret=True
 ):

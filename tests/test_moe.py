@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import ladder
 import numpy as np
 import pytest
-from test_ragged_dot import check_forward_and_gradients
 
 from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, MOE_TOP_K, RAGGED_DOT_DECODE_TOKENS
 from tpu_kernels_jax import api as tk
@@ -298,7 +297,7 @@ def test_experts_forward_gradients(rand, case, path):
     tol = dict(rtol=3e-2, atol=5e-2) if dtype == BF16 else dict(rtol=1e-4, atol=1e-4)
     fn = functools.partial(tk.experts_forward, blocks=forced_blocks(path, args, kw), **kw)
     ladder.assert_moe_path(fn, args, path)
-    out = check_forward_and_gradients(
+    out = ladder.check_forward_and_gradients(
         fn,
         functools.partial(experts_forward_reference, **kw),
         args,

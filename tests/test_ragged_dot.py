@@ -325,26 +325,6 @@ def test_gradients_match_reference(rand, regime, case):
     assert bool(jnp.all(actual[0][m - 5 :] == 0)), "d lhs of rows past the groups is not exactly zero"
 
 
-def check_forward_and_gradients(kernel, reference, args, *, argnums, names, rand, dtype, out_tolerance, grad_tolerance):
-    """The output and its gradients w.r.t. args[argnums] under one fixed random cotangent (ladder.vjp_loss), kernel
-    (strict interpret mode) against reference: forward and backward in one program each (one compile instead of
-    two). Returns the kernel's output."""
-    cotangents = rand.cotangents(reference, *args)
-
-    def forward_and_gradients(fn):
-        grad = jax.grad(lambda *a: ladder.vjp_loss(fn(*a), cotangents), argnums=argnums)
-        return lambda *a: (fn(*a), grad(*a))
-
-    out, grads = ladder.run_interpreted(jax.jit(forward_and_gradients(kernel)), *args)
-    expected_out, expected_grads = ladder.run_reference(forward_and_gradients(reference), *args)
-    assert out.dtype == expected_out.dtype, f"output: dtype {out.dtype} != reference {expected_out.dtype}"
-    ladder.assert_close(out, expected_out, dtype=dtype, context=repr(rand), **out_tolerance)
-    for name, actual, expected in zip(names, grads, expected_grads, strict=True):
-        assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != reference {expected.dtype}"
-        ladder.assert_close(actual, expected, dtype=dtype, what=name, context=repr(rand), **grad_tolerance)
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ row scale
 # (id, M, K, N, groups, dtype, rhs_transposed, bias, activation, gated): the plain kernel, the fused epilogue, and
 # the interleaved one, each with a per-row scale (the MoE routing weights) applied last.
@@ -378,7 +358,7 @@ def test_row_scale_and_its_gradient(rand, regime, case):
         return ragged_dot_reference(l, r, sz, bias=b, row_scale=sc, **ref_kw)
 
     args = (lhs, rhs, sizes, bias, scale)
-    out = check_forward_and_gradients(
+    out = ladder.check_forward_and_gradients(
         kernel,
         reference,
         args,
@@ -415,7 +395,7 @@ def test_quantized_rhs_matches_dequantized_reference(rand):
         return ragged_dot_reference(l, q.astype(F32) * c[:, :, None], sz, bias=b, **kw)
 
     args = (lhs, rhs, scale, sizes, bias)
-    out = check_forward_and_gradients(
+    out = ladder.check_forward_and_gradients(
         kernel,
         reference,
         args,
