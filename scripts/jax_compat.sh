@@ -56,4 +56,5 @@ smoke=(
     "test_rms_norm_sharded"
 )
 selection=$(printf ' or %s' "${smoke[@]}")
-exec $venv/bin/python -m pytest -p no:cacheprovider -k "${selection# or }" "$@"
+TPU_KERNELS_SMOKE_SELECTIONS=$(printf '%s\n' "${smoke[@]}") \
+    exec $venv/bin/python -m pytest -p no:cacheprovider -k "${selection# or }" "$@"

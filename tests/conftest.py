@@ -63,3 +63,22 @@ def pytest_sessionfinish(session, exitstatus):
         out = ROOT / "build" / f"compile_stats-jax{jax.__version__}{''.join('-' + t for t in tags if t)}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(COMPILE_STATS, indent=1))
+
+
+# The jax 0.12 smoke set (scripts/jax_compat.sh) is a list of -k expressions over test ids; a renamed or merged test
+# would silently drop out of it. With the list in TPU_KERNELS_SMOKE_SELECTIONS (one expression a line), a run over
+# the whole suite refuses an expression that selects no test.
+SMOKE_SELECTIONS = [e for e in os.environ.get("TPU_KERNELS_SMOKE_SELECTIONS", "").splitlines() if e.strip()]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -k deselection: every collected test is still in `items`
+def pytest_collection_modifyitems(config, items):
+    if not SMOKE_SELECTIONS or config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return
+    from _pytest.mark import KeywordMatcher
+    from _pytest.mark.expression import Expression
+
+    matchers = [KeywordMatcher.from_item(item) for item in items]
+    empty = [e for e in SMOKE_SELECTIONS if not any(Expression.compile(e).evaluate(m) for m in matchers)]
+    if empty:
+        raise pytest.UsageError(f"smoke-set expressions that select no test (renamed or merged tests?): {empty}")
