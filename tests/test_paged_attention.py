@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from tpu_kernels_jax import api as tk
-from tpu_kernels_jax.paged_attention import kernel, schedule
+from tpu_kernels_jax.common import chip
+from tpu_kernels_jax.paged_attention import kernel, schedule, tuning
 from tpu_kernels_jax.paged_attention.reference import ragged_paged_attention_reference
 
 F32_TOL = dict(rtol=1e-4, atol=2e-5)
@@ -297,6 +298,16 @@ def test_visit_lists_match_brute_force(rand, window, causal):
     change = np.diff(q_blocks) != 0
     np.testing.assert_array_equal((words[:count] & schedule.FIRST) != 0, np.concatenate([[True], change]))
     np.testing.assert_array_equal((words[:count] & schedule.LAST) != 0, np.concatenate([change, [True]]))
+
+
+@pytest.mark.parametrize("window,pages", [((127, 0), 8), ((1023, 0), 64), ((-1, 0), 64), ((9, 4), 1)])
+def test_decode_blocks_span_the_window(window, pages):
+    """At decode a visit takes 1024 keys, or the power of two that holds a token's window (gpt-oss's 128), in pages
+    of 16; a prefill-heavy batch takes 512 whatever the window."""
+    shape = dict(num_seqs=64, group=8, page_size=16, pages_per_seq=256, kv_heads=8, head_dim=64, v_head_dim=64)
+    shape.update(q_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, info=chip.tpu_info_for("v6e"), window_size=window)
+    assert tuning.resolve_blocks(None, tokens=64, **shape).pages_per_block == pages
+    assert tuning.resolve_blocks(None, tokens=2108, **shape).pages_per_block == 32
 
 
 # ---------------------------------------------------------------------------------------------------------- bad input

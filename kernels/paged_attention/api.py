@@ -76,6 +76,7 @@ def ragged_paged_attention(
         v_head_dim=dv,
         q_dtype=compute_dtype,
         cache_dtype=k_cache.dtype,
+        window_size=(window[0], 0 if causal else window[1]),
         info=info,
     )
     block_q = chosen.queries_per_block

@@ -3,7 +3,9 @@
 A visit multiplies one query block (queries_per_block tokens x the group's query heads, per kv head) by one key block
 (pages_per_block pages, every kv head) gathered into VMEM. The key block sets the DMA per visit, which must hide the
 ~0.14 us cost of a grid step and the page copies' issue: 512 keys a visit (2 pages of 256, 32 of 16) is the default,
-1024 at decode, where a visit's few query rows leave its fixed cost (the online-softmax chain) exposed. The query
+1024 at decode, where a visit's few query rows leave its fixed cost (the online-softmax chain) exposed, but no more
+than a decode token's window spans (gpt-oss's 128: blocks of 128 keys, not 1024 of which the window keeps 128). The
+query
 block sets the vector work per visit: decode batches (about one token per sequence) take the fewest tokens whose rows
 fill a sublane tile, so that a visit's scores stay a few vregs; prefill-heavy batches take blocks of about 128 rows.
 Every entry is proven by the deviceless compile test on v5e, v6e and v7x.
@@ -20,6 +22,10 @@ from .kernel import merges_heads
 KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
 # Decode-like batches: a visit's fixed cost (the online-softmax chain, the grid step) is a large part of a block of few
 # query rows, so their visits take twice the keys (modeled v6e, Qwen3 decode B = 8 at 4096, page 64: 162.9 -> 79.7 us).
+# The per-head paths model no faster at 512 (Gemma 4 full and sliding decode B = 8: within 4 % by their bundle counts,
+# while the model cannot pair the branches of a visit of 8 pages of 64 and charges both: 2x), so every path takes 1024.
+# Under a window the block is the window's span: gpt-oss decode (window 128, page 16) B = 8 at 4096, modeled v6e:
+# kernel 172.1 us at 1024 keys, 56.5 at 256, 41.0 at 128.
 DECODE_KEYS_PER_BLOCK = {"v5e": 1024, "v6e": 1024, "v7x": 1024}
 PREFILL_ROWS = {"v5e": 128, "v6e": 128, "v7x": 128}
 # Visit lists (three int32 words a visit) and the page table live in SMEM; beyond this, larger blocks are needed.
@@ -33,7 +39,7 @@ class PagedAttentionBlocks:
     queries_per_block: query tokens per block; times the query heads per kv head it must be a multiple of the sublane
         tile (16 rows for 16-bit queries, 8 for float32) unless it covers all tokens. None: the table's.
     pages_per_block: KV pages gathered per visit (at most the page table's width). None: about 512 keys (1024 for a
-        decode-like batch, at most 2 tokens a sequence).
+        decode-like batch, at most 2 tokens a sequence, or under a window the power of two that holds it).
     vmem_limit_bytes: the scoped VMEM the kernel may use; None: derived from the working set.
     """
 
@@ -96,9 +102,11 @@ def resolve_blocks(
     v_head_dim,
     q_dtype,
     cache_dtype,
+    window_size=(-1, -1),
     info=None,
 ) -> PagedAttentionBlocks:
-    """The blocks to use: the caller's, checked (fields named), with None fields from the table."""
+    """The blocks to use: the caller's, checked (fields named), with None fields from the table. window_size: the
+    (left, right) window as the kernel applies it (right 0 when causal)."""
     info = info or chip.current_tpu_info()
     generation = chip.generation_name(info)
     blocks = blocks or PagedAttentionBlocks()
@@ -119,6 +127,9 @@ def resolve_blocks(
     queries = min(queries, -(-tokens // min_q) * min_q)
     if blocks.pages_per_block is None:
         keys = (DECODE_KEYS_PER_BLOCK if decode else KEYS_PER_BLOCK).get(generation, 512)
+        left, right = window_size
+        if decode and left >= 0 and right >= 0:  # a decode token sees its window's keys: no larger blocks
+            keys = min(keys, 1 << (left + right).bit_length())  # the power of two >= left + right + 1
         pages = max(1, keys // page_size)
     else:
         pages = check_tile(owner, "pages_per_block", blocks.pages_per_block)
