@@ -458,6 +458,9 @@ def test_token_major_factor_rows_compile_for_tpu(generation):
 # the layout it reached, so a tuning change cannot silently stop covering one. Sizes are the smallest that reach the
 # layout with >= 2 steps: the multi-chunk row select needs 256 tokens, row blocks 128-token blocks, the column read of
 # one long row more than ROW_SELECT_MAX_TOKENS (520: a ragged sixth 96-token block, 96 keeping the packing "none").
+# Token-major blocks (bshd, decode batches) take their factor rows in registers here: the positions read and the
+# cos/sin packing are the same code on both factor-row paths, and broadcast loads unroll a load per token of the block
+# (a 96-token block: 4x this check's interpret time); both paths with positions are test_token_major_factor_rows'.
 # (id, layout, batch, seq, positions rows, head_dim, rotary_dim, interleaved, norm, dtype, block_seq, mode, packing)
 POSITION_LAYOUTS = [
     ("row-blocks-rows-ragged", "bhsd", 1, 320, 1, 128, None, False, True, BF16, 128, "row_blocks", "rows"),
@@ -488,13 +491,14 @@ def _record_results(monkeypatch, module, name):
 
 
 def _position_layout_op(norm, layout, rotary_dim, interleaved, block_seq):
-    """The op of a POSITION_LAYOUTS case at its forced token block (one sequence a step)."""
+    """The op of a POSITION_LAYOUTS case at its forced token block (one sequence a step), factor rows in
+    registers."""
     opts = dict(
         theta=1e4,
         interleaved=interleaved,
         rotary_dim=rotary_dim,
         layout=layout,
-        blocks=RotaryBlocks(block_batch=1, block_seq=block_seq),
+        blocks=RotaryBlocks(block_batch=1, block_seq=block_seq, broadcast_loads=False),
     )
     if norm:
         return lambda q, k, qw, kw_, p: api.rms_norm_rope_from_positions(q, k, qw, kw_, p, eps=1e-6, **opts)
@@ -543,7 +547,7 @@ def test_positions_layouts_compile_for_tpu(monkeypatch, generation):
     """Rung 3 for every positions layout and cos/sin packing (row transposes, lane selects, packed rows), each at
     its forced block. The blocks (and so the VMEM limit) are forced, the same on every generation, so one generation
     proves the layouts lower; v5e's and v7x's lowering of the positions path is compiled at their own table entries
-    by test_token_major_factor_rows_compile_for_tpu (row blocks and row select)."""
+    by test_token_major_factor_rows_compile_for_tpu (row blocks and row select, both factor-row paths)."""
     for (
         _,
         layout,
