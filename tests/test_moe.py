@@ -15,10 +15,12 @@ import jax.numpy as jnp
 import ladder
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, MOE_TOP_K, RAGGED_DOT_DECODE_TOKENS
 from tpu_kernels_jax import api as tk
 from tpu_kernels_jax.api import ExpertsBlocks, MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
+from tpu_kernels_jax.common import quantization
 from tpu_kernels_jax.common.activation import ClampedSwiGLU
 from tpu_kernels_jax.moe import api, touched
 from tpu_kernels_jax.moe import tuning as moe_tuning
@@ -747,12 +749,36 @@ def test_quantized_experts_match_dequantized_reference(rand, case, path):
     assert out.shape == args[0].shape and out.dtype == dtype
 
 
+def _widened_codes(codes_ref, bf16_ref, f32_ref):
+    for ref in (bf16_ref, f32_ref):
+        ref[...] = quantization.widen(codes_ref[...], ref.dtype).astype(F32) * quantization.widen_factor(
+            codes_ref.dtype
+        )
+
+
+@pytest.mark.parametrize("generation", ["v6e", "v7x"])  # e4m3fn read as e4m3b11 (v5e / v6e), cast as it is (v7x)
+def test_fp8_widening_is_exact_for_every_code(generation, monkeypatch):
+    """Every one of the 256 float8_e4m3fn codes (subnormals, both zeros, both NaNs) widened in a kernel to bf16 and
+    to f32, times widen_factor: XLA's conversion of the same codes, NaN exactly where it gives NaN."""
+    monkeypatch.setenv("TPU_KERNELS_TARGET", generation)
+    assert quantization.widen_factor(jnp.float8_e4m3fn) == (16.0 if generation == "v6e" else 1.0)
+    codes = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8).reshape(8, 32), jnp.float8_e4m3fn)
+    out = jax.ShapeDtypeStruct(codes.shape, F32)
+    widened = ladder.run_interpreted(jax.jit(lambda c: pl.pallas_call(_widened_codes, out_shape=(out, out))(c)), codes)
+    expected = np.asarray(codes.astype(F32))
+    assert int(np.isnan(expected).sum()) == 2 and int((expected == 0).sum()) == 2
+    for got in widened:
+        got = np.asarray(got)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+        np.testing.assert_array_equal(got[~np.isnan(got)], expected[~np.isnan(expected)])
+
+
 # Each weight dtype on v6e (int8 at Qwen3-30B-A3B's B = 64, fp8 at Gemma 4's, whose 352-column chunks select
 # unaligned columns of the scale row), fp8 on v5e (no fp8 MXU there: the kernel's VPU cast compiles), int8 on v7x:
 # the small-batch kernel. The grouped matmuls: test_quantized_grouped_matmuls_compile_for_tpu.
 QUANT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 QUANT_COMPILES = [("v6e", "int8", "qwen3-30b-a3b"), ("v6e", "fp8", "gemma4-26b-a4b"), ("v5e", "fp8", "qwen3-30b-a3b")]
-QUANT_COMPILES += [("v7x", "int8", "qwen3-30b-a3b")]
+QUANT_COMPILES += [("v7x", "fp8", "qwen3-30b-a3b")]
 
 
 def _quantized_specs(model, weights, tokens):

@@ -69,7 +69,7 @@ def _weight_spec(array_shape, stream: WeightStream, tc: int):
 def _contract(a, block, a_axis, block_axis, compute_dtype):
     return jax.lax.dot_general(
         a.astype(compute_dtype),
-        block.astype(compute_dtype),
+        quantization.widen(block, compute_dtype),
         (((a_axis,), (block_axis,)), ((), ())),
         preferred_element_type=jnp.float32,
         precision=matmul_precision(compute_dtype),
@@ -86,6 +86,11 @@ def _chunk_columns(ref, e, c, stream: WeightStream, chunks: int, width: int):
         lo = start + ci * width
         out = jnp.where(c == ci, ref[pl.ds(e, 1), lo : lo + width], out)
     return out
+
+
+def _scaled(scale_row, weight_dtype):
+    factor = quantization.widen_factor(weight_dtype)
+    return scale_row if factor == 1.0 else scale_row * factor
 
 
 def _fused_kernel(
@@ -135,9 +140,13 @@ def _fused_kernel(
     x = x_ref[...]
     # x [T, H] against a block with H on the axis other than the intermediate one.
     parts = [_contract(x, r[...], 1, 3 - s.i_axis - 1, up_dtype) for r, s in zip(up_refs, up_streams)]
-    # Quantized weights: cast in VMEM by _contract, their per-column scale on the f32 result (not on the block).
+    # Quantized weights: widened in VMEM by _contract, their per-column scale (times the widening's power of two) on
+    # the f32 result, not on the block.
     if num_up_scale:
-        parts = [p * _chunk_columns(up_scale_refs[0], e, c, s, chunks, p.shape[1]) for p, s in zip(parts, up_streams)]
+        parts = [
+            p * _scaled(_chunk_columns(up_scale_refs[0], e, c, s, chunks, p.shape[1]), up_refs[0].dtype)
+            for p, s in zip(parts, up_streams)
+        ]
     parts = [p + b[...].astype(jnp.float32) for p, b in zip(parts, up_bias_refs)] if num_up_bias else parts
     if up_streams[0].interleaved:
         h = deinterleaved_gating(parts[0], activation)
@@ -149,7 +158,7 @@ def _fused_kernel(
     h = h.astype(h_dtype)
     y = _contract(h, down_ref[...], 1, down_i_axis - 1, down_dtype)  # [T, H] f32
     if has_down_scale:
-        y = y * down_scale_ref[pl.ds(e, 1), :]
+        y = y * _scaled(down_scale_ref[pl.ds(e, 1), :], down_ref.dtype)
     if has_down_bias:
         y = y + jnp.where(c == 0, 1.0, 0.0) * down_bias_ref[...].astype(jnp.float32)  # once per expert
     acc_ref[...] += jnp.where(routed, coefficient * y, 0.0)

@@ -96,6 +96,7 @@ def _forward_kernel(
     has_row_scale,
     compute_dtype,
     static_grid,
+    rhs_factor=1.0,
 ):
     n_rhs = 2 if gated == "concatenated" else 1  # interleaved: one stream of 2 * tn columns, gate and up alternating
     rhs_refs = refs[:n_rhs]
@@ -132,8 +133,9 @@ def _forward_kernel(
         x = mask_k(lhs_ref[...].astype(compute_dtype), 1)
         outs = []
         for w in weights():
-            # Quantized weights (int8 / e4m3) are cast here, in VMEM: exact in bf16; their scale comes in finalize.
-            w = mask_k(w.astype(compute_dtype), 1 if transposed else 0)
+            # Quantized weights (int8 / e4m3) are widened here, in VMEM: exact in bf16 up to rhs_factor (a power of
+            # two); their scale and that factor come in finalize.
+            w = mask_k(quantization.widen(w, compute_dtype), 1 if transposed else 0)
             outs.append(
                 jax.lax.dot_general(
                     x, w, dims, preferred_element_type=jnp.float32, precision=matmul_precision(compute_dtype)
@@ -144,7 +146,9 @@ def _forward_kernel(
     def finalize(parts):
         if num_scale:
             # Per-output-column scale of quantized weights, on the f32 result: one multiply per output element.
-            parts = [p * s[...] for p, s in zip(parts, col_scale_refs)]
+            parts = [p * (s[...] * rhs_factor if rhs_factor != 1.0 else s[...]) for p, s in zip(parts, col_scale_refs)]
+        elif rhs_factor != 1.0:  # quantized rhs without a column scale here (the lhs gradient carries it)
+            parts = [p * rhs_factor for p in parts]
         if num_bias:
             parts = [p + b[...].astype(jnp.float32) for p, b in zip(parts, bias_refs)]
         if gated is None:
@@ -317,6 +321,7 @@ def ragged_dot_forward(
         has_row_scale=row_scale is not None,
         compute_dtype=compute_dtype,
         static_grid=static_grid,
+        rhs_factor=quantization.widen_factor(rhs.dtype),
     )
     grid_v = V if static_grid else nv
     rhs_bytes = num_local_groups * k * n_full * rhs.dtype.itemsize
