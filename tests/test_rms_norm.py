@@ -353,12 +353,19 @@ BENCH_COMPILES = [("v6e", t, h) for t, h in ((1, 2048), (1, 4096), (64, 4096), (
 ]
 
 
+# The candidates' compile (test_candidate_blocks_compile_for_tpu) runs at the largest shape, 32768 x 4096, on v6e and
+# v7x: its first candidate, the table's entry, is that shape's fused_add_rms_norm (forward and backward) there.
+CANDIDATE_GENERATIONS = ("v6e", "v7x")
+CANDIDATE_SHAPE = (BENCH_TOKENS[-1], 4096)
+
+
 @pytest.mark.parametrize("generation,tokens,hidden", BENCH_COMPILES)
 def test_compiles_for_tpu_at_benchmark_shapes(generation, tokens, hidden):
     x = ((tokens, hidden), jnp.bfloat16)
     w = ((hidden,), jnp.bfloat16)
     ladder.compile_for_tpu(api.rms_norm, generation, x, w, label="rms_norm")
-    ladder.compile_for_tpu(api.fused_add_rms_norm, generation, x, x, w, label="fused_add_rms_norm")
+    if generation not in CANDIDATE_GENERATIONS or (tokens, hidden) != CANDIDATE_SHAPE:
+        ladder.compile_for_tpu(api.fused_add_rms_norm, generation, x, x, w, label="fused_add_rms_norm")
 
 
 @pytest.mark.parametrize(
@@ -391,14 +398,15 @@ def test_compiles_for_tpu_across_sizes_and_backward(generation, shape, dtype):
     )
 
 
-@pytest.mark.parametrize("generation", ["v6e", "v7x"])
+@pytest.mark.parametrize("generation", CANDIDATE_GENERATIONS)
 def test_candidate_blocks_compile_for_tpu(generation):
-    """The sweep's candidates (the table's choice first) are legal tilings: each compiles, forward and backward."""
-    x = ((4096, 4096), jnp.bfloat16)
-    w = ((4096,), jnp.bfloat16)
+    """The sweep's candidates (the table's choice first) are legal tilings: each compiles, forward and backward, at
+    the largest benchmark shape (the first is also that shape's fused_add_rms_norm compile)."""
+    x = (CANDIDATE_SHAPE, jnp.bfloat16)
+    w = ((CANDIDATE_SHAPE[1],), jnp.bfloat16)
     with jax.default_device(ladder.tpu_device(generation)):
         candidates = tuning.candidate_blocks(**api.tuning_arguments(jax.ShapeDtypeStruct(*x)))
-    table = tuning.choose_blocks(4096, 4096, jnp.bfloat16, streams=4, info=api.chip.tpu_info_for(generation))
+    table = tuning.choose_blocks(*CANDIDATE_SHAPE, jnp.bfloat16, streams=4, info=api.chip.tpu_info_for(generation))
     assert candidates[0] == table and len(candidates) >= 3, candidates
     assert len({c.block_rows for c in candidates}) == len(candidates), candidates
     for blocks in candidates:
