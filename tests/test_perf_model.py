@@ -40,6 +40,14 @@ def pallas_copy(x, block_rows=512):
     )(x)
 
 
+def chained_copies(x):
+    """Four calls of one kernel in a chain on a small array: XLA keeps the intermediates in VMEM, so the middle calls
+    are the same kernel with the same operand placement, which libtpu compiles (and dumps) once."""
+    for _ in range(4):
+        x = pallas_copy(x * 2, block_rows=x.shape[0])
+    return x
+
+
 def _matmul_kernel(a_ref, b_ref, o_ref, acc_ref):
     @pl.when(pl.program_id(2) == 0)
     def _():
@@ -152,6 +160,7 @@ def _programs_by_generation():
         ],
         (pallas_head_copies, (_sds((8,), i32), _sds((64, 16, 16, 128), bf16))),
         (pallas_per_page_dmas, (_sds((16,), i32), _sds((64,), i32), _sds((256, 16, 512), f32))),
+        (chained_copies, (_sds((16, 2816), bf16),)),
     ]
     v5e = [(pallas_copy_tuned_by_chip, (_sds((4096, 1024), f32),)), emit_block8]
     v7x = [(pallas_copy, (_sds((65536, 1024), f32),)), (pallas_copy_edge, (_sds((4096, 1024), f32),))]
@@ -210,6 +219,18 @@ def test_matmul_8192_within_30pct_of_xla_estimate(gen, compiled_once):
     assert 0.7 < ratio < 1.3, ratio
     # ... and not faster than the MXU peak.
     assert m.modeled_s > flops / perf_model.get_chip(gen).bf16_flops_per_s
+
+
+def test_identical_kernels_compiled_once_are_each_modeled(compiled_once):
+    """The middle calls of the chain have no dump of their own (libtpu compiled them once, with the first call, whose
+    operand and result are in VMEM too): each is modeled from that dump, not from the last call's (result in HBM)."""
+    x = _sds((16, 2816), jnp.bfloat16)
+    m = perf_model.model_function(chained_copies, (x,), gen="v6e")
+    assert not m.warnings, m.warnings
+    first, second, third, last = m.kernels
+    assert len({k.hlo_name for k in m.kernels}) == 4
+    assert first.modeled_s == second.modeled_s == third.modeled_s > 0
+    assert first.loop_body_bundles == second.loop_body_bundles == third.loop_body_bundles != last.loop_body_bundles
 
 
 def _poly_kernel(x_ref, o_ref):

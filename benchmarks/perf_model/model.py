@@ -952,6 +952,47 @@ def model_functions(items, gen: str = "v6e") -> list:
     return results
 
 
+_DUMP_KINDS = ("pre_delay", "final", "profile")
+
+
+def _memory_spaces(hlo: str, hlo_name: str) -> tuple:
+    """Where a custom call's result and operands live ("S(n)" in their layouts: VMEM, SMEM; none: HBM), from the HLO."""
+
+    def space(type_text):
+        return tuple(re.findall(r"S\((\d+)\)", type_text)) or ("hbm",)
+
+    m = re.search(rf"%{re.escape(hlo_name)} = (.*?) custom-call\(([^)]*)\)", hlo)
+    if m is None:
+        return ()
+    operands = []
+    for op in re.findall(r"%([\w.\-]+)", m.group(2)):
+        d = re.search(rf"%{re.escape(op)} = (.*?) [a-z][\w\-]*\(", hlo)
+        operands.append(space(d.group(1)) if d else ("?",))
+    return space(m.group(1)), tuple(operands)
+
+
+def _share_dumps_of_identical_kernels(calls, files: dict, hlo: str) -> tuple[dict, list[str]]:
+    """libtpu compiles a Mosaic kernel once per distinct body and placement of its operands and result (VMEM or HBM)
+    and dumps it under one call's name: Gemma 4's layer holds seven RMSNorms of one shape, three of them with their
+    operand and result in VMEM like a fourth. A call without a dump of its own takes the dump of the call with the
+    same body and placement (the same compiled kernel), else, with a warning, of one with the same body."""
+    signature = {name: (body, _memory_spaces(hlo, name)) for name, body in calls}
+    dumped = [name for name, _ in calls if any(f"{name}/{kind}" in files for kind in _DUMP_KINDS)]
+    shared, warnings = dict(files), []
+    for name, body in calls:
+        if name in dumped:
+            continue
+        twins = [t for t in dumped if signature[t] == signature[name]]
+        if not twins:
+            twins = [t for t in dumped if signature[t][0] == body]
+            if twins:
+                warnings.append(f"{name}: no dump of its own; modeled from {twins[0]}'s (same body, other placement)")
+        for kind in _DUMP_KINDS if twins else ():
+            if f"{twins[0]}/{kind}" in files:
+                shared[f"{name}/{kind}"] = files[f"{twins[0]}/{kind}"]
+    return shared, warnings
+
+
 def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
     gen = chip.gen
     label = f"modeled {gen}"
@@ -969,6 +1010,8 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
     # matter: XLA merges identical calls (CSE), so the HLO can hold fewer calls than the jaxpr.
     remaining = list(range(len(infos)))
     kernels = []
+    files, shared_warnings = _share_dumps_of_identical_kernels(calls, files, hlo)
+    warnings += shared_warnings
     for hlo_name, body in calls:
         match = None
         base = re.sub(r"\.\d+$", "", hlo_name)
