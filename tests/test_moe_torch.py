@@ -855,3 +855,19 @@ def test_custom_gate_and_post_expert_norm_are_refused(rand, monkeypatch):
     monkeypatch.setattr(type(experts), "_apply_gate", clamped_gate)
     with pytest.raises(ValueError, match="self._apply_gate: .* custom gating function"):
         tpu_kernels.experts_forward(experts, x, index, weights)
+
+
+def test_mxfp4_dequantize_is_transformers_convention():
+    """The JAX MXFP4 reference (low nibble the even element, e8m0 scale 2^(s - 127) per 32) dequantizes random
+    gpt-oss blocks (every e2m1 code) exactly as transformers' own unpacking does, in its [E, out, in] orientation."""
+    import jax.numpy as jnp
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tpu_kernels_jax.common import mxfp4
+
+    rng = np.random.default_rng()
+    blocks = rng.integers(0, 256, (2, 8, 4, 16), dtype=np.uint8)
+    scales = rng.integers(110, 140, (2, 8, 4), dtype=np.uint8)
+    theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    ours = np.asarray(mxfp4.dequantize(jnp.asarray(blocks), jnp.asarray(scales)))
+    np.testing.assert_array_equal(ours, theirs.transpose(1, 2).numpy())

@@ -23,6 +23,7 @@ from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, RAGGED_DOT_PREFILL_ROWS
 from tpu_kernels_jax import api as tk
 from tpu_kernels_jax.api import MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
 from tpu_kernels_jax.common import activation as kernel_activation
+from tpu_kernels_jax.common import mxfp4
 from tpu_kernels_jax.common.blocks import sublane_multiple
 from tpu_kernels_jax.ragged_dot import api, metadata, tuning
 from tpu_kernels_jax.ragged_dot.reference import activation_reference, ragged_dot_reference
@@ -407,6 +408,30 @@ def test_quantized_rhs_matches_dequantized_reference(rand):
         grad_tolerance=F32_TOL,
     )
     assert out.dtype == F32 and bool(jnp.all(out[m - 3 :] == 0)), "tail rows are not exactly zero"
+
+
+def test_mxfp4_rhs_matches_dequantized_reference(rand):
+    """MXFP4 rhs (transformers' [G, N, K / 32, 16] uint8 blocks, e8m0 scales), widened in VMEM whole along K, against
+    the reference on the dequantized rhs: f32 lhs (to f32 rounding), no epilogue, in a group window of an rhs holding
+    every group; rows outside the window and past the groups exactly zero. Its epilogue with biases: test_moe.py."""
+    m, k, n, groups = 24, 128, 64, 4
+    blocks = rand.integers(0, 256, (groups, n, k // 32, 16), jnp.uint8)
+    scales = rand.integers(118, 125, (groups, n, k // 32), jnp.uint8)
+    sizes = group_sizes(rand, groups, m - 3)
+    kw = dict(rhs_transposed=True, group_offset=1, num_local_groups=2)
+
+    def kernel(lhs, blocks, scales, sizes):
+        return tk.ragged_dot(lhs, blocks, sizes, rhs_scale=scales, **kw)
+
+    def reference(lhs, blocks, scales, sizes):
+        return ragged_dot_reference(lhs, mxfp4.dequantize(blocks, scales), sizes, **kw)
+
+    args = (rand.normal((m, k)), blocks, scales, sizes)
+    out = ladder.check_against_reference(jax.jit(kernel), jax.jit(reference), args, dtype=F32, rand=rand, **F32_TOL)
+    outside = np.ones(m, bool)
+    start = int(np.sum(np.asarray(sizes)[:1]))
+    outside[start : start + int(np.sum(np.asarray(sizes)[1:3]))] = False
+    assert out.dtype == F32 and bool(jnp.all(out[outside] == 0)), "rows outside the window are not exactly zero"
 
 
 # ------------------------------------------------------------------------------------------------ activation

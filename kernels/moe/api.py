@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..common import quantization
+from ..common import mxfp4, quantization
 from ..common.activation import ClampedSwiGLU, check_activation
 from ..common.interpret import interpret_eager_cpu_calls
 from ..common.validation import FLOAT_DTYPES, check_array, is_concrete
@@ -34,7 +34,7 @@ from . import small_batch, tuning
 from .tuning import ExpertsBlocks
 
 INDEX_DTYPES = (jnp.dtype(jnp.int32),)
-WEIGHT_DTYPES = FLOAT_DTYPES[:2] + quantization.QUANTIZED_DTYPES
+WEIGHT_DTYPES = FLOAT_DTYPES[:2] + quantization.QUANTIZED_DTYPES + (mxfp4.CODE_DTYPE,)
 GATE_LAYOUTS = ("concatenated", "interleaved", None)
 
 
@@ -71,10 +71,18 @@ def _validate(
             f"and {tuple(top_k_weights.shape)}"
         )
     num_experts = gate_up_proj.shape[0]
+    mx_up, mx_down = (mxfp4.is_mxfp4(w.dtype) for w in (gate_up_proj, down_proj))
+    if (mx_up or mx_down) and weights_transposed:
+        raise ValueError(
+            "weights_transposed: MXFP4 weights (uint8 blocks) come in transformers' [E, out, in / 2] layout (the "
+            "contraction dimension last, as gpt-oss checkpoints store them), so weights_transposed=False is required"
+        )
     up_in, up_out = (gate_up_proj.shape[1], gate_up_proj.shape[2])
     if not weights_transposed:
-        up_in, up_out = up_out, up_in
+        up_in, up_out = up_out * (2 if mx_up else 1), up_in
     layout = "[E, H, N] (is_transposed)" if weights_transposed else "[E, N, H]"
+    if mx_up:
+        layout = "[E, N, H / 2] (MXFP4 blocks)"
     if up_in != hidden:
         raise ValueError(
             f"gate_up_proj: expected layout {layout} with H = {hidden} (hidden_states' size), got shape "
@@ -86,6 +94,13 @@ def _validate(
         )
     intermediate = up_out // 2 if gate_layout is not None else up_out
     expected_down = (num_experts, intermediate, hidden) if weights_transposed else (num_experts, hidden, intermediate)
+    if mx_down:
+        expected_down = (num_experts, hidden, intermediate // 2)
+        if intermediate % mxfp4.BLOCK:
+            raise ValueError(
+                f"down_proj: MXFP4 blocks need the intermediate size (its contraction dimension) to be a multiple "
+                f"of {mxfp4.BLOCK}, got I = {intermediate}"
+            )
     if tuple(down_proj.shape) != expected_down:
         raise ValueError(f"down_proj: expected shape {expected_down}, got {tuple(down_proj.shape)}")
     if gate_up_bias is not None:
@@ -101,9 +116,12 @@ def _validate(
         ("gate_up_scale", gate_up_scale, "gate_up_proj", gate_up_proj, (num_experts, up_out), up_doc),
         ("down_scale", down_scale, "down_proj", down_proj, (num_experts, hidden), "(E, H)"),
     ):
-        quantization.check_scale(
-            name, scale, weight_name=weight_name, weight=weight, expected_shape=shape, shape_doc=doc
-        )
+        if mxfp4.is_mxfp4(weight.dtype):
+            mxfp4.check_scales(name, scale, blocks_name=weight_name, blocks_shape=weight.shape, leading=(num_experts,))
+        else:
+            quantization.check_scale(
+                name, scale, weight_name=weight_name, weight=weight, expected_shape=shape, shape_doc=doc
+            )
     if is_concrete(top_k_index) and top_k_index.size and int(np.min(np.asarray(top_k_index))) < 0:
         bad = np.argwhere(np.asarray(top_k_index) < 0)[0]
         raise ValueError(
@@ -176,6 +194,12 @@ def _plan(
     before tracing, with errors naming the field of `blocks`."""
     blocks = _check_blocks(blocks)
     tokens, hidden = hidden_states.shape
+    is_mxfp4 = any(mxfp4.is_mxfp4(w.dtype) for w in (gate_up_proj, down_proj))
+    if is_mxfp4 and blocks.path == "small_batch":
+        raise ValueError(
+            "blocks.path: the small-batch kernel does not take MXFP4 weights; they run on the grouped path "
+            "(path=None or 'grouped'), got path='small_batch'"
+        )
     rows = tokens * top_k_index.shape[1]
     dtype = hidden_states.dtype
     spec = jax.ShapeDtypeStruct
@@ -221,6 +245,8 @@ def _plan(
         down_dtype=down_proj.dtype,
         blocks=blocks,
     )
+    if is_mxfp4:  # the grouped path's kernels widen MXFP4 blocks; the small-batch kernel does not
+        plan = None
     layout = _Layout(
         activation=activation,
         gate_layout=gate_layout,
@@ -272,8 +298,16 @@ def experts_forward(
     Quantized weights: gate_up_proj / down_proj in int8 or float8_e4m3fn need gate_up_scale [E, 2I] / down_scale
     [E, H] float32, one scale per output channel (w = q * scale); the kernels dequantize in VMEM (forward; the
     gradient reaches the hidden states, routing weights and biases, the quantized weights are constants).
+    MXFP4 weights (gpt-oss; inference): gate_up_proj / down_proj uint8 blocks [E, 2I, H / 2] / [E, H, I / 2] (or
+    transformers' [E, 2I, H / 32, 16] / [E, H, I / 32, 16]), weights_transposed=False, with their e8m0 block scales
+    gate_up_scale uint8 [E, 2I, H / 32] / down_scale [E, H, I / 32] (common/mxfp4.py); they take the grouped path,
+    whose kernels widen each weight block in VMEM; no gradient flows through them.
     `blocks`: the path and the tiles of its kernels (an ExpertsBlocks, see tuning.py); None: the tuning table's.
     """
+    gate_up_proj, down_proj = (
+        mxfp4.packed(name, w) if hasattr(w, "dtype") and mxfp4.is_mxfp4(w.dtype) else w
+        for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj))
+    )
     (tokens, hidden, _, _), plan, layout = _validate(
         hidden_states,
         top_k_index,

@@ -17,6 +17,11 @@ num_local_groups defaults to G (no window; rhs must then hold G groups). group_o
 scalar array (shape () or (1,)); a concrete one is checked to keep the window inside [0, G); a traced one cannot be,
 and window groups outside [0, G) then contribute nothing.
 
+MXFP4 rhs (inference, forward only): uint8 rhs [rhs groups, N, K / 2] (or transformers' [rhs groups, N, K / 32, 16])
+holding two e2m1 codes a byte, rhs_transposed=True, with `rhs_scale` uint8 [rhs groups, N, K / 32], one e8m0 scale
+per 32 contraction elements (common/mxfp4.py). The kernel widens each weight block whole along K in VMEM, the block
+scales applied to the weights before the MXU, against lhs with its even columns put first.
+
 Quantized rhs (inference): int8 or float8_e4m3fn rhs with `rhs_scale` [rhs groups, N] f32, one scale per output
 column of each group (w = q * scale). Each weight block is cast to lhs's dtype in VMEM (exact) and the scale multiplies
 the f32 result's columns before the bias and the epilogue; the output dtype defaults to lhs's. Differentiable in lhs,
@@ -55,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..common import chip, quantization
+from ..common import chip, mxfp4, quantization
 from ..common.activation import apply_activation, apply_gating, check_activation
 from ..common.blocks import sublane_multiple
 from ..common.interpret import interpret_eager_cpu_calls
@@ -65,7 +70,7 @@ from . import kernel, metadata, tuning
 from .tuning import MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
 
 MATMUL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-RHS_DTYPES = MATMUL_DTYPES + quantization.QUANTIZED_DTYPES
+RHS_DTYPES = MATMUL_DTYPES + quantization.QUANTIZED_DTYPES + (mxfp4.CODE_DTYPE,)
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 GATED = (None, "concatenated", "interleaved")
 
@@ -92,6 +97,7 @@ class _Config:
     gated: str | None
     static_grid: bool
     quantized: bool = False  # int8 / float8_e4m3fn rhs with a per-column scale (forward and d lhs only)
+    mxfp4: bool = False  # MXFP4 rhs (packed e2m1 pairs, e8m0 block scales along K): forward only
     kernels: _Kernels | None = None  # None when no kernel runs (M, N, K or the window empty)
 
 
@@ -141,7 +147,15 @@ def check_inputs(
     m, k = lhs.shape
     num_groups = group_sizes.shape[0]
     rhs_groups = rhs.shape[0]
+    is_mxfp4 = mxfp4.is_mxfp4(rhs_dtype)
+    if is_mxfp4 and not rhs_transposed:
+        raise ValueError(
+            f"rhs: MXFP4 blocks (uint8) come as [G, N, K / 2] or [G, N, K / 32, 16], the contraction dimension "
+            f"last, so rhs_transposed=True is required, got rhs_transposed=False (rhs shape {tuple(rhs.shape)})"
+        )
     rhs_k, n = (rhs.shape[2], rhs.shape[1]) if rhs_transposed else (rhs.shape[1], rhs.shape[2])
+    if is_mxfp4:
+        rhs_k *= 2  # two codes a byte
     layout = "[G, N, K] (rhs_transposed=True)" if rhs_transposed else "[G, K, N]"
     if rhs_k != k:
         raise ValueError(
@@ -195,14 +209,17 @@ def check_inputs(
         check_array("bias", bias, ndim=2, dtypes=MATMUL_DTYPES)
         if tuple(bias.shape) != (rhs_groups, n):
             raise ValueError(f"bias: expected shape {(rhs_groups, n)} (rhs groups, N), got {tuple(bias.shape)}")
-    quantization.check_scale(
-        "rhs_scale",
-        rhs_scale,
-        weight_name="rhs",
-        weight=rhs,
-        expected_shape=(rhs_groups, n),
-        shape_doc="(rhs groups, N)",
-    )
+    if is_mxfp4:
+        mxfp4.check_scales("rhs_scale", rhs_scale, blocks_name="rhs", blocks_shape=rhs.shape, leading=(rhs_groups,))
+    else:
+        quantization.check_scale(
+            "rhs_scale",
+            rhs_scale,
+            weight_name="rhs",
+            weight=rhs,
+            expected_shape=(rhs_groups, n),
+            shape_doc="(rhs groups, N)",
+        )
     if row_scale is not None:
         check_array("row_scale", row_scale, ndim=1, dtypes=MATMUL_DTYPES)
         if row_scale.shape[0] != m:
@@ -224,6 +241,7 @@ def check_inputs(
         gated=gated,
         static_grid=False,
         quantized=quantization.is_quantized(rhs_dtype),
+        mxfp4=is_mxfp4,
     )
     n_out = n // 2 if gated else n
     if m and n_out and k and n_local:
@@ -247,7 +265,7 @@ def _stored(rhs_shape, rhs_transposed):
 
 
 def _as_stored(rhs, rhs_transposed):
-    if _stored(rhs.shape, rhs_transposed)[0]:
+    if _stored(rhs.shape, rhs_transposed)[0] and not mxfp4.is_mxfp4(rhs.dtype):
         return jnp.swapaxes(rhs, 1, 2), not rhs_transposed
     return rhs, rhs_transposed
 
@@ -276,6 +294,8 @@ def _forward_mode(cfg: _Config, rhs_shape, rhs_dtype):
     otherwise. rhs_transposed is the orientation the kernel reads rhs in (its stored one where that is a bitcast
     and, when gated, keeps the halves whole blocks)."""
     swapped, stored_transposed = _stored(rhs_shape, cfg.rhs_transposed)
+    if cfg.mxfp4:  # read as given: the kernel takes packed MXFP4 blocks with K last only
+        swapped, stored_transposed = False, cfg.rhs_transposed
     if not _has_epilogue(cfg):
         return "plain", stored_transposed
     half = (rhs_shape[1] if cfg.rhs_transposed else rhs_shape[2]) // 2
@@ -292,6 +312,8 @@ def _resolve_kernels(cfg: _Config, blocks: RaggedDotBlocks, owner: str, *, m, k,
     rhs_shape, rhs_dtype = tuple(rhs.shape), jnp.dtype(rhs.dtype)
     n_full = rhs_shape[1] if cfg.rhs_transposed else rhs_shape[2]
     common = dict(num_groups=cfg.num_local_groups, rhs_dtype=rhs_dtype, info=_info())
+    if cfg.mxfp4:  # the packed blocks are widened whole along K (one scale block per 32 of it): tk = K
+        blocks = dataclasses.replace(blocks, forward=dataclasses.replace(blocks.forward or MatmulBlocks(), tk=k))
 
     def plain(part, *, k, lhs_dtype, out_dtype, rhs_transposed):
         """A grouped matmul with no epilogue, rhs read in its stored orientation (as _plain_forward does)."""
@@ -327,6 +349,8 @@ def _resolve_kernels(cfg: _Config, blocks: RaggedDotBlocks, owner: str, *, m, k,
     else:
         out_dtype = cfg.out_dtype if mode == "plain" else jnp.dtype(jnp.float32)
         forward = plain("forward", k=k, lhs_dtype=lhs_dtype, out_dtype=out_dtype, rhs_transposed=cfg.rhs_transposed)
+    if cfg.mxfp4:  # forward only
+        return _Kernels(forward=forward, recompute=None, lhs_grad=None, rhs_grad=None)
     recompute = None
     if _has_epilogue(cfg) or has_row_scale:
         recompute = plain(
@@ -376,9 +400,10 @@ def _plain_forward(
     """Grouped matmul (+ bias) with no epilogue, through the forward kernel, with resolved `blocks`."""
     rhs, rhs_transposed = _as_stored(rhs, rhs_transposed)
     bias = () if bias2d is None else (bias2d[:, None, :],)
-    scale = () if scale2d is None else (scale2d[:, None, :],)
+    is_mxfp4 = mxfp4.is_mxfp4(rhs.dtype)
+    scale = () if scale2d is None or is_mxfp4 else (scale2d[:, None, :],)
     return kernel.ragged_dot_forward(
-        lhs,
+        mxfp4.even_odd(lhs) if is_mxfp4 else lhs,
         rhs,
         group_sizes,
         out_dtype=out_dtype,
@@ -391,6 +416,7 @@ def _plain_forward(
         scale=scale,
         static_grid=static_grid,
         row_scale=_scale_column(row_scale),
+        block_scale=scale2d if is_mxfp4 else None,
     )
 
 
@@ -443,7 +469,7 @@ def _fused_forward(cfg: _Config, lhs, rhs, scale2d, bias2d, row_scale, group_siz
         rhs = jnp.swapaxes(rhs, 1, 2)
     half = (rhs.shape[1] if rhs_transposed else rhs.shape[2]) // 2
     return kernel.ragged_dot_forward(
-        lhs,
+        mxfp4.even_odd(lhs) if cfg.mxfp4 else lhs,
         rhs,
         group_sizes,
         out_dtype=cfg.out_dtype,
@@ -453,11 +479,12 @@ def _fused_forward(cfg: _Config, lhs, rhs, scale2d, bias2d, row_scale, group_siz
         num_local_groups=cfg.num_local_groups,
         rhs_group_base=group_offset if cfg.rhs_global else 0,
         bias=_halves(bias2d, cfg.gated, half),
-        scale=_halves(scale2d, cfg.gated, half),
+        scale=() if cfg.mxfp4 else _halves(scale2d, cfg.gated, half),
         gated=cfg.gated,
         activation=cfg.activation,
         static_grid=cfg.static_grid,
         row_scale=_scale_column(row_scale),
+        block_scale=scale2d if cfg.mxfp4 else None,
     )
 
 
@@ -493,6 +520,8 @@ def _group_rows(cfg: _Config, values2d, group_sizes, group_offset, m):
 
 
 def _ragged_dot_bwd(cfg: _Config, saved, g):
+    if cfg.mxfp4:
+        raise NotImplementedError("ragged_dot: MXFP4 rhs is for inference; no gradient flows through it")
     lhs, rhs, scale2d, bias2d, row_scale, group_sizes, group_offset = saved
     m = lhs.shape[0]
     n_local = cfg.num_local_groups
@@ -605,7 +634,11 @@ def ragged_dot(
     docstring for the window, the epilogue, quantized rhs and what is checked when.
     `static_grid=True` sizes the kernel grid by the worst-case visit count instead of the real one (for comparison).
     `blocks`: the tiles of the forward kernel and of the backward's three (a RaggedDotBlocks); None: the table's.
+    MXFP4 rhs (inference): uint8 blocks [R, N, K / 2] or [R, N, K / 32, 16] with rhs_transposed=True and rhs_scale
+    uint8 [R, N, K / 32] (e8m0; see common/mxfp4.py for the layout).
     """
+    if hasattr(rhs, "dtype") and mxfp4.is_mxfp4(rhs.dtype):
+        rhs = mxfp4.packed("rhs", rhs)
     cfg, group_offset, n_out = check_inputs(
         lhs,
         rhs,

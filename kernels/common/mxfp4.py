@@ -1,0 +1,109 @@
+"""MXFP4 weights (OCP microscaling FP4), as gpt-oss checkpoints store them and transformers reads them.
+
+Layout (transformers' `<proj>_blocks` / `<proj>_scales`): a weight [..., N, K] (N output channels, K the contraction
+dimension, a multiple of 32) is
+
+  - `blocks` uint8 [..., N, K / 32, 16] (or the same bytes as [..., N, K / 2]): two e2m1 codes a byte, the *low*
+    nibble the even element (k = 2j) and the high nibble the odd one (k = 2j + 1), as transformers'
+    `_convert_moe_packed_tensors` unpacks them (`lut[blk & 0x0F]` into columns 0::2, `lut[blk >> 4]` into 1::2);
+  - `scales` uint8 [..., N, K / 32]: one e8m0 exponent per block of 32 consecutive k, w = e2m1 value * 2^(scale - 127).
+
+e2m1 code c (s e e m): magnitude 0, 0.5, 1, 1.5, 2, 3, 4, 6 for c & 7 (transformers' FP4_VALUES), negative when
+c & 8 (0x8 is -0). The reference dequantizes to f32 exactly (every value is an f32) for scales in [1, 254]; e8m0's
+255 is NaN in the OCP format and gives NaN here too.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .validation import check_array
+
+BLOCK = 32  # elements of the contraction dimension sharing one scale
+CODE_DTYPE = jnp.dtype(jnp.uint8)
+SCALE_DTYPE = jnp.dtype(jnp.uint8)
+FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def is_mxfp4(dtype) -> bool:
+    return jnp.dtype(dtype) == CODE_DTYPE
+
+
+def packed(name: str, blocks):
+    """`blocks` as [..., N, K / 2] (a free reshape of transformers' [..., N, K / 32, 16]); checks its dtype."""
+    check_array(name, blocks, min_ndim=2, dtypes=(CODE_DTYPE,))
+    if blocks.ndim >= 4 and blocks.shape[-1] == 16:
+        return blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * 16)
+    return blocks
+
+
+def check_scales(name: str, scales, *, blocks_name: str, blocks_shape: tuple, leading: tuple):
+    """The e8m0 scales of packed blocks [*leading, N, K / 2]: uint8 [*leading, N, K / 32], K / 2 a multiple of 16."""
+    if scales is None:
+        raise ValueError(
+            f"{name}: {blocks_name} is uint8 (MXFP4 blocks), so its e8m0 block scales uint8 "
+            f"{(*leading, blocks_shape[-2], blocks_shape[-1] // 16)} are required, got None"
+        )
+    check_array(name, scales, dtypes=(SCALE_DTYPE,))
+    if blocks_shape[-1] % 16:
+        raise ValueError(
+            f"{blocks_name}: MXFP4 blocks hold 16 bytes (32 codes) per scale along the contraction dimension, got "
+            f"{blocks_shape[-1]} bytes (shape {tuple(blocks_shape)}), not a multiple of 16"
+        )
+    expected = (*leading, blocks_shape[-2], blocks_shape[-1] // 16)
+    if tuple(scales.shape) != expected:
+        raise ValueError(
+            f"{name}: expected shape {expected} (one scale per 32 contraction elements of {blocks_name} "
+            f"{tuple(blocks_shape)}), got {tuple(scales.shape)}"
+        )
+
+
+def _fp4_bits(code):
+    """f32 bit patterns of e2m1 codes (int32 in [0, 16)): magnitude c & 7 -> 2^(e - 1) (1 + m / 2), 0.5, 0."""
+    magnitude = code & 7
+    normal = (magnitude << 22) + (126 << 23)  # e >= 1: exponent e - 1 + 127, mantissa bit m at bit 22
+    bits = jnp.where(magnitude >= 2, normal, jnp.where(magnitude == 1, 126 << 23, 0))
+    return bits | ((code & 8) << 28)
+
+
+def _scale_f32(scales):
+    """2^(s - 127) as f32 from e8m0 bytes (int32): the byte is the f32 exponent field (255: NaN)."""
+    return jax.lax.bitcast_convert_type(jnp.where(scales == 255, 0x7FC00000, scales << 23), jnp.float32)
+
+
+def dequantize(blocks, scales):
+    """Reference: f32 [..., N, K] from blocks uint8 [..., N, K / 2] (or [..., N, K / 32, 16]) and scales uint8
+    [..., N, K / 32]."""
+    blocks = packed("blocks", blocks).astype(jnp.int32)
+    codes = jnp.stack([blocks & 0xF, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], blocks.shape[-1] * 2)
+    values = jax.lax.bitcast_convert_type(_fp4_bits(codes), jnp.float32)
+    scale = jnp.repeat(_scale_f32(scales.astype(jnp.int32)), BLOCK, axis=-1)
+    return values * scale
+
+
+def even_odd(x):
+    """x [..., K] as [..., K] with its even columns first, then its odd ones: the order `widen` gives the packed
+    weights' contraction dimension in (low nibbles, then high nibbles)."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def scale_expander(half_k: int):
+    """The 0/1 matrix [K / 32, K / 2] (bf16) that repeats each block scale over its 16 bytes: an MXU matmul, since
+    Mosaic has no lane repeat."""
+    return jnp.asarray(np.repeat(np.eye(half_k // 16, dtype=np.float32), 16, axis=1), jnp.bfloat16)
+
+
+def widen(block, scales, expander, dtype):
+    """In VMEM: packed blocks [R, K / 2] uint8 and their scales [R, K / 32] uint8 -> the weights of the even and of
+    the odd contraction elements, two [R, K / 2] arrays in `dtype`, each scaled exactly (a power of two on a
+    2-significant-bit value) before the MXU. `expander` is `scale_expander(K / 2)`."""
+    codes = jax.lax.bitcast_convert_type(block, jnp.int8).astype(jnp.int32) & 0xFF
+    scale = _scale_f32(scales.astype(jnp.int32)).astype(jnp.bfloat16)
+    # Each scale repeated over its 16 bytes: exact (one nonzero product a sum, bf16 powers of two in [2^-126, 2^127]).
+    scale = jax.lax.dot_general(
+        scale, expander, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )  # [R, K / 2]
+    return tuple(
+        (jax.lax.bitcast_convert_type(_fp4_bits(c), jnp.float32) * scale).astype(dtype)
+        for c in (codes & 0xF, codes >> 4)
+    )
