@@ -70,6 +70,7 @@ def test_apply_rotary_matches_reference(rand, case, blocks):
         dtype=dtype,
         rand=rand,
         names=["q", "k"],
+        fast_compile=True,
     )
 
 
@@ -115,6 +116,7 @@ def test_apply_rotary_gradients(rand, case):
         rand=rand,
         dtype=dtype,
         atol=6e-2 if dtype == BF16 else 1e-4,
+        fast_compile=True,
     )
 
 
@@ -158,6 +160,7 @@ def test_rms_norm_rope_matches_reference(rand, case):
         dtype=dtype,
         rand=rand,
         names=["q", "k"],
+        fast_compile=True,
     )
 
 
@@ -185,6 +188,7 @@ def test_rms_norm_rope_gradients(rand, dtype):
         dtype=dtype,
         atol=atols,
         rtol=5e-2 if dtype == BF16 else 1e-4,
+        fast_compile=True,
     )
 
 
@@ -255,6 +259,7 @@ def test_apply_rotary_from_positions_matches_reference(rand, case):
         rtol=1e-4,
         atol=1e-4,
         names=["q", "k"],
+        fast_compile=True,
     )
 
 
@@ -288,6 +293,7 @@ def test_proportional_zero_frequencies_skip_transcendentals(rand, monkeypatch, f
         rand=rand,
         names=["q", "k"],
         **tol,
+        fast_compile=True,
     )
     ladder.check_against_reference(
         lambda q, k, p: tk.apply_rotary_from_positions(q, k, p, **opts),
@@ -297,6 +303,7 @@ def test_proportional_zero_frequencies_skip_transcendentals(rand, monkeypatch, f
         rand=rand,
         names=["q", "k"],
         **tol,
+        fast_compile=True,
     )
     jax.clear_caches()
     assert seen and set(seen) == {("lanes", angle_lanes, 512)}, f"(packing, angle lanes, table width): {seen}"
@@ -331,6 +338,7 @@ def test_from_positions_layouts_norm_and_gradients(rand, layout, interleaved, dt
         dtype=dtype,
         rand=rand,
         names=["q", "k"],
+        fast_compile=True,
     )
 
     ladder.check_gradients(
@@ -342,6 +350,7 @@ def test_from_positions_layouts_norm_and_gradients(rand, layout, interleaved, dt
         rand=rand,
         dtype=dtype,
         atol=5e-2 if dtype == BF16 else 1e-4,
+        fast_compile=True,
     )
 
 
@@ -396,6 +405,7 @@ def test_token_major_factor_rows(rand, case, factor_rows):
             rand=rand,
             names=["q", "k"],
             **tol,
+            fast_compile=True,
         )
     elif op == "norm":
         cos, sin = cos.astype(dtype), sin.astype(dtype)
@@ -410,6 +420,7 @@ def test_token_major_factor_rows(rand, case, factor_rows):
             dtype=dtype,
             rand=rand,
             names=["q", "k"],
+            fast_compile=True,
         )
     else:
         kernel_fn, args = (
@@ -426,6 +437,7 @@ def test_token_major_factor_rows(rand, case, factor_rows):
             rand=rand,
             names=["q", "k"],
             **tol,
+            fast_compile=True,
         )
     calls = ladder.pallas_calls(kernel_fn, *args)
     assert [c.scratch_operands for c in calls] == [int(blocks.broadcast_loads)], f"{factor_rows}: {calls}"
@@ -527,6 +539,7 @@ def test_positions_layouts_and_cos_sin_packing(rand, monkeypatch, case):
             rand=rand,
             names=["q", "k"],
             **(dict(rtol=1e-4, atol=1e-3) if dtype == F32 else {}),
+            fast_compile=True,
         )
     else:
         ladder.check_against_reference(
@@ -538,6 +551,7 @@ def test_positions_layouts_and_cos_sin_packing(rand, monkeypatch, case):
             rtol=1e-4,
             atol=1e-4,
             names=["q", "k"],
+            fast_compile=True,
         )
     assert seen and {(s.mode, s.packing) for s in seen} == {(mode, packing)}, f"layouts reached: {seen}"
 
