@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import quantization
 from .validation import check_array
 
 BLOCK = 32  # elements of the contraction dimension sharing one scale
@@ -95,15 +96,27 @@ def scale_expander(half_k: int):
 
 def widen(block, scales, expander, dtype):
     """In VMEM: packed blocks [R, K / 2] uint8 and their scales [R, K / 32] uint8 -> the weights of the even and of
-    the odd contraction elements, two [R, K / 2] arrays in `dtype`, each scaled exactly (a power of two on a
-    2-significant-bit value) before the MXU. `expander` is `scale_expander(K / 2)`."""
-    codes = jax.lax.bitcast_convert_type(block, jnp.int8).astype(jnp.int32) & 0xFF
-    scale = _scale_f32(scales.astype(jnp.int32)).astype(jnp.bfloat16)
-    # Each scale repeated over its 16 bytes: exact (one nonzero product a sum, bf16 powers of two in [2^-126, 2^127]).
-    scale = jax.lax.dot_general(
-        scale, expander, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-    )  # [R, K / 2]
+    the odd contraction elements, two [R, K / 2] arrays in `dtype`, exact. `expander` is `scale_expander(K / 2)`.
+
+    Each nibble is rewritten, with 8-bit and / shift / or on the packed bytes, as the float8_e4m3fn byte of the same
+    sign, exponent and mantissa bits (s 0 e e m 0 0 -> s 0 0 e e m 0 0): its value is the e2m1 value times 2^-6,
+    subnormals included, and `quantization.widen` unpacks it as it unpacks e4m3 weights (on v5e / v6e through the
+    chips' e4m3b11, a further 2^-4). The block scale, times the inverse of those powers of two, is repeated over its
+    16 bytes by an MXU matmul against the 0/1 expander (Mosaic has no lane repeat; exact: one nonzero product a sum)
+    and multiplies the bf16 values (exact: two significant bits times a power of two). e8m0 0 gives 0, 255 NaN;
+    exponents past 254 - log2(that factor) (2^117 and up on v5e / v6e) are out of range."""
+    codes = jax.lax.bitcast_convert_type(block, jnp.int8)
+    planes = (
+        ((codes & 0x8) << 4) | ((codes & 0x7) << 2),  # low nibble (the even element)
+        (codes & jnp.int8(-128)) | ((codes >> 2) & 0x1C),  # high nibble (the odd element)
+    )
+    shift = 6 + int(np.log2(quantization.widen_factor(jnp.float8_e4m3fn)))
+    exponent = scales.astype(jnp.int32)
+    bits = jnp.where(exponent == 255, 0x7FC00000, jnp.where(exponent == 0, 0, (exponent + shift) << 23))
+    scale = jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+    scale = jax.lax.dot_general(scale, expander, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    scale = scale.astype(jnp.bfloat16)  # [R, K / 2]
     return tuple(
-        (jax.lax.bitcast_convert_type(_fp4_bits(c), jnp.float32) * scale).astype(dtype)
-        for c in (codes & 0xF, codes >> 4)
+        (quantization.widen(jax.lax.bitcast_convert_type(p, jnp.float8_e4m3fn), jnp.bfloat16) * scale).astype(dtype)
+        for p in planes
     )

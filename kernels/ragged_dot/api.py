@@ -73,6 +73,7 @@ MATMUL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 RHS_DTYPES = MATMUL_DTYPES + quantization.QUANTIZED_DTYPES + (mxfp4.CODE_DTYPE,)
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 GATED = (None, "concatenated", "interleaved")
+MXFP4_TN = 256  # the forward's default output tile against MXFP4 rhs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,8 +313,12 @@ def _resolve_kernels(cfg: _Config, blocks: RaggedDotBlocks, owner: str, *, m, k,
     rhs_shape, rhs_dtype = tuple(rhs.shape), jnp.dtype(rhs.dtype)
     n_full = rhs_shape[1] if cfg.rhs_transposed else rhs_shape[2]
     common = dict(num_groups=cfg.num_local_groups, rhs_dtype=rhs_dtype, info=_info())
-    if cfg.mxfp4:  # the packed blocks are widened whole along K (one scale block per 32 of it): tk = K
-        blocks = dataclasses.replace(blocks, forward=dataclasses.replace(blocks.forward or MatmulBlocks(), tk=k))
+    if cfg.mxfp4:
+        # The packed blocks are widened whole along K (one scale block per 32 of it): tk = K; and, unless given, 256
+        # output columns a step, which bounds the widening's f32 planes (a few [2 x 256, K / 2] arrays in VMEM).
+        fixed = blocks.forward or MatmulBlocks()
+        tn = fixed.tn if fixed.tn is not None else min(MXFP4_TN, n_full // 2 if cfg.gated else n_full)
+        blocks = dataclasses.replace(blocks, forward=dataclasses.replace(fixed, tk=k, tn=tn))
 
     def plain(part, *, k, lhs_dtype, out_dtype, rhs_transposed):
         """A grouped matmul with no epilogue, rhs read in its stored orientation (as _plain_forward does)."""
