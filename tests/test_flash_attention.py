@@ -78,9 +78,12 @@ def test_forward_matches_reference(rand, feature):
     def kernel(q, k, v, sinks):
         return tk.flash_attention(q, k, v, sinks=sinks, return_lse=True, blocks=SMALL, **options)
 
-    out, lse = ladder.run_interpreted(kernel, *args)
+    fast = ladder.FAST_COMPILE_OPTIONS
+    out, lse = ladder.run_interpreted(jax.jit(kernel, compiler_options=fast), *args)
     ref_out, ref_lse = ladder.run_reference(
-        lambda q, k, v, sinks: attention_reference(q, k, v, sinks=sinks, return_lse=True, **options), *args
+        lambda q, k, v, sinks: attention_reference(q, k, v, sinks=sinks, return_lse=True, **options),
+        *args,
+        compiler_options=fast,
     )
     # at scale 1.0 the logits are sqrt(D) = 8x the default scale's, and f32 exp rounding grows with the logit
     tol = dict(F32_TOL, atol=8 * F32_TOL["atol"]) if feature == "scale_one" else F32_TOL
@@ -105,6 +108,7 @@ def test_head_dims_and_gqa(rand, layout):
         dtype=jnp.float32,
         rand=rand,
         **F32_TOL,
+        fast_compile=True,
     )
 
 
@@ -119,6 +123,7 @@ def test_low_precision_dtypes(rand, dtype):
         (q, k, v),
         dtype=dtype,
         rand=rand,
+        fast_compile=True,
     )
 
 
@@ -157,6 +162,7 @@ def test_default_blocks_one_block_per_sequence(rand):
         dtype=jnp.float32,
         rand=rand,
         **F32_TOL,
+        fast_compile=True,
     )
 
 
@@ -181,6 +187,7 @@ def test_gradients_match_reference(rand, feature):
         names=["dq", "dk", "dv", "dsinks"][: len(argnums)],
         atol=1e-4,
         rtol=1e-4,
+        fast_compile=True,
     )
 
 
@@ -206,6 +213,7 @@ def test_gradients_gqa_head_dims(rand, layout):
         names=["dq", "dk", "dv"],
         atol=1e-4,
         rtol=1e-4,
+        fast_compile=True,
     )
 
 
@@ -224,6 +232,7 @@ def test_gradient_of_the_log_sum_exp(rand, blocks):
         names=["dq", "dk", "dv", "dsinks"],
         atol=1e-4,
         rtol=1e-4,
+        fast_compile=True,
     )
 
 
@@ -239,6 +248,7 @@ def test_bfloat16_gradients(rand):
         names=["dq", "dk", "dv"],
         atol=5e-2,
         rtol=5e-2,
+        fast_compile=True,
     )
 
 
@@ -303,6 +313,7 @@ def test_varlen_traced_cu_seqlens_and_gradients(rand, blocks):
         names=["dq", "dk", "dv"],
         atol=1e-4,
         rtol=1e-4,
+        fast_compile=True,
     )
 
 
