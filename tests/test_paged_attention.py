@@ -83,9 +83,15 @@ class Batch:
         )
 
 
+def _jit(fn):
+    """The interpreted kernel's program compiled without XLA:CPU's optimisation passes (ladder.FAST_COMPILE_OPTIONS:
+    most of an interpreted check's time is that compile; the interpreter's checks are the program's semantics)."""
+    return jax.jit(fn, compiler_options=ladder.FAST_COMPILE_OPTIONS)
+
+
 def _check(rand, batch, *, dtype=jnp.float32, tol=None, blocks=None, **options):
     kernel = functools.partial(tk.ragged_paged_attention, blocks=blocks, **options)
-    out = ladder.run_interpreted(jax.jit(kernel), *batch.args)
+    out = ladder.run_interpreted(_jit(kernel), *batch.args)
     expected = ragged_paged_attention_reference(*batch.args, **options)
     ladder.assert_close(out, expected, dtype=dtype, what="out", context=repr(rand), **(tol or {}))
     return out
@@ -168,7 +174,7 @@ def test_float8_cache_with_scales(rand):
     batch = Batch(rand, Q_LENS, KV_LENS, hq=8, hkv=2, d=128, dtype=jnp.bfloat16, cache_dtype=FP8)
     scale = jnp.full((1,), 0.5, jnp.float32)
     kernel = functools.partial(tk.ragged_paged_attention, blocks=BLOCKS)
-    out = ladder.run_interpreted(jax.jit(kernel), *batch.args, k_scale=scale, v_scale=scale)
+    out = ladder.run_interpreted(_jit(kernel), *batch.args, k_scale=scale, v_scale=scale)
     expected = ragged_paged_attention_reference(*batch.args, k_scale=0.5, v_scale=0.5)
     ladder.assert_close(out, expected, dtype=jnp.bfloat16, what="out", context=repr(rand))
 
@@ -180,7 +186,7 @@ def test_run_time_num_seqs_ignores_the_rest(rand):
     q, k, v, kv_lens, pages, cu = batch.args
     kv_bad = kv_lens.at[2:].set(10**6)
     pages_bad = pages.at[2:].set(-7)
-    kernel = jax.jit(functools.partial(tk.ragged_paged_attention, blocks=BLOCKS))
+    kernel = _jit(functools.partial(tk.ragged_paged_attention, blocks=BLOCKS))
     out = ladder.run_interpreted(kernel, q, k, v, kv_bad, pages_bad, cu, jnp.asarray([2], jnp.int32))
     expected = ragged_paged_attention_reference(q, k, v, kv_lens, pages, cu, 2)
     ladder.assert_close(out, expected, dtype=jnp.float32, what="out", context=repr(rand), **F32_TOL)
@@ -197,7 +203,7 @@ def test_broken_device_metadata_stays_in_bounds(rand):
     pages_bad = pages.at[1, 0].set(k.shape[0] + 5).at[1, 1:].set(-3)
     kv_bad = kv_lens.at[1].set(10**6)
     blocks = tk.PagedAttentionBlocks(queries_per_block=4, pages_per_block=2)  # rows 0-3 (broken), 4-7 (sound)
-    kernel = jax.jit(functools.partial(tk.ragged_paged_attention, blocks=blocks))
+    kernel = _jit(functools.partial(tk.ragged_paged_attention, blocks=blocks))
     out = ladder.run_interpreted(kernel, q, k, v, kv_bad, pages_bad, cu)
     expected = ragged_paged_attention_reference(q, k, v, kv_lens, pages, cu)
     ladder.assert_close(out[4:6], expected[4:6], dtype=jnp.float32, what="sound rows", context=repr(rand), **F32_TOL)
@@ -268,7 +274,7 @@ def test_visit_lists_match_brute_force(rand, window, causal):
         size=size,
     )
     out = ladder.run_interpreted(
-        jax.jit(build), jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu), jnp.asarray([9], jnp.int32)
+        _jit(build), jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu), jnp.asarray([9], jnp.int32)
     )
     words, kv_blocks, rows, status = (np.asarray(a) for a in out[:4])
     count = int(status[0])
