@@ -12,6 +12,7 @@ install). Two EP plans:
   which runs its experts top-1 with local ids.
 """
 
+import datetime
 import os
 import socket
 
@@ -24,6 +25,7 @@ import tpu_kernels
 EXPERTS_IMPLEMENTATION = "tpu_ragged_dot"
 WORLD_SIZE = 2
 NUM_EXPERTS = 8  # tiny_models.qwen3_moe's
+TIMEOUT = 180  # seconds: the spawned rank's imports take most of it on a loaded host
 PLANS = {
     "all_reduce": {"model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"},
     "dispatch": None,  # the model's base_model_ep_plan
@@ -36,37 +38,48 @@ def _register():
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, tpu_kernels.experts_forward)
 
 
-def _ep_rank(rank, port, seed, tokens, queue):
-    """One EP rank: every plan's logits, or the error, to `queue`."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+def _ep_rank(rank, port, seed, tokens):
+    """One EP rank's logits for every plan. The process group is made here with a short timeout (transformers would
+    make it with a 2-hour one), so a rank that dies fails the other instead of hanging it."""
+    from transformers.distributed import DistributedConfig
+
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=TIMEOUT),
     )
     try:
-        from transformers.distributed import DistributedConfig
-
-        _register()
-        full = tiny_models.qwen3_moe(seed).model.layers[0].mlp.experts.gate_up_proj.detach()
         logits = {}
         for name, ep_plan in PLANS.items():
             model = tiny_models.qwen3_moe(seed)
             model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+            full = model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
             config = DistributedConfig(tp_size=WORLD_SIZE, ep_size=WORLD_SIZE, tp_plan={}, ep_plan=ep_plan)
             config, _, mesh = type(model).prepare_distribute_model(config)
             model = type(model).maybe_distribute_model(model, config, mesh)
             experts = model.model.layers[0].mlp.experts
             local = NUM_EXPERTS // WORLD_SIZE
             # each rank holds its own contiguous half of the experts and sees the local count
-            assert experts.num_experts == local, (name, experts.num_experts)
-            assert torch.equal(experts.gate_up_proj.to_local(), full[rank * local : (rank + 1) * local]), name
+            assert experts.num_experts == local, (rank, name, experts.num_experts)
+            assert torch.equal(experts.gate_up_proj.to_local(), full[rank * local : (rank + 1) * local]), (rank, name)
             with torch.no_grad():
                 logits[name] = model(torch.from_numpy(tokens)).logits.numpy().copy()
-        queue.put((rank, logits))
-    except BaseException as error:  # the parent reports it instead of waiting for a result that never comes
-        queue.put((rank, f"{type(error).__name__}: {error}"))
-        raise
+        return logits
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        torch.distributed.destroy_process_group()
+
+
+def _spawned_rank(rank, port, seed, tokens, queue):
+    """A rank in a process of its own: its logits, or its error, to `queue`."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
+    try:
+        _register()
+        queue.put(_ep_rank(rank, port, seed, tokens))
+    except BaseException as error:  # the parent reports it instead of waiting for a result that never comes
+        queue.put(f"rank {rank}: {type(error).__name__}: {error}")
+        raise
 
 
 def _free_port():
@@ -75,35 +88,35 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_transformers_expert_parallel_on_two_cpu_processes_matches_one_process(rand):
+def test_transformers_expert_parallel_on_two_cpu_processes_matches_one_process(rand, monkeypatch):
     """Both EP plans over 2 gloo ranks with our experts_forward: the logits equal the one-process model's with
     transformers' default experts and with ours (f32, 1e-4), on every rank; so do the greedy tokens."""
     seed = int(rand.rng.integers(2**31))
     tokens = rand.rng.integers(0, tiny_models.VOCAB, (2, 5)).astype(np.int64)
-    _register()
-    model = tiny_models.qwen3_moe(seed)
-    references = {}
-    for implementation in ("eager", EXPERTS_IMPLEMENTATION):
-        model.set_experts_implementation(implementation)
-        with torch.no_grad():
-            references[implementation] = model(torch.from_numpy(tokens)).logits.numpy()
-
+    # Rank 0 is this process (its imports are done); rank 1 is one spawned process, started first so that its
+    # imports overlap the one-process references.
     context = torch.multiprocessing.get_context("spawn")
     queue = context.Queue()
     port = _free_port()
-    processes = [context.Process(target=_ep_rank, args=(rank, port, seed, tokens, queue)) for rank in range(WORLD_SIZE)]
-    for process in processes:
-        process.start()
+    process = context.Process(target=_spawned_rank, args=(1, port, seed, tokens, queue))
+    process.start()
     try:
-        results = dict(queue.get(timeout=240) for _ in processes)
+        _register()
+        model = tiny_models.qwen3_moe(seed)
+        references = {}
+        for implementation in ("eager", EXPERTS_IMPLEMENTATION):
+            model.set_experts_implementation(implementation)
+            with torch.no_grad():
+                references[implementation] = model(torch.from_numpy(tokens)).logits.numpy()
+        for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(WORLD_SIZE)).items():
+            monkeypatch.setenv(name, value)
+        results = [_ep_rank(0, port, seed, tokens), queue.get(timeout=TIMEOUT)]
     finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    for rank in range(WORLD_SIZE):
-        logits = results[rank]
-        assert not isinstance(logits, str), f"rank {rank}: {logits}"
+        process.join(timeout=TIMEOUT)
+        if process.is_alive():
+            process.kill()
+    for rank, logits in enumerate(results):
+        assert not isinstance(logits, str), logits
         assert set(logits) == set(PLANS)
         for plan, got in logits.items():
             for implementation, want in references.items():
