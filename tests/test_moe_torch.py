@@ -871,3 +871,46 @@ def test_mxfp4_dequantize_is_transformers_convention():
     theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
     ours = np.asarray(mxfp4.dequantize(jnp.asarray(blocks), jnp.asarray(scales)))
     np.testing.assert_array_equal(ours, theirs.transpose(1, 2).numpy())
+
+
+def test_mxfp4_gpt_oss_experts_match_transformers_dequantized_experts(rand):
+    """A gpt-oss experts module (interleaved gate/up, biases, its clamped SwiGLU) holding the checkpoint's MXFP4
+    tensors as buffers under their checkpoint names (`<proj>_blocks` [E, out, in / 32, 16], `<proj>_scales`), its
+    dense weights removed, as docs/moe.md tells a TPU user to set it up; dispatched to experts_forward by the
+    experts interface, against transformers' eager forward of the same module on the weights as transformers'
+    dequantize-at-load gives them (f32 activations); then the missing-scales and one-projection errors."""
+    from transformers import GptOssConfig
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = GptOssConfig(hidden_size=128, intermediate_size=64, num_local_experts=4, swiglu_limit=1.0)
+    config._experts_implementation = "eager"
+    experts = GptOssExperts(config)
+    packed = {}
+    for proj, (out, contraction) in (("gate_up_proj", (128, 128)), ("down_proj", (128, 64))):
+        blocks = rand.rng.integers(0, 256, (4, out, contraction // 32, 16)).astype(np.uint8)
+        scales = rand.rng.integers(118, 125, (4, out, contraction // 32)).astype(np.uint8)
+        packed[proj] = torch.from_numpy(blocks), torch.from_numpy(scales)
+    with torch.no_grad():
+        for proj, (blocks, scales) in packed.items():  # what Mxfp4Config(dequantize=True) loads: [E, in, out]
+            getattr(experts, proj).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+        for bias in (experts.gate_up_proj_bias, experts.down_proj_bias):
+            bias.copy_(_randn(rand, *bias.shape, scale=0.3))
+    x = _randn(rand, 5, 128)
+    index, weights = _routing(rand, 5, 4, 2)
+    with torch.no_grad():
+        expected = experts(x, index, weights)
+        for proj, (blocks, scales) in packed.items():
+            delattr(experts, proj)
+            experts.register_buffer(f"{proj}_blocks", blocks)
+            experts.register_buffer(f"{proj}_scales", scales)
+        config._experts_implementation = EXPERTS_IMPLEMENTATION
+        out = experts(x, index, weights)
+    assert not hasattr(experts, "gate_up_proj") and not hasattr(experts, "down_proj")
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    del experts.down_proj_scales
+    with pytest.raises(ValueError, match=r"self.down_proj_scales: self.down_proj_blocks holds MXFP4 blocks"):
+        tpu_kernels.experts_forward(experts, x, index, weights)
+    del experts.down_proj_blocks
+    with pytest.raises(ValueError, match=r"self.down_proj_blocks: MXFP4 experts need both projections' blocks"):
+        tpu_kernels.experts_forward(experts, x, index, weights)

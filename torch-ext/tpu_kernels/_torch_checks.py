@@ -22,6 +22,7 @@ _TORCH_TO_JAX = {
     torch.int32: jnp.int32,
     torch.int64: jnp.int64,
     torch.int8: jnp.int8,
+    torch.uint8: jnp.uint8,  # MXFP4 expert weights: packed e2m1 codes and e8m0 scales
     torch.bool: jnp.bool_,
     torch.float8_e4m3fn: jnp.float8_e4m3fn,  # fp8 KV caches
 }

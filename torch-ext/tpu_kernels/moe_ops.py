@@ -309,6 +309,28 @@ def expert_scale(self: torch.nn.Module, proj: str, weight: torch.Tensor, transpo
     return scale if scale.shape[1] == n else scale.repeat_interleave(n // scale.shape[1], dim=1)
 
 
+def mxfp4_weights(self: torch.nn.Module, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An MXFP4 expert weight as gpt-oss checkpoints and transformers' MXFP4 conversion name it: `self.<proj>_blocks`
+    uint8 [E, out, in / 32, 16] (two e2m1 codes a byte, the low nibble first) and `self.<proj>_scales` uint8
+    [E, out, in / 32] (e8m0), as (blocks [E, out, in / 2], scales), detached (constants); None without
+    `<proj>_blocks`."""
+    blocks = getattr(self, f"{proj}_blocks", None)
+    if blocks is None:
+        return None
+    scales = getattr(self, f"{proj}_scales", None)
+    if scales is None:
+        raise ValueError(
+            f"self.{proj}_scales: self.{proj}_blocks holds MXFP4 blocks, so their e8m0 scales uint8 "
+            f"{list(blocks.shape[:-1])} are required, got none"
+        )
+    checks.check_tensor(f"self.{proj}_blocks", blocks)
+    checks.check_tensor(f"self.{proj}_scales", scales, device=blocks.device)
+    blocks = blocks.detach()
+    if blocks.dim() == 4:
+        blocks = blocks.reshape(*blocks.shape[:2], blocks.shape[2] * blocks.shape[3])
+    return blocks, scales.detach()
+
+
 def experts_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -327,10 +349,12 @@ def experts_forward(
     config's swiglu_limit / swiglu_alpha); any other custom gate is a ValueError. hidden_states and the expert
     weights in float32, bfloat16 or float16 (run as float32), or quantized: int8 / float8_e4m3fn with per-output-
     channel float32 scales `self.<proj>_scale_inv` [E, N, 1] as transformers' FP8 experts store them (expert_scale;
-    constants: no gradient reaches them); top_k_index int32 or int64 (the router's, cast once;
-    on a host tensor the ids must fit int32 and be >= 0). Expert ids >= self.num_experts are expert-parallel
-    sentinels and contribute nothing. Returns [T, H] in hidden_states.dtype. Differentiable in the hidden states,
-    the routing weights and the expert weights and biases.
+    constants: no gradient reaches them), or MXFP4 (gpt-oss checkpoints, inference only): `self.<proj>_blocks` uint8
+    [E, out, in / 32, 16] with `self.<proj>_scales` uint8 [E, out, in / 32] under the checkpoint's names, read in
+    place of the dense weights (mxfp4_weights; docs/moe.md says how to set a module up); top_k_index int32 or int64
+    (the router's, cast once; on a host tensor the ids must fit int32 and be >= 0). Expert ids >= self.num_experts
+    are expert-parallel sentinels and contribute nothing. Returns [T, H] in hidden_states.dtype. Differentiable in
+    the hidden states, the routing weights and the expert weights and biases (not through MXFP4 weights).
 
     `blocks` (keyword-only; transformers' three-argument call leaves it None, the tuning table's choice): an
     ExpertsBlocks (tpu_kernels_jax.moe.tuning, also `kernel.jax.ExpertsBlocks`) forcing the path and the tiles of
@@ -346,14 +370,23 @@ def experts_forward(
     gate_layout = (
         ("concatenated" if getattr(self, "is_concatenated", True) else "interleaved") if has_gate else _NO_GATE
     )
-    gate_up = self.gate_up_proj if has_gate else self.up_proj
+    up_name = "gate_up_proj" if has_gate else "up_proj"
     has_bias = getattr(self, "has_bias", False)
     gate_up_bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
     down_bias = self.down_proj_bias if has_bias else None
-    transposed = bool(getattr(self, "is_transposed", False))
-    down = self.down_proj
-    gate_up_scale = expert_scale(self, "gate_up_proj" if has_gate else "up_proj", gate_up, transposed)
-    down_scale = expert_scale(self, "down_proj", down, transposed)
+    mx_up, mx_down = mxfp4_weights(self, up_name), mxfp4_weights(self, "down_proj")
+    if mx_up is not None or mx_down is not None:  # MXFP4 (gpt-oss checkpoints): the [E, out, in] layout
+        if mx_up is None or mx_down is None:
+            missing = up_name if mx_up is None else "down_proj"
+            raise ValueError(f"self.{missing}_blocks: MXFP4 experts need both projections' blocks, got none for it")
+        (gate_up, gate_up_scale), (down, down_scale) = mx_up, mx_down
+        transposed = False
+    else:
+        gate_up = self.gate_up_proj if has_gate else self.up_proj
+        transposed = bool(getattr(self, "is_transposed", False))
+        down = self.down_proj
+        gate_up_scale = expert_scale(self, up_name, gate_up, transposed)
+        down_scale = expert_scale(self, "down_proj", down, transposed)
     # Quantized weights are constants of the kernels' gradient: detached, autograd asks nothing of them.
     gate_up = gate_up.detach() if gate_up_scale is not None else gate_up
     down = down.detach() if down_scale is not None else down
