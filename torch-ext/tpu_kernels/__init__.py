@@ -14,6 +14,7 @@ Importing this package compiles nothing and makes no network access.
 
 from . import jax, layers
 from ._ops import add_op_namespace_prefix, ops
+from .expert_parallel_ops import expert_parallel_experts, expert_parallel_op  # noqa: F401  (torch op over a mesh)
 from .flash_attention_ops import attention_forward, flash_attn_func, flash_attn_varlen_func
 from .kv_cache_ops import reshape_and_cache_flash
 from .moe_ops import experts_forward, ragged_dot
