@@ -175,7 +175,7 @@ def _ep_op_args(rand, tokens=12, experts=16, hidden=128, intermediate=64, top_k=
     return (*tensors, None, None, "silu", "concatenated", False, "")
 
 
-def test_expert_parallel_op_registration_fake_shapes_and_torch_tpu_export(rand):
+def test_expert_parallel_op_registration_fake_shapes_and_torch_tpu_export(rand, monkeypatch):
     """The op over an 8-device v6e mesh: registered once per (mesh, axis) under the package's namespace with the
     expected schema; FakeTensorMode and meta give the rank's [T, H]; and TorchTPU's own path for a `tpu` call (its
     JaxCallable: rank shapes to global placeholders through the partition specs, then the TPU export) gives the
@@ -185,7 +185,7 @@ def test_expert_parallel_op_registration_fake_shapes_and_torch_tpu_export(rand):
     from jax.sharding import NamedSharding
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tpu_kernels import _op_registry
+    from tpu_kernels import _op_registry, expert_parallel_ops
 
     mesh = mock_mesh(EP_DEVICES)
     op = tpu_kernels.expert_parallel_op(mesh, EP_AXIS)
@@ -204,6 +204,13 @@ def test_expert_parallel_op_registration_fake_shapes_and_torch_tpu_export(rand):
     ), schema
     with pytest.raises(ValueError, match=r"axis: expected one of the mesh's axes \('ep',\), got 'experts'"):
         tpu_kernels.expert_parallel_op(mesh, "experts")
+    # The torch-cpu package's registration (no TorchTPU: a plain custom op with the CPU kernel), the same schema.
+    monkeypatch.setattr(expert_parallel_ops, "HAS_TORCH_TPU", False)
+    cpu_op = tpu_kernels.expert_parallel_op(mock_mesh(EP_DEVICES, "TPU v5 lite"), EP_AXIS)
+    cpu_schema = str(cpu_op._opoverload._schema)
+    assert cpu_schema.split("(", 1)[1] == schema.split("(", 1)[1], cpu_schema
+    assert not hasattr(cpu_op, "_init_fn") or not hasattr(cpu_op._init_fn, "exported")
+    monkeypatch.undo()
 
     args = _ep_op_args(rand)
     tokens, hidden = args[0].shape
