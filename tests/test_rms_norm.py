@@ -404,8 +404,10 @@ def test_compiles_for_tpu_across_sizes_and_backward(generation, shape, dtype):
 
 @pytest.mark.parametrize("generation", CANDIDATE_GENERATIONS)
 def test_candidate_blocks_compile_for_tpu(generation):
-    """The sweep's candidates (the table's choice first) are legal tilings: each compiles, forward and backward, at
-    the largest benchmark shape (the first is also that shape's fused_add_rms_norm compile)."""
+    """The sweep's candidates (the table's choice first) are legal tilings at the largest benchmark shape. They differ
+    only in their row block (whole sublane tiles, asserted), so the kernel's body is the same and only VMEM grows
+    with the block: the table's choice (also that shape's fused_add_rms_norm compile) and the largest candidate (often
+    the same: the table takes the largest block that fits) compile, forward and backward, and bound every other one."""
     x = (CANDIDATE_SHAPE, jnp.bfloat16)
     w = ((CANDIDATE_SHAPE[1],), jnp.bfloat16)
     with jax.default_device(ladder.tpu_device(generation)):
@@ -413,7 +415,10 @@ def test_candidate_blocks_compile_for_tpu(generation):
     table = tuning.choose_blocks(*CANDIDATE_SHAPE, jnp.bfloat16, streams=4, info=api.chip.tpu_info_for(generation))
     assert candidates[0] == table and len(candidates) >= 3, candidates
     assert len({c.block_rows for c in candidates}) == len(candidates), candidates
-    for blocks in candidates:
+    multiple = tuning.sublane_multiple(jnp.bfloat16)
+    assert all(c.block_rows % multiple == 0 for c in candidates), candidates
+    largest = max(candidates, key=lambda c: c.block_rows)
+    for blocks in dict.fromkeys((candidates[0], largest)):
         ladder.compile_for_tpu(
             jax.grad(lambda x, w: ladder.vjp_loss(api.fused_add_rms_norm(x, x, w, blocks=blocks)), argnums=(0, 1)),
             generation,
