@@ -126,19 +126,25 @@ def test_mixed_batch_matches_reference(rand, feature):
     _check(rand, batch, blocks=BLOCKS, tol=tol, **options)
 
 
-# Each kv head count the merged path takes, each with one of the two feature sets (window alone; everything).
-@pytest.mark.parametrize("hkv,feature", [(2, "everything"), (4, "window_both_sides_not_causal")])
-def test_every_head_at_once(rand, feature, hkv):
-    """Head dim 128 with a few query rows per block: a visit takes every kv head in one matmul over the page buffer
+# The merged path's two ways to rows: the caches passed as rows (head dim 128 with 2 kv heads, "everything"; 8 kv
+# heads x 256, a window on both sides) and the page buffer loaded as it lies and reshaped in the kernel (2 kv heads x
+# 256, "everything").
+@pytest.mark.parametrize(
+    "hkv,d,feature", [(2, 128, "everything"), (8, 256, "window_both_sides_not_causal"), (2, 256, "everything")]
+)
+def test_every_head_at_once(rand, feature, hkv, d):
+    """Few query rows per block: a visit takes every kv head in one matmul over the page buffer
     (kernel.merges_heads), the cross-head scores masked. Sequence 5's decode at position 63 sees the whole key block
     32-63 even under the window of "everything" while sharing its query block with sequence 7: an unmasked visit that
     must leave the other sequence's rows alone."""
     options = dict(FEATURES[feature])
     hq = 2 * hkv
-    assert kernel.merges_heads(hkv=hkv, head_dim=128, v_head_dim=128, block_rows=4 * 2)
+    assert kernel.merges_heads(hkv=hkv, head_dim=d, v_head_dim=d, block_rows=4 * 2, cache_itemsize=4)
+    view = kernel.merged_cache_view(hkv=hkv, head_dim=d, v_head_dim=d, cache_itemsize=4)
+    assert view == (d == 128 or hkv == 8), (hkv, d, view)
     kv_lens = list(KV_LENS)
     kv_lens[5] = 64
-    batch = Batch(rand, Q_LENS, kv_lens, hq=hq, hkv=hkv, d=128)
+    batch = Batch(rand, Q_LENS, kv_lens, hq=hq, hkv=hkv, d=d)
     if options.pop("sinks", False):
         options["sinks"] = rand.normal((hq,), scale=2.0)
     _check(rand, batch, blocks=tk.PagedAttentionBlocks(queries_per_block=4, pages_per_block=2), tol=F32_TOL, **options)

@@ -4,8 +4,10 @@ and value pages gathered from the paged cache by the kernel's own DMAs.
 Layouts. The caches stay where they are, flash-attn's [pages, page_size, kv_heads, head_dim], in HBM (`pl.ANY`),
 in the layout XLA gave them (any reshape of a cache would be a relayout copy of the whole cache on every call: XLA
 tiles its two minor dims, kv heads x head dim). A visit copies the pages of its key block, each page one contiguous
-DMA holding every kv head, into a (pages_per_block, page_size, kv_heads, head_dim) VMEM buffer, and reads one kv
-head as a sublane-strided load; two buffers, so the next visit's pages arrive while this one computes.
+DMA holding every kv head, into a (pages_per_block, page_size, kv_heads, head_dim) VMEM buffer; two buffers, so the
+next visit's pages arrive while this one computes. Decode-like blocks (few query rows) read the whole buffer as rows,
+token-major with the kv heads minor, and take every head in one matmul (merges_heads); otherwise one kv head is a
+sublane-strided load of the buffer.
 
 Queries come as [kv_heads, tokens * group, head_dim]: the query heads of one kv head are consecutive rows of one
 token (GQA folded into the rows), so one matmul per kv head serves the whole group. At decode a token's group of heads
@@ -48,7 +50,8 @@ class Layout:
     softmax_scale: float
     softcap: float
     window_size: tuple[int, int]  # (left, right), -1 unbounded; right = 0 when causal
-    merged: bool = False  # caches viewed as [pages, page_size * kv_heads, head_dim]: every head in one matmul
+    merged: bool = False  # every kv head in one matmul (merges_heads)
+    merged_view: bool = False  # caches passed as [pages, page_size * kv_heads, head_dim] (merged_cache_view)
 
     @property
     def group(self) -> int:
@@ -76,13 +79,29 @@ MERGED_TOKENS = 1024  # tokens of a key block per chunk of a visit that takes ev
 MERGED_ROWS = 128  # score rows (kv heads x query rows per head) up to which a visit takes every head at once
 
 
-def merges_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int) -> bool:
-    """Whether a visit takes every kv head in one matmul over the page buffer as it lies. Needs a cache whose
-    [page_size, kv_heads, 128] pages are laid out as [page_size * kv_heads, 128] rows (XLA tiles the two minor dims:
-    with one lane tile of head dim, the tiles of kv_heads rows of consecutive tokens are the tiles of the merged rows,
-    so the reshape is free), 2 or 4 kv heads, and few score rows: the cross-head scores are wasted vector work,
-    kv_heads times the useful, which pays at decode where the per-head gathers dominate."""
-    return head_dim == v_head_dim == LANES and hkv in (2, 4) and hkv * block_rows <= MERGED_ROWS
+def merged_cache_view(*, hkv: int, head_dim: int, v_head_dim: int, cache_itemsize: int) -> bool:
+    """Whether caches [pages, page_size, kv_heads, D] hold the same bytes as [pages, page_size * kv_heads, D], so the
+    api passes them so reshaped (no copy in the program) and a visit's page buffer is already token-major rows. XLA
+    tiles the two minor dims: with one lane tile of head dim, the tiles of kv_heads rows of consecutive tokens are the
+    tiles of the merged rows (2 or 4 kv heads); and a 16- or 32-bit cache with 8 kv heads is tiled (8, 128), one token
+    a row of tiles, whatever the head dim (Gemma 4 sliding's 8 x 256)."""
+    if head_dim == v_head_dim == LANES and hkv in (2, 4):
+        return True
+    return hkv == 8 and cache_itemsize in (2, 4) and head_dim % LANES == 0 and v_head_dim % LANES == 0
+
+
+def merges_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int, cache_itemsize: int) -> bool:
+    """Whether a visit takes every kv head in one matmul: the page buffer's rows (token-major, kv heads minor) against
+    every head's query rows, the cross-head scores masked. Needs 2, 4 or 8 kv heads and few score rows (the
+    cross-head scores are wasted vector work, kv_heads times the useful, which pays at decode where reading one head's
+    rows out of the buffer dominates: a head is every kv_heads-th row, a sublane-strided gather, while the whole buffer
+    loads plainly). The buffer is either already rows (merged_cache_view) or loaded as it lies, [pages, page_size,
+    kv_heads, D], and reshaped to rows in registers, which Mosaic does with sublane-shuffled loads for head dims that
+    are whole lane tiles (Gemma 4 full's 2 x 512, float8 too)."""
+    if hkv not in (2, 4, 8) or hkv * block_rows > MERGED_ROWS:
+        return False
+    view = merged_cache_view(hkv=hkv, head_dim=head_dim, v_head_dim=v_head_dim, cache_itemsize=cache_itemsize)
+    return view or (head_dim % LANES == 0 and v_head_dim % LANES == 0)
 
 
 def _zero_unfetched(v, first_token: int, rows, hkv: int):
@@ -260,8 +279,9 @@ def _kernel(
 
     def accumulate_merged(masked: bool):
         # Every kv head at once: score row (head h, row r) against key column (token t, head h') is kept only where
-        # h' == h, so the cross-head scores cost vector work but the page buffer is read as it lies (no per-head
-        # sublane gathers) and K / V pass through the MXU once. A key block of up to MERGED_TOKENS tokens is one piece
+        # h' == h, so the cross-head scores cost vector work but the page buffer is read whole (no per-head sublane
+        # gathers: rows of a merged_view buffer, or [pages, page_size, kv_heads, D] reshaped to rows in registers)
+        # and K / V pass through the MXU once. A key block of up to MERGED_TOKENS tokens is one piece
         # (one online-softmax step; chunks of 256 tokens with the statistics carried across them model slower: the
         # chain of dependent steps is the visit's time), a larger one goes in chunks.
         hkv, rows_per_head = lay.kv_heads, lay.block_rows
@@ -286,8 +306,10 @@ def _kernel(
             first = c * tokens
             if tokens >= lay.page_size:
                 at = (slot, pl.ds(first // lay.page_size, tokens // lay.page_size))
-            else:
+            elif lay.merged_view:
                 at = (slot, first // lay.page_size, pl.ds((first % lay.page_size) * hkv, cols))
+            else:
+                at = (slot, first // lay.page_size, pl.ds(first % lay.page_size, tokens))
             k = k_buf[at].reshape(cols, d)
             v = v_buf[at].reshape(cols, dv)
             if k.dtype != compute_dtype:

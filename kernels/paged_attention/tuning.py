@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ..common import chip
 from ..common.blocks import check_tile, check_vmem_fit, sublane_multiple
-from .kernel import merges_heads
+from .kernel import merged_cache_view, merges_heads
 
 KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
 # Decode-like batches: a visit's fixed cost (the online-softmax chain, the grid step) is a large part of a block of few
@@ -74,10 +74,15 @@ def working_set(
     # A float8 block is widened per head (float8 -> float32 -> the compute dtype) and Mosaic keeps every head's K and V
     # of both visit branches (masked, unmasked) in its internal scratch: Gemma 4 full (2 kv heads x 512) needs 19.4 MiB
     # on v6e, about this estimate; with more heads it is an upper bound (Mosaic reuses some of the room).
-    merged = merges_heads(hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, block_rows=rows)
+    merged = merges_heads(
+        hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, block_rows=rows, cache_itemsize=cache_itemsize
+    )
+    view = merged and merged_cache_view(
+        hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, cache_itemsize=cache_itemsize
+    )
     widened = 0
     if cache_itemsize == 1:
-        widened = keys * (head_dim + v_head_dim) * (4 + q_itemsize) * (1 if merged else 2 * kv_heads)
+        widened = keys * (head_dim + v_head_dim) * (4 + q_itemsize) * (1 if view else 2 * kv_heads)
     q = kv_heads * rows * head_dim * q_itemsize
     out = kv_heads * rows * v_head_dim * q_itemsize
     stats = 2 * kv_heads * rows * 128 * 4
