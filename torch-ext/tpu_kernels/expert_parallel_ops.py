@@ -14,10 +14,11 @@ tensors are what one rank holds:
 
 jax_op turns the rank's shapes into the global ones through the partition specs (an expert weight's first dimension
 times n) and exports the shard_map program for TPU once per shape; on a TPU every rank runs it and the psum inside
-is the cross-device all-reduce. On a CPU tensor the op runs the same rank body in interpret mode (the rank's own
-experts, other ranks' ids as the sentinel) and sums the ranks' parts with torch.distributed.all_reduce (gloo), in
-float32 as the psum does; so the CPU kernel needs one process per rank of the mesh, or a mesh whose axis has one
-device. The op is inference only (no autograd) and takes float weights (no quantized experts).
+is the cross-device all-reduce. On a CPU tensor the op runs the same program over a one-device host mesh in
+interpret mode on the rank's part (its own experts, other ranks' ids turned into the sentinel) and sums the ranks'
+parts with torch.distributed.all_reduce (gloo), in float32 as the psum does; so the CPU kernel needs one process per
+rank of the mesh, or a mesh whose axis has one device. The op is inference only (no autograd) and takes float
+weights (no quantized experts).
 
 `expert_parallel_experts(mesh, axis)` is the experts function for transformers' experts interface (the signature
 of `experts_forward`, plus the process group transformers' Mega MoE expert plan passes): register it and load the
@@ -31,7 +32,6 @@ import hashlib
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.sharding import PartitionSpec as P
@@ -85,18 +85,12 @@ def _sharded_function(mesh: jax.sharding.Mesh, axis: str):
     return expert_parallel_experts_forward
 
 
-@functools.partial(jax.jit, static_argnums=(0, 8, 9, 10, 11))
-def _rank_part(first_expert: int, hidden_states, top_k_index, top_k_weights, *weights_and_options):
-    """One rank's part (its experts first_expert .. first_expert + E / n - 1) of every token's output, in float32:
-    the shard_map body before its psum, for the CPU kernel. weights_and_options: the op's arguments after
-    top_k_weights."""
-    *weights, activation, gate_layout, weights_transposed, blocks = weights_and_options
-    local_experts = weights[0].shape[0]
-    local = top_k_index.astype(jnp.int32) - first_expert
-    local = jnp.where((local >= 0) & (local < local_experts), local, local_experts)
-    options = _options(activation, gate_layout, weights_transposed, blocks)
-    part = moe_api.experts_forward(_f32(hidden_states), local, top_k_weights, *map(_f32, weights), **options)
-    return part.astype(hidden_states.dtype).astype(jnp.float32)
+@functools.cache
+def _host_program(axis: str):
+    """The op's program over a one-device host mesh, jitted: the CPU kernel's per-rank computation (with one device
+    the shard_map's ids are already this rank's, and its psum is the identity)."""
+    host_mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), (axis,))
+    return jax.jit(_sharded_function(host_mesh, axis), static_argnums=(7, 8, 9, 10))
 
 
 def _rank_position(mesh: jax.sharding.Mesh, axis: str) -> int:
@@ -122,14 +116,20 @@ def _rank_position(mesh: jax.sharding.Mesh, axis: str) -> int:
 
 
 def _cpu_kernel(mesh: jax.sharding.Mesh, axis: str):
-    def kernel(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *rest):
-        first = _rank_position(mesh, axis) * gate_up_proj.shape[0]
-        tensors = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    """This rank's part of every token's output (the ids of other ranks' experts become the sentinel E / n), by the
+    op's own program on the host, summed over the ranks in float32 as the psum is."""
+
+    def kernel(hidden_states, top_k_index, top_k_weights, gate_up_proj, *rest):
+        local_experts = gate_up_proj.shape[0]
+        local = top_k_index.to(torch.int32) - _rank_position(mesh, axis) * local_experts
+        local = torch.where((local >= 0) & (local < local_experts), local, local_experts).to(torch.int32)
+        tensors = (hidden_states, local, top_k_weights, gate_up_proj, *rest)
         with interpret_on_cpu():
-            part = _to_torch(_rank_part(first, *map(_to_jax, tensors), *map(_to_jax, rest)))
-        if mesh.shape[axis] > 1:
-            part = part.clone()  # its own storage: the interpret-mode result shares the JAX array's
-            torch.distributed.all_reduce(part)
+            part = _to_torch(_host_program(axis)(*map(_to_jax, tensors)))
+        if mesh.shape[axis] == 1:
+            return part
+        part = part.to(torch.float32, copy=True)  # its own storage: the result shares the JAX array's
+        torch.distributed.all_reduce(part)
         return part.to(hidden_states.dtype)
 
     return kernel
