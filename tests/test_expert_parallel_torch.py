@@ -219,6 +219,18 @@ def test_expert_parallel_op_registration_fake_shapes_and_torch_tpu_export(rand, 
         assert (tuple(out.shape), out.dtype) == ((tokens, hidden), torch.bfloat16)
     out = op(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args))
     assert (tuple(out.shape), out.dtype, out.device.type) == ((tokens, hidden), torch.bfloat16, "meta")
+    # torch.export with a symbolic token count: the op's fake takes symbolic shapes (jax_op's own fake refuses them).
+    tokens_dim = torch.export.Dim("tokens", min=2, max=4096)
+
+    class Experts(torch.nn.Module):
+        def forward(self, *tensors):
+            return op(*tensors, *args[5:])
+
+    exported_program = torch.export.export(Experts(), args[:5], dynamic_shapes=(({0: tokens_dim},) * 3 + (None, None),))
+    (node,) = [n for n in exported_program.graph.nodes if n.op == "call_function"]
+    assert node.target is op._opoverload
+    symbolic_tokens, out_hidden = node.meta["val"].shape
+    assert isinstance(symbolic_tokens, torch.SymInt) and out_hidden == hidden
     # The CPU kernel needs one process per device: a clear error without them.
     with pytest.raises(ValueError, match="must be initialized with 8 ranks, got no process group"):
         op(*args)
