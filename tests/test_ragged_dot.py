@@ -1036,3 +1036,23 @@ def test_backward_compiles_for_tpu(generation, model, op, rows):
         ((MOE_EXPERTS,), jnp.int32),
         label=f"ragged_dot {op} backward {model}",
     )
+
+
+def test_mxfp4_rhs_gradient_is_refused():
+    """MXFP4 rhs is for inference: a gradient through the ragged dot (here the lhs', which would need the widened
+    rhs in the transposed matmul) raises NotImplementedError saying so, when the backward is traced (abstract
+    inputs: nothing runs)."""
+    m, k, n, groups = 24, 128, 64, 4
+    specs = (
+        jax.ShapeDtypeStruct((m, k), F32),
+        jax.ShapeDtypeStruct((groups, n, k // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((groups, n, k // 32), jnp.uint8),
+        jax.ShapeDtypeStruct((groups,), jnp.int32),
+    )
+
+    def loss(lhs, blocks, scales, sizes):
+        return tk.ragged_dot(lhs, blocks, sizes, rhs_scale=scales, rhs_transposed=True).sum()
+
+    assert jax.eval_shape(loss, *specs).shape == ()  # the forward traces
+    with pytest.raises(NotImplementedError, match="ragged_dot: MXFP4 rhs is for inference; no gradient flows"):
+        jax.eval_shape(jax.grad(loss), *specs)
