@@ -128,18 +128,19 @@ def test_mixed_batch_matches_reference(rand, feature):
 
 # The merged path's two ways to rows: the caches passed as rows (head dim 128 with 2 kv heads, "everything"; 8 kv
 # heads x 256, a window on both sides) and the page buffer loaded as it lies and reshaped in the kernel (2 kv heads x
-# 256, "everything").
+# 256, "everything", in query blocks of 40 tokens: 80 rows a head, which only 2 kv heads take at once).
 @pytest.mark.parametrize(
-    "hkv,d,feature", [(2, 128, "everything"), (8, 256, "window_both_sides_not_causal"), (2, 256, "everything")]
+    "hkv,d,queries,feature",
+    [(2, 128, 4, "everything"), (8, 256, 4, "window_both_sides_not_causal"), (2, 256, 40, "everything")],
 )
-def test_every_head_at_once(rand, feature, hkv, d):
-    """Few query rows per block: a visit takes every kv head in one matmul over the page buffer
-    (kernel.merges_heads), the cross-head scores masked. Sequence 5's decode at position 63 sees the whole key block
-    32-63 even under the window of "everything" while sharing its query block with sequence 7: an unmasked visit that
-    must leave the other sequence's rows alone."""
+def test_every_head_at_once(rand, feature, hkv, d, queries):
+    """A visit takes every kv head in one matmul over the page buffer (kernel.merges_heads), the cross-head scores
+    masked. Sequence 5's decode at position 63 sees the whole key block 32-63 even under the window of "everything"
+    while sharing its query block with sequence 7: an unmasked visit that must leave the other sequence's rows
+    alone."""
     options = dict(FEATURES[feature])
     hq = 2 * hkv
-    assert kernel.merges_heads(hkv=hkv, head_dim=d, v_head_dim=d, block_rows=4 * 2, cache_itemsize=4)
+    assert kernel.merges_heads(hkv=hkv, head_dim=d, v_head_dim=d, block_rows=queries * 2, cache_itemsize=4)
     view = kernel.merged_cache_view(hkv=hkv, head_dim=d, v_head_dim=d, cache_itemsize=4)
     assert view == (d == 128 or hkv == 8), (hkv, d, view)
     kv_lens = list(KV_LENS)
@@ -147,7 +148,8 @@ def test_every_head_at_once(rand, feature, hkv, d):
     batch = Batch(rand, Q_LENS, kv_lens, hq=hq, hkv=hkv, d=d)
     if options.pop("sinks", False):
         options["sinks"] = rand.normal((hq,), scale=2.0)
-    _check(rand, batch, blocks=tk.PagedAttentionBlocks(queries_per_block=4, pages_per_block=2), tol=F32_TOL, **options)
+    blocks = tk.PagedAttentionBlocks(queries_per_block=queries, pages_per_block=2)
+    _check(rand, batch, blocks=blocks, tol=F32_TOL, **options)
 
 
 # (D, Dv, Hq, Hkv): head dims 64 to 512, GQA 1, 2 and 8 (MQA), a V head dim other than Q/K's (head dim 128: the
