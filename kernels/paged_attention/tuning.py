@@ -71,9 +71,10 @@ def working_set(
     # in pairs (one 32-bit sublane), so 2 float8 kv heads take the room of 4
     packed_heads = -(-kv_heads // (4 // cache_itemsize)) * (4 // cache_itemsize)
     buffers = 2 * keys * packed_heads * (head_dim + v_head_dim) * cache_itemsize
-    # A float8 block is widened per head (float8 -> float32 -> the compute dtype) and Mosaic keeps every head's K and V
-    # of both visit branches (masked, unmasked) in its internal scratch: Gemma 4 full (2 kv heads x 512) needs 19.4 MiB
-    # on v6e, about this estimate; with more heads it is an upper bound (Mosaic reuses some of the room).
+    # A float8 block is widened in registers (float8 -> float32 -> the compute dtype) and Mosaic keeps the widened K and
+    # V of both visit branches (masked, unmasked) in its internal scratch: counted for every head unless the caches are
+    # passed as rows (an upper bound with more heads: Mosaic reuses some of the room). Every head at once multiplies the
+    # score temporaries by kv_heads squared (every head's rows against every head's keys).
     merged = merges_heads(
         hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, block_rows=rows, cache_itemsize=cache_itemsize
     )
