@@ -619,6 +619,20 @@ def test_attention_interface_registration(rand, direct_registration, tmp_path):
     _assert_logits_close(actual, _one_by_one(eager, tokens, lengths))
 
 
+def test_attention_interface_under_a_static_cache(rand, direct_registration, tmp_path):
+    """generate with a static cache (what a TPU compiles): for a name without "flash" transformers drops the all-ones
+    padding mask, so attention_forward gets the whole cache; it attends each row's keys up to its position (tiny
+    Gemma 4: the sliding layer's cache of 8 fills, 6 + 5 tokens) and gives eager's greedy tokens."""
+    eager, ours = _models("gemma4", rand.seed, tmp_path, DIRECT)
+    tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (2, 6)))
+    options = dict(attention_mask=torch.ones_like(tokens), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    with torch.no_grad():
+        expected = eager.generate(tokens, cache_implementation="static", **options)
+    with _counted({"flash_attention_varlen": _layers(ours) * 5}):  # the prompt and 4 decode steps
+        generated = ours.generate(tokens, cache_implementation="static", **options)
+    assert torch.equal(generated, expected)
+
+
 def test_attention_forward_refuses_what_it_cannot_serve(rand, direct_registration, tmp_path):
     """Without a mask function registered for its name transformers would pass no padding mask at all: refused,
     naming the fix. A 4-D mask (another implementation's mask function) is refused too."""

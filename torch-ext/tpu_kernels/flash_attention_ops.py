@@ -344,6 +344,23 @@ def _padded_attention(q, k, v, attention_mask, options):
     return full.view(batch, q_len, *out.shape[1:])
 
 
+def _cache_prefix_attention(q, k, v, positions, options):
+    """Queries over a cache longer than the tokens seen so far, with no padding mask: a static cache, whose all-ones
+    mask transformers drops for an implementation whose name lacks "flash". Row b's keys are the first
+    min(Sk, its last position + 1) (a sliding-window cache, once full, holds exactly its last Sk tokens), bottom-right
+    aligned with its queries. Run as packed sequences, each row's followed by an empty one (no queries) holding the
+    rest of the row, so the bounds stay on the device."""
+    batch, q_len, k_len = q.shape[0], q.shape[1], k.shape[1]
+    last = positions.reshape(-1, positions.shape[-1])[:, -1].to(torch.int32).expand(batch)
+    valid = torch.clamp(last + 1, min=0, max=k_len)
+    rows = torch.arange(batch, dtype=torch.int32, device=q.device)
+    cu_q = torch.cat([torch.stack([rows * q_len, (rows + 1) * q_len], dim=1).flatten(), (rows[-1:] + 1) * q_len])
+    cu_k = torch.cat([torch.stack([rows * k_len, rows * k_len + valid], dim=1).flatten(), (rows[-1:] + 1) * k_len])
+    packed = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+    out = flash_attn_varlen_func(*packed, cu_q, cu_k, q_len, k_len, **options)
+    return out.view(batch, q_len, *out.shape[1:])
+
+
 def _packed_sequences(q, k, kwargs):
     """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) when the batch is packed sequences, else None:
     given by transformers' flash kwargs (a data collator's cu_seq_lens_*, max_length_*), or read from position_ids
@@ -385,11 +402,12 @@ def attention_forward(
 
     (the mask function is required: without one transformers passes no padding mask, which is refused here).
     query [B, Hq, S, D], key / value [B, Hkv, Sk, D / Dv] -> ([B, S, Hq, Dv], None). A padded batch (2-D mask)
-    runs as packed sequences; packed sequences (transformers' cu_seq_lens_* / max_length_* kwargs, or position_ids
-    that restart in a batch of one) through flash_attn_varlen_func; otherwise flash_attn_func. is_causal defaults
-    to module.is_causal; sliding_window counts the current key, as transformers' masks do; s_aux: the sinks.
-    Differentiable in query, key, value and s_aux. (`attn_implementation="kernels-community/tpu-kernels"` does not
-    use this function: transformers wraps flash_attn_varlen_func / flash_attn_func itself.)
+    runs as packed sequences; so do keys longer than the queries without a mask (a static cache: each row's keys up
+    to its last position in position_ids); packed sequences (transformers' cu_seq_lens_* / max_length_* kwargs, or
+    position_ids that restart in a batch of one) through flash_attn_varlen_func; otherwise flash_attn_func.
+    is_causal defaults to module.is_causal; sliding_window counts the current key, as transformers' masks do; s_aux:
+    the sinks. Differentiable in query, key, value and s_aux. (`attn_implementation="kernels-community/tpu-kernels"`
+    does not use this function: transformers wraps flash_attn_varlen_func / flash_attn_func itself.)
     """
     _check_flash_mask_registered(module)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
@@ -403,6 +421,8 @@ def attention_forward(
     }
     if attention_mask is not None:
         return _padded_attention(q, k, v, attention_mask, options), None
+    if k.shape[1] > q.shape[1] and kwargs.get("position_ids") is not None:
+        return _cache_prefix_attention(q, k, v, kwargs["position_ids"], options), None
     packed = _packed_sequences(q, k, kwargs)
     if packed is None:
         return flash_attn_func(q, k, v, **options), None
