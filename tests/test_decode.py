@@ -24,16 +24,28 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert result["label"] == "cpu smoke, not a TPU figure" and "cpu smoke, not a TPU figure" in markdown
     assert len(result["models"]) == 2  # both architectures
     for name, model in result["models"].items():
-        rows = model["series"][0]["rows"]
+        (series,) = model["series"]
+        assert series["execution"] == "op by op", name
+        rows = series["rows"]
         assert [r["batch"] for r in rows] == list(decode_main.SMOKE_BATCHES), name
         for row in rows:
+            # every implementation generated the default's greedy tokens, under a static cache
             assert row["tokens_match"] is True, (name, row)
             assert row["new_tokens"] == decode_main.SMOKE_NEW_TOKENS
-            assert row["impls"]["experts"]["experts_implementation"] == "tpu_ragged_dot"
-            assert row["impls"]["default"]["experts_implementation"] != "tpu_ragged_dot"
-            for impl in ("default", "experts"):
-                assert np.isfinite(row["impls"][impl]["ms"]) and row["impls"][impl]["ms"] > 0
+            impls = row["impls"]
+            assert impls["default"]["experts_implementation"] != "tpu_ragged_dot"
+            assert (
+                impls["experts"]["experts_implementation"]
+                == impls["ours"]["experts_implementation"]
+                == "tpu_ragged_dot"
+            )
+            assert impls["default"]["attn_implementation"] == impls["experts"]["attn_implementation"] == "sdpa"
+            assert impls["ours"]["attn_implementation"] == "kernels-community/tpu-kernels:flash_attn_varlen_func"
+            assert impls["ours"]["kernelized"] == (["Qwen3MoeRMSNorm"] if name.startswith("qwen3") else []), name
+            for impl in ("default", "experts", "ours"):
+                assert np.isfinite(impls[impl]["ms"]) and impls[impl]["ms"] > 0
     assert markdown.count("| yes |") == 2 * len(decode_main.SMOKE_BATCHES)
+    assert result["versions"]["transformers"] and result["versions"]["kernels"]
 
 
 def test_device_mode_without_a_tpu_says_so(tmp_path, monkeypatch):

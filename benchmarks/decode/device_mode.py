@@ -1,5 +1,6 @@
-"""--device: the real models on a TPU v6e-8 host (8 chips, one process each), transformers' default experts against our
-experts_forward, measured. It cannot run without a TPU: it says so and stops.
+"""--device: the real models on a TPU v6e-8 host (8 chips, one process each), measured: transformers' defaults, our
+experts_forward, and all of ours (experts, attention, RMSNorm and rotary; generation.py), each compiled (what
+transformers does on a TPU with a static cache) and op by op. It cannot run without a TPU: it says so and stops.
 
 Layout: expert parallelism over the 8 chips with attention, dense layers and lm_head replicated: transformers'
 DistributedConfig(tp_size=8, ep_size=8, tp_plan={}) (the expert-parallel plan alone: other chips' experts are
@@ -18,7 +19,7 @@ import tempfile
 from . import generation
 
 LABEL_PREFIX = "measured"
-IMPLS = ("default", "experts")
+IMPLS = generation.IMPLS
 CHIPS = 8
 SEED = 0
 
@@ -51,23 +52,23 @@ def _worker(rank: int, options: dict, out_path: str) -> None:
             device_map=device,
             distributed_config=DistributedConfig(tp_size=CHIPS, ep_size=CHIPS, tp_plan={}),
         ).eval()
-        rows = []
+        prompts = []
         for batch in options["batches"]:
             generator = torch.Generator().manual_seed(SEED + batch)
             prompt = torch.randint(0, model.config.vocab_size, (batch, options["prefill"]), generator=generator)
-            rows.append(
-                generation.measure(
-                    model,
-                    prompt.to(device),
-                    IMPLS,
-                    new_tokens=options["new_tokens"],
-                    repeats=options["repeats"],
-                    warmup=True,
-                    subtract_prefill=True,
-                    sync=sync,
-                )
-            )
-        result[model_name] = {"hub_id": hub_id, "series": [{"context": None, "rows": rows}]}
+            prompts.append(prompt.to(device))
+        series = generation.measure(
+            model,
+            prompts,
+            IMPLS,
+            device_type="tpu",
+            new_tokens=options["new_tokens"],
+            repeats=options["repeats"],
+            warmup=True,
+            subtract_prefill=True,
+            sync=sync,
+        )
+        result[model_name] = {"hub_id": hub_id, "series": [dict(s, context=None) for s in series]}
         del model
     if rank == 0:
         with open(out_path, "w") as f:
@@ -102,15 +103,13 @@ def run(args) -> dict:
         mp.spawn(_worker, args=(options, out_path), nprocs=CHIPS, join=True)
         with open(out_path) as f:
             models = json.load(f)
-    import transformers
-
     kind = "TPU v6e-8"
     return {
         "mode": "device",
         "label": f"{LABEL_PREFIX} {kind}, greedy generate, static cache",
         "impls": list(IMPLS),
         "models": models,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": generation.versions(),
         "notes": [
             f"prefill {args.prefill}, {args.new_tokens} new tokens forced, median of {args.repeats} after a warm-up; "
             "expert parallelism over 8 chips, attention replicated.",

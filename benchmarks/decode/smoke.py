@@ -2,18 +2,24 @@
 Gemma 4 MoE, built from configs by tests/tiny_models.py: no download), greedy generate with transformers' default
 experts and with our experts_forward (registered as the README shows; on the CPU its Pallas kernels run in TPU
 interpret mode), two batch sizes, a few new tokens, greedy tokens compared. Its times are labeled "cpu smoke, not a
-TPU figure": they prove the path runs, nothing about speed.
+TPU figure": they prove the path runs, nothing about speed. "all ours" loads the Hub package the way a user does, from
+a build of this checkout (scripts/build_hub.py into a temporary directory: LOCAL_KERNELS for the attention, a local
+layer repository for kernelize). Op by op only: transformers compiles the decode step on a TPU, not on a CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pathlib
 import sys
+import tempfile
 
 from . import generation
 
 LABEL = "cpu smoke, not a TPU figure"
-IMPLS = ("default", "experts")
+IMPLS = generation.IMPLS
+EXECUTIONS = ("op by op",)
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SEED = 0
 
@@ -30,6 +36,28 @@ def _tiny_models():
     }, tiny_models.VOCAB
 
 
+@contextlib.contextmanager
+def _local_build():
+    """A build of this checkout (scripts/build_hub.py into a temporary directory), named by LOCAL_KERNELS for the Hub
+    repo while the smoke runs; yields the build directory."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import build_hub
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    previous = os.environ.get("LOCAL_KERNELS")
+    with tempfile.TemporaryDirectory() as root:
+        build_hub.build(pathlib.Path(root) / "build")
+        os.environ["LOCAL_KERNELS"] = f"{generation.HUB_REPO}={root}"
+        try:
+            yield pathlib.Path(root) / "build"
+        finally:
+            if previous is None:
+                del os.environ["LOCAL_KERNELS"]
+            else:
+                os.environ["LOCAL_KERNELS"] = previous
+
+
 def run(args) -> dict:
     import torch
 
@@ -40,22 +68,33 @@ def run(args) -> dict:
     wanted = {m.name for m in args.models}
     rng = torch.Generator().manual_seed(SEED)
     result = {"mode": "cpu-smoke", "label": LABEL, "impls": list(IMPLS), "models": {}}
-    for name, build in builders.items():
-        if name.split(" ")[0] not in wanted:
-            continue
-        model = build(SEED)
-        rows = []
-        for batch in args.batches:
-            prompt = torch.randint(0, vocab, (batch, args.prefill), generator=rng)
-            rows.append(
-                generation.measure(
-                    model, prompt, IMPLS, new_tokens=args.new_tokens, repeats=1, warmup=False, subtract_prefill=False
-                )
+    from kernels import LocalLayerRepository
+
+    with _local_build() as build_dir:
+        for name, build in builders.items():
+            if name.split(" ")[0] not in wanted:
+                continue
+            model = build(SEED)
+            prompts = [torch.randint(0, vocab, (batch, args.prefill), generator=rng) for batch in args.batches]
+            series = generation.measure(
+                model,
+                prompts,
+                IMPLS,
+                device_type="cpu",
+                layers=lambda layer: LocalLayerRepository(build_dir, layer_name=layer),
+                executions=EXECUTIONS,
+                new_tokens=args.new_tokens,
+                repeats=1,
+                warmup=False,
+                subtract_prefill=False,
             )
-        result["models"][name] = {"series": [{"context": None, "rows": rows}]}
+            result["models"][name] = {"series": [dict(s, context=None) for s in series]}
+    result["versions"] = generation.versions()
     result["notes"] = [
         f"{LABEL}: tiny random models on this CPU, our kernels in Pallas' TPU interpret mode; ms/step = one generate "
         f"of {args.new_tokens} new tokens after a {args.prefill}-token prompt (prefill included) / {args.new_tokens}.",
         "greedy tokens equal: every implementation generated the default's tokens.",
+        "all ours = our experts_forward, attention (attn_implementation) and RMSNorm + rotary (kernelize), loaded from "
+        "a build of this checkout as from the Hub.",
     ]
     return result

@@ -1,8 +1,8 @@
 """The decode table of every mode (modeled, cpu smoke, device): markdown, JSON and a PNG chart in the --out directory.
 
-A result is {"mode", "label", "impls", "models": {name: {"series": [{"context", "rows"}]}}, "notes", "targets", ...};
-a row is {"batch", "impls": {impl: {"ms", "tokens_per_s"} or {"error"}}, optionally "ceiling", "skipped",
-"tokens_match"}. Every header and the chart carry the result's label.
+A result is {"mode", "label", "impls", "models": {name: {"series": [{"context", "rows"}, optionally "execution"]}},
+"notes", "targets", ...}; a row is {"batch", "impls": {impl: {"ms", "tokens_per_s"} or {"error"}}, optionally
+"ceiling", "skipped", "tokens_match"}. Every header and the chart carry the result's label.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def format_markdown(result: dict) -> str:
     for name, model in result["models"].items():
         for series in model["series"]:
             context = f", context {series['context']}" if series.get("context") else ""
-            out += [f"### {name}{context} ({result['label']})", ""]
+            execution = f", {series['execution']}" if series.get("execution") else ""
+            out += [f"### {name}{context}{execution} ({result['label']})", ""]
             out += series_table(result, series) + [""]
     for t in result.get("targets", []):
         out.append(f"- target: {t['target']}: **{'MET' if t['met'] else 'NOT MET'}** ({t['detail']})")
@@ -98,8 +99,8 @@ def write(result: dict, out: pathlib.Path, stem: str) -> dict:
 
 
 def write_chart(result: dict, path: pathlib.Path) -> None:
-    """tokens/s vs batch, one panel per model at its first context (the published setup's 768 when modeled), a line
-    per implementation and the ceiling dashed."""
+    """tokens/s vs batch, one panel per model at its first context (the published setup's 768 when modeled) or
+    execution (compiled, when measured), a line per implementation and the ceiling dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,6 +111,7 @@ def write_chart(result: dict, path: pathlib.Path) -> None:
     for ax, (name, model) in zip(axes[0], models):
         for series in model["series"][:1]:
             suffix = f", ctx {series['context']}" if series.get("context") else ""
+            suffix += f", {series['execution']}" if series.get("execution") else ""
             rows = [r for r in series["rows"] if "skipped" not in r]
             for impl in result["impls"]:
                 pts = [(r["batch"], r["impls"][impl]["tokens_per_s"]) for r in rows if "ms" in r["impls"].get(impl, {})]
