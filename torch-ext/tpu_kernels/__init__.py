@@ -7,7 +7,7 @@
     ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", kernel.experts_forward)   # transformers MoE experts
     out = kernel.flash_attn_func(q, k, v, causal=True)  # flash-attn 2's API; also flash_attn_varlen_func
     out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=pages)  # decode
-    AutoModelForCausalLM.from_pretrained(..., attn_implementation="kernels-community/tpu-kernels")  # attention
+    AutoModelForCausalLM.from_pretrained(id, attn_implementation="kernels-community/tpu-kernels:flash_attn_varlen_func")
 
 Importing this package compiles nothing and makes no network access.
 """
