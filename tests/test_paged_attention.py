@@ -128,10 +128,16 @@ def test_mixed_batch_matches_reference(rand, feature):
 
 # The merged path's two ways to rows: the caches passed as rows (head dim 128 with 2 kv heads, "everything"; 8 kv
 # heads x 256, a window on both sides) and the page buffer loaded as it lies and reshaped in the kernel (2 kv heads x
-# 256, "everything", in query blocks of 40 tokens: 80 rows a head, which only 2 kv heads take at once).
+# 256, "everything", in query blocks of 40 tokens: 80 rows a head, which only 2 kv heads take at once; 4 kv heads x
+# 128 in blocks of 40 tokens: taken in pairs).
 @pytest.mark.parametrize(
     "hkv,d,queries,feature",
-    [(2, 128, 4, "everything"), (8, 256, 4, "window_both_sides_not_causal"), (2, 256, 40, "everything")],
+    [
+        (2, 128, 4, "everything"),
+        (8, 256, 4, "window_both_sides_not_causal"),
+        (2, 256, 40, "everything"),
+        (4, 128, 40, "window_both_sides_not_causal"),
+    ],
 )
 def test_every_head_at_once(rand, feature, hkv, d, queries):
     """A visit takes every kv head in one matmul over the page buffer (kernel.merges_heads), the cross-head scores
@@ -140,9 +146,10 @@ def test_every_head_at_once(rand, feature, hkv, d, queries):
     alone."""
     options = dict(FEATURES[feature])
     hq = 2 * hkv
-    assert kernel.merges_heads(hkv=hkv, head_dim=d, v_head_dim=d, block_rows=queries * 2, cache_itemsize=4)
-    view = kernel.merged_cache_view(hkv=hkv, head_dim=d, v_head_dim=d, cache_itemsize=4)
-    assert view == (d == 128 or hkv == 8), (hkv, d, view)
+    merged = kernel.merges_heads(hkv=hkv, head_dim=d, v_head_dim=d, block_rows=queries * 2, cache_itemsize=4)
+    assert merged == (2 if queries * hkv > 64 else hkv), (hkv, queries, merged)
+    view = merged == hkv and kernel.merged_cache_view(hkv=hkv, head_dim=d, v_head_dim=d, cache_itemsize=4)
+    assert view == (merged == hkv and (d == 128 or hkv == 8)), (hkv, d, view)
     kv_lens = list(KV_LENS)
     kv_lens[5] = 64
     batch = Batch(rand, Q_LENS, kv_lens, hq=hq, hkv=hkv, d=d)

@@ -81,6 +81,9 @@ def ragged_paged_attention(
     )
     block_q = chosen.queries_per_block
     padded = -(-tokens // block_q) * block_q
+    merged = kernel.merges_heads(
+        hkv=hkv, head_dim=d, v_head_dim=dv, block_rows=block_q * group, cache_itemsize=k_cache.dtype.itemsize
+    )
     layout = kernel.Layout(
         tokens=padded,
         q_heads=hq,
@@ -94,10 +97,9 @@ def ragged_paged_attention(
         softmax_scale=scale,
         softcap=softcap,
         window_size=(window[0], 0 if causal else window[1]),
-        merged=kernel.merges_heads(
-            hkv=hkv, head_dim=d, v_head_dim=dv, block_rows=block_q * group, cache_itemsize=k_cache.dtype.itemsize
-        ),
-        merged_view=kernel.merged_cache_view(hkv=hkv, head_dim=d, v_head_dim=dv, cache_itemsize=k_cache.dtype.itemsize),
+        merged=merged,
+        merged_view=merged == hkv  # pairs of heads read the buffer as it lies
+        and kernel.merged_cache_view(hkv=hkv, head_dim=d, v_head_dim=dv, cache_itemsize=k_cache.dtype.itemsize),
     )
     size = schedule.visit_bound(
         tokens=tokens,
@@ -141,7 +143,7 @@ def ragged_paged_attention(
     if sinks is not None:
         per_row = jnp.tile(sinks.astype(jnp.float32).reshape(hkv, 1, group), (1, block_q, 1))
         sink_rows = jnp.broadcast_to(per_row.reshape(hkv, block_q * group, 1), (hkv, block_q * group, 128))
-    if layout.merged and layout.merged_view:  # the same bytes in HBM (kernel.merged_cache_view): no copy
+    if layout.merged_view:  # the same bytes in HBM (kernel.merged_cache_view): no copy
         k_cache = k_cache.reshape(num_pages, page_size * hkv, d)
         v_cache = v_cache.reshape(num_pages, page_size * hkv, dv)
     out = kernel.paged_attention(

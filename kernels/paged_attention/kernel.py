@@ -6,8 +6,8 @@ in the layout XLA gave them (any reshape of a cache would be a relayout copy of 
 tiles its two minor dims, kv heads x head dim). A visit copies the pages of its key block, each page one contiguous
 DMA holding every kv head, into a (pages_per_block, page_size, kv_heads, head_dim) VMEM buffer; two buffers, so the
 next visit's pages arrive while this one computes. Decode-like blocks (few query rows) read the whole buffer as rows,
-token-major with the kv heads minor, and take every head in one matmul (merges_heads); otherwise one kv head is a
-sublane-strided load of the buffer.
+token-major with the kv heads minor, and take every head in one matmul (merges_heads); prefill blocks take pairs of
+heads so; head dims that are not whole lane tiles read one kv head as a sublane-strided load of the buffer.
 
 Queries come as [kv_heads, tokens * group, head_dim]: the query heads of one kv head are consecutive rows of one
 token (GQA folded into the rows), so one matmul per kv head serves the whole group. At decode a token's group of heads
@@ -50,7 +50,7 @@ class Layout:
     softmax_scale: float
     softcap: float
     window_size: tuple[int, int]  # (left, right), -1 unbounded; right = 0 when causal
-    merged: bool = False  # every kv head in one matmul (merges_heads)
+    merged: int = 0  # kv heads a matmul takes at once (merges_heads); 0: one at a time
     merged_view: bool = False  # caches passed as [pages, page_size * kv_heads, head_dim] (merged_cache_view)
 
     @property
@@ -93,19 +93,23 @@ def merged_cache_view(*, hkv: int, head_dim: int, v_head_dim: int, cache_itemsiz
     return hkv == 8 and cache_itemsize in (2, 4) and head_dim % LANES == 0 and v_head_dim % LANES == 0
 
 
-def merges_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int, cache_itemsize: int) -> bool:
-    """Whether a visit takes every kv head in one matmul: the page buffer's rows (token-major, kv heads minor) against
-    every head's query rows, the cross-head scores masked. Needs 2, 4 or 8 kv heads and few score rows (the
-    cross-head scores are wasted vector work, kv_heads times the useful, which pays where reading one head's rows out
-    of the buffer dominates: a head is every kv_heads-th row, a sublane-strided gather, while the whole buffer loads
+def merges_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int, cache_itemsize: int) -> int:
+    """How many kv heads a visit takes in one matmul (0: one at a time): the page buffer's rows (token-major, kv heads
+    minor) against those heads' query rows, the cross-head scores masked. Needs 2, 4 or 8 kv heads and few score rows
+    (the cross-head scores are wasted vector work, kv_heads times the useful, which pays where reading one head's rows
+    out of the buffer dominates: a head is every kv_heads-th row, a sublane-strided gather, while the whole buffer loads
     plainly): decode blocks, and with 2 kv heads prefill blocks too. The buffer is either already rows
     (merged_cache_view) or loaded as it lies, [pages, page_size, kv_heads, D], and reshaped to rows in registers,
     which Mosaic does with sublane-shuffled loads for head dims that are whole lane tiles (Gemma 4 full's 2 x 512,
-    float8 too)."""
-    if hkv not in (2, 4, 8) or hkv * block_rows > (MERGED_PAIR_ROWS if hkv == 2 else MERGED_ROWS):
-        return False
+    float8 too). Blocks with more rows (prefill) and 4 or 8 kv heads take them in pairs: each pair's rows reshaped
+    from the buffer as it lies, the cross-head waste 2x."""
+    if hkv not in (2, 4, 8):
+        return 0
+    lanes_whole = head_dim % LANES == 0 and v_head_dim % LANES == 0
     view = merged_cache_view(hkv=hkv, head_dim=head_dim, v_head_dim=v_head_dim, cache_itemsize=cache_itemsize)
-    return view or (head_dim % LANES == 0 and v_head_dim % LANES == 0)
+    if hkv * block_rows <= (MERGED_PAIR_ROWS if hkv == 2 else MERGED_ROWS) and (view or lanes_whole):
+        return hkv
+    return 2 if lanes_whole and 2 * block_rows <= MERGED_PAIR_ROWS else 0
 
 
 def _zero_unfetched(v, first_token: int, rows, hkv: int):
@@ -288,32 +292,38 @@ def _kernel(
         # and K / V pass through the MXU once. A key block of up to MERGED_TOKENS tokens is one piece
         # (one online-softmax step; chunks of 256 tokens with the statistics carried across them model slower: the
         # chain of dependent steps is the visit's time), a larger one goes in chunks.
-        hkv, rows_per_head = lay.kv_heads, lay.block_rows
+        hkv, rows_per_head = lay.merged, lay.block_rows  # kv heads a piece: all, or pairs
         n_rows = hkv * rows_per_head
         if bk <= MERGED_TOKENS:
             tokens = bk  # one piece
         else:
             tokens = MERGED_TOKENS if bk % MERGED_TOKENS == 0 else min(MERGED_TOKENS, lay.page_size)
-        cols, shift = tokens * hkv, hkv.bit_length() - 1
         row = jax.lax.broadcasted_iota(jnp.int32, (n_rows, 1), 0)
         row_head = sum((row >= h * rows_per_head).astype(jnp.int32) for h in range(1, hkv))
-        col = jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+        col = jax.lax.broadcasted_iota(jnp.int32, (1, tokens * hkv), 1)
         same_head = row_head == (col & (hkv - 1))
-        if masked:
-            rows = rows_ref[visit]
-            block = kv_blocks_ref[visit]
-        q = q_scaled_ref[...].reshape(n_rows, d)
-        m0 = m = m_ref[...].reshape(n_rows, LANES)
-        l0 = l = l_ref[...].reshape(n_rows, LANES)
-        acc0 = acc = acc_ref[...].reshape(n_rows, dv)
+        for g in range(lay.kv_heads // hkv):
+            merged_piece(masked, pl.ds(g * hkv, hkv), hkv, tokens, row, row_head, col, same_head)
+
+    def merged_piece(masked, heads, hkv, tokens, row, row_head, col, same_head):
+        """One online-softmax step of the query rows of `heads` (hkv consecutive kv heads) against their keys."""
+        rows_per_head, cols, shift = lay.block_rows, tokens * hkv, hkv.bit_length() - 1
+        n_rows = hkv * rows_per_head
+        rows, block = rows_ref[visit], kv_blocks_ref[visit]
+        q = q_scaled_ref[heads].reshape(n_rows, d)
+        m0 = m = m_ref[heads].reshape(n_rows, LANES)
+        l0 = l = l_ref[heads].reshape(n_rows, LANES)
+        acc0 = acc = acc_ref[heads].reshape(n_rows, dv)
         for c in range(bk // tokens):
             first = c * tokens
             if tokens >= lay.page_size:
-                at = (slot, pl.ds(first // lay.page_size, tokens // lay.page_size))
+                at = (slot, pl.ds(first // lay.page_size, tokens // lay.page_size), slice(None))
             elif lay.merged_view:
                 at = (slot, first // lay.page_size, pl.ds((first % lay.page_size) * hkv, cols))
             else:
                 at = (slot, first // lay.page_size, pl.ds(first % lay.page_size, tokens))
+            if hkv < lay.kv_heads:  # a pair of the buffer's heads, [pages, page_size, kv_heads, D] as it lies
+                at = (*at, heads)
             k = k_buf[at].reshape(cols, d)
             v = v_buf[at].reshape(cols, dv)
             if k.dtype != compute_dtype:
@@ -334,11 +344,11 @@ def _kernel(
             acc = acc * lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
             m = m_new
         if not masked:  # every key kept for the sequence's rows; other sequences' rows keep their statistics
-            ours = _rows_of_sequence(word, kv_blocks_ref[visit], cu_ref, lay, row - row_head * rows_per_head)
+            ours = _rows_of_sequence(word, block, cu_ref, lay, row - row_head * rows_per_head)
             m, l, acc = jnp.where(ours, m, m0), jnp.where(ours, l, l0), jnp.where(ours, acc, acc0)
-        m_ref[...] = m.reshape(m_ref.shape)
-        l_ref[...] = l.reshape(l_ref.shape)
-        acc_ref[...] = acc.reshape(acc_ref.shape)
+        m_ref[heads] = m.reshape(hkv, rows_per_head, LANES)
+        l_ref[heads] = l.reshape(hkv, rows_per_head, LANES)
+        acc_ref[heads] = acc.reshape(hkv, rows_per_head, dv)
 
     step = accumulate_merged if lay.merged else accumulate
     masked = (word & schedule.MASKED) != 0

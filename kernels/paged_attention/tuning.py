@@ -22,8 +22,7 @@ from .kernel import merged_cache_view, merges_heads
 KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
 # Decode-like batches: a visit's fixed cost (the online-softmax chain, the grid step) is a large part of a block of few
 # query rows, so their visits take twice the keys (modeled v6e, Qwen3 decode B = 8 at 4096, page 64: 162.9 -> 79.7 us).
-# The per-head paths model no faster at 512 (Gemma 4 full and sliding decode B = 8: within 4 % by their bundle counts,
-# while the model cannot pair the branches of a visit of 8 pages of 64 and charges both: 2x), so every path takes 1024.
+# Every decode path takes 1024 (Gemma 4's decode visits, every head at once, are then bound by their pages' DMA).
 # Under a window the block is the window's span: gpt-oss decode (window 128, page 16) B = 8 at 4096, modeled v6e:
 # kernel 172.1 us at 1024 keys, 56.5 at 256, 41.0 at 128.
 DECODE_KEYS_PER_BLOCK = {"v5e": 1024, "v6e": 1024, "v7x": 1024}
@@ -78,7 +77,7 @@ def working_set(
     merged = merges_heads(
         hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, block_rows=rows, cache_itemsize=cache_itemsize
     )
-    view = merged and merged_cache_view(
+    view = merged == kv_heads and merged_cache_view(
         hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, cache_itemsize=cache_itemsize
     )
     widened = 0
@@ -91,7 +90,7 @@ def working_set(
     rinfo = 2 * rows * 128 * 4
     temporaries = 6 * rows * keys * 4
     if merged:
-        temporaries *= kv_heads * kv_heads  # every head's rows against every head's keys
+        temporaries *= merged * merged  # every head's rows (of a pair, or all) against every head's keys
     return buffers + widened + 3 * q + 2 * out + stats + acc + rinfo + temporaries
 
 
