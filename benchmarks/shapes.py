@@ -116,6 +116,26 @@ def _moe_quantized_sweep(decode_tokens):
 
 MOE = _moe_sweep(RAGGED_DOT_DECODE_TOKENS, MOE_PREFILL_ROWS) + _moe_quantized_sweep(MOE_QUANTIZED_TOKENS)
 MOE_QUICK = _moe_sweep(RAGGED_DOT_QUICK_TOKENS, ()) + _moe_quantized_sweep(MOE_QUANTIZED_QUICK_TOKENS)
+# gpt-oss-20b's experts (32 experts, top-4, hidden = intermediate = 2880, gate/up interleaved, its clamped SwiGLU;
+# the benchmark leaves out its biases), in bf16 and in its checkpoint's MXFP4 (dtype "mxfp4": e2m1 codes packed two a
+# byte with an e8m0 scale per 32), at decode batches. Modeled by the MoE suite beside MOE (not compiled by the
+# deviceless tests: tests/test_moe.py compiles the MXFP4 experts at this shape itself).
+MOE_GPT_OSS_DIMS = {"hidden": 2880, "intermediate": 2880, "activation": "clamped_swiglu", "gate_layout": "interleaved"}
+MOE_GPT_OSS_TOKENS = (1, 8, 64)
+MOE_GPT_OSS = tuple(
+    shape
+    for dtype in ("bfloat16", "mxfp4")
+    for shape in sweep(
+        "tokens",
+        MOE_GPT_OSS_TOKENS,
+        dtype,
+        phase="decode",
+        model="gpt-oss-20b",
+        experts=32,
+        top_k=4,
+        **MOE_GPT_OSS_DIMS,
+    )
+)
 
 # ---------------------------------------------------------------------------------------------------------- rotary
 # RoPE and fused per-head RMSNorm + RoPE of q and k, at the attention shapes of Qwen3-30B-A3B and Gemma 4

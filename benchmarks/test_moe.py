@@ -21,6 +21,10 @@ def test_transformers_experts(benchmark, bench_case, torch_impl, bench_device):
         pytest.skip("device mode only: transformers' experts on the `tpu` device need a TPU")
     if bench_case.shape.dtype != "bfloat16":
         pytest.skip("bf16 weights only: transformers' default experts path takes no quantized weights")
+    if dict(bench_case.shape.params).get("gate_layout", "concatenated") != "concatenated":
+        pytest.skip(
+            "Qwen3-style experts only: benchmarks/torch_moe.py builds a concatenated gate/up SiLU / GELU module"
+        )
     from benchmarks import torch_moe  # imports torch / torch_tpu: only here, on a TPU host
 
     torch_moe.time_case(benchmark, bench_case, torch_impl, bench_device)

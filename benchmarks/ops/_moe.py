@@ -91,10 +91,14 @@ def tokamax_ragged_dot(lhs, rhs, group_sizes, *, out_dtype):
     )
 
 
-def gated_epilogue(h, activation, out_dtype):
-    """act(gate) * up on the f32 [M, 2I] gate/up product (concatenated layout), in XLA."""
-    half = h.shape[1] // 2
-    return (ragged_dot_reference.activation_reference(h[:, :half], activation) * h[:, half:]).astype(out_dtype)
+def gated_epilogue(h, activation, out_dtype, gate_layout="concatenated"):
+    """act(gate) * up (or a ClampedSwiGLU) on the f32 [M, 2I] gate/up product, gate and up concatenated or
+    interleaved, in XLA."""
+    if gate_layout == "interleaved":
+        gate, up = h[:, 0::2], h[:, 1::2]
+    else:
+        gate, up = h[:, : h.shape[1] // 2], h[:, h.shape[1] // 2 :]
+    return ragged_dot_reference.gating_reference(gate, up, activation).astype(out_dtype)
 
 
 def tokamax_unsupported(shape) -> str | None:

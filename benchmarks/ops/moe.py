@@ -2,19 +2,23 @@
 the grouped matmuls beyond), against its grouped composition on XLA's `jax.lax.ragged_dot` (the default), on
 tokamax's ragged dot, and the dense masked MoE in plain JAX (`kernels/moe/reference.py`: every expert over every
 token, masked by the routing; what XLA does with no grouped kernel). Decode batches, tokens routed top-8 over 128
-experts at random (benchmarks/ops/_moe.py).
+experts at random (benchmarks/ops/_moe.py); and gpt-oss-20b's experts (top-4 of 32, gate/up interleaved, its clamped
+SwiGLU, no biases) in bf16 and in its checkpoint's MXFP4 (shapes.MOE_GPT_OSS).
 
 Weights in transformers' layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]; bf16, or quantized
 (the Shape's dtype: int8 / float8_e4m3fn with per-output-channel f32 scales [E, 2I] / [E, H], activations bf16):
 the kernel dequantizes in VMEM, the XLA compositions dequantize in XLA before their matmuls (what a program without a
-dequantizing kernel runs), tokamax is compared in bf16 only.
+dequantizing kernel runs), tokamax is compared in bf16 only. MXFP4 (the Shape's dtype "mxfp4"): uint8 blocks
+[E, 2I, H / 2] / [E, H, I / 2] with uint8 e8m0 scales [E, 2I, H / 32] / [E, H, I / 32], widened in VMEM by the
+grouped path's kernels; the XLA compositions dequantize them to bf16 in XLA.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_kernels_jax.common import chip, quantization
+from tpu_kernels_jax.common import chip, mxfp4, quantization
+from tpu_kernels_jax.common.activation import ClampedSwiGLU
 from tpu_kernels_jax.moe import api as moe_api
 from tpu_kernels_jax.moe import tuning as moe_tuning
 
@@ -23,6 +27,13 @@ from ..suite import Baseline, Op, Suite, Targets
 from . import _moe
 
 BF16, F32 = jnp.bfloat16, jnp.float32
+MXFP4 = "mxfp4"  # the Shape dtype of MXFP4 weights
+# The shapes' activation names: the kernels' own, and gpt-oss-20b's clamped SwiGLU (its config's limit and alpha).
+_ACTIVATIONS = {"clamped_swiglu": ClampedSwiGLU(limit=7.0, alpha=1.702)}
+
+
+def _activation(name):
+    return _ACTIVATIONS.get(name, name)
 
 
 def kernel_experts(
@@ -35,6 +46,7 @@ def kernel_experts(
     down_scale=None,
     *,
     activation,
+    gate_layout="concatenated",
     blocks=None,
 ):
     return moe_api.experts_forward(
@@ -43,8 +55,8 @@ def kernel_experts(
         top_k_weights,
         gate_up_proj,
         down_proj,
-        activation=activation,
-        gate_layout="concatenated",
+        activation=_activation(activation),
+        gate_layout=gate_layout,
         weights_transposed=False,
         gate_up_scale=gate_up_scale,
         down_scale=down_scale,
@@ -54,13 +66,15 @@ def kernel_experts(
 
 def _bf16_weights(gate_up_proj, down_proj, scales):
     """The two weights as the XLA compositions multiply them: as they are, or (quantized, `scales` their [E, N]
-    scales) dequantized to bf16 by XLA."""
+    scales; MXFP4, their e8m0 block scales) dequantized to bf16 by XLA."""
     if not scales:
         return gate_up_proj, down_proj
+    if mxfp4.is_mxfp4(gate_up_proj.dtype):
+        return tuple(mxfp4.dequantize(w, c).astype(BF16) for w, c in zip((gate_up_proj, down_proj), scales))
     return tuple((w.astype(F32) * c[:, :, None]).astype(BF16) for w, c in zip((gate_up_proj, down_proj), scales))
 
 
-def _composed(ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+def _composed(ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, gate_layout):
     """experts_forward's grouped composition (route, gather, gate/up + epilogue, down, weight, combine) on
     `ragged_dot`, with the same in-bounds row gathers as kernels/moe/api.py, so the comparison is of the grouped
     matmuls (XLA's and tokamax's have no row-scale epilogue: the weighting is one XLA multiply, fused where XLA can)."""
@@ -68,7 +82,8 @@ def _composed(ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_pro
     top_k = top_k_index.shape[1]
     order, group_sizes = moe_api.route(top_k_index, gate_up_proj.shape[0])
     x = hidden_states.at[order // top_k].get(mode="promise_in_bounds")
-    h = _moe.gated_epilogue(ragged_dot(x, gate_up_proj, group_sizes, out_dtype=F32), activation, hidden_states.dtype)
+    h = ragged_dot(x, gate_up_proj, group_sizes, out_dtype=F32)
+    h = _moe.gated_epilogue(h, _activation(activation), hidden_states.dtype, gate_layout)
     y = ragged_dot(h, down_proj, group_sizes, out_dtype=F32)
     y = y * top_k_weights.reshape(-1).astype(F32).at[order].get(mode="promise_in_bounds")[:, None]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
@@ -76,20 +91,24 @@ def _composed(ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_pro
     return per_slot.reshape(tokens, top_k, hidden).astype(F32).sum(axis=1).astype(hidden_states.dtype)
 
 
-def xla_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *scales, activation):
+def xla_experts(
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *scales, activation, gate_layout="concatenated"
+):
     gate_up_proj, down_proj = _bf16_weights(gate_up_proj, down_proj, scales)
-    return _composed(
-        _moe.xla_ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation
-    )
+    args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, gate_layout)
+    return _composed(_moe.xla_ragged_dot, *args)
 
 
-def tokamax_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation):
-    return _composed(
-        _moe.tokamax_ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation
-    )
+def tokamax_experts(
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation, gate_layout="concatenated"
+):
+    args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, gate_layout)
+    return _composed(_moe.tokamax_ragged_dot, *args)
 
 
-def dense_masked_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *scales, activation):
+def dense_masked_experts(
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *scales, activation, gate_layout="concatenated"
+):
     """The dense masked MoE of kernels/moe/reference.py (every expert over every token, the routing as a mask of
     coefficients), vectorised over experts and in the model's dtype with f32 accumulation: what XLA runs with no
     grouped kernel. (The reference itself, a 128-iteration Python loop of f32 HIGHEST-precision dots, takes ~3 min
@@ -98,9 +117,8 @@ def dense_masked_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj
     gate_up_proj, down_proj = _bf16_weights(gate_up_proj, down_proj, scales)
     num_experts = gate_up_proj.shape[0]
     h = jnp.einsum("th,enh->etn", hidden_states, gate_up_proj, preferred_element_type=F32)
-    act = _moe.gated_epilogue(h.reshape(-1, h.shape[-1]), activation, hidden_states.dtype).reshape(
-        num_experts, hidden_states.shape[0], -1
-    )
+    act = _moe.gated_epilogue(h.reshape(-1, h.shape[-1]), _activation(activation), hidden_states.dtype, gate_layout)
+    act = act.reshape(num_experts, hidden_states.shape[0], -1)
     y = jnp.einsum("eti,ehi->eth", act, down_proj, preferred_element_type=F32)
     coefficient = jnp.sum(
         jnp.where(top_k_index[None] == jnp.arange(num_experts)[:, None, None], top_k_weights[None].astype(F32), 0.0),
@@ -109,13 +127,28 @@ def dense_masked_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj
     return jnp.einsum("et,eth->th", coefficient, y).astype(hidden_states.dtype)
 
 
+def _mxfp4(s) -> bool:
+    return s.dtype == MXFP4
+
+
 def _quantized(s) -> bool:
-    return quantization.is_quantized(s.dtype)
+    return not _mxfp4(s) and quantization.is_quantized(s.dtype)
+
+
+def _gate_layout(s) -> str:
+    return dict(s.params).get("gate_layout", "concatenated")
 
 
 def _weights_specs(s):
-    """gate_up_proj and down_proj in the Shape's dtype, then (quantized weights) their f32 scales."""
-    e, h, i, dtype = s["experts"], s["hidden"], s["intermediate"], jnp.dtype(s.dtype)
+    """gate_up_proj and down_proj in the Shape's dtype, then (quantized weights) their f32 scales; MXFP4: the packed
+    blocks, then their e8m0 block scales."""
+    e, h, i = s["experts"], s["hidden"], s["intermediate"]
+    if _mxfp4(s):
+        u8 = mxfp4.CODE_DTYPE
+        blocks = (jax.ShapeDtypeStruct((e, 2 * i, h // 2), u8), jax.ShapeDtypeStruct((e, h, i // 2), u8))
+        block = mxfp4.BLOCK
+        return blocks + (jax.ShapeDtypeStruct((e, 2 * i, h // block), u8), jax.ShapeDtypeStruct((e, h, i // block), u8))
+    dtype = jnp.dtype(s.dtype)
     specs = (jax.ShapeDtypeStruct((e, 2 * i, h), dtype), jax.ShapeDtypeStruct((e, h, i), dtype))
     if _quantized(s):
         specs += (jax.ShapeDtypeStruct((e, 2 * i), F32), jax.ShapeDtypeStruct((e, h), F32))
@@ -144,6 +177,12 @@ def _arrays(s, seed):
     e, h, i = s["experts"], s["hidden"], s["intermediate"]
     index, weights = _moe.routing_of(s)
     hidden = jnp.asarray(rng.standard_normal((_moe.tokens_of(s), h), np.float32), BF16)
+    if _mxfp4(s):  # every e2m1 code; scales 2^-8..2^-6, which bring the products to ~1/sqrt(K)
+        up, down, up_scale, down_scale = (
+            jnp.asarray(rng.integers(low, high, spec.shape, dtype=np.uint8))
+            for spec, (low, high) in zip(_weights_specs(s), ((0, 256), (0, 256), (119, 122), (119, 122)))
+        )
+        return hidden, jnp.asarray(index), jnp.asarray(weights), up, down, up_scale, down_scale
     if _quantized(s):  # quantized values spread over the format's range; scales that bring the products to ~1/sqrt(K)
         dtype = jnp.dtype(s.dtype)
         up, down = (
@@ -159,10 +198,13 @@ def _arrays(s, seed):
 
 
 def _hbm_bytes(s):
-    """The expert weights touched (gate/up and down, in the Shape's dtype, with their f32 scales when quantized),
-    hidden states in and out, the routing."""
+    """The expert weights touched (gate/up and down, in the Shape's dtype, with their f32 scales when quantized;
+    MXFP4: half a byte a weight and a one-byte scale per 32), hidden states in and out, the routing."""
     t, h, i, k = _moe.tokens_of(s), s["hidden"], s["intermediate"], s["top_k"]
-    per_expert = 3 * i * h * jnp.dtype(s.dtype).itemsize + ((2 * i + h) * 4 if _quantized(s) else 0)
+    if _mxfp4(s):
+        per_expert = 3 * i * h // 2 + 3 * i * h // mxfp4.BLOCK
+    else:
+        per_expert = 3 * i * h * jnp.dtype(s.dtype).itemsize + ((2 * i + h) * 4 if _quantized(s) else 0)
     return _moe.experts_touched(s) * per_expert + 2 * t * h * 2 + t * k * (4 + 4)
 
 
@@ -180,7 +222,7 @@ def _candidates(s, gen):
         gate_up_shape=up.shape,
         down_shape=down.shape,
         weights_transposed=False,
-        gate_layout="concatenated",
+        gate_layout=_gate_layout(s),
         has_gate_up_bias=False,
         hidden_dtype=BF16,
         weight_dtype=up.dtype,
@@ -190,7 +232,7 @@ def _candidates(s, gen):
 
 
 def _tokamax_unsupported(s):
-    if _quantized(s):
+    if _quantized(s) or _mxfp4(s):
         return "compared in bf16 only (tokamax takes quantized weights in its own qwix formats, not set up here)"
     return _moe.tokamax_available() or _moe.tokamax_unsupported(s)
 
@@ -212,12 +254,12 @@ SUITE = Suite(
                 Baseline("tokamax", tokamax_experts, _tokamax_unsupported),
                 Baseline("dense masked", dense_masked_experts),
             ),
-            static=lambda s: {"activation": s["activation"]},
+            static=lambda s: {"activation": s["activation"], "gate_layout": _gate_layout(s)},
             candidates=_candidates,
         ),
     ),
-    shapes=shapes.MOE,
-    quick_shapes=shapes.MOE_QUICK,
+    shapes=shapes.MOE + shapes.MOE_GPT_OSS,
+    quick_shapes=shapes.MOE_QUICK + tuple(s for s in shapes.MOE_GPT_OSS if s.batch == 8),
     # `--sweep` without --full: Qwen3's decode at 1, 8 and 64 tokens, where the small-batch path and its chunk decide
     sweep_shapes=tuple(s for s in shapes.MOE_QUICK if s["model"] == "qwen3-30b-a3b" and s.batch in (1, 8, 64)),
     targets=Targets(goal=_moe.GOAL, beats_default=True, custom=_moe.custom_targets),
