@@ -234,6 +234,10 @@ def test_expert_parallel_op_registration_fake_shapes_and_torch_tpu_export(rand, 
     # The CPU kernel needs one process per device: a clear error without them.
     with pytest.raises(ValueError, match="must be initialized with 8 ranks, got no process group"):
         op(*args)
+    # ... and a mesh split over another axis too: the CPU kernel sums over the whole process group
+    grid = jax.sharding.Mesh(mesh.devices.reshape(2, EP_DEVICES // 2), ("dp", EP_AXIS))
+    with pytest.raises(ValueError, match=r"mesh: .* may split only 'ep', got the axes \{'dp': 2\} too"):
+        tpu_kernels.expert_parallel_op(grid, EP_AXIS)(*args)
 
     if not _op_registry.HAS_TORCH_TPU:
         pytest.skip("TorchTPU is not installed: no jax_op")

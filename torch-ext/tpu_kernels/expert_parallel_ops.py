@@ -37,14 +37,13 @@ import torch
 from jax.sharding import PartitionSpec as P
 
 from tpu_kernels_jax.common.interpret import interpret_on_cpu
-from tpu_kernels_jax.moe import api as moe_api
 from tpu_kernels_jax.moe import expert_parallel as moe_ep
 from tpu_kernels_jax.moe.tuning import ExpertsBlocks
 
 from . import _torch_checks as checks
 from ._op_registry import HAS_TORCH_TPU, _to_jax, _to_torch, _torch_tpu_jax_op, schema_of
 from ._ops import add_op_namespace_prefix
-from .moe_ops import _NO_GATE, QUANTIZED_WEIGHT_DTYPES, _f32, experts_blocks_json, gating, parse_activation
+from .moe_ops import _NO_GATE, _f32, experts_operands, parse_activation
 
 OP_PREFIX = "expert_parallel_experts_forward_"
 
@@ -99,7 +98,7 @@ def _rank_position(mesh: jax.sharding.Mesh, axis: str) -> int:
         return 0
     others = {name: size for name, size in mesh.shape.items() if name != axis and size > 1}
     if others:
-        raise NotImplementedError(
+        raise ValueError(
             f"mesh: the CPU kernel sums over the whole process group, so the mesh may split only {axis!r}, got the "
             f"axes {others} too"
         )
@@ -198,52 +197,22 @@ def expert_parallel_experts(mesh: jax.sharding.Mesh, axis: str):
     """The experts function for transformers' experts interface running expert_parallel_op(mesh, axis):
     `ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot_ep", tpu_kernels.expert_parallel_experts(mesh, "ep"))`.
 
-    It reads the experts module as experts_forward does (gate_up_proj / up_proj, down_proj, their biases, the
-    layout flags and the activation), its weights holding this rank's experts (a DTensor's local shard), and takes
-    the router's global ids. Float weights only (no quantized experts, no post-expert norm); no autograd. The
-    fourth argument, the process group transformers' Mega MoE expert plan passes, is not used: the op's mesh names
-    the devices (and on CPU the op sums over the default process group)."""
+    It reads and checks the experts module as experts_forward does (moe_ops.experts_operands), its weights holding
+    this rank's experts (a DTensor's local shard), and takes the router's global ids. Float weights only (no
+    quantized experts, no post-expert norm); no autograd. The fourth argument, the process group transformers' Mega
+    MoE expert plan passes, is not used: the op's mesh names the devices (and on CPU the op sums over the default
+    process group)."""
     op = expert_parallel_op(mesh, axis)
 
     def experts_forward(self, hidden_states, top_k_index, top_k_weights, process_group=None, *, blocks=None):
         del process_group
-        if getattr(self, "has_post_expert_norm", False):
-            raise ValueError("self.has_post_expert_norm: experts with a post-expert norm are not supported")
-        has_gate = getattr(self, "has_gate", True)
-        has_bias = getattr(self, "has_bias", False)
-        prefix = "gate_up_proj" if has_gate else "up_proj"
-        names = (prefix, "down_proj", f"{prefix}_bias", "down_proj_bias")
-        weights = [_local(getattr(self, n)) if i < 2 or has_bias else None for i, n in enumerate(names)]
-        for name, w in zip(names, weights):
-            if w is not None and (w.dtype in QUANTIZED_WEIGHT_DTYPES or w.dtype == torch.uint8):
-                raise TypeError(f"self.{name}: the expert-parallel op takes float weights, got {w.dtype}")
-        local_experts = getattr(self, "num_experts", None)  # transformers' EP plans set it to the local count
-        if local_experts is not None and local_experts != weights[0].shape[0]:
-            raise ValueError(
-                f"self.num_experts: {local_experts} does not match the {weights[0].shape[0]} local expert weights"
+        tensors, static = experts_operands(self, hidden_states, top_k_index, top_k_weights, blocks, weight=_local)
+        *inputs, gate_up_scale, down_scale = tensors
+        if gate_up_scale is not None or down_scale is not None:
+            raise TypeError(
+                "self: the expert-parallel op takes float expert weights, got quantized ones (int8 / float8 with "
+                "scales, or MXFP4 blocks)"
             )
-        gate_layout = (
-            ("concatenated" if getattr(self, "is_concatenated", True) else "interleaved") if has_gate else None
-        )
-        transposed = bool(getattr(self, "is_transposed", False))
-        activation = gating(self, has_gate)
-        checks.check_tensor("hidden_states", hidden_states)
-        for name, t in zip(("top_k_index", "top_k_weights", *names[:2]), (top_k_index, top_k_weights, *weights[:2])):
-            checks.check_tensor(name, t, device=hidden_states.device)
-        top_k_index = checks.as_int32("top_k_index", top_k_index)
-        if not checks.tracing() and not checks.has_symbolic_shape(hidden_states, top_k_index, top_k_weights):
-            moe_api.check_inputs(
-                checks.placeholder("hidden_states", hidden_states, float16_as_float32=True),
-                checks.values_or_placeholder("top_k_index", top_k_index),
-                checks.placeholder("top_k_weights", top_k_weights, float16_as_float32=True),
-                *(checks.placeholder(f"self.{n}", w, float16_as_float32=True) for n, w in zip(names, weights)),
-                activation=parse_activation(activation),
-                gate_layout=gate_layout,
-                weights_transposed=transposed,
-                blocks=blocks,
-            )
-        tensors = (hidden_states, top_k_index, top_k_weights, *weights)
-        static = (activation, _NO_GATE if gate_layout is None else gate_layout, transposed, experts_blocks_json(blocks))
-        return op(*(checks.contiguous(t) for t in tensors), *static)
+        return op(*(checks.contiguous(t) for t in inputs), *static)
 
     return experts_forward

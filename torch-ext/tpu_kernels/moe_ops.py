@@ -331,36 +331,18 @@ def mxfp4_weights(self: torch.nn.Module, proj: str) -> tuple[torch.Tensor, torch
     return blocks, scales.detach()
 
 
-def experts_forward(
+def experts_operands(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
-    *,
     blocks: ExpertsBlocks | None = None,
-) -> torch.Tensor:
-    """transformers' experts interface: register with
-    `ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", kernel.experts_forward)` and load the model with
-    `experts_implementation="tpu_ragged_dot"`.
-
-    Reads self.gate_up_proj / self.up_proj, self.down_proj, their biases (self.has_bias), self.is_transposed,
-    self.is_concatenated, self.has_gate, self.act_fn, and for a custom `_apply_gate` that is one of
-    CLAMPED_SWIGLU_GATES (gpt-oss's clamped SwiGLU and its kin) the clamp limit and alpha (from the module, else its
-    config's swiglu_limit / swiglu_alpha); any other custom gate is a ValueError. hidden_states and the expert
-    weights in float32, bfloat16 or float16 (run as float32), or quantized: int8 / float8_e4m3fn with per-output-
-    channel float32 scales `self.<proj>_scale_inv` [E, N, 1] as transformers' FP8 experts store them (expert_scale;
-    constants: no gradient reaches them), or MXFP4 (gpt-oss checkpoints, inference only): `self.<proj>_blocks` uint8
-    [E, out, in / 32, 16] with `self.<proj>_scales` uint8 [E, out, in / 32] under the checkpoint's names, read in
-    place of the dense weights (mxfp4_weights; docs/moe.md says how to set a module up); top_k_index int32 or int64
-    (the router's, cast once; on a host tensor the ids must fit int32 and be >= 0). Expert ids >= self.num_experts
-    are expert-parallel sentinels and contribute nothing. Returns [T, H] in hidden_states.dtype. Differentiable in
-    the hidden states, the routing weights and the expert weights and biases (not through MXFP4 weights).
-
-    `blocks` (keyword-only; transformers' three-argument call leaves it None, the tuning table's choice): an
-    ExpertsBlocks (tpu_kernels_jax.moe.tuning, also `kernel.jax.ExpertsBlocks`) forcing the path and the tiles of
-    its kernels, forward and backward. Blocks that do not fit these inputs raise the JAX api's errors, which name
-    the field (e.g. "blocks.chunk: ...").
-    """
+    *,
+    weight=lambda t: t,
+) -> tuple[tuple, tuple]:
+    """What experts_forward_op takes from an experts module and the router's outputs, checked (experts_forward's
+    docstring says what is read): (tensors, static strings). `weight` maps each dense weight and bias the module
+    holds, e.g. a DTensor to its local shard."""
     if getattr(self, "has_post_expert_norm", False):
         raise ValueError(
             "self.has_post_expert_norm: experts with a post-expert norm are not supported by experts_forward"
@@ -372,8 +354,8 @@ def experts_forward(
     )
     up_name = "gate_up_proj" if has_gate else "up_proj"
     has_bias = getattr(self, "has_bias", False)
-    gate_up_bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
-    down_bias = self.down_proj_bias if has_bias else None
+    gate_up_bias = weight(self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
+    down_bias = weight(self.down_proj_bias) if has_bias else None
     mx_up, mx_down = mxfp4_weights(self, up_name), mxfp4_weights(self, "down_proj")
     if mx_up is not None or mx_down is not None:  # MXFP4 (gpt-oss checkpoints): the [E, out, in] layout
         if mx_up is None or mx_down is None:
@@ -382,9 +364,9 @@ def experts_forward(
         (gate_up, gate_up_scale), (down, down_scale) = mx_up, mx_down
         transposed = False
     else:
-        gate_up = self.gate_up_proj if has_gate else self.up_proj
+        gate_up = weight(self.gate_up_proj if has_gate else self.up_proj)
         transposed = bool(getattr(self, "is_transposed", False))
-        down = self.down_proj
+        down = weight(self.down_proj)
         gate_up_scale = expert_scale(self, up_name, gate_up, transposed)
         down_scale = expert_scale(self, "down_proj", down, transposed)
     # Quantized weights are constants of the kernels' gradient: detached, autograd asks nothing of them.
@@ -426,4 +408,38 @@ def experts_forward(
     experts = (gate_up, down, gate_up_bias, down_bias, gate_up_scale, down_scale)
     tensors = (hidden_states, top_k_index, top_k_weights, *experts)
     static = (activation, gate_layout, transposed, experts_blocks_json(blocks))
+    return tensors, static
+
+
+def experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    blocks: ExpertsBlocks | None = None,
+) -> torch.Tensor:
+    """transformers' experts interface: register with
+    `ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", kernel.experts_forward)` and load the model with
+    `experts_implementation="tpu_ragged_dot"`.
+
+    Reads self.gate_up_proj / self.up_proj, self.down_proj, their biases (self.has_bias), self.is_transposed,
+    self.is_concatenated, self.has_gate, self.act_fn, and for a custom `_apply_gate` that is one of
+    CLAMPED_SWIGLU_GATES (gpt-oss's clamped SwiGLU and its kin) the clamp limit and alpha (from the module, else its
+    config's swiglu_limit / swiglu_alpha); any other custom gate is a ValueError. hidden_states and the expert
+    weights in float32, bfloat16 or float16 (run as float32), or quantized: int8 / float8_e4m3fn with per-output-
+    channel float32 scales `self.<proj>_scale_inv` [E, N, 1] as transformers' FP8 experts store them (expert_scale;
+    constants: no gradient reaches them), or MXFP4 (gpt-oss checkpoints, inference only): `self.<proj>_blocks` uint8
+    [E, out, in / 32, 16] with `self.<proj>_scales` uint8 [E, out, in / 32] under the checkpoint's names, read in
+    place of the dense weights (mxfp4_weights; docs/moe.md says how to set a module up); top_k_index int32 or int64
+    (the router's, cast once; on a host tensor the ids must fit int32 and be >= 0). Expert ids >= self.num_experts
+    are expert-parallel sentinels and contribute nothing. Returns [T, H] in hidden_states.dtype. Differentiable in
+    the hidden states, the routing weights and the expert weights and biases (not through MXFP4 weights).
+
+    `blocks` (keyword-only; transformers' three-argument call leaves it None, the tuning table's choice): an
+    ExpertsBlocks (tpu_kernels_jax.moe.tuning, also `kernel.jax.ExpertsBlocks`) forcing the path and the tiles of
+    its kernels, forward and backward. Blocks that do not fit these inputs raise the JAX api's errors, which name
+    the field (e.g. "blocks.chunk: ...").
+    """
+    tensors, static = experts_operands(self, hidden_states, top_k_index, top_k_weights, blocks)
     return experts_forward_op(*(checks.contiguous(x) for x in tensors), *static)
