@@ -1,10 +1,11 @@
 """--cpu-smoke: the decode script end to end on this CPU with tiny random models of both architectures (Qwen3-MoE and
-Gemma 4 MoE, built from configs by tests/tiny_models.py: no download), greedy generate with transformers' default
-experts and with our experts_forward (registered as the README shows; on the CPU its Pallas kernels run in TPU
-interpret mode), two batch sizes, a few new tokens, greedy tokens compared. Its times are labeled "cpu smoke, not a
-TPU figure": they prove the path runs, nothing about speed. "all ours" loads the Hub package the way a user does, from
-a build of this checkout (scripts/build_hub.py into a temporary directory: LOCAL_KERNELS for the attention, a local
-layer repository for kernelize). Op by op only: transformers compiles the decode step on a TPU, not on a CPU.
+Gemma 4 MoE, built from configs by tests/tiny_models.py: no download), greedy generate with a static cache and each
+implementation of generation.py (transformers' defaults, our experts_forward, all of ours; on the CPU our Pallas
+kernels run in TPU interpret mode), two batch sizes, a few new tokens, greedy tokens compared. Its times are labeled
+"cpu smoke, not a TPU figure": they prove the path runs, nothing about speed. "all ours" loads the Hub package the
+way a user does, from a build of this checkout (scripts/build_hub.py into a temporary directory: LOCAL_KERNELS for
+the attention, a local layer repository for kernelize). Op by op only: transformers compiles the decode step on a
+TPU, not on a CPU.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import pathlib
 import sys
 import tempfile
+from unittest import mock
 
 from . import generation
 
@@ -45,17 +47,10 @@ def _local_build():
         import build_hub
     finally:
         sys.path.remove(str(ROOT / "scripts"))
-    previous = os.environ.get("LOCAL_KERNELS")
     with tempfile.TemporaryDirectory() as root:
         build_hub.build(pathlib.Path(root) / "build")
-        os.environ["LOCAL_KERNELS"] = f"{generation.HUB_REPO}={root}"
-        try:
+        with mock.patch.dict(os.environ, {"LOCAL_KERNELS": f"{generation.HUB_REPO}={root}"}):
             yield pathlib.Path(root) / "build"
-        finally:
-            if previous is None:
-                del os.environ["LOCAL_KERNELS"]
-            else:
-                os.environ["LOCAL_KERNELS"] = previous
 
 
 def run(args) -> dict:
