@@ -185,12 +185,12 @@ def test_bfloat16(rand):
 
 def test_float8_cache_with_scales(rand):
     """An e4m3 cache holding value / scale: the kernel folds k_scale into the query scale and v_scale into the output;
-    traced scales (float32 [1]) as torch passes them."""
+    Python floats, which the kernel takes as constants (traced float32 [1] scales, an SMEM operand, are the torch
+    op's test's: torch passes tensors)."""
     batch = Batch(rand, Q_LENS, KV_LENS, hq=8, hkv=2, d=128, dtype=jnp.bfloat16, cache_dtype=FP8)
-    scale = jnp.full((1,), 0.5, jnp.float32)
-    kernel = functools.partial(tk.ragged_paged_attention, blocks=BLOCKS)
-    out = ladder.run_interpreted(_jit(kernel), *batch.args, k_scale=scale, v_scale=scale)
-    expected = ragged_paged_attention_reference(*batch.args, k_scale=0.5, v_scale=0.5)
+    kernel = functools.partial(tk.ragged_paged_attention, blocks=BLOCKS, k_scale=0.5, v_scale=0.25)
+    out = ladder.run_interpreted(_jit(kernel), *batch.args)
+    expected = ragged_paged_attention_reference(*batch.args, k_scale=0.5, v_scale=0.25)
     ladder.assert_close(out, expected, dtype=jnp.bfloat16, what="out", context=repr(rand))
 
 

@@ -53,6 +53,12 @@ def ragged_paged_attention(
     sinks = attention_checks.check_sinks(sinks, hq)
     k_scale = checks.check_scale("k_scale", k_scale, k_cache.dtype)
     v_scale = checks.check_scale("v_scale", v_scale, v_cache.dtype)
+    scales = None  # static scales (None or floats) are the kernel's constants: no XLA op builds them
+    if isinstance(k_scale, float | None) and isinstance(v_scale, float | None):
+        static_scales = (1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
+    else:
+        static_scales = None
+        scales = jnp.concatenate([_scale_array(k_scale), _scale_array(v_scale)])
     tuning.check_blocks_type(blocks)
     tokens, num_pages = q.shape[0], k_cache.shape[0]
     num_seqs = checks.check_metadata(
@@ -85,6 +91,7 @@ def ragged_paged_attention(
         hkv=hkv, head_dim=d, v_head_dim=dv, block_rows=block_q * group, cache_itemsize=k_cache.dtype.itemsize
     )
     layout = kernel.Layout(
+        scales=static_scales,
         tokens=padded,
         q_heads=hq,
         kv_heads=hkv,
@@ -137,8 +144,6 @@ def ragged_paged_attention(
     q_rows = jnp.pad(q.astype(compute_dtype), ((0, padded - tokens), (0, 0), (0, 0)))
     q_rows = q_rows.reshape(padded, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, padded * group, d)
     pages = page_indices.reshape(-1)  # clamped to the cache where the kernel reads them
-    one = jnp.ones((1,), jnp.float32)
-    scales = jnp.concatenate([one if k_scale is None else k_scale, one if v_scale is None else v_scale])
     sink_rows = None
     if sinks is not None:
         per_row = jnp.tile(sinks.astype(jnp.float32).reshape(hkv, 1, group), (1, block_q, 1))
@@ -164,3 +169,10 @@ def ragged_paged_attention(
     )
     out = out.reshape(hkv, padded, group, dv).transpose(1, 0, 2, 3).reshape(padded, hq, dv)
     return out[:tokens].astype(q.dtype)
+
+
+def _scale_array(scale):
+    """A checked cache scale (None, a float or a float32 [1]) as a float32 [1]."""
+    if scale is None or isinstance(scale, float):
+        return jnp.full((1,), 1.0 if scale is None else scale, jnp.float32)
+    return scale

@@ -46,7 +46,8 @@ def check_caches(q, k_cache, v_cache):
 
 
 def check_scale(name, scale, cache_dtype):
-    """A cache scale: None (1), a Python float, or a float32 array of shape [] or [1]; required for a float8 cache."""
+    """A cache scale: None (1), a Python float, or a float32 array of shape [] or [1]; required for a float8 cache.
+    Returns None, the float (static: the kernel takes it as a constant) or the array as [1]."""
     if scale is None:
         if jnp.dtype(cache_dtype) == FP8:
             raise ValueError(f"{name}: expected a scale for the float8_e4m3fn cache (stored = value / scale), got None")
@@ -54,7 +55,7 @@ def check_scale(name, scale, cache_dtype):
     if isinstance(scale, (float, int, np.floating, np.integer)) and not isinstance(scale, bool):
         if not np.isfinite(scale) or scale <= 0:
             raise ValueError(f"{name}: expected a finite number > 0, got {scale}")
-        return jnp.full((1,), scale, jnp.float32)
+        return float(scale)
     check_array(name, scale, dtypes=(jnp.dtype(jnp.float32),))
     if tuple(scale.shape) not in ((), (1,)):
         raise ValueError(f"{name}: expected shape () or (1,), one scale for the whole cache, got {tuple(scale.shape)}")

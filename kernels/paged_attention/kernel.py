@@ -52,6 +52,7 @@ class Layout:
     window_size: tuple[int, int]  # (left, right), -1 unbounded; right = 0 when causal
     merged: int = 0  # kv heads a matmul takes at once (merges_heads); 0: one at a time
     merged_view: bool = False  # caches passed as [pages, page_size * kv_heads, head_dim] (merged_cache_view)
+    scales: tuple[float, float] | None = (1.0, 1.0)  # static (k, v) cache scales; None: a traced operand
 
     @property
     def group(self) -> int:
@@ -215,7 +216,11 @@ def _kernel(
     compute_dtype,
     has_sinks: bool,
 ):
-    scales_ref, q_ref, *refs = refs
+    if layout.scales is None:  # traced scales: an SMEM operand; static ones are constants
+        scales_ref, q_ref, *refs = refs
+        k_scale, v_scale = scales_ref[0], scales_ref[1]
+    else:
+        (k_scale, v_scale), (q_ref, *refs) = layout.scales, refs
     if has_sinks:
         sinks_ref, *refs = refs
     k_hbm, v_hbm, out_ref, k_buf, v_buf, sems, q_scaled_ref, m_ref, l_ref, acc_ref = refs
@@ -240,7 +245,7 @@ def _kernel(
         # scores in log2 units: q scaled once per query block by softmax_scale * k_scale * log2(e) (by
         # softmax_scale * k_scale / softcap under a softcap, whose tanh comes first)
         factor = lay.softmax_scale / lay.softcap if lay.softcap > 0 else lay.softmax_scale * LOG2_E
-        q_scaled_ref[...] = (q_ref[...].astype(jnp.float32) * (factor * scales_ref[0])).astype(q_scaled_ref.dtype)
+        q_scaled_ref[...] = (q_ref[...].astype(jnp.float32) * (factor * k_scale)).astype(q_scaled_ref.dtype)
         m_ref[...] = jnp.full(m_ref.shape, MAX_INIT, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
@@ -367,7 +372,7 @@ def _kernel(
             else:
                 rescale = 1.0
             nonzero = l > 0
-            inv = jnp.where(nonzero, rescale * scales_ref[1] / jnp.where(nonzero, l, 1.0), 0.0)
+            inv = jnp.where(nonzero, rescale * v_scale / jnp.where(nonzero, l, 1.0), 0.0)
             out_ref[j] = (acc_ref[j] * lanes(inv, dv)).astype(out_ref.dtype)
 
 
@@ -391,8 +396,8 @@ def paged_attention(
     """out [kv_heads, tokens * group, Dv] in q's dtype. q_rows [kv_heads, tokens * group, D]; k_pages / v_pages
     [pages, page_size, kv_heads, D / Dv]; words, kv_blocks, rows: the visit lists, count int32 [>= 1] their length,
     kv_lens [N] / cu_q_lens [N + 1] the clamped metadata they were built from (schedule.visits); pages
-    [seqs * pages_per_seq] int32; scales [2] f32 (k, v); sinks None or [kv_heads, block_q * group, 128] f32 (the sink
-    logit of each row of a query block, lane-replicated)."""
+    [seqs * pages_per_seq] int32; scales [2] f32 (k, v) where layout.scales is None (traced scales), else None; sinks
+    None or [kv_heads, block_q * group, 128] f32 (the sink logit of each row of a query block, lane-replicated)."""
     lay = layout
     hkv, rows_per_block = lay.kv_heads, lay.block_rows
     compute_dtype = q_rows.dtype
@@ -400,11 +405,11 @@ def paged_attention(
     def q_map(v, words_ref, *_):
         return 0, words_ref[v] & schedule.QUERY_BLOCK_MASK, 0
 
-    in_specs = [
-        pl.BlockSpec(memory_space=pltpu.SMEM),
-        pl.BlockSpec((hkv, rows_per_block, lay.head_dim), q_map),
-    ]
-    operands = [scales, q_rows]
+    in_specs = [pl.BlockSpec((hkv, rows_per_block, lay.head_dim), q_map)]
+    operands = [q_rows]
+    if lay.scales is None:  # traced scales
+        in_specs.insert(0, pl.BlockSpec(memory_space=pltpu.SMEM))
+        operands.insert(0, scales)
     if sinks is not None:  # the same pattern of heads in every query block
         in_specs.append(pl.BlockSpec((hkv, rows_per_block, LANES), lambda v, *_: (0, 0, 0)))
         operands.append(sinks)
