@@ -670,10 +670,16 @@ BAD_INPUTS = [
         "got I = 48",
     ),
     ladder.BadInput(
-        "mxfp4 weights transposed",
-        lambda rand: dict(gate_up_proj=rand.integers(0, 256, (4, 128, 64), jnp.uint8), weights_transposed=True),
+        "mxfp4 prepared scales shape",
+        lambda rand: dict(
+            gate_up_proj=rand.integers(0, 256, (4, 64, 128), jnp.uint8),
+            gate_up_scale=rand.integers(120, 124, (4, 8, 128), jnp.uint8),
+            down_proj=rand.normal((4, 64, 128)),
+            weights_transposed=True,
+        ),
         ValueError,
-        "weights_transposed: MXFP4 weights (uint8 blocks) come in transformers' [E, out, in / 2] layout",
+        "gate_up_scale: expected shape (4, 4, 128) or (4, 32, 128) (one scale per 32 contraction elements of "
+        "gate_up_proj (4, 64, 128)), got (4, 8, 128)",
     ),
     ladder.BadInput(
         "mxfp4 on the small-batch path",
@@ -908,9 +914,10 @@ def _mxfp4_weights(rand, experts, out, contraction):
 
 
 def test_mxfp4_experts_match_dequantized_reference(rand):
-    """gpt-oss's experts (interleaved gate/up, biases, its clamped SwiGLU) on MXFP4 weights, gate/up in
-    transformers' 4-D blocks and down packed 3-D, on the grouped path (its kernels widen the blocks in VMEM),
-    against the dense reference on the weights dequantized to f32."""
+    """gpt-oss's experts (interleaved gate/up, biases, its clamped SwiGLU) on MXFP4 weights laid out by
+    prepare_mxfp4_experts from gate/up in transformers' 4-D blocks and down packed 3-D, on the grouped path (its
+    kernels widen the blocks in VMEM), against the dense reference on the checkpoint's weights dequantized to f32.
+    (The checkpoint's layout, converted on every call: test_ragged_dot.py and test_moe_torch.py.)"""
     tokens, experts, hidden, inter = 5, 4, 128, 64
     x = rand.normal((tokens, hidden), BF16)
     index, w = routing(rand, tokens, experts, 2, sentinels=2)
@@ -919,41 +926,56 @@ def test_mxfp4_experts_match_dequantized_reference(rand):
     )
     down_blocks = down_blocks.reshape(experts, hidden, inter // 2)
     biases = rand.normal((experts, 2 * inter), BF16), rand.normal((experts, hidden), BF16)
-    kw = dict(activation=ClampedSwiGLU(limit=7.0, alpha=1.702), gate_layout="interleaved", weights_transposed=False)
-    args = (x, index, w.astype(BF16), up_blocks, down_blocks, up_scales, down_scales, *biases)
+    kw = dict(activation=ClampedSwiGLU(limit=7.0, alpha=1.702), gate_layout="interleaved")
+    prepared = api.prepare_mxfp4_experts(up_blocks, up_scales, down_blocks, down_scales)
+    assert [p.shape for p in prepared] == [(4, 64, 128), (4, 32, 128), (4, 32, 128), (4, 32, 128)]
+    args = (x, index, w.astype(BF16), prepared[0], prepared[2], prepared[1], prepared[3], *biases)
 
     def reference(x, index, w, up_blocks, down_blocks, up_scales, down_scales, up_bias, down_bias):
-        up, down = mxfp4.dequantize(up_blocks, up_scales), mxfp4.dequantize(down_blocks, down_scales)
-        return experts_forward_reference(x, index, w, up, down, up_bias, down_bias, **kw)
+        up, down = (mxfp4.dequantize_prepared(b, c) for b, c in ((up_blocks, up_scales), (down_blocks, down_scales)))
+        return experts_forward_reference(x, index, w, up, down, up_bias, down_bias, weights_transposed=False, **kw)
 
-    fn = functools.partial(quantized_experts, **kw)
+    assert bool(
+        jnp.all(mxfp4.dequantize_prepared(prepared[2], prepared[3]) == mxfp4.dequantize(down_blocks, down_scales))
+    )
+    fn = functools.partial(quantized_experts, weights_transposed=True, **kw)
     ladder.assert_moe_path(fn, args, "grouped")
     ladder.check_against_reference(jax.jit(fn), jax.jit(reference), args, dtype=BF16, rand=rand)
 
 
 def test_mxfp4_experts_compile_for_tpu():
-    """gpt-oss-20b's experts (H = I = 2880, 32 experts, top-4) on MXFP4 weights at 64 tokens on v6e: both grouped
-    matmuls, their blocks widened whole along K (2880 codes, 90 scales a row). (~37 s: one generation here; v5e
-    compiles the same program, checked outside the suite.)"""
+    """gpt-oss-20b's experts (H = I = 2880, 32 experts, top-4) on MXFP4 weights as prepare_mxfp4_experts lays them
+    out, at 64 tokens on v6e: both grouped matmuls, their blocks widened whole along K (2880 codes, 90 scales a
+    column), and no copy of the weights in the program: XLA's cost analysis has it access under 1.4x the bytes its
+    arguments hold (1.27x; the checkpoint's layout, converted on every call, 1.52x; a copy of the blocks would add
+    twice their bytes, 1.9x).
+    (~37 s: one generation here; v5e compiles the same program, checked outside the suite.)"""
     generation = "v6e"
     e, h, i, tokens = 32, 2880, 2880, 64
-    ladder.compile_for_tpu(
-        quantized_experts,
-        generation,
+    rows = mxfp4.scale_rows(h)
+    shapes = [
         ((tokens, h), BF16),
         ((tokens, 4), jnp.int32),
         ((tokens, 4), BF16),
-        ((e, 2 * i, h // 2), jnp.uint8),
-        ((e, h, i // 2), jnp.uint8),
-        ((e, 2 * i, h // 32), jnp.uint8),
-        ((e, h, i // 32), jnp.uint8),
-        ((e, 2 * i), BF16),
-        ((e, h), BF16),
-        min_kernels=3,
-        label=f"experts_forward gpt-oss-20b mxfp4 {generation}",
+        ((e, h // 2, 2 * i), jnp.uint8),
+        ((e, i // 2, h), jnp.uint8),
+        ((e, rows, 2 * i), jnp.uint8),
+        ((e, rows, h), jnp.uint8),
+    ]
+    fn = functools.partial(
+        quantized_experts,
         activation=ClampedSwiGLU(limit=7.0, alpha=1.702),
         gate_layout="interleaved",
+        weights_transposed=True,
     )
+    with jax.default_device(ladder.tpu_device(generation)):
+        lowered = jax.jit(fn).lower(*(ladder.tpu_spec(generation, *sd) for sd in shapes))
+        compiled = lowered.compile()
+    assert lowered.as_text().count("tpu_custom_call") >= 3
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    arguments = compiled.memory_analysis().argument_size_in_bytes
+    assert cost["bytes accessed"] < 1.4 * arguments, f"{cost['bytes accessed']} bytes for {arguments}: a copy?"
 
 
 # ------------------------------------------------------------------------------------------------ rung 2

@@ -885,7 +885,8 @@ def test_mxfp4_gpt_oss_experts_match_transformers_dequantized_experts(rand):
     tensors as buffers under their checkpoint names (`<proj>_blocks` [E, out, in / 32, 16], `<proj>_scales`), its
     dense weights removed, as docs/moe.md tells a TPU user to set it up; dispatched to experts_forward by the
     experts interface, against transformers' eager forward of the same module on the weights as transformers'
-    dequantize-at-load gives them (f32 activations); then the missing-scales and one-projection errors."""
+    dequantize-at-load gives them (f32 activations), and again, equal, once prepare_mxfp4_experts has laid them out
+    as the kernels read them; then the missing-scales and one-projection errors."""
     from transformers import GptOssConfig
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -913,8 +914,14 @@ def test_mxfp4_gpt_oss_experts_match_transformers_dequantized_experts(rand):
             experts.register_buffer(f"{proj}_scales", scales)
         config._experts_implementation = EXPERTS_IMPLEMENTATION
         out = experts(x, index, weights)
+        # Laid out once as the kernels read them: the same kernel on the same bytes as the per-call conversion.
+        assert moe_ops.prepare_mxfp4_experts(experts) is experts and experts.mxfp4_prepared
+        assert tuple(experts.down_proj_blocks.shape) == (4, 32, 128)
+        assert tuple(experts.down_proj_scales.shape) == (4, 32, 128)
+        prepared = experts(x, index, weights)
     assert not hasattr(experts, "gate_up_proj") and not hasattr(experts, "down_proj")
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(prepared, out, rtol=0, atol=0)
     del experts.down_proj_scales
     with pytest.raises(ValueError, match=r"self.down_proj_scales: self.down_proj_blocks holds MXFP4 blocks"):
         tpu_kernels.experts_forward(experts, x, index, weights)

@@ -10,7 +10,9 @@ Weights in transformers' layout: gate_up_proj [E, 2I, H] (gate rows first), down
 the kernel dequantizes in VMEM, the XLA compositions dequantize in XLA before their matmuls (what a program without a
 dequantizing kernel runs), tokamax is compared in bf16 only. MXFP4 (the Shape's dtype "mxfp4"): uint8 blocks
 [E, 2I, H / 2] / [E, H, I / 2] with uint8 e8m0 scales [E, 2I, H / 32] / [E, H, I / 32], widened in VMEM by the
-grouped path's kernels; the XLA compositions dequantize them to bf16 in XLA.
+grouped path's kernels; the XLA compositions dequantize them to bf16 in XLA. Both read them as
+`moe_api.prepare_mxfp4_experts` lays them out once at load ([E, H / 2, 2I] / [E, I / 2, H], scales [E, 96, 2I] /
+[E, 96, H]), which a call reads with no copy.
 """
 
 import jax
@@ -57,7 +59,7 @@ def kernel_experts(
         down_proj,
         activation=_activation(activation),
         gate_layout=gate_layout,
-        weights_transposed=False,
+        weights_transposed=mxfp4.is_mxfp4(gate_up_proj.dtype),  # MXFP4: mxfp4.prepare's layout
         gate_up_scale=gate_up_scale,
         down_scale=down_scale,
         blocks=blocks,
@@ -70,7 +72,8 @@ def _bf16_weights(gate_up_proj, down_proj, scales):
     if not scales:
         return gate_up_proj, down_proj
     if mxfp4.is_mxfp4(gate_up_proj.dtype):
-        return tuple(mxfp4.dequantize(w, c).astype(BF16) for w, c in zip((gate_up_proj, down_proj), scales))
+        pairs = zip((gate_up_proj, down_proj), scales)
+        return tuple(mxfp4.dequantize_prepared(w, c).astype(BF16) for w, c in pairs)
     return tuple((w.astype(F32) * c[:, :, None]).astype(BF16) for w, c in zip((gate_up_proj, down_proj), scales))
 
 
@@ -144,10 +147,9 @@ def _weights_specs(s):
     blocks, then their e8m0 block scales."""
     e, h, i = s["experts"], s["hidden"], s["intermediate"]
     if _mxfp4(s):
-        u8 = mxfp4.CODE_DTYPE
-        blocks = (jax.ShapeDtypeStruct((e, 2 * i, h // 2), u8), jax.ShapeDtypeStruct((e, h, i // 2), u8))
-        block = mxfp4.BLOCK
-        return blocks + (jax.ShapeDtypeStruct((e, 2 * i, h // block), u8), jax.ShapeDtypeStruct((e, h, i // block), u8))
+        u8, rows = mxfp4.CODE_DTYPE, mxfp4.scale_rows
+        blocks = (jax.ShapeDtypeStruct((e, h // 2, 2 * i), u8), jax.ShapeDtypeStruct((e, i // 2, h), u8))
+        return blocks + (jax.ShapeDtypeStruct((e, rows(h), 2 * i), u8), jax.ShapeDtypeStruct((e, rows(i), h), u8))
     dtype = jnp.dtype(s.dtype)
     specs = (jax.ShapeDtypeStruct((e, 2 * i, h), dtype), jax.ShapeDtypeStruct((e, h, i), dtype))
     if _quantized(s):

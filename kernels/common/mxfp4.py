@@ -23,6 +23,7 @@ from .validation import check_array
 BLOCK = 32  # elements of the contraction dimension sharing one scale
 CODE_DTYPE = jnp.dtype(jnp.uint8)
 SCALE_DTYPE = jnp.dtype(jnp.uint8)
+SCALE_ROW_TILE = 32  # uint8 rows a (32, 128) tile holds
 FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -38,25 +39,55 @@ def packed(name: str, blocks):
     return blocks
 
 
-def check_scales(name: str, scales, *, blocks_name: str, blocks_shape: tuple, leading: tuple):
-    """The e8m0 scales of packed blocks [*leading, N, K / 2]: uint8 [*leading, N, K / 32], K / 2 a multiple of 16."""
+def scale_rows(k: int) -> int:
+    """Rows of `prepare`'s scales for a contraction dimension K: K / 32 rounded up to 32, uint8's sublane tile, so
+    that XLA stores them row-major (with K / 32 rows it stores them expert-minor-but-one, a relayout away from the
+    kernel's blocks)."""
+    return -(-(k // BLOCK) // SCALE_ROW_TILE) * SCALE_ROW_TILE
+
+
+def check_scales(name: str, scales, *, blocks_name: str, blocks_shape: tuple, leading: tuple, transposed=True):
+    """The e8m0 scales of packed blocks: blocks [*leading, N, K / 2] with scales uint8 [*leading, N, K / 32]
+    (`transposed`, the checkpoint's orientation), or blocks [*leading, K / 2, N] with scales [*leading, S, N], S =
+    K / 32 or `scale_rows(K)` (`prepare`'s, the rows past K / 32 ignored); K / 2 a multiple of 16."""
+    half_k = blocks_shape[-1] if transposed else blocks_shape[-2]
+    n = blocks_shape[-2] if transposed else blocks_shape[-1]
     if scales is None:
+        shape = (*leading, n, half_k // 16) if transposed else (*leading, half_k // 16, n)
         raise ValueError(
-            f"{name}: {blocks_name} is uint8 (MXFP4 blocks), so its e8m0 block scales uint8 "
-            f"{(*leading, blocks_shape[-2], blocks_shape[-1] // 16)} are required, got None"
+            f"{name}: {blocks_name} is uint8 (MXFP4 blocks), so its e8m0 block scales uint8 {shape} are required, "
+            "got None"
         )
     check_array(name, scales, dtypes=(SCALE_DTYPE,))
-    if blocks_shape[-1] % 16:
+    if half_k % 16:
         raise ValueError(
             f"{blocks_name}: MXFP4 blocks hold 16 bytes (32 codes) per scale along the contraction dimension, got "
-            f"{blocks_shape[-1]} bytes (shape {tuple(blocks_shape)}), not a multiple of 16"
+            f"{half_k} bytes (shape {tuple(blocks_shape)}), not a multiple of 16"
         )
-    expected = (*leading, blocks_shape[-2], blocks_shape[-1] // 16)
-    if tuple(scales.shape) != expected:
+    if transposed:
+        expected = [(*leading, n, half_k // 16)]
+    else:
+        expected = [(*leading, rows, n) for rows in dict.fromkeys((half_k // 16, scale_rows(2 * half_k)))]
+    if tuple(scales.shape) not in expected:
         raise ValueError(
-            f"{name}: expected shape {expected} (one scale per 32 contraction elements of {blocks_name} "
-            f"{tuple(blocks_shape)}), got {tuple(scales.shape)}"
+            f"{name}: expected shape {' or '.join(map(str, expected))} (one scale per 32 contraction elements of "
+            f"{blocks_name} {tuple(blocks_shape)}), got {tuple(scales.shape)}"
         )
+
+
+def prepare(blocks, scales):
+    """The one-time layout of MXFP4 weights for the kernels: checkpoint blocks uint8 [..., N, K / 2] (or
+    [..., N, K / 32, 16]) and scales uint8 [..., N, K / 32] -> blocks [..., K / 2, N] and scales
+    [..., scale_rows(K), N] (zero rows past K / 32): the contraction dimension on sublanes, N on lanes, the layout
+    XLA stores them in when N is a multiple of 128 and K / 2 of 32, so that a call reads them with no copy. The
+    checkpoint's [..., N, K / 2] is stored N-minor already (a free transpose), but its scales are not, and the 4-D
+    form is tiled differently: as given, a call relayouts them on every call. Run it once, at load."""
+    blocks = packed("blocks", blocks)
+    check_scales("scales", scales, blocks_name="blocks", blocks_shape=blocks.shape, leading=tuple(blocks.shape[:-2]))
+    k = 2 * blocks.shape[-1]
+    scales = jnp.swapaxes(scales, -1, -2)
+    pad = [(0, 0)] * (scales.ndim - 2) + [(0, scale_rows(k) - k // BLOCK), (0, 0)]
+    return jnp.swapaxes(blocks, -1, -2), jnp.pad(scales, pad)
 
 
 def _fp4_bits(code):
@@ -82,40 +113,42 @@ def dequantize(blocks, scales):
     return values * scale
 
 
+def dequantize_prepared(blocks, scales):
+    """Reference: f32 [..., N, K] (the checkpoint's orientation) from `prepare`'s blocks uint8 [..., K / 2, N] and
+    scales uint8 [..., S, N]."""
+    half_k = blocks.shape[-2]
+    return dequantize(jnp.swapaxes(blocks, -1, -2), jnp.swapaxes(scales[..., : half_k // 16, :], -1, -2))
+
+
 def even_odd(x):
     """x [..., K] as [..., K] with its even columns first, then its odd ones: the order `widen` gives the packed
     weights' contraction dimension in (low nibbles, then high nibbles)."""
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
-def scale_expander(half_k: int):
-    """The 0/1 matrix [K / 32, K / 2] (bf16) that repeats each block scale over its 16 bytes: an MXU matmul, since
-    Mosaic has no lane repeat."""
-    return jnp.asarray(np.repeat(np.eye(half_k // 16, dtype=np.float32), 16, axis=1), jnp.bfloat16)
-
-
-def widen(block, scales, expander, dtype):
-    """In VMEM: packed blocks [R, K / 2] uint8 and their scales [R, K / 32] uint8 -> the weights of the even and of
-    the odd contraction elements, two [R, K / 2] arrays in `dtype`, exact. `expander` is `scale_expander(K / 2)`.
+def widen(block, scales, dtype):
+    """In VMEM: packed blocks [K / 2, C] uint8 (the contraction dimension on sublanes, as `prepare` lays them out)
+    and their scales [S >= K / 32, C] uint8 -> the weights of the even and of the odd contraction elements, two
+    [K / 2, C] arrays in `dtype`, exact.
 
     Each nibble is rewritten, with 8-bit and / shift / or on the packed bytes, as the float8_e4m3fn byte of the same
     sign, exponent and mantissa bits (s 0 e e m 0 0 -> s 0 0 e e m 0 0): its value is the e2m1 value times 2^-6,
     subnormals included, and `quantization.widen` unpacks it as it unpacks e4m3 weights (on v5e / v6e through the
-    chips' e4m3b11, a further 2^-4). The block scale, times the inverse of those powers of two, is repeated over its
-    16 bytes by an MXU matmul against the 0/1 expander (Mosaic has no lane repeat; exact: one nonzero product a sum)
-    and multiplies the bf16 values (exact: two significant bits times a power of two). e8m0 0 gives 0, 255 NaN;
-    exponents past 254 - log2(that factor) (2^117 and up on v5e / v6e) are out of range."""
+    chips' e4m3b11, a further 2^-4). The block scale, times the inverse of those powers of two, is built as bf16 bits
+    (the e8m0 byte is the exponent field), broadcast over its 16 rows (a sublane broadcast) and multiplies the bf16
+    values (exact: two significant bits times a power of two). e8m0 0 gives 0, 255 NaN; exponents past 254 -
+    log2(that factor) (2^117 and up on v5e / v6e) are out of range."""
+    half_k, cols = block.shape
     codes = jax.lax.bitcast_convert_type(block, jnp.int8)
     planes = (
         ((codes & 0x8) << 4) | ((codes & 0x7) << 2),  # low nibble (the even element)
         (codes & jnp.int8(-128)) | ((codes >> 2) & 0x1C),  # high nibble (the odd element)
     )
     shift = 6 + int(np.log2(quantization.widen_factor(jnp.float8_e4m3fn)))
-    exponent = scales.astype(jnp.int32)
+    exponent = scales[: half_k // 16].astype(jnp.int32)
     bits = jnp.where(exponent == 255, 0x7FC00000, jnp.where(exponent == 0, 0, (exponent + shift) << 23))
-    scale = jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
-    scale = jax.lax.dot_general(scale, expander, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    scale = scale.astype(jnp.bfloat16)  # [R, K / 2]
+    scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    scale = jnp.broadcast_to(scale[:, None, :], (half_k // 16, 16, cols)).reshape(half_k, cols).astype(jnp.bfloat16)
     return tuple(
         (quantization.widen(jax.lax.bitcast_convert_type(p, jnp.float8_e4m3fn), jnp.bfloat16) * scale).astype(dtype)
         for p in planes

@@ -72,17 +72,13 @@ def _validate(
         )
     num_experts = gate_up_proj.shape[0]
     mx_up, mx_down = (mxfp4.is_mxfp4(w.dtype) for w in (gate_up_proj, down_proj))
-    if (mx_up or mx_down) and weights_transposed:
-        raise ValueError(
-            "weights_transposed: MXFP4 weights (uint8 blocks) come in transformers' [E, out, in / 2] layout (the "
-            "contraction dimension last, as gpt-oss checkpoints store them), so weights_transposed=False is required"
-        )
     up_in, up_out = (gate_up_proj.shape[1], gate_up_proj.shape[2])
     if not weights_transposed:
-        up_in, up_out = up_out * (2 if mx_up else 1), up_in
+        up_in, up_out = up_out, up_in
+    up_in *= 2 if mx_up else 1
     layout = "[E, H, N] (is_transposed)" if weights_transposed else "[E, N, H]"
     if mx_up:
-        layout = "[E, N, H / 2] (MXFP4 blocks)"
+        layout = "[E, H / 2, N] (MXFP4 blocks, prepared)" if weights_transposed else "[E, N, H / 2] (MXFP4 blocks)"
     if up_in != hidden:
         raise ValueError(
             f"gate_up_proj: expected layout {layout} with H = {hidden} (hidden_states' size), got shape "
@@ -95,7 +91,8 @@ def _validate(
     intermediate = up_out // 2 if gate_layout is not None else up_out
     expected_down = (num_experts, intermediate, hidden) if weights_transposed else (num_experts, hidden, intermediate)
     if mx_down:
-        expected_down = (num_experts, hidden, intermediate // 2)
+        half = intermediate // 2
+        expected_down = (num_experts, half, hidden) if weights_transposed else (num_experts, hidden, half)
         if intermediate % mxfp4.BLOCK:
             raise ValueError(
                 f"down_proj: MXFP4 blocks need the intermediate size (its contraction dimension) to be a multiple "
@@ -117,7 +114,14 @@ def _validate(
         ("down_scale", down_scale, "down_proj", down_proj, (num_experts, hidden), "(E, H)"),
     ):
         if mxfp4.is_mxfp4(weight.dtype):
-            mxfp4.check_scales(name, scale, blocks_name=weight_name, blocks_shape=weight.shape, leading=(num_experts,))
+            mxfp4.check_scales(
+                name,
+                scale,
+                blocks_name=weight_name,
+                blocks_shape=weight.shape,
+                leading=(num_experts,),
+                transposed=not weights_transposed,
+            )
         else:
             quantization.check_scale(
                 name, scale, weight_name=weight_name, weight=weight, expected_shape=shape, shape_doc=doc
@@ -269,6 +273,17 @@ def route(top_k_index, num_experts):
     return order, group_sizes
 
 
+def prepare_mxfp4_experts(gate_up_blocks, gate_up_scales, down_blocks, down_scales):
+    """MXFP4 expert weights in the checkpoint's layout (`<proj>_blocks` uint8 [E, out, in / 32, 16] or
+    [E, out, in / 2], `<proj>_scales` uint8 [E, out, in / 32]) laid out once, at load, as the grouped kernels read
+    them (mxfp4.prepare): returns (gate_up_proj, gate_up_scale, down_proj, down_scale) for experts_forward with
+    weights_transposed=True, which then reads them with no copy."""
+    (gate_up, gate_up_scale), (down, down_scale) = (
+        mxfp4.prepare(b, c) for b, c in ((gate_up_blocks, gate_up_scales), (down_blocks, down_scales))
+    )
+    return gate_up, gate_up_scale, down, down_scale
+
+
 @interpret_eager_cpu_calls
 def experts_forward(
     hidden_states: jax.Array,
@@ -300,8 +315,11 @@ def experts_forward(
     gradient reaches the hidden states, routing weights and biases, the quantized weights are constants).
     MXFP4 weights (gpt-oss; inference): gate_up_proj / down_proj uint8 blocks [E, 2I, H / 2] / [E, H, I / 2] (or
     transformers' [E, 2I, H / 32, 16] / [E, H, I / 32, 16]), weights_transposed=False, with their e8m0 block scales
-    gate_up_scale uint8 [E, 2I, H / 32] / down_scale [E, H, I / 32] (common/mxfp4.py); they take the grouped path,
-    whose kernels widen each weight block in VMEM; no gradient flows through them.
+    gate_up_scale uint8 [E, 2I, H / 32] / down_scale [E, H, I / 32] (common/mxfp4.py); or, laid out once at load by
+    `prepare_mxfp4_experts` (no copy of them a call; the checkpoint's layout is converted on every call),
+    weights_transposed=True with blocks [E, H / 2, 2I] / [E, I / 2, H] and scales [E, S(H), 2I] / [E, S(I), H]
+    (S(K) = mxfp4.scale_rows(K)). They take the grouped path, whose kernels widen each weight block in VMEM; no
+    gradient flows through them.
     `blocks`: the path and the tiles of its kernels (an ExpertsBlocks, see tuning.py); None: the tuning table's.
     """
     gate_up_proj, down_proj = (

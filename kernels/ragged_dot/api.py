@@ -19,8 +19,10 @@ and window groups outside [0, G) then contribute nothing.
 
 MXFP4 rhs (inference, forward only): uint8 rhs [rhs groups, N, K / 2] (or transformers' [rhs groups, N, K / 32, 16])
 holding two e2m1 codes a byte, rhs_transposed=True, with `rhs_scale` uint8 [rhs groups, N, K / 32], one e8m0 scale
-per 32 contraction elements (common/mxfp4.py). The kernel widens each weight block whole along K in VMEM, the block
-scales applied to the weights before the MXU, against lhs with its even columns put first.
+per 32 contraction elements (common/mxfp4.py); or, laid out once by `mxfp4.prepare`, rhs [rhs groups, K / 2, N] with
+rhs_scale [rhs groups, mxfp4.scale_rows(K), N] and rhs_transposed=False, which is what the kernel reads (the
+checkpoint's layout is converted to it on every call). The kernel widens each weight block whole along K in VMEM,
+the block scales applied to the weights before the MXU, against lhs with its even columns put first.
 
 Quantized rhs (inference): int8 or float8_e4m3fn rhs with `rhs_scale` [rhs groups, N] f32, one scale per output
 column of each group (w = q * scale). Each weight block is cast to lhs's dtype in VMEM (exact) and the scale multiplies
@@ -149,11 +151,6 @@ def check_inputs(
     num_groups = group_sizes.shape[0]
     rhs_groups = rhs.shape[0]
     is_mxfp4 = mxfp4.is_mxfp4(rhs_dtype)
-    if is_mxfp4 and not rhs_transposed:
-        raise ValueError(
-            f"rhs: MXFP4 blocks (uint8) come as [G, N, K / 2] or [G, N, K / 32, 16], the contraction dimension "
-            f"last, so rhs_transposed=True is required, got rhs_transposed=False (rhs shape {tuple(rhs.shape)})"
-        )
     rhs_k, n = (rhs.shape[2], rhs.shape[1]) if rhs_transposed else (rhs.shape[1], rhs.shape[2])
     if is_mxfp4:
         rhs_k *= 2  # two codes a byte
@@ -211,7 +208,14 @@ def check_inputs(
         if tuple(bias.shape) != (rhs_groups, n):
             raise ValueError(f"bias: expected shape {(rhs_groups, n)} (rhs groups, N), got {tuple(bias.shape)}")
     if is_mxfp4:
-        mxfp4.check_scales("rhs_scale", rhs_scale, blocks_name="rhs", blocks_shape=rhs.shape, leading=(rhs_groups,))
+        mxfp4.check_scales(
+            "rhs_scale",
+            rhs_scale,
+            blocks_name="rhs",
+            blocks_shape=rhs.shape,
+            leading=(rhs_groups,),
+            transposed=rhs_transposed,
+        )
     else:
         quantization.check_scale(
             "rhs_scale",
@@ -295,7 +299,7 @@ def _forward_mode(cfg: _Config, rhs_shape, rhs_dtype):
     otherwise. rhs_transposed is the orientation the kernel reads rhs in (its stored one where that is a bitcast
     and, when gated, keeps the halves whole blocks)."""
     swapped, stored_transposed = _stored(rhs_shape, cfg.rhs_transposed)
-    if cfg.mxfp4:  # read as given: the kernel takes packed MXFP4 blocks with K last only
+    if cfg.mxfp4:  # read as given: the kernel takes packed MXFP4 blocks [G, K / 2, N] only (ragged_dot converts)
         swapped, stored_transposed = False, cfg.rhs_transposed
     if not _has_epilogue(cfg):
         return "plain", stored_transposed
@@ -640,25 +644,28 @@ def ragged_dot(
     `static_grid=True` sizes the kernel grid by the worst-case visit count instead of the real one (for comparison).
     `blocks`: the tiles of the forward kernel and of the backward's three (a RaggedDotBlocks); None: the table's.
     MXFP4 rhs (inference): uint8 blocks [R, N, K / 2] or [R, N, K / 32, 16] with rhs_transposed=True and rhs_scale
-    uint8 [R, N, K / 32] (e8m0; see common/mxfp4.py for the layout).
+    uint8 [R, N, K / 32] (e8m0, the checkpoint's layout; see common/mxfp4.py), or as `mxfp4.prepare` lays them out
+    once, [R, K / 2, N] with rhs_scale [R, scale_rows(K), N] and rhs_transposed=False (no copy of them a call).
     """
     if hasattr(rhs, "dtype") and mxfp4.is_mxfp4(rhs.dtype):
         rhs = mxfp4.packed("rhs", rhs)
-    cfg, group_offset, n_out = check_inputs(
-        lhs,
-        rhs,
-        group_sizes,
+    checks = dict(
         preferred_element_type=preferred_element_type,
-        rhs_transposed=rhs_transposed,
-        group_offset=group_offset,
         num_local_groups=num_local_groups,
         bias=bias,
         activation=activation,
         gated=gated,
         row_scale=row_scale,
-        rhs_scale=rhs_scale,
         blocks=blocks,
     )
+    cfg, group_offset, n_out = check_inputs(
+        lhs, rhs, group_sizes, rhs_transposed=rhs_transposed, group_offset=group_offset, rhs_scale=rhs_scale, **checks
+    )
+    if cfg.mxfp4 and cfg.rhs_transposed:  # the checkpoint's orientation: converted here, on every call
+        rhs, rhs_scale = mxfp4.prepare(rhs, rhs_scale)
+        cfg, group_offset, n_out = check_inputs(
+            lhs, rhs, group_sizes, group_offset=group_offset, rhs_scale=rhs_scale, **checks
+        )
     cfg = dataclasses.replace(cfg, static_grid=bool(static_grid))
     m, k = lhs.shape
     if m == 0 or n_out == 0:
@@ -666,7 +673,7 @@ def ragged_dot(
     if cfg.num_local_groups == 0:
         return jnp.zeros((m, n_out), cfg.out_dtype)
     if k == 0:
-        n_full = rhs.shape[1] if rhs_transposed else rhs.shape[2]
+        n_full = rhs.shape[1] if cfg.rhs_transposed else rhs.shape[2]
         return _no_contraction(cfg, m, n_full, bias, row_scale, group_sizes, group_offset)
     return _ragged_dot(cfg, lhs, rhs, rhs_scale, bias, row_scale, group_sizes, group_offset)
 

@@ -102,9 +102,9 @@ def _forward_kernel(
     n_rhs = 2 if gated == "concatenated" else 1  # interleaved: one stream of 2 * tn columns, gate and up alternating
     rhs_refs = refs[:n_rhs]
     refs = refs[n_rhs:]
-    if mxfp4_blocks:  # each stream's e8m0 block scales, then the scale expander
-        block_scale_refs, expander_ref = refs[:n_rhs], refs[n_rhs]
-        refs = refs[n_rhs + 1 :]
+    if mxfp4_blocks:  # each stream's e8m0 block scales
+        block_scale_refs = refs[:n_rhs]
+        refs = refs[n_rhs:]
     col_scale_refs = refs[:num_scale]
     bias_refs = refs[num_scale : num_scale + num_bias]
     scale_ref = refs[num_scale + num_bias] if has_row_scale else None
@@ -140,7 +140,7 @@ def _forward_kernel(
         half = x.shape[1] // 2
         outs = []
         for w_ref, s_ref in zip(rhs_refs, block_scale_refs):
-            lo, hi = mxfp4.widen(w_ref[...], s_ref[...], expander_ref[...], compute_dtype)
+            lo, hi = mxfp4.widen(w_ref[...], s_ref[...], compute_dtype)
             outs.append(
                 sum(
                     jax.lax.dot_general(
@@ -269,13 +269,14 @@ def ragged_dot_forward(
     per block stream: the gate and up halves (concatenated), or the whole bias (interleaved, ungated). scale: () or,
     for quantized rhs (int8 / float8_e4m3fn, cast to lhs's dtype block by block in VMEM), one [Gr, 1, N'] f32 array
     per block stream like bias, multiplying the f32 result's columns before the bias and the epilogue. block_scale:
-    None or, for MXFP4 rhs (uint8 [Gr, N, K / 2] packed e2m1 pairs, rhs_transposed, tk = K), its e8m0 block scales
-    uint8 [Gr, N, K / 32]; lhs then holds its even columns first and its odd ones after (mxfp4.even_odd).
+    None or, for MXFP4 rhs (uint8 [Gr, K / 2, N] packed e2m1 pairs, not rhs_transposed, tk = K), its e8m0 block
+    scales uint8 [Gr, S, N] (S >= K / 32, mxfp4.prepare's layout); lhs then holds its even columns first and its odd
+    ones after (mxfp4.even_odd).
     """
     m, k = lhs.shape
     mx = block_scale is not None
-    if mx and not (rhs_transposed and blocks.tk == k and rhs.shape[2] * 2 == k):
-        raise ValueError("MXFP4 rhs: the kernel reads it as [G, N, K / 2] (rhs_transposed) with tk = K")
+    if mx and (rhs_transposed or blocks.tk != k or rhs.shape[1] * 2 != k):
+        raise ValueError("MXFP4 rhs: the kernel reads it as [G, K / 2, N] (not rhs_transposed) with tk = K")
     n_full = rhs.shape[1] if rhs_transposed else rhs.shape[2]
     n_out = n_full // 2 if gated else n_full
     tm, tk, tn = blocks.tm, blocks.tk, blocks.tn
@@ -320,17 +321,14 @@ def ragged_dot_forward(
     operands = [lhs]
     shifts = [0, n_out // tn] if gated == "concatenated" else [0]
     wn = 2 * tn if gated == "interleaved" else tn  # rhs columns per block: gate and up alternate within one block
-    wshape = (None, wn, tk // 2 if mx else tk) if rhs_transposed else (None, tk, wn)
+    wshape = (None, wn, tk) if rhs_transposed else (None, tk // 2 if mx else tk, wn)
     for s in shifts:
         in_specs.append(pl.BlockSpec(wshape, rhs_map(s)))
         operands.append(rhs)
     if mx:
         for s in shifts:
-            in_specs.append(pl.BlockSpec((None, wn, k // mxfp4.BLOCK), rhs_map(s)))
+            in_specs.append(pl.BlockSpec((None, block_scale.shape[1], wn), rhs_map(s)))
             operands.append(block_scale)
-        expander = mxfp4.scale_expander(k // 2)
-        in_specs.append(pl.BlockSpec(expander.shape, lambda n, v, kk, meta: (0, 0)))
-        operands.append(expander)
     for c in scale:
         in_specs.append(pl.BlockSpec((None, 1, wn), bias_map))
         operands.append(c)
@@ -364,7 +362,7 @@ def ragged_dot_forward(
     grid_v = V if static_grid else nv
     rhs_bytes = num_local_groups * rhs.shape[1] * rhs.shape[2] * rhs.dtype.itemsize
     if mx:
-        rhs_bytes += num_local_groups * n_full * (k // mxfp4.BLOCK)
+        rhs_bytes += num_local_groups * n_full * block_scale.shape[1]
     cost = pl.CostEstimate(
         flops=2 * m * k * n_full,
         transcendentals=m * n_out if activation else 0,

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from tpu_kernels_jax.common import mxfp4
 from tpu_kernels_jax.common.activation import ClampedSwiGLU
 from tpu_kernels_jax.moe import api as moe_api
 from tpu_kernels_jax.moe.tuning import ExpertsBlocks
@@ -312,8 +313,9 @@ def expert_scale(self: torch.nn.Module, proj: str, weight: torch.Tensor, transpo
 def mxfp4_weights(self: torch.nn.Module, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """An MXFP4 expert weight as gpt-oss checkpoints and transformers' MXFP4 conversion name it: `self.<proj>_blocks`
     uint8 [E, out, in / 32, 16] (two e2m1 codes a byte, the low nibble first) and `self.<proj>_scales` uint8
-    [E, out, in / 32] (e8m0), as (blocks [E, out, in / 2], scales), detached (constants); None without
-    `<proj>_blocks`."""
+    [E, out, in / 32] (e8m0), as (blocks [E, out, in / 2], scales), detached (constants); or, once
+    prepare_mxfp4_experts has laid them out (self.mxfp4_prepared), blocks [E, in / 2, out] and scales
+    [E, mxfp4.scale_rows(in), out] as they are. None without `<proj>_blocks`."""
     blocks = getattr(self, f"{proj}_blocks", None)
     if blocks is None:
         return None
@@ -329,6 +331,34 @@ def mxfp4_weights(self: torch.nn.Module, proj: str) -> tuple[torch.Tensor, torch
     if blocks.dim() == 4:
         blocks = blocks.reshape(*blocks.shape[:2], blocks.shape[2] * blocks.shape[3])
     return blocks, scales.detach()
+
+
+def prepare_mxfp4_experts(self: torch.nn.Module) -> torch.nn.Module:
+    """Lay out an MXFP4 experts module's weights once, at load, as the kernels read them (JAX's mxfp4.prepare):
+    each `<proj>_blocks` [E, out, in / 32, 16] becomes [E, in / 2, out] and `<proj>_scales` [E, out, in / 32]
+    becomes [E, mxfp4.scale_rows(in), out] (zero rows past in / 32), and self.mxfp4_prepared is set. A call then
+    reads them with no copy; in the checkpoint's layout every call converts them (an XLA relayout of the scales and
+    the blocks). Returns the module; a second call changes nothing."""
+    if getattr(self, "mxfp4_prepared", False):
+        return self
+    names = ("gate_up_proj" if getattr(self, "has_gate", True) else "up_proj", "down_proj")
+    pairs = [mxfp4_weights(self, proj) for proj in names]
+    for proj, pair in zip(names, pairs):
+        if pair is None:
+            raise ValueError(
+                f"self.{proj}_blocks: prepare_mxfp4_experts needs both projections' MXFP4 blocks, got none"
+            )
+    for proj, (blocks, scales) in zip(names, pairs):
+        k = 2 * blocks.shape[2]
+        prepared = torch.zeros(
+            (scales.shape[0], mxfp4.scale_rows(k), scales.shape[1]), dtype=scales.dtype, device=scales.device
+        )
+        prepared[:, : scales.shape[2]] = scales.transpose(1, 2)
+        for part, tensor in (("blocks", blocks.transpose(1, 2).contiguous()), ("scales", prepared)):
+            delattr(self, f"{proj}_{part}")
+            self.register_buffer(f"{proj}_{part}", tensor)
+    self.mxfp4_prepared = True
+    return self
 
 
 def experts_operands(
@@ -357,12 +387,12 @@ def experts_operands(
     gate_up_bias = weight(self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
     down_bias = weight(self.down_proj_bias) if has_bias else None
     mx_up, mx_down = mxfp4_weights(self, up_name), mxfp4_weights(self, "down_proj")
-    if mx_up is not None or mx_down is not None:  # MXFP4 (gpt-oss checkpoints): the [E, out, in] layout
+    if mx_up is not None or mx_down is not None:  # MXFP4 (gpt-oss checkpoints): [E, out, in], or prepared [E, in, out]
         if mx_up is None or mx_down is None:
             missing = up_name if mx_up is None else "down_proj"
             raise ValueError(f"self.{missing}_blocks: MXFP4 experts need both projections' blocks, got none for it")
         (gate_up, gate_up_scale), (down, down_scale) = mx_up, mx_down
-        transposed = False
+        transposed = bool(getattr(self, "mxfp4_prepared", False))
     else:
         gate_up = weight(self.gate_up_proj if has_gate else self.up_proj)
         transposed = bool(getattr(self, "is_transposed", False))
@@ -431,7 +461,8 @@ def experts_forward(
     channel float32 scales `self.<proj>_scale_inv` [E, N, 1] as transformers' FP8 experts store them (expert_scale;
     constants: no gradient reaches them), or MXFP4 (gpt-oss checkpoints, inference only): `self.<proj>_blocks` uint8
     [E, out, in / 32, 16] with `self.<proj>_scales` uint8 [E, out, in / 32] under the checkpoint's names, read in
-    place of the dense weights (mxfp4_weights; docs/moe.md says how to set a module up); top_k_index int32 or int64
+    place of the dense weights (mxfp4_weights; docs/moe.md says how to set a module up; prepare_mxfp4_experts lays
+    them out once so that a call copies none of them); top_k_index int32 or int64
     (the router's, cast once; on a host tensor the ids must fit int32 and be >= 0). Expert ids >= self.num_experts
     are expert-parallel sentinels and contribute nothing. Returns [T, H] in hidden_states.dtype. Differentiable in
     the hidden states, the routing weights and the expert weights and biases (not through MXFP4 weights).
