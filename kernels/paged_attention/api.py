@@ -142,7 +142,6 @@ def ragged_paged_attention(
         size=size,
     )
     q_rows = jnp.pad(q.astype(compute_dtype), ((0, padded - tokens), (0, 0), (0, 0)))
-    q_rows = q_rows.reshape(padded, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, padded * group, d)
     pages = page_indices.reshape(-1)  # clamped to the cache where the kernel reads them
     sink_rows = None
     if sinks is not None:
@@ -167,7 +166,6 @@ def ragged_paged_attention(
         layout=layout,
         vmem_limit_bytes=chosen.vmem_limit_bytes,
     )
-    out = out.reshape(hkv, padded, group, dv).transpose(1, 0, 2, 3).reshape(padded, hq, dv)
     return out[:tokens].astype(q.dtype)
 
 

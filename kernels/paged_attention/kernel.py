@@ -9,9 +9,11 @@ next visit's pages arrive while this one computes. Decode-like blocks (few query
 token-major with the kv heads minor, and take every head in one matmul (merges_heads); prefill blocks take pairs of
 heads so; head dims that are not whole lane tiles read one kv head as a sublane-strided load of the buffer.
 
-Queries come as [kv_heads, tokens * group, head_dim]: the query heads of one kv head are consecutive rows of one
-token (GQA folded into the rows), so one matmul per kv head serves the whole group. At decode a token's group of heads
-fills the MXU rows that one query row would leave idle.
+Queries come as they are, [tokens, q_heads, head_dim], a block of tokens with every head, and the output leaves so
+(no transposes in XLA around the kernel); a query block's first visit lays each kv head's rows out in VMEM as
+[tokens * group, head_dim]: the query heads of one kv head are consecutive rows of one token (GQA folded into the
+rows), so one matmul per kv head serves the whole group. At decode a token's group of heads fills the MXU rows that
+one query row would leave idle.
 
 Statistics follow the flash attention forward (scores in log2 units, a finite running-max start, -inf for masked
 scores, lane-replicated per-row statistics). Visits that mask: rows of other sequences (a query block may hold many
@@ -245,7 +247,9 @@ def _kernel(
         # scores in log2 units: q scaled once per query block by softmax_scale * k_scale * log2(e) (by
         # softmax_scale * k_scale / softcap under a softcap, whose tanh comes first)
         factor = lay.softmax_scale / lay.softcap if lay.softcap > 0 else lay.softmax_scale * LOG2_E
-        q_scaled_ref[...] = (q_ref[...].astype(jnp.float32) * (factor * k_scale)).astype(q_scaled_ref.dtype)
+        for j in range(lay.kv_heads):  # the group's query heads of one token are consecutive rows
+            q = q_ref[:, pl.ds(j * lay.group, lay.group), :].astype(jnp.float32).reshape(lay.block_rows, d)
+            q_scaled_ref[j] = (q * (factor * k_scale)).astype(q_scaled_ref.dtype)
         m_ref[...] = jnp.full(m_ref.shape, MAX_INIT, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
@@ -373,7 +377,10 @@ def _kernel(
                 rescale = 1.0
             nonzero = l > 0
             inv = jnp.where(nonzero, rescale * v_scale / jnp.where(nonzero, l, 1.0), 0.0)
-            out_ref[j] = (acc_ref[j] * lanes(inv, dv)).astype(out_ref.dtype)
+            out = acc_ref[j] * lanes(inv, dv)
+            out_ref[:, pl.ds(j * lay.group, lay.group), :] = out.reshape(lay.block_q, lay.group, dv).astype(
+                out_ref.dtype
+            )
 
 
 def paged_attention(
@@ -393,9 +400,9 @@ def paged_attention(
     layout,
     vmem_limit_bytes,
 ):
-    """out [kv_heads, tokens * group, Dv] in q's dtype. q_rows [kv_heads, tokens * group, D]; k_pages / v_pages
-    [pages, page_size, kv_heads, D / Dv]; words, kv_blocks, rows: the visit lists, count int32 [>= 1] their length,
-    kv_lens [N] / cu_q_lens [N + 1] the clamped metadata they were built from (schedule.visits); pages
+    """out [tokens, q_heads, Dv] in q's dtype. q_rows [tokens, q_heads, D] (tokens padded to whole blocks); k_pages /
+    v_pages [pages, page_size, kv_heads, D / Dv]; words, kv_blocks, rows: the visit lists, count int32 [>= 1] their
+    length, kv_lens [N] / cu_q_lens [N + 1] the clamped metadata they were built from (schedule.visits); pages
     [seqs * pages_per_seq] int32; scales [2] f32 (k, v) where layout.scales is None (traced scales), else None; sinks
     None or [kv_heads, block_q * group, 128] f32 (the sink logit of each row of a query block, lane-replicated)."""
     lay = layout
@@ -403,9 +410,9 @@ def paged_attention(
     compute_dtype = q_rows.dtype
 
     def q_map(v, words_ref, *_):
-        return 0, words_ref[v] & schedule.QUERY_BLOCK_MASK, 0
+        return words_ref[v] & schedule.QUERY_BLOCK_MASK, 0, 0
 
-    in_specs = [pl.BlockSpec((hkv, rows_per_block, lay.head_dim), q_map)]
+    in_specs = [pl.BlockSpec((lay.block_q, lay.q_heads, lay.head_dim), q_map)]
     operands = [q_rows]
     if lay.scales is None:  # traced scales
         in_specs.insert(0, pl.BlockSpec(memory_space=pltpu.SMEM))
@@ -426,12 +433,12 @@ def paged_attention(
     prefetch = (words, kv_blocks, rows, pages, count, kv_lens, cu_q_lens)
     return pl.pallas_call(
         kernel,
-        out_shape=out_struct((hkv, lay.tokens * lay.group, lay.v_head_dim), q_rows.dtype, prefetch, operands),
+        out_shape=out_struct((lay.tokens, lay.q_heads, lay.v_head_dim), q_rows.dtype, prefetch, operands),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
             grid=(count[0],),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((hkv, rows_per_block, lay.v_head_dim), q_map),
+            out_specs=pl.BlockSpec((lay.block_q, lay.q_heads, lay.v_head_dim), q_map),
             scratch_shapes=[
                 pltpu.VMEM((2, lay.pages_per_block, *k_pages.shape[1:]), k_pages.dtype),
                 pltpu.VMEM((2, lay.pages_per_block, *v_pages.shape[1:]), v_pages.dtype),
