@@ -149,7 +149,9 @@ def widen(block, scales, dtype):
     bits = jnp.where(exponent == 255, 0x7FC00000, jnp.where(exponent == 0, 0, (exponent + shift) << 23))
     scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
     scale = jnp.broadcast_to(scale[:, None, :], (half_k // 16, 16, cols)).reshape(half_k, cols).astype(jnp.bfloat16)
-    return tuple(
-        (quantization.widen(jax.lax.bitcast_convert_type(p, jnp.float8_e4m3fn), jnp.bfloat16) * scale).astype(dtype)
-        for p in planes
-    )
+    widened = []
+    for p in planes:
+        # No rewritten byte is e4m3fn's NaN; -0 (0x80) reads as NaN through e4m3b11 and is made 0 here, in bf16.
+        w = quantization.widen(jax.lax.bitcast_convert_type(p, jnp.float8_e4m3fn), jnp.bfloat16, special_codes=False)
+        widened.append((jnp.where(jnp.isnan(w), jnp.bfloat16(0), w) * scale).astype(dtype))
+    return tuple(widened)

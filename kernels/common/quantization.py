@@ -51,12 +51,16 @@ def widen_factor(dtype) -> float:
     return 16.0 if _via_b11(dtype) else 1.0
 
 
-def widen(block, dtype):
+def widen(block, dtype, *, special_codes=True):
     """A quantized (or float) weight block in VMEM as `dtype` (bf16 / f32) for the MXU, exactly, divided by
-    `widen_factor(block.dtype)`; see the module docstring for float8_e4m3fn."""
+    `widen_factor(block.dtype)`; see the module docstring for float8_e4m3fn. `special_codes=False` skips the
+    fix-up of e4m3fn's -0 and NaN codes where the block is read as e4m3b11 (-0 then comes out NaN, NaN +-30): for a
+    caller whose bytes hold no NaN code and which fixes -0 itself."""
     if not _via_b11(block.dtype):
         return block.astype(dtype)
     as_b11 = jax.lax.bitcast_convert_type(block, jnp.float8_e4m3b11fnuz)
+    if not special_codes:
+        return as_b11.astype(dtype)
     wide = jax.lax.bitcast_convert_type(as_b11.astype(jnp.bfloat16), jnp.int16)
     magnitude = wide & jnp.int16(0x7FFF)
     wide = jnp.where(magnitude > 0x7F80, jnp.int16(0), wide)  # e4m3fn -0, read as NaN: 0
