@@ -591,6 +591,33 @@ def test_blocks_reach_the_kernels(rand):
     assert "flash_attention_dq_sum" in dict(grad_calls(varlen(SMALL), q3, k3, v3))
 
 
+def _forward_output_shapes(fn, *args):
+    """The output shapes of the forward kernel's pallas_calls in fn's program."""
+    shapes = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call" and eqn.params.get("name") == "flash_attention_fwd":
+                shapes.append(tuple(eqn.outvars[0].aval.shape))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+                        walk(getattr(sub, "jaxpr", sub))
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return shapes
+
+
+def test_forward_takes_heads_as_they_lie(rand):
+    """The forward reads q [T, H, D] and writes out [T, H, Dv] as they lie (no relayout into merged heads) where a
+    step's query heads are a multiple of 8 or all of them; otherwise it takes them merged into lanes. Both paths run
+    in the reference checks above (e.g. HEAD_LAYOUTS: 8 query heads a step in place, 2 of 4 merged)."""
+    for (hq, hkv, d), expected in (((8, 1, 128), (300, 8, 128)), ((8, 4, 64), (300, 8 * 64))):
+        q, k, v = _inputs(rand, 1, 300, 200, hq, hkv, d, dtype=jnp.bfloat16)
+        shapes = _forward_output_shapes(lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL), q, k, v)
+        assert shapes == [expected], (hq, hkv, d, shapes)
+
+
 def test_empty_inputs(rand):
     q, k, v = _inputs(rand, 2, 0, 5, 4, 2, 64)
     assert tk.flash_attention(q, k, v).shape == (2, 0, 4, 64)

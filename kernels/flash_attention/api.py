@@ -108,15 +108,16 @@ def _plan(geometry, lo, hi, xp, size=None, *, fused: bool, slot_bound: int | Non
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _attention(geometry, vmem_limit, with_lse, static_counts, dq_slots, q2d, k2d, v2d, sinks, plan):
-    return _attention_fwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, q2d, k2d, v2d, sinks, plan)[0]
+def _attention(geometry, vmem_limit, with_lse, static_counts, dq_slots, q3d, k2d, v2d, sinks, plan):
+    return _attention_fwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, q3d, k2d, v2d, sinks, plan)[0]
 
 
-def _attention_fwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, q2d, k2d, v2d, sinks, plan):
+def _attention_fwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, q3d, k2d, v2d, sinks, plan):
+    g = geometry
     qinfo, _, q_visits, _, q_count, _, status, _, _ = plan
     count = q_count if static_counts is None else static_counts[0]
     out, lse = forward.forward(
-        q2d,
+        q3d,
         k2d,
         v2d,
         qinfo,
@@ -129,12 +130,17 @@ def _attention_fwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, q2d,
         vmem_limit_bytes=vmem_limit,
     )
     result = (out, lse) if with_lse else (out, None)
-    return result, (q2d, k2d, v2d, sinks, plan, out, lse)
+    # the backward's kernels take q and out with heads merged into lanes; merged here (an XLA relayout where the
+    # forward took them as they lie), which inference, not differentiating, never runs
+    q2d = q3d.reshape(g.q_rows, g.q_heads * g.head_dim)
+    out2d = out.reshape(g.q_rows, g.q_heads * g.v_head_dim)
+    return result, (q2d, k2d, v2d, sinks, plan, out2d, lse)
 
 
 def _attention_bwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, residuals, cotangents):
     q2d, k2d, v2d, sinks, plan, out, lse = residuals
     d_out, d_lse = cotangents
+    d_out = d_out.reshape(out.shape)
     dq, dk, dv, dsinks = backward.backward(
         q2d,
         k2d,
@@ -151,6 +157,7 @@ def _attention_bwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, resi
         dq_slots=dq_slots,
     )
     plan_cotangents = tuple(None for _ in plan)
+    dq = dq.reshape(geometry.q_rows, geometry.q_heads, geometry.head_dim)
     return dq, dk, dv, cotangent_like(dsinks, sinks), plan_cotangents
 
 
@@ -161,13 +168,13 @@ def _call(q3d, k3d, v3d, sinks, lo, hi, xp, size, *, geometry, vmem_limit, with_
     """q3d [Tq, Hq, D], k3d [Tk, Hkv, D], v3d [Tk, Hkv, Dv] -> out [Tq, Hq, Dv], lse [Hq, Tq] or None."""
     g = geometry
     compute_dtype = jnp.float32 if q3d.dtype == jnp.float16 else q3d.dtype  # float16 runs as float32 on TPU
-    q2d = q3d.astype(compute_dtype).reshape(g.q_rows, g.q_heads * g.head_dim)
+    q = q3d.astype(compute_dtype)
     k2d = k3d.astype(compute_dtype).reshape(g.kv_rows, g.kv_heads * g.head_dim)
     v2d = v3d.astype(compute_dtype).reshape(g.kv_rows, g.kv_heads * g.v_head_dim)
     sinks32 = None if sinks is None else sinks.astype(jnp.float32)
     plan, static_counts, dq_slots = _plan(g, lo, hi, xp, size, fused=fused, slot_bound=slot_bound)
-    out, lse = _attention(g, vmem_limit, with_lse, static_counts, dq_slots, q2d, k2d, v2d, sinks32, plan)
-    out = out.reshape(g.q_rows, g.q_heads, g.v_head_dim).astype(q3d.dtype)
+    out, lse = _attention(g, vmem_limit, with_lse, static_counts, dq_slots, q, k2d, v2d, sinks32, plan)
+    out = out.astype(q3d.dtype)
     if with_lse:
         lse = lse.transpose(0, 2, 1).reshape(g.q_heads, g.q_rows)
     return out, lse

@@ -7,6 +7,11 @@ query block; the running max, sum and output accumulate in VMEM scratch and are 
 whose pair is wholly kept skip the mask; key blocks no row needs are never read. The running max starts at a finite
 value (MAX_INIT) and masked scores are -inf, so that a row with nothing kept yet gets zero probabilities from exp2
 itself; per-row statistics are kept lane-replicated, (bq, 128), so that they meet the scores as whole vregs.
+
+Layout: K and V come merged, [Tk, Hkv * D]. q and the output are taken as they lie, [Tq, Hq, D] blocks of a step's
+query heads, where those are a multiple of 8 or all heads (heads_in_place): merged into lanes in registers at the
+query block's first visit and split back at its last, so that a [B, S, H, D] program input needs no relayout copy;
+otherwise merged like K and V.
 """
 
 import functools
@@ -54,7 +59,11 @@ def _forward_kernel(
     def _init():
         # Scores are taken in log2 units (exp2 is the EUP's native exponential): q is scaled once per query block by
         # softmax_scale * log2(e) (by softmax_scale / softcap under a softcap, whose tanh comes first).
-        q_scaled_ref[...] = (q_ref[...].astype(jnp.float32) * query_scale(g)).astype(q_scaled_ref.dtype)
+        q = q_ref[...]
+        if q.ndim == 3:
+            # [bq, heads, D] as the array lies: merged into lanes in registers, once per query block
+            q = q.reshape(g.block_q, g.heads_per_step * d)
+        q_scaled_ref[...] = (q.astype(jnp.float32) * query_scale(g)).astype(q_scaled_ref.dtype)
         m_ref[...] = jnp.full(m_ref.shape, MAX_INIT, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
@@ -108,6 +117,7 @@ def _forward_kernel(
     @pl.when((word & schedule.LAST) != 0)
     def _finalize():
         overflow = status_ref[0] != 0
+        outs = []
         for h in range(g.heads_per_step):
             m = m_ref[h][:, 0:1]
             l = l_ref[h][:, 0:1]
@@ -123,10 +133,17 @@ def _forward_kernel(
             # a visit list that overflowed its static size (a varlen call whose max_seqlen understated a length)
             # must not pass for a result: every output is NaN
             inv = jnp.where(overflow, jnp.nan, inv)
-            out_ref[:, h * dv : (h + 1) * dv] = (acc_ref[h] * inv).astype(out_ref.dtype)
+            out = (acc_ref[h] * inv).astype(out_ref.dtype)
+            if len(out_ref.shape) == 3:
+                outs.append(out)
+            else:
+                out_ref[:, h * dv : (h + 1) * dv] = out
             if with_lse:
                 lse = (m_final + jnp.log2(jnp.where(nonzero, l, 1.0))) * LN_2
                 lse_ref[:, h : h + 1] = jnp.where(overflow, jnp.nan, jnp.where(nonzero, lse, jnp.inf))
+        if outs:
+            # the heads merged in lanes, then split to [bq, heads, Dv] in registers: the array as flash-attn lays it
+            out_ref[...] = jnp.concatenate(outs, axis=1).reshape(out_ref.shape)
 
 
 def sums_on_mxu(geometry: Geometry, dtype, info) -> bool:
@@ -137,18 +154,30 @@ def sums_on_mxu(geometry: Geometry, dtype, info) -> bool:
     return dtype == jnp.bfloat16 and dv % LANES == 0 and (-dv) % info.mxu_column_size == LANES
 
 
+def heads_in_place(geometry: Geometry) -> bool:
+    """Whether the forward takes q [Tq, Hq, D] and writes out [Tq, Hq, Dv] as they lie (heads second-minor, no
+    relayout into the merged [Tq, Hq * D]): a step's query heads must be a multiple of 8 sublanes or all heads."""
+    hs = geometry.heads_per_step
+    return hs % 8 == 0 or hs == geometry.q_heads
+
+
 def forward(
-    q2d, k2d, v2d, qinfo, visits, count, status, sinks, *, geometry: Geometry, with_lse: bool, vmem_limit_bytes
+    q3d, k2d, v2d, qinfo, visits, count, status, sinks, *, geometry: Geometry, with_lse: bool, vmem_limit_bytes
 ):
-    """out [Tq, Hq * Dv] (and lse [head groups, Tq, heads per step] f32). qinfo [Tq padded, 2] int32 (lo, hi);
-    visits [V] int32 words; count: visits to run (int or int32 scalar, at most V); status [1] int32 (1: overflow);
-    sinks None or [Hq] f32."""
+    """out [Tq, Hq, Dv] (and lse [head groups, Tq, heads per step] f32). q3d [Tq, Hq, D]; k2d [Tk, Hkv * D], v2d
+    [Tk, Hkv * Dv]; qinfo [Tq padded, 2] int32 (lo, hi); visits [V] int32 words; count: visits to run (int or int32
+    scalar, at most V); status [1] int32 (1: overflow); sinks None or [Hq] f32."""
     g = geometry
     hs, d, dv = g.heads_per_step, g.head_dim, g.v_head_dim
     bq, bk = g.block_q, g.block_kv
+    in_place = heads_in_place(g)
+    q = q3d if in_place else q3d.reshape(g.q_rows, g.q_heads * d)
 
     def q_map(group, v, visits_ref, status_ref):
         return schedule.unpack(visits_ref[v])[0], group
+
+    def q3_map(group, v, visits_ref, status_ref):
+        return schedule.unpack(visits_ref[v])[0], group, 0
 
     def kv_map(group, v, visits_ref, status_ref):
         return schedule.unpack(visits_ref[v])[1], group
@@ -161,16 +190,20 @@ def forward(
 
     in_specs = [
         pl.BlockSpec((bq, 2), qinfo_map),
-        pl.BlockSpec((bq, hs * d), q_map),
+        pl.BlockSpec((bq, hs, d), q3_map) if in_place else pl.BlockSpec((bq, hs * d), q_map),
         pl.BlockSpec((bk, g.kv_heads_per_step * d), kv_map),
         pl.BlockSpec((bk, g.kv_heads_per_step * dv), kv_map),
     ]
-    operands = [qinfo, q2d, k2d, v2d]
+    operands = [qinfo, q, k2d, v2d]
     if sinks is not None:
         in_specs.insert(0, pl.BlockSpec(memory_space=pltpu.SMEM))
         operands.insert(0, sinks)
-    out_shape = [out_struct((g.q_rows, g.q_heads * dv), q2d.dtype, visits, status, operands)]
-    out_specs = [pl.BlockSpec((bq, hs * dv), q_map)]
+    if in_place:
+        out_shape = [out_struct((g.q_rows, g.q_heads, dv), q.dtype, visits, status, operands)]
+        out_specs = [pl.BlockSpec((bq, hs, dv), q3_map)]
+    else:
+        out_shape = [out_struct((g.q_rows, g.q_heads * dv), q.dtype, visits, status, operands)]
+        out_specs = [pl.BlockSpec((bq, hs * dv), q_map)]
     if with_lse:
         out_shape.append(out_struct((g.head_groups, g.q_rows, hs), jnp.float32, visits, status, operands))
         out_specs.append(pl.BlockSpec((None, bq, hs), lse_map))
@@ -185,7 +218,7 @@ def forward(
     cost = pl.CostEstimate(
         flops=flops * visits.shape[0],
         transcendentals=g.q_heads * g.block_q * g.block_kv * visits.shape[0],
-        bytes_accessed=q2d.size * q2d.dtype.itemsize * 2 + (k2d.size + v2d.size) * k2d.dtype.itemsize,
+        bytes_accessed=q.size * q.dtype.itemsize * 2 + (k2d.size + v2d.size) * k2d.dtype.itemsize,
     )
     results = pl.pallas_call(
         kernel,
@@ -196,7 +229,7 @@ def forward(
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=[
-                pltpu.VMEM((bq, hs * d), q2d.dtype),
+                pltpu.VMEM((bq, hs * d), q.dtype),
                 pltpu.VMEM((hs, bq, LANES), jnp.float32),
                 pltpu.VMEM((hs, bq, LANES), jnp.float32),
                 pltpu.VMEM((hs, bq, dv), jnp.float32),
@@ -208,4 +241,5 @@ def forward(
         cost_estimate=cost,
         name="flash_attention_fwd",
     )(visits, status, *operands)
-    return results if with_lse else (results[0], None)
+    out = results[0].reshape(g.q_rows, g.q_heads, dv)
+    return out, (results[1] if with_lse else None)

@@ -2,10 +2,11 @@
 heads sit in the lanes of its blocks, the mask of a visit, and the scores with scale and softcap.
 
 Layout. q [Tq, Hq * D], k [Tk, Hkv * D], v [Tk, Hkv * Dv] (flash-attn's [B, S, H, D] and its varlen [T, H, D] viewed
-with heads and head dim merged, no copy). The query heads of kv head j are Hq / Hkv consecutive heads, so one grid step
-takes `kv_heads` kv heads and their query heads as one lane block of each array: every K/V block is read once for
-all query heads of its group (GQA without repeating K/V). A lane block must be a multiple of 128 lanes (or all
-heads), which sets the fewest kv heads a step can take (two at head dim 64).
+with heads and head dim merged; the forward merges q's heads in registers where it can, forward.heads_in_place).
+The query heads of kv head j are Hq / Hkv consecutive heads, so one grid step takes `kv_heads` kv heads and their
+query heads as one lane block of each array: every K/V block is read once for all query heads of its group (GQA
+without repeating K/V). A lane block must be a multiple of 128 lanes (or all heads), which sets the fewest kv heads
+a step can take (two at head dim 64).
 """
 
 import dataclasses
