@@ -19,8 +19,10 @@ sequence): forward 2 * kept * (D + Dv) per query head (two matmuls), backward 2 
 recompute, dp = do v^T, dv, dq, dk; flash-attn's 2.5x the forward), or the HBM bytes if those take longer.
 
 Implementations (all compiled by the same compiler in the same run, modeled on one TensorCore). On v5e / v6e the
-flash-attn layout costs every one of them a relayout of q and of the output in XLA (the (8, 128) tiles of [.., H, D]
-are not those of the [T, H * D] or [H, S, D] views the kernels take): 2 x 409 µs at Qwen3's 32768 tokens on v6e.
+flash-attn layout costs every baseline a relayout of q and of the output in XLA (the (8, 128) tiles of [.., H, D] are
+not those of the [T, H * D] or [H, S, D] views the kernels take): 2 x 409 µs at Qwen3's 32768 tokens on v6e. Ours
+takes q and the output as they lie where a step's query heads are a multiple of 8 (Qwen3, Gemma 4 full) and pays
+only K/V's relayout there (docs/flash_attention.md, Layout).
 - default: XLA attention, the plain jnp composition: bf16 matmuls with f32 scores and softmax. It materialises the
   scores, so it runs per chunk of sequences and query rows with at most 2^30 scores each (the whole batch's scores
   would not fit HBM from S = 8192); varlen: per sequence, with the lengths known at trace time. With a mask XLA
