@@ -33,12 +33,14 @@ if importlib.util.find_spec("torch") is None:
     # environment only.
     collect_ignore_glob = ["test_*_torch.py", "test_hub_package.py", "test_benchmarks.py", "test_imports.py"]
 
+import cpu_compiles  # noqa: E402
 import jax  # noqa: E402  (after the environment above)
 from hub import hub_root  # noqa: E402,F401  (shared fixtures)
 from ladder import COMPILE_STATS, moe_path  # noqa: E402,F401
 from ladder import rand as rand  # noqa: E402  (the fixture)
 
 jax.config.update("jax_num_cpu_devices", HOST_DEVICES)  # before the backend starts
+assert cpu_compiles.lowest_optimization_for_cpu_compiles(), "jax's backend compile hook moved: see cpu_compiles.py"
 
 
 @pytest.hookimpl(wrapper=True)

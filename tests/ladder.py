@@ -243,34 +243,25 @@ _NEEDS_CONCRETE_VALUES = (
 )
 
 
-# XLA:CPU compile options for a check's programs, opt-in (`fast_compile=True`): LLVM without its optimisation passes.
-# A gradient check's time is mostly the XLA:CPU compiles of its interpreted kernel program and its reference (measured,
-# flash attention's fused gradient at 136 x 260: 10.0 s of compile -> 5.2 s, the run no slower; the gradients agree
-# with the optimised program's to 1e-6, last-bit differences of another instruction order). The interpreter's checks
-# (races, bounds, NaN-poisoned buffers) are the program's semantics, not the compiler's.
-FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
-
-
-def run_reference(reference_fn, *args, compiler_options=None):
+def run_reference(reference_fn, *args):
     """reference_fn(*args), jitted: one XLA compile for the whole reference instead of one per jnp op, which is what
     an eager reference costs on each new shape (most of a reference check's time). Non-array arguments are static.
     A reference that needs concrete values runs eagerly."""
     static = tuple(i for i, a in enumerate(args) if isinstance(a, (bool, int, float, str, tuple)))
     try:
-        return jax.jit(reference_fn, static_argnums=static, compiler_options=compiler_options)(*args)
+        return jax.jit(reference_fn, static_argnums=static)(*args)
     except _NEEDS_CONCRETE_VALUES:
         return reference_fn(*args)
 
 
 def check_against_reference(
-    kernel_fn, reference_fn, args, *, dtype, rand=None, rtol=None, atol=None, names=None, fast_compile=False
+    kernel_fn, reference_fn, args, *, dtype, rand=None, rtol=None, atol=None, names=None, jit_kernel=False
 ):
     """Rung 1: kernel (strict interpret mode) vs reference on the same inputs; compares every output leaf.
-    fast_compile: the kernel call runs jitted (its argument checks then see tracers: only for valid inputs whose call
-    does not branch on their values) and both programs compile with FAST_COMPILE_OPTIONS."""
-    options = FAST_COMPILE_OPTIONS if fast_compile else None
-    actual = run_interpreted(jax.jit(kernel_fn, compiler_options=options) if fast_compile else kernel_fn, *args)
-    expected = run_reference(reference_fn, *args, compiler_options=options)
+    jit_kernel: the kernel call runs as one jitted program, one XLA:CPU compile instead of one per op around the
+    kernel (its argument checks then see tracers: only for valid inputs whose call does not branch on their values)."""
+    actual = run_interpreted(jax.jit(kernel_fn) if jit_kernel else kernel_fn, *args)
+    expected = run_reference(reference_fn, *args)
     actual_leaves = jax.tree_util.tree_leaves(actual)
     expected_leaves = jax.tree_util.tree_leaves(expected)
     assert len(actual_leaves) == len(expected_leaves), "kernel and reference return different structures"
@@ -294,21 +285,18 @@ def vjp_loss(outs, cotangents=None):
     return sum(jnp.sum(leaf.astype(jnp.float32) * c) for leaf, c in zip(leaves, cotangent_leaves))
 
 
-def check_forward_and_gradients(
-    kernel, reference, args, *, argnums, names, rand, dtype, out_tolerance, grad_tolerance, fast_compile=False
-):
+def check_forward_and_gradients(kernel, reference, args, *, argnums, names, rand, dtype, out_tolerance, grad_tolerance):
     """The output and its gradients w.r.t. args[argnums] under one fixed random cotangent (vjp_loss), kernel
     (strict interpret mode) against reference: forward and backward in one program each (one compile instead of
-    two). Returns the kernel's output. fast_compile: both programs compiled with FAST_COMPILE_OPTIONS."""
+    two). Returns the kernel's output."""
     cotangents = rand.cotangents(reference, *args)
-    options = FAST_COMPILE_OPTIONS if fast_compile else None
 
     def forward_and_gradients(fn):
         grad = jax.grad(lambda *a: vjp_loss(fn(*a), cotangents), argnums=argnums)
         return lambda *a: (fn(*a), grad(*a))
 
-    out, grads = run_interpreted(jax.jit(forward_and_gradients(kernel), compiler_options=options), *args)
-    expected_out, expected_grads = run_reference(forward_and_gradients(reference), *args, compiler_options=options)
+    out, grads = run_interpreted(jax.jit(forward_and_gradients(kernel)), *args)
+    expected_out, expected_grads = run_reference(forward_and_gradients(reference), *args)
     assert out.dtype == expected_out.dtype, f"output: dtype {out.dtype} != reference {expected_out.dtype}"
     assert_close(out, expected_out, dtype=dtype, context=repr(rand), **out_tolerance)
     for name, actual, expected in zip(names, grads, expected_grads, strict=True):
@@ -329,25 +317,23 @@ def check_gradients(
     atol=None,
     rtol=None,
     interpret=True,
-    fast_compile=False,
 ):
     """Gradients of kernel_fn and reference_fn w.r.t. args[argnums] under one fixed random cotangent (vjp_loss).
 
     The kernel's gradient runs jitted in strict interpret mode (rung 1), the reference's through run_reference.
     `atol` / `rtol` may be a number or a dict keyed by gradient name (sums over many rows carry bf16 rounding
     further); a value may also be a function of the expected gradient (a bound relative to the size of the summed
-    terms). fast_compile: both gradient programs compiled with FAST_COMPILE_OPTIONS.
+    terms).
     """
     argnums = tuple(argnums)
     cotangents = rand.cotangents(reference_fn, *args)
-    options = FAST_COMPILE_OPTIONS if fast_compile else None
 
     def loss_of(fn):
         return jax.grad(lambda *a: vjp_loss(fn(*a), cotangents), argnums=argnums)
 
-    kernel_grad = jax.jit(loss_of(kernel_fn), compiler_options=options)
+    kernel_grad = jax.jit(loss_of(kernel_fn))
     actual = run_interpreted(kernel_grad, *args) if interpret else kernel_grad(*args)
-    expected = run_reference(loss_of(reference_fn), *args, compiler_options=options)
+    expected = run_reference(loss_of(reference_fn), *args)
     names = names or [f"d arg {i}" for i in argnums]
     assert len(names) == len(argnums), "one name per differentiated argument"
     for name, a, e in zip(names, actual, expected):

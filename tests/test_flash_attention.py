@@ -78,12 +78,10 @@ def test_forward_matches_reference(rand, feature):
     def kernel(q, k, v, sinks):
         return tk.flash_attention(q, k, v, sinks=sinks, return_lse=True, blocks=SMALL, **options)
 
-    fast = ladder.FAST_COMPILE_OPTIONS
-    out, lse = ladder.run_interpreted(jax.jit(kernel, compiler_options=fast), *args)
+    out, lse = ladder.run_interpreted(jax.jit(kernel), *args)
     ref_out, ref_lse = ladder.run_reference(
         lambda q, k, v, sinks: attention_reference(q, k, v, sinks=sinks, return_lse=True, **options),
         *args,
-        compiler_options=fast,
     )
     # at scale 1.0 the logits are sqrt(D) = 8x the default scale's, and f32 exp rounding grows with the logit
     tol = dict(F32_TOL, atol=8 * F32_TOL["atol"]) if feature == "scale_one" else F32_TOL
@@ -108,7 +106,7 @@ def test_head_dims_and_gqa(rand, layout):
         dtype=jnp.float32,
         rand=rand,
         **F32_TOL,
-        fast_compile=True,
+        jit_kernel=True,
     )
 
 
@@ -123,7 +121,7 @@ def test_low_precision_dtypes(rand, dtype):
         (q, k, v),
         dtype=dtype,
         rand=rand,
-        fast_compile=True,
+        jit_kernel=True,
     )
 
 
@@ -141,11 +139,8 @@ def test_row_sums_on_the_mxu(rand):
     q, k, v = _inputs(rand, 2, 300, 200, 4, 2, 128, dtype=jnp.bfloat16)
     sinks = rand.normal((4,), scale=2.0)
     options = dict(causal=True, window_size=(90, 0), sinks=sinks)
-    fast = ladder.FAST_COMPILE_OPTIONS
     out, lse = ladder.run_interpreted(
-        jax.jit(
-            lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL, return_lse=True, **options), compiler_options=fast
-        ),
+        jax.jit(lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL, return_lse=True, **options)),
         q,
         k,
         v,
@@ -153,7 +148,6 @@ def test_row_sums_on_the_mxu(rand):
     ref_out, ref_lse = ladder.run_reference(
         lambda q, k, v: attention_reference(q, k, v, return_lse=True, **options),
         *(x.astype(jnp.float32) for x in (q, k, v)),
-        compiler_options=fast,
     )
     ladder.assert_close(out, ref_out, dtype=jnp.bfloat16, what="out", context=repr(rand))
     lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
@@ -171,7 +165,7 @@ def test_default_blocks_one_block_per_sequence(rand):
         dtype=jnp.float32,
         rand=rand,
         **F32_TOL,
-        fast_compile=True,
+        jit_kernel=True,
     )
 
 
@@ -196,7 +190,6 @@ def test_gradients_match_reference(rand, feature):
         names=["dq", "dk", "dv", "dsinks"][: len(argnums)],
         atol=1e-4,
         rtol=1e-4,
-        fast_compile=True,
     )
 
 
@@ -222,7 +215,6 @@ def test_gradients_gqa_head_dims(rand, layout):
         names=["dq", "dk", "dv"],
         atol=1e-4,
         rtol=1e-4,
-        fast_compile=True,
     )
 
 
@@ -241,7 +233,6 @@ def test_gradient_of_the_log_sum_exp(rand, blocks):
         names=["dq", "dk", "dv", "dsinks"],
         atol=1e-4,
         rtol=1e-4,
-        fast_compile=True,
     )
 
 
@@ -257,7 +248,6 @@ def test_bfloat16_gradients(rand):
         names=["dq", "dk", "dv"],
         atol=5e-2,
         rtol=5e-2,
-        fast_compile=True,
     )
 
 
@@ -292,8 +282,7 @@ def test_varlen_matches_reference(rand, feature):
 
     # one jitted program with cu_seqlens closed over: constants of it, so that the host checks see their values (the
     # traced cu_seqlens are test_varlen_traced_cu_seqlens_and_gradients')
-    fast = ladder.FAST_COMPILE_OPTIONS
-    out, lse = ladder.run_interpreted(jax.jit(kernel, compiler_options=fast), q, k, v, sinks)
+    out, lse = ladder.run_interpreted(jax.jit(kernel), q, k, v, sinks)
     # the reference slices by concrete offsets: closed over, so that it runs as one jitted program
     ref_out, ref_lse = ladder.run_reference(
         lambda q, k, v, sinks: varlen_attention_reference(q, k, v, cu_q, cu_k, sinks=sinks, return_lse=True, **options),
@@ -301,7 +290,6 @@ def test_varlen_matches_reference(rand, feature):
         k,
         v,
         sinks,
-        compiler_options=fast,
     )
     ladder.assert_close(out, ref_out, dtype=jnp.float32, what="out", context=repr(rand), **F32_TOL)
     _assert_lse_close(lse, ref_lse, "lse", rand)
@@ -326,7 +314,6 @@ def test_varlen_traced_cu_seqlens_and_gradients(rand, blocks):
         names=["dq", "dk", "dv"],
         atol=1e-4,
         rtol=1e-4,
-        fast_compile=True,
     )
 
 
@@ -339,7 +326,6 @@ def test_varlen_understated_max_seqlen_is_nan_not_wrong(rand):
     k = rand.normal((1001, 1, 128))
     fn = jax.jit(
         lambda q, k, v, a, b: tk.flash_attention_varlen(q, k, v, a, b, 200, 1, blocks=SMALL),
-        compiler_options=ladder.FAST_COMPILE_OPTIONS,
     )
     out = ladder.run_interpreted(fn, q, k, k, cu_q, cu_k)
     assert np.isnan(np.asarray(out)).all()

@@ -84,9 +84,8 @@ class Batch:
 
 
 def _jit(fn):
-    """The interpreted kernel's program compiled without XLA:CPU's optimisation passes (ladder.FAST_COMPILE_OPTIONS:
-    most of an interpreted check's time is that compile; the interpreter's checks are the program's semantics)."""
-    return jax.jit(fn, compiler_options=ladder.FAST_COMPILE_OPTIONS)
+    """The interpreted kernel's call as one jitted program: one XLA:CPU compile instead of one per op around it."""
+    return jax.jit(fn)
 
 
 def _check(rand, batch, *, dtype=jnp.float32, tol=None, blocks=None, **options):

@@ -75,7 +75,7 @@ def test_rms_norm_matches_reference(rand, blocks_for, dtype, hidden):
         (x, weight),
         dtype=dtype,
         rand=rand,
-        fast_compile=True,
+        jit_kernel=True,
     )
 
 
@@ -98,7 +98,7 @@ def test_fused_add_rms_norm_matches_reference(rand, blocks_for, dtype, hidden):
         dtype=dtype,
         rand=rand,
         names=["normed", "sum"],
-        fast_compile=True,
+        jit_kernel=True,
     )
     # The sum output is exact: the f32 sum rounded once to x.dtype.
     _, expected_total = fused_add_rms_norm_reference(x, residual, weight, 1e-5)
@@ -142,7 +142,6 @@ def test_rms_norm_gradients(rand, blocks_for, dtype, with_weight):
         rand=rand,
         dtype=dtype,
         atol=5e-2 if dtype == jnp.bfloat16 else 1e-4,
-        fast_compile=True,
     )
 
 
@@ -169,7 +168,6 @@ def test_fused_add_rms_norm_gradients(rand, blocks_for, dtype):
         rand=rand,
         dtype=dtype,
         atol=5e-2 if dtype == jnp.bfloat16 else 1e-4,
-        fast_compile=True,
     )
 
 

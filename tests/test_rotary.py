@@ -70,7 +70,7 @@ def test_apply_rotary_matches_reference(rand, case, blocks):
         dtype=dtype,
         rand=rand,
         names=["q", "k"],
-        fast_compile=True,
+        jit_kernel=True,
     )
 
 
@@ -116,7 +116,6 @@ def test_apply_rotary_gradients(rand, case):
         rand=rand,
         dtype=dtype,
         atol=6e-2 if dtype == BF16 else 1e-4,
-        fast_compile=True,
     )
 
 
@@ -160,7 +159,7 @@ def test_rms_norm_rope_matches_reference(rand, case):
         dtype=dtype,
         rand=rand,
         names=["q", "k"],
-        fast_compile=True,
+        jit_kernel=True,
     )
 
 
@@ -188,7 +187,6 @@ def test_rms_norm_rope_gradients(rand, dtype):
         dtype=dtype,
         atol=atols,
         rtol=5e-2 if dtype == BF16 else 1e-4,
-        fast_compile=True,
     )
 
 
@@ -259,7 +257,7 @@ def test_apply_rotary_from_positions_matches_reference(rand, case):
         rtol=1e-4,
         atol=1e-4,
         names=["q", "k"],
-        fast_compile=True,
+        jit_kernel=True,
     )
 
 
@@ -293,7 +291,7 @@ def test_proportional_zero_frequencies_skip_transcendentals(rand, monkeypatch, f
         rand=rand,
         names=["q", "k"],
         **tol,
-        fast_compile=True,
+        jit_kernel=True,
     )
     ladder.check_against_reference(
         lambda q, k, p: tk.apply_rotary_from_positions(q, k, p, **opts),
@@ -303,7 +301,7 @@ def test_proportional_zero_frequencies_skip_transcendentals(rand, monkeypatch, f
         rand=rand,
         names=["q", "k"],
         **tol,
-        fast_compile=True,
+        jit_kernel=True,
     )
     jax.clear_caches()
     assert seen and set(seen) == {("lanes", angle_lanes, 512)}, f"(packing, angle lanes, table width): {seen}"
@@ -338,7 +336,7 @@ def test_from_positions_layouts_norm_and_gradients(rand, layout, interleaved, dt
         dtype=dtype,
         rand=rand,
         names=["q", "k"],
-        fast_compile=True,
+        jit_kernel=True,
     )
 
     ladder.check_gradients(
@@ -350,7 +348,6 @@ def test_from_positions_layouts_norm_and_gradients(rand, layout, interleaved, dt
         rand=rand,
         dtype=dtype,
         atol=5e-2 if dtype == BF16 else 1e-4,
-        fast_compile=True,
     )
 
 
@@ -405,7 +402,7 @@ def test_token_major_factor_rows(rand, case, factor_rows):
             rand=rand,
             names=["q", "k"],
             **tol,
-            fast_compile=True,
+            jit_kernel=True,
         )
     elif op == "norm":
         cos, sin = cos.astype(dtype), sin.astype(dtype)
@@ -420,7 +417,7 @@ def test_token_major_factor_rows(rand, case, factor_rows):
             dtype=dtype,
             rand=rand,
             names=["q", "k"],
-            fast_compile=True,
+            jit_kernel=True,
         )
     else:
         kernel_fn, args = (
@@ -437,7 +434,7 @@ def test_token_major_factor_rows(rand, case, factor_rows):
             rand=rand,
             names=["q", "k"],
             **tol,
-            fast_compile=True,
+            jit_kernel=True,
         )
     calls = ladder.pallas_calls(kernel_fn, *args)
     assert [c.scratch_operands for c in calls] == [int(blocks.broadcast_loads)], f"{factor_rows}: {calls}"
@@ -539,7 +536,7 @@ def test_positions_layouts_and_cos_sin_packing(rand, monkeypatch, case):
             rand=rand,
             names=["q", "k"],
             **(dict(rtol=1e-4, atol=1e-3) if dtype == F32 else {}),
-            fast_compile=True,
+            jit_kernel=True,
         )
     else:
         ladder.check_against_reference(
@@ -551,7 +548,7 @@ def test_positions_layouts_and_cos_sin_packing(rand, monkeypatch, case):
             rtol=1e-4,
             atol=1e-4,
             names=["q", "k"],
-            fast_compile=True,
+            jit_kernel=True,
         )
     assert seen and {(s.mode, s.packing) for s in seen} == {(mode, packing)}, f"layouts reached: {seen}"
 
