@@ -9,7 +9,7 @@ from .flash_attention.api import flash_attention, flash_attention_varlen
 from .flash_attention.tuning import FlashAttentionBlocks
 from .kv_cache.api import block_table_slots, rope_and_write_kv_cache, write_kv_cache
 from .kv_cache.tuning import KVCacheBlocks
-from .moe.api import experts_forward
+from .moe.api import experts_forward, prepare_mxfp4_experts
 from .moe.expert_parallel import expert_parallel_experts_forward, experts_forward_shard
 from .moe.tuning import ExpertsBlocks
 from .paged_attention.api import ragged_paged_attention
@@ -48,6 +48,7 @@ __all__ = [
     "flash_attention_varlen",
     "fused_add_rms_norm",
     "interpret_on_cpu",
+    "prepare_mxfp4_experts",
     "ragged_paged_attention",
     "ragged_dot",
     "RmsNormBlocks",

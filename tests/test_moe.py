@@ -927,7 +927,7 @@ def test_mxfp4_experts_match_dequantized_reference(rand):
     down_blocks = down_blocks.reshape(experts, hidden, inter // 2)
     biases = rand.normal((experts, 2 * inter), BF16), rand.normal((experts, hidden), BF16)
     kw = dict(activation=ClampedSwiGLU(limit=7.0, alpha=1.702), gate_layout="interleaved")
-    prepared = api.prepare_mxfp4_experts(up_blocks, up_scales, down_blocks, down_scales)
+    prepared = tk.prepare_mxfp4_experts(up_blocks, up_scales, down_blocks, down_scales)
     assert [p.shape for p in prepared] == [(4, 64, 128), (4, 32, 128), (4, 32, 128), (4, 32, 128)]
     args = (x, index, w.astype(BF16), prepared[0], prepared[2], prepared[1], prepared[3], *biases)
 

@@ -915,7 +915,7 @@ def test_mxfp4_gpt_oss_experts_match_transformers_dequantized_experts(rand):
         config._experts_implementation = EXPERTS_IMPLEMENTATION
         out = experts(x, index, weights)
         # Laid out once as the kernels read them: the same kernel on the same bytes as the per-call conversion.
-        assert moe_ops.prepare_mxfp4_experts(experts) is experts and experts.mxfp4_prepared
+        assert tpu_kernels.prepare_mxfp4_experts(experts) is experts and experts.mxfp4_prepared
         assert tuple(experts.down_proj_blocks.shape) == (4, 32, 128)
         assert tuple(experts.down_proj_scales.shape) == (4, 32, 128)
         prepared = experts(x, index, weights)

@@ -17,7 +17,7 @@ from ._ops import add_op_namespace_prefix, ops
 from .expert_parallel_ops import expert_parallel_experts, expert_parallel_op  # noqa: F401  (torch op over a mesh)
 from .flash_attention_ops import attention_forward, flash_attn_func, flash_attn_varlen_func
 from .kv_cache_ops import reshape_and_cache_flash
-from .moe_ops import experts_forward, ragged_dot
+from .moe_ops import experts_forward, prepare_mxfp4_experts, ragged_dot
 from .paged_attention_ops import flash_attn_with_kvcache, ragged_paged_attention
 from .rms_norm_ops import fused_add_rms_norm, rms_norm
 from .rotary_ops import apply_rotary, apply_rotary_from_positions, rms_norm_rope, rms_norm_rope_from_positions
@@ -35,6 +35,7 @@ __all__ = [
     "jax",
     "layers",
     "ops",
+    "prepare_mxfp4_experts",
     "ragged_dot",
     "ragged_paged_attention",
     "reshape_and_cache_flash",
