@@ -943,14 +943,16 @@ def test_mxfp4_experts_match_dequantized_reference(rand):
     ladder.check_against_reference(jax.jit(fn), jax.jit(reference), args, dtype=BF16, rand=rand)
 
 
-def test_mxfp4_experts_compile_for_tpu():
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+def test_mxfp4_experts_compile_for_tpu(generation):
     """gpt-oss-20b's experts (H = I = 2880, 32 experts, top-4) on MXFP4 weights as prepare_mxfp4_experts lays them
-    out, at 64 tokens on v6e: both grouped matmuls, their blocks widened whole along K (2880 codes, 90 scales a
-    column), and no copy of the weights in the program: XLA's cost analysis has it access under 1.4x the bytes its
-    arguments hold (1.27x; the checkpoint's layout, converted on every call, 1.52x; a copy of the blocks would add
-    twice their bytes, 1.9x).
-    (~37 s: one generation here; v5e compiles the same program, checked outside the suite.)"""
-    generation = "v6e"
+    out, at 64 tokens on every generation (v5e's 128-wide MXUs lower the widened blocks' matmuls differently, v7x
+    has the least VMEM): both grouped matmuls, their blocks widened whole along K (2880 codes, 90 scales a column),
+    and no copy of the weights in the program: XLA's cost analysis has it access under 1.4x the bytes its arguments
+    hold on v6e (1.27x; the checkpoint's layout, converted on every call, 1.52x; a copy of the blocks would add twice
+    their bytes, 1.9x). On v5e and v7x XLA's memory-space assignment also prefetches the scales into VMEM before the
+    kernels (a copy-start of the gate/up scales and async slices of the down scales in the compiled program), which
+    its cost analysis counts: 1.42x there, bounded by 1.5x."""
     e, h, i, tokens = 32, 2880, 2880, 64
     rows = mxfp4.scale_rows(h)
     shapes = [
@@ -975,7 +977,8 @@ def test_mxfp4_experts_compile_for_tpu():
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     arguments = compiled.memory_analysis().argument_size_in_bytes
-    assert cost["bytes accessed"] < 1.4 * arguments, f"{cost['bytes accessed']} bytes for {arguments}: a copy?"
+    bound = 1.4 if generation == "v6e" else 1.5
+    assert cost["bytes accessed"] < bound * arguments, f"{cost['bytes accessed']} bytes for {arguments}: a copy?"
 
 
 # ------------------------------------------------------------------------------------------------ rung 2
