@@ -886,7 +886,8 @@ def test_mxfp4_gpt_oss_experts_match_transformers_dequantized_experts(rand):
     dense weights removed, as docs/moe.md tells a TPU user to set it up; dispatched to experts_forward by the
     experts interface, against transformers' eager forward of the same module on the weights as transformers'
     dequantize-at-load gives them (f32 activations), and again, equal, once prepare_mxfp4_experts has laid them out
-    as the kernels read them; then the missing-scales and one-projection errors."""
+    as the kernels read them; then the missing-scales and one-projection errors, and prepare_mxfp4_experts on a
+    module without MXFP4 blocks."""
     from transformers import GptOssConfig
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -928,3 +929,6 @@ def test_mxfp4_gpt_oss_experts_match_transformers_dequantized_experts(rand):
     del experts.down_proj_blocks
     with pytest.raises(ValueError, match=r"self.down_proj_blocks: MXFP4 experts need both projections' blocks"):
         tpu_kernels.experts_forward(experts, x, index, weights)
+    # a module without MXFP4 blocks has nothing to lay out: named, not a silent no-op
+    with pytest.raises(ValueError, match=r"self.gate_up_proj_blocks: prepare_mxfp4_experts needs both projections"):
+        tpu_kernels.prepare_mxfp4_experts(_experts_module(rand))
