@@ -577,14 +577,17 @@ def test_blocks_reach_the_kernels(rand):
     assert "flash_attention_dq_sum" in dict(grad_calls(varlen(SMALL), q3, k3, v3))
 
 
-def _forward_output_shapes(fn, *args):
-    """The output shapes of the forward kernel's pallas_calls in fn's program."""
-    shapes = []
+def _kernel_shapes(fn, *args):
+    """{kernel name: (input shapes, output shapes)} of the pallas_calls in fn's program (the last of a name)."""
+    shapes = {}
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call" and eqn.params.get("name") == "flash_attention_fwd":
-                shapes.append(tuple(eqn.outvars[0].aval.shape))
+            if eqn.primitive.name == "pallas_call":
+                shapes[eqn.params.get("name")] = (
+                    [tuple(x.aval.shape) for x in eqn.invars],
+                    [tuple(x.aval.shape) for x in eqn.outvars],
+                )
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):
                     if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
@@ -600,8 +603,29 @@ def test_forward_takes_heads_as_they_lie(rand):
     in the reference checks above (e.g. HEAD_LAYOUTS: 8 query heads a step in place, 2 of 4 merged)."""
     for (hq, hkv, d), expected in (((8, 1, 128), (300, 8, 128)), ((8, 4, 64), (300, 8 * 64))):
         q, k, v = _inputs(rand, 1, 300, 200, hq, hkv, d, dtype=jnp.bfloat16)
-        shapes = _forward_output_shapes(lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL), q, k, v)
-        assert shapes == [expected], (hq, hkv, d, shapes)
+        shapes = _kernel_shapes(lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL), q, k, v)
+        assert shapes["flash_attention_fwd"][1][0] == expected, (hq, hkv, d, shapes)
+
+
+def test_backward_takes_heads_as_they_lie(rand):
+    """The fused backward reads out and do [T, H, Dv] as they lie (the delta kernel also writes do merged, for the
+    dk/dv kernel) and writes dq [T, H, D] (the slot sum splits the heads), where the forward takes q as it lies;
+    otherwise all merged. Both paths run in the gradient checks (test_gradients_gqa_head_dims: 8 query heads a step
+    in place; test_bfloat16_gradients: 2 of 4, merged)."""
+    for (hq, hkv, d), in_place in (((8, 1, 128), True), ((8, 4, 64), False)):
+        q, k, v = _inputs(rand, 1, 300, 200, hq, hkv, d, dtype=jnp.bfloat16)
+        loss = lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL).astype(jnp.float32).sum()  # noqa: E731
+        shapes = _kernel_shapes(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+        delta_in, delta_out = shapes["flash_attention_delta"]
+        dq_out = shapes["flash_attention_dq_sum"][1]
+        merged = (300, hq * d)
+        if in_place:
+            assert delta_in[:2] == [(300, hq, d)] * 2 and delta_out[1:] == [merged], shapes
+            assert dq_out == [(300, hq, d)], shapes
+        else:
+            assert delta_in[:2] == [merged] * 2 and len(delta_out) == 1, shapes
+            assert dq_out == [merged], shapes
+        assert shapes["flash_attention_dkv"][0][-3] == merged, shapes  # do, merged, as the dk/dv kernel streams it
 
 
 def test_empty_inputs(rand):

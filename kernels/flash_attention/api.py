@@ -130,17 +130,19 @@ def _attention_fwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, q3d,
         vmem_limit_bytes=vmem_limit,
     )
     result = (out, lse) if with_lse else (out, None)
-    # the backward's kernels take q and out with heads merged into lanes; merged here (an XLA relayout where the
-    # forward took them as they lie), which inference, not differentiating, never runs
+    # the dk/dv kernel streams q with heads merged into lanes; merged here (an XLA relayout where the forward took q
+    # as it lies), which inference, not differentiating, never runs. out is saved in the layout the backward reads
+    # it in: as it lies where the fused backward's delta kernel takes it so (backward.backward), else merged
     q2d = q3d.reshape(g.q_rows, g.q_heads * g.head_dim)
-    out2d = out.reshape(g.q_rows, g.q_heads * g.v_head_dim)
-    return result, (q2d, k2d, v2d, sinks, plan, out2d, lse)
+    if not (dq_slots > 0 and forward.heads_in_place(g)):
+        out = out.reshape(g.q_rows, g.q_heads * g.v_head_dim)
+    return result, (q2d, k2d, v2d, sinks, plan, out, lse)
 
 
 def _attention_bwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, residuals, cotangents):
     q2d, k2d, v2d, sinks, plan, out, lse = residuals
     d_out, d_lse = cotangents
-    d_out = d_out.reshape(out.shape)
+    d_out = d_out.reshape(geometry.q_rows, geometry.q_heads, geometry.v_head_dim)
     dq, dk, dv, dsinks = backward.backward(
         q2d,
         k2d,

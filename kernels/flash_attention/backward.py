@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..common.blocks import LANES
 from ..common.manual_axes import out_struct
-from . import fused_dq, schedule
+from . import forward, fused_dq, schedule
 from .geometry import (
     LOG2_E,
     Geometry,
@@ -198,26 +198,35 @@ def _pad_rows(x, rows, value):
 def backward(
     q2d, k2d, v2d, sinks, out, lse, d_out, d_lse, plan, static_counts, *, geometry, vmem_limit_bytes, dq_slots=0
 ):
-    """(dq, dk, dv, dsinks) of the forward's (out, lse); lse [head groups, Tq, heads per step] f32; d_lse None or in
-    lse's layout. dq_slots 0: the dq kernel runs first (it also computes delta, which the dk/dv kernel reads); else
-    the fused backward: delta in XLA, the dk/dv kernel also writes each visit's dq contribution to one of dq_slots
-    slots of its query block (plan's slot per visit), summed in XLA."""
+    """(dq, dk, dv, dsinks) of the forward's (out, lse). out [Tq, Hq, Dv] or [Tq, Hq * Dv] (either is taken),
+    d_out [Tq, Hq, Dv]; lse [head groups, Tq, heads per step] f32; d_lse None or in lse's layout. dq_slots 0: the dq
+    kernel runs first (it also computes delta, which the dk/dv kernel reads); else the fused backward: a delta kernel
+    first, the dk/dv kernel also writes each visit's dq contribution to one of dq_slots slots of its query block
+    (plan's slot per visit), summed by a third kernel. Where a step's heads allow it (forward.heads_in_place), the
+    fused backward takes out and d_out as they lie (the delta kernel merges do for the dk/dv kernel) and returns dq
+    as [Tq, Hq, D]: no XLA relayout copies; else dq is [Tq, Hq * D]."""
     g = geometry
     hs = g.heads_per_step
     qinfo, qinfo_rows, q_visits, kv_visits, q_count, kv_count, status, visit_slots, filled = plan
     if static_counts is not None:
         q_count, kv_count = static_counts
+    fused = dq_slots > 0
+    in_place = fused and forward.heads_in_place(g)
     d_out = d_out.astype(q2d.dtype)
+    if in_place:
+        out = out.reshape(g.q_rows, g.q_heads, g.v_head_dim)
+    else:
+        out = out.reshape(g.q_rows, g.q_heads * g.v_head_dim)
+        d_out = d_out.reshape(out.shape)
 
     def params_for(semantics):
         return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit_bytes)
 
     params = params_for(("parallel", "arbitrary"))
     flops_per_visit = 2 * g.q_heads * g.block_q * g.block_kv * (2 * g.head_dim + 2 * g.v_head_dim)
-    fused = dq_slots > 0
 
     if fused:
-        delta = fused_dq.delta(out, d_out, d_lse, lse.shape, geometry=g, params_for=params_for)
+        delta, d_out = fused_dq.delta(out, d_out, d_lse, lse.shape, geometry=g, params_for=params_for)
     else:
         dq, delta = _dq_call(q2d, k2d, v2d, out, lse, d_out, d_lse, qinfo, q_visits, q_count, status, g, params)
 
@@ -278,7 +287,14 @@ def backward(
         # the kernel multiplied ds by the scaled k (query_scale): dq = ds k * softmax_scale
         scale = g.softmax_scale / query_scale(g)
         dq = fused_dq.sum_slots(
-            results[2], filled, status, geometry=g, scale=scale, dtype=q2d.dtype, params_for=params_for
+            results[2],
+            filled,
+            status,
+            geometry=g,
+            scale=scale,
+            dtype=q2d.dtype,
+            params_for=params_for,
+            split=in_place,
         )
     return dq, dk, dv, dsinks
 
