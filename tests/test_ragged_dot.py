@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ladder
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from benchmarks.shapes import MOE_EXPERTS, MOE_MODELS, RAGGED_DOT_PREFILL_ROWS
 from tpu_kernels_jax import api as tk
@@ -408,6 +409,36 @@ def test_quantized_rhs_matches_dequantized_reference(rand):
         grad_tolerance=F32_TOL,
     )
     assert out.dtype == F32 and bool(jnp.all(out[m - 3 :] == 0)), "tail rows are not exactly zero"
+
+
+def test_mxfp4_widen_is_the_reference_bit_for_bit(rand):
+    """mxfp4.widen, in a Pallas kernel (interpret mode), on blocks as mxfp4.prepare lays them out: every one of the 16
+    e2m1 codes under every e8m0 scale 0..255 (each (column, 32-block) holds each code twice, at random positions;
+    each scale 4 times) is the reference dequantization's value as bf16, bit for bit (zeros up to their sign; NaN
+    exactly where the reference's is: scale 255), in the planes' order; and dequantize_prepared reads the prepared
+    bytes back as the same values."""
+    n, k = 128, 256
+    offset = rand.rng.integers(0, 16, (n, 1))
+    codes = (np.arange(k)[None, :] + offset) % 16
+    blocks = jnp.asarray((codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8))
+    scales = jnp.asarray(((np.arange(n * k // 32) + rand.rng.integers(0, 256)) % 256).reshape(n, k // 32), jnp.uint8)
+    reference = jax.jit(mxfp4.dequantize)(blocks, scales).astype(BF16).astype(F32)
+    prepared = jax.jit(mxfp4.prepare)(blocks, scales)
+
+    def widen(b_ref, s_ref, *out_refs):
+        for o, plane in zip(out_refs, mxfp4.widen(b_ref[...], s_ref[...], BF16)):
+            o[...] = plane
+
+    planes = pl.pallas_call(widen, out_shape=[jax.ShapeDtypeStruct((k // 4, n), BF16)] * 4, interpret=True)(*prepared)
+    got = np.asarray(jnp.concatenate(planes, axis=0).astype(F32))
+    want = np.asarray(mxfp4.plane_order(reference)).T
+    nan = np.isnan(want)
+    assert nan.any() and (want == 0).any(), "the codes and scales do not cover NaN and zero"
+    assert np.array_equal(np.isnan(got), nan), "NaN where the reference has none, or none where it has"
+    same = (got.view(np.uint32) == want.view(np.uint32)) | ((got == 0) & (want == 0))
+    assert same[~nan].all(), f"{int((~same[~nan]).sum())} values differ from the reference"
+    back = np.asarray(jax.jit(mxfp4.dequantize_prepared)(*prepared))
+    assert np.array_equal(back, np.asarray(reference), equal_nan=True)
 
 
 def test_mxfp4_rhs_matches_dequantized_reference(rand):

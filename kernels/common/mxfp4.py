@@ -15,9 +15,8 @@ c & 8 (0x8 is -0). The reference dequantizes to f32 exactly (every value is an f
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
-from . import quantization
 from .validation import check_array
 
 BLOCK = 32  # elements of the contraction dimension sharing one scale
@@ -75,16 +74,92 @@ def check_scales(name: str, scales, *, blocks_name: str, blocks_shape: tuple, le
         )
 
 
+# The prepared blocks' bits. Each 32-bit word of the blocks as the kernel reads them (4 consecutive K / 2 rows of a
+# column, little-endian: row 4i + b is byte b) holds the 8 contraction elements k = 8i + j, j = 2p + h, re-encoded so
+# that `widen` turns the word into its 4 planes p (two bf16 values each, j = 2p in the low half and 2p + 1 in the
+# high half) with a shift and a mask or two. A value's 4 bits land on its bf16 half's sign (bit 15) and on the two
+# low exponent bits and the high mantissa bit (bits 8, 7, 6): the magnitude field q = 2e + m reads 2^(e - 1)(1 + m / 2)
+# once the block's scale is added to the exponent, so 0.5 is q = 0 and q = 1 (0.75, not an e2m1 value) is the code of
+# zero. _PLANES[p]: ((left shift of the word, output bits), ...) whose masked terms are or-ed; a negative shift is a
+# right shift.
+_SIGN = (15, 31)
+_MAGNITUDE = (6, 7, 8, 22, 23, 24)
+_PLANES = (
+    ((6, _MAGNITUDE + _SIGN),),
+    ((3, _MAGNITUDE + _SIGN),),
+    ((0, _MAGNITUDE), (4, _SIGN)),
+    ((-7, _MAGNITUDE), (5, _SIGN)),
+)
+_ZERO_Q = 1  # the magnitude code of zero
+# Per value j = 2p + h: its 4 fields (sign, e1, e0, m: bit 3, 2, 1, 0 of the re-encoded nibble) as word bits.
+_FIELD_OUT = (15, 8, 7, 6)
+
+
+def _word_bit(j: int, field: int) -> int:
+    p, h = divmod(j, 2)
+    out = _FIELD_OUT[field] + 16 * h
+    for shift, bits in _PLANES[p]:
+        if out in bits:
+            return out - shift
+    raise AssertionError((j, field))
+
+
+_WORD_BITS = {_word_bit(j, f): (j, f) for j in range(8) for f in range(4)}  # word bit -> (value j, field)
+assert sorted(_WORD_BITS) == list(range(32))
+
+
+def _mask(bits) -> int:
+    return sum(1 << b for b in bits)
+
+
+def encode(blocks, scales, *, where, stack):
+    """The prepared bytes, in the checkpoint's orientation: blocks uint8 [..., N, K / 2] and scales uint8
+    [..., N, K / 32] -> (blocks uint8 [..., N, K / 2] re-encoded for `widen`, scales uint8 [..., N, K / 32]). Written
+    with the operators numpy, jax and torch share (uint8 shifts and masks; `where` and `stack`, which stacks a list
+    on a new last axis, given), so that torch's prepare_mxfp4_experts writes the same bytes. The reference's values
+    are kept exactly (up to the sign of zeros) wherever a bf16 exponent holds them: scale 0 blocks (the reference's 0)
+    become zero codes, scale 255 (NaN) blocks q = 7 codes under scale 253 (bf16 NaN), and the codes of scale 253 / 254
+    blocks that overflow (to +-inf) that scale's +-inf code. Scale 1's +-0.5 (2^-127, below bf16's normals) reads as
+    0."""
+    *lead, n, half_k = blocks.shape
+    groups = half_k // 16
+    b = blocks.reshape(*lead, n, groups, 4, 4)  # [..., N, group, word, byte]: element k = 32 group + 8 word + j
+    s = scales.reshape(*lead, n, groups, 1)
+    zero, nan, big = s == 0, s == 255, s >= 253
+    over = (255 - s) + 1  # 256 - s: the exponent code e from which a value of scale s overflows
+    nibbles = []
+    for j in range(8):
+        code = (b[..., j // 2] >> (4 * (j % 2))) & 15
+        mag = code & 7
+        q = where(mag == 0, _ZERO_Q, where(mag == 1, 0, mag))
+        q = where(big & ((q >> 1) >= over), over << 1, q)
+        q = where(zero, _ZERO_Q, where(nan, 7, q))
+        sign = where((mag == 0) | zero | nan, 0, code >> 3)
+        nibbles.append((sign << 3) | q)
+    words = []
+    for byte in range(4):
+        acc = None
+        for bit in range(8):
+            j, field = _WORD_BITS[8 * byte + bit]
+            term = ((nibbles[j] >> (3 - field)) & 1) << bit
+            acc = term if acc is None else acc | term
+        words.append(acc)
+    out_scales = where(nan, 253, s).reshape(*lead, n, groups)
+    return stack(words).reshape(*lead, n, half_k), out_scales
+
+
 def prepare(blocks, scales):
     """The one-time layout of MXFP4 weights for the kernels: checkpoint blocks uint8 [..., N, K / 2] (or
     [..., N, K / 32, 16]) and scales uint8 [..., N, K / 32] -> blocks [..., K / 2, N] and scales
     [..., scale_rows(K), N] (zero rows past K / 32): the contraction dimension on sublanes, N on lanes, the layout
-    XLA stores them in when N is a multiple of 128 and K / 2 of 32, so that a call reads them with no copy. The
-    checkpoint's [..., N, K / 2] is stored N-minor already (a free transpose), but its scales are not, and the 4-D
-    form is tiled differently: as given, a call relayouts them on every call. Run it once, at load."""
+    XLA stores them in when N is a multiple of 128 and K / 2 of 32, so that a call reads them with no copy; the
+    blocks' bits re-encoded for `widen` (`encode`). The checkpoint's [..., N, K / 2] is stored N-minor already, but
+    its scales are not, and the 4-D form is tiled differently: as given, a call converts them on every call. Run it
+    once, at load."""
     blocks = packed("blocks", blocks)
     check_scales("scales", scales, blocks_name="blocks", blocks_shape=blocks.shape, leading=tuple(blocks.shape[:-2]))
     k = 2 * blocks.shape[-1]
+    blocks, scales = encode(blocks, scales, where=jnp.where, stack=lambda xs: jnp.stack(xs, axis=-1))
     scales = jnp.swapaxes(scales, -1, -2)
     pad = [(0, 0)] * (scales.ndim - 2) + [(0, scale_rows(k) - k // BLOCK), (0, 0)]
     return jnp.swapaxes(blocks, -1, -2), jnp.pad(scales, pad)
@@ -113,45 +188,63 @@ def dequantize(blocks, scales):
     return values * scale
 
 
+def _prepared_codes(blocks):
+    """`prepare`'s blocks uint8 [..., K / 2, N] -> the re-encoded nibbles (sign << 3 | q) int32 [..., N, K]."""
+    w = jnp.swapaxes(blocks, -1, -2).astype(jnp.int32)
+    *lead, n, half_k = w.shape
+    w = w.reshape(*lead, n, half_k // 4, 4)
+    nibbles = []
+    for j in range(8):
+        bits = {f: b for b, (jj, f) in _WORD_BITS.items() if jj == j}
+        nibbles.append(sum(((w[..., bits[f] // 8] >> (bits[f] % 8)) & 1) << (3 - f) for f in range(4)))
+    return jnp.stack(nibbles, axis=-1).reshape(*lead, n, 2 * half_k)
+
+
 def dequantize_prepared(blocks, scales):
     """Reference: f32 [..., N, K] (the checkpoint's orientation) from `prepare`'s blocks uint8 [..., K / 2, N] and
-    scales uint8 [..., S, N]."""
+    scales uint8 [..., S, N]: each value's bf16 bits as `widen` builds them (sign, exponent e + scale - 1, mantissa
+    m; 0 for the zero code), decoded from the re-encoded nibbles independently of `widen`'s word arithmetic."""
     half_k = blocks.shape[-2]
-    return dequantize(jnp.swapaxes(blocks, -1, -2), jnp.swapaxes(scales[..., : half_k // 16, :], -1, -2))
+    nib = _prepared_codes(blocks)
+    scale = jnp.repeat(jnp.swapaxes(scales[..., : half_k // 16, :], -1, -2).astype(jnp.int32), BLOCK, axis=-1)
+    q = nib & 7
+    bits = ((nib >> 3) << 15) | (((q >> 1) + scale - 1) << 7) | ((q & 1) << 6)
+    bits = jnp.where(q == _ZERO_Q, 0, bits).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
 
 
-def even_odd(x):
-    """x [..., K] as [..., K] with its even columns first, then its odd ones: the order `widen` gives the packed
-    weights' contraction dimension in (low nibbles, then high nibbles)."""
-    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+def plane_order(x):
+    """x [..., K] with its columns in `widen`'s plane order: plane p's contraction elements k = 8 i + 2 p + h (in
+    order of i, then h) for p = 0..3, each plane K / 4 columns, to meet the planes of the prepared weights."""
+    *lead, k = x.shape
+    return jnp.swapaxes(x.reshape(*lead, k // 8, 4, 2), -3, -2).reshape(*lead, k)
 
 
 def widen(block, scales, dtype):
-    """In VMEM: packed blocks [K / 2, C] uint8 (the contraction dimension on sublanes, as `prepare` lays them out)
-    and their scales [S >= K / 32, C] uint8 -> the weights of the even and of the odd contraction elements, two
-    [K / 2, C] arrays in `dtype`, exact.
+    """In VMEM: `prepare`'s packed blocks [K / 2, C] uint8 and their scales [S >= K / 32, C] uint8 -> the weights of
+    the 4 planes (`plane_order`), four [K / 4, C] arrays in `dtype`, exact (see `encode` for the scales' range).
 
-    Each nibble is rewritten, with 8-bit and / shift / or on the packed bytes, as the float8_e4m3fn byte of the same
-    sign, exponent and mantissa bits (s 0 e e m 0 0 -> s 0 0 e e m 0 0): its value is the e2m1 value times 2^-6,
-    subnormals included, and `quantization.widen` unpacks it as it unpacks e4m3 weights (on v5e / v6e through the
-    chips' e4m3b11, a further 2^-4). The block scale, times the inverse of those powers of two, is built as bf16 bits
-    (the e8m0 byte is the exponent field), broadcast over its 16 rows (a sublane broadcast) and multiplies the bf16
-    values (exact: two significant bits times a power of two). e8m0 0 gives 0, 255 NaN; exponents past 254 -
-    log2(that factor) (2^117 and up on v5e / v6e) are out of range."""
+    On whole 32-bit words (4 rows of bytes, 8 values): plane p is the word shifted and masked (or two such terms
+    or-ed) so that each 16-bit half holds its value's sign and q = 2e + m at the bf16 sign, low exponent and high
+    mantissa bits; adding (scale - 1) << 7 to both halves (one 32-bit add: the exponent never carries into the sign)
+    makes it the bf16 value, and the zero code (q = 1) is made 0 by a 16-bit select, which the compiler folds into the
+    MXU's masked weight push. The word is read as two bf16 rows (its low half the even one): plane p's row 2 i + h is
+    element k = 8 i + 2 p + h of the word's row i."""
     half_k, cols = block.shape
-    codes = jax.lax.bitcast_convert_type(block, jnp.int8)
-    planes = (
-        ((codes & 0x8) << 4) | ((codes & 0x7) << 2),  # low nibble (the even element)
-        (codes & jnp.int8(-128)) | ((codes >> 2) & 0x1C),  # high nibble (the odd element)
-    )
-    shift = 6 + int(np.log2(quantization.widen_factor(jnp.float8_e4m3fn)))
-    exponent = scales[: half_k // 16].astype(jnp.int32)
-    bits = jnp.where(exponent == 255, 0x7FC00000, jnp.where(exponent == 0, 0, (exponent + shift) << 23))
-    scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    scale = jnp.broadcast_to(scale[:, None, :], (half_k // 16, 16, cols)).reshape(half_k, cols).astype(jnp.bfloat16)
-    widened = []
-    for p in planes:
-        # No rewritten byte is e4m3fn's NaN; -0 (0x80) reads as NaN through e4m3b11 and is made 0 here, in bf16.
-        w = quantization.widen(jax.lax.bitcast_convert_type(p, jnp.float8_e4m3fn), jnp.bfloat16, special_codes=False)
-        widened.append((jnp.where(jnp.isnan(w), jnp.bfloat16(0), w) * scale).astype(dtype))
-    return tuple(widened)
+    groups = half_k // 16
+    words = pltpu.bitcast(block, jnp.uint32)  # [K / 8, C]: row i holds k = 8 i .. 8 i + 7
+    exponent = scales[:groups].astype(jnp.int32)
+    bias = ((exponent - 1) << 7) * 0x10001  # scale 0's is never used: its blocks hold only zero codes
+    bias = jnp.broadcast_to(bias[:, None, :], (groups, 4, cols)).reshape(half_k // 4, cols)
+    bias = jax.lax.bitcast_convert_type(bias, jnp.uint32)
+    planes = []
+    for terms in _PLANES:
+        y = None
+        for shift, bits in terms:
+            t = words << shift if shift > 0 else (words >> -shift if shift < 0 else words)
+            t = t & jnp.uint32(_mask(bits))
+            y = t if y is None else y | t
+        zero = pltpu.bitcast(y, jnp.int16) == jnp.int16(_ZERO_Q << 6)
+        value = jnp.where(zero, jnp.int16(0), pltpu.bitcast(y + bias, jnp.int16))
+        planes.append(pltpu.bitcast(value, jnp.bfloat16).astype(dtype))
+    return tuple(planes)

@@ -22,7 +22,7 @@ holding two e2m1 codes a byte, rhs_transposed=True, with `rhs_scale` uint8 [rhs 
 per 32 contraction elements (common/mxfp4.py); or, laid out once by `mxfp4.prepare`, rhs [rhs groups, K / 2, N] with
 rhs_scale [rhs groups, mxfp4.scale_rows(K), N] and rhs_transposed=False, which is what the kernel reads (the
 checkpoint's layout is converted to it on every call). The kernel widens each weight block whole along K in VMEM,
-the block scales applied to the weights before the MXU, against lhs with its even columns put first.
+the block scales applied to the weights before the MXU, against lhs with its columns in the weights' plane order.
 
 Quantized rhs (inference): int8 or float8_e4m3fn rhs with `rhs_scale` [rhs groups, N] f32, one scale per output
 column of each group (w = q * scale). Each weight block is cast to lhs's dtype in VMEM (exact) and the scale multiplies
@@ -412,7 +412,7 @@ def _plain_forward(
     is_mxfp4 = mxfp4.is_mxfp4(rhs.dtype)
     scale = () if scale2d is None or is_mxfp4 else (scale2d[:, None, :],)
     return kernel.ragged_dot_forward(
-        mxfp4.even_odd(lhs) if is_mxfp4 else lhs,
+        mxfp4.plane_order(lhs) if is_mxfp4 else lhs,
         rhs,
         group_sizes,
         out_dtype=out_dtype,
@@ -478,7 +478,7 @@ def _fused_forward(cfg: _Config, lhs, rhs, scale2d, bias2d, row_scale, group_siz
         rhs = jnp.swapaxes(rhs, 1, 2)
     half = (rhs.shape[1] if rhs_transposed else rhs.shape[2]) // 2
     return kernel.ragged_dot_forward(
-        mxfp4.even_odd(lhs) if cfg.mxfp4 else lhs,
+        mxfp4.plane_order(lhs) if cfg.mxfp4 else lhs,
         rhs,
         group_sizes,
         out_dtype=cfg.out_dtype,

@@ -134,19 +134,22 @@ def _forward_kernel(
         return [r[...] for r in rhs_refs]
 
     def mxfp4_dots():
-        # lhs arrives with its even columns first, then its odd ones (mxfp4.even_odd), to meet the low and the high
-        # nibbles of the packed weights.
+        # lhs arrives in the planes' column order (mxfp4.plane_order): plane p meets its K / 4 columns.
         x = lhs_ref[...].astype(compute_dtype)
-        half = x.shape[1] // 2
+        quarter = x.shape[1] // 4
         outs = []
         for w_ref, s_ref in zip(rhs_refs, block_scale_refs):
-            lo, hi = mxfp4.widen(w_ref[...], s_ref[...], compute_dtype)
+            planes = mxfp4.widen(w_ref[...], s_ref[...], compute_dtype)
             outs.append(
                 sum(
                     jax.lax.dot_general(
-                        xs, w, dims, preferred_element_type=jnp.float32, precision=matmul_precision(compute_dtype)
+                        x[:, p * quarter : (p + 1) * quarter],
+                        w,
+                        dims,
+                        preferred_element_type=jnp.float32,
+                        precision=matmul_precision(compute_dtype),
                     )
-                    for xs, w in ((x[:, :half], lo), (x[:, half:], hi))
+                    for p, w in enumerate(planes)
                 )
             )
         return outs
@@ -270,8 +273,8 @@ def ragged_dot_forward(
     for quantized rhs (int8 / float8_e4m3fn, cast to lhs's dtype block by block in VMEM), one [Gr, 1, N'] f32 array
     per block stream like bias, multiplying the f32 result's columns before the bias and the epilogue. block_scale:
     None or, for MXFP4 rhs (uint8 [Gr, K / 2, N] packed e2m1 pairs, not rhs_transposed, tk = K), its e8m0 block
-    scales uint8 [Gr, S, N] (S >= K / 32, mxfp4.prepare's layout); lhs then holds its even columns first and its odd
-    ones after (mxfp4.even_odd).
+    scales uint8 [Gr, S, N] (S >= K / 32, mxfp4.prepare's layout and encoding); lhs then holds its columns in the
+    weights' plane order (mxfp4.plane_order).
     """
     m, k = lhs.shape
     mx = block_scale is not None

@@ -335,8 +335,9 @@ def mxfp4_weights(self: torch.nn.Module, proj: str) -> tuple[torch.Tensor, torch
 
 def prepare_mxfp4_experts(self: torch.nn.Module) -> torch.nn.Module:
     """Lay out an MXFP4 experts module's weights once, at load, as the kernels read them (JAX's mxfp4.prepare):
-    each `<proj>_blocks` [E, out, in / 32, 16] becomes [E, in / 2, out] and `<proj>_scales` [E, out, in / 32]
-    becomes [E, mxfp4.scale_rows(in), out] (zero rows past in / 32), and self.mxfp4_prepared is set. A call then
+    each `<proj>_blocks` [E, out, in / 32, 16] becomes [E, in / 2, out] (its bits re-encoded by mxfp4.encode) and
+    `<proj>_scales` [E, out, in / 32] becomes [E, mxfp4.scale_rows(in), out] (zero rows past in / 32), and
+    self.mxfp4_prepared is set. A call then
     reads them with no copy; in the checkpoint's layout every call converts them (an XLA relayout of the scales and
     the blocks). Returns the module; a second call changes nothing."""
     if getattr(self, "mxfp4_prepared", False):
@@ -350,6 +351,7 @@ def prepare_mxfp4_experts(self: torch.nn.Module) -> torch.nn.Module:
             )
     for proj, (blocks, scales) in zip(names, pairs):
         k = 2 * blocks.shape[2]
+        blocks, scales = mxfp4.encode(blocks, scales, where=torch.where, stack=lambda xs: torch.stack(xs, dim=-1))
         prepared = torch.zeros(
             (scales.shape[0], mxfp4.scale_rows(k), scales.shape[1]), dtype=scales.dtype, device=scales.device
         )
