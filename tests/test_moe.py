@@ -401,6 +401,49 @@ def test_choose_and_candidate_blocks(generation, tokens):
             ladder.assert_moe_path(fn, specs, candidate.path)
 
 
+def test_mxfp4_candidate_blocks_are_grouped_tilings():
+    """For MXFP4 weights (prepared, gpt-oss-20b's shapes at 8 tokens) candidate_blocks lists the table's grouped
+    path first, then grouped tilings of the output width a step, all distinct, never the small-batch path (which
+    refuses MXFP4); experts_forward traces each through blocks=."""
+    e, h, i, tokens = 32, 2880, 2880, 8
+    rows = mxfp4.scale_rows(h)
+    specs = [
+        jax.ShapeDtypeStruct(*sd)
+        for sd in (
+            ((tokens, h), BF16),
+            ((tokens, 4), jnp.int32),
+            ((tokens, 4), BF16),
+            ((e, h // 2, 2 * i), jnp.uint8),
+            ((e, i // 2, h), jnp.uint8),
+            ((e, rows, 2 * i), jnp.uint8),
+            ((e, rows, h), jnp.uint8),
+        )
+    ]
+    kwargs = dict(
+        gate_up_shape=specs[3].shape,
+        down_shape=specs[4].shape,
+        weights_transposed=True,
+        gate_layout="interleaved",
+        has_gate_up_bias=False,
+        hidden_dtype=BF16,
+        weight_dtype=jnp.uint8,
+    )
+    with jax.default_device(ladder.tpu_device("v6e")):
+        candidates = moe_tuning.candidate_blocks(tokens, h, i, **kwargs)
+        assert candidates[0] == moe_tuning.choose_blocks(tokens, h, i, **kwargs), candidates
+        assert len(set(candidates)) == len(candidates) >= 3, candidates
+        assert {c.path for c in candidates} == {"grouped"}, candidates
+        for candidate in candidates:
+            fn = functools.partial(
+                quantized_experts,
+                activation=ClampedSwiGLU(limit=7.0, alpha=1.702),
+                gate_layout="interleaved",
+                weights_transposed=True,
+                blocks=candidate,
+            )
+            assert jax.eval_shape(fn, *specs).shape == (tokens, h)
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 def _good(rand):
     gate_up, down, gate_up_bias, down_bias = weights(

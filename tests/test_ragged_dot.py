@@ -589,6 +589,35 @@ def test_blocks_none_is_the_table_and_candidates_are_legal(generation):
                 assert _resolved(lhs, rhs, kwargs, candidate).forward == candidate.forward
 
 
+def test_mxfp4_candidates_are_the_blocks_the_kernel_takes():
+    """candidate_blocks for MXFP4 rhs tiles the forward kernel as it reads the weights (the prepared [G, K / 2, N],
+    tk = K) whichever orientation the call gives them in: the table's choice first (tn = MXFP4_TN), then distinct
+    blocks, each traced through ragged_dot's blocks= as it is (and checkpoint-oriented and prepared weights get the
+    same list)."""
+    spec = jax.ShapeDtypeStruct
+    m, k, n, groups = 64, 256, 1024, 4
+    lhs, sizes = spec((m, k), BF16), spec((groups,), jnp.int32)
+    kw = dict(gated="interleaved", activation="silu", preferred_element_type=BF16)
+    checkpoint = (spec((groups, n, k // 32, 16), jnp.uint8), spec((groups, n, k // 32), jnp.uint8))
+    prepared = (spec((groups, k // 2, n), jnp.uint8), spec((groups, mxfp4.scale_rows(k), n), jnp.uint8))
+    with jax.default_device(ladder.tpu_device("v6e")):
+        candidates = api.candidate_blocks(lhs, checkpoint[0], sizes, rhs_scale=checkpoint[1], rhs_transposed=True, **kw)
+        again = api.candidate_blocks(lhs, prepared[0], sizes, rhs_scale=prepared[1], **kw)
+        forwards = [c.forward for c in candidates]
+        assert forwards == [c.forward for c in again]
+        assert len(forwards) == len(set(forwards)) >= 3, forwards
+        assert forwards[0].tn == api.MXFP4_TN and all(f.tk == k for f in forwards), forwards
+        for blocks in candidates:
+            out = jax.eval_shape(
+                functools.partial(tk.ragged_dot, rhs_transposed=True, blocks=blocks, **kw),
+                lhs,
+                checkpoint[0],
+                sizes,
+                rhs_scale=checkpoint[1],
+            )
+            assert out.shape == (m, n // 2)
+
+
 SMALL_BLOCK_COMPILES = [
     ("f32-bias-row-scale", (56, 128), (5, 128, 256), F32, dict()),
     (

@@ -223,7 +223,7 @@ def _candidates(s, gen):
         s["intermediate"],
         gate_up_shape=up.shape,
         down_shape=down.shape,
-        weights_transposed=False,
+        weights_transposed=_mxfp4(s),  # MXFP4: mxfp4.prepare's layout, as the kernel column calls it
         gate_layout=_gate_layout(s),
         has_gate_up_bias=False,
         hidden_dtype=BF16,

@@ -22,7 +22,7 @@ import typing
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import chip
+from ..common import chip, mxfp4
 from ..common.blocks import LANES, check_tile, check_vmem_fit, sublane_multiple
 from ..common.quantization import is_quantized
 from ..ragged_dot import tuning as ragged_dot_tuning
@@ -280,7 +280,10 @@ def choose_blocks(
     info: pltpu.TpuInfo | None = None,
 ) -> ExpertsBlocks:
     """The table's choice as a `blocks=` value: the path, and the chunk when it is the small-batch kernel (the
-    grouped matmuls' tiles stay the ragged-dot table's)."""
+    grouped matmuls' tiles stay the ragged-dot table's). MXFP4 (uint8) weights: the grouped path, the only one that
+    takes them."""
+    if mxfp4.is_mxfp4(weight_dtype):
+        return ExpertsBlocks(path="grouped")
     plan = plan_small_batch(
         tokens,
         hidden,
@@ -331,6 +334,13 @@ def candidate_blocks(
     )
     table = choose_blocks(tokens, hidden, intermediate, **kwargs)
     candidates = [table]
+    if mxfp4.is_mxfp4(weight_dtype):
+        # MXFP4 weights: the grouped path only, its blocks widened whole along K; what tiles is the output width
+        # a step (the ragged dot's MXFP4_TN unless given), halved and doubled for both matmuls.
+        for tn in (ragged_dot_tuning.MXFP4_TN // 2, ragged_dot_tuning.MXFP4_TN * 2):
+            forward = ragged_dot_tuning.RaggedDotBlocks(forward=ragged_dot_tuning.MatmulBlocks(tn=tn))
+            candidates.append(ExpertsBlocks(path="grouped", gate_up=forward, down=forward))
+        return candidates
     if table.path == "small_batch":
         candidates.append(ExpertsBlocks(path="grouped"))
     if tokens == 0 or small_batch_unsupported(num_experts=gate_up_shape[0], gate_layout=gate_layout):

@@ -75,7 +75,7 @@ MATMUL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 RHS_DTYPES = MATMUL_DTYPES + quantization.QUANTIZED_DTYPES + (mxfp4.CODE_DTYPE,)
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 GATED = (None, "concatenated", "interleaved")
-MXFP4_TN = 256  # the forward's default output tile against MXFP4 rhs
+MXFP4_TN = tuning.MXFP4_TN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -683,6 +683,8 @@ def candidate_blocks(lhs, rhs, group_sizes, **kwargs) -> list[RaggedDotBlocks]:
     the table's choice first (tuning.candidate_blocks at the forward kernel's shape), each as a `blocks=` value."""
     kwargs.pop("blocks", None)
     kwargs.pop("static_grid", None)
+    if hasattr(rhs, "dtype") and mxfp4.is_mxfp4(rhs.dtype):
+        return _mxfp4_candidate_blocks(lhs, rhs, group_sizes, **kwargs)
     cfg, _, n_out = check_inputs(lhs, rhs, group_sizes, **kwargs)
     if cfg.kernels is None:
         return [RaggedDotBlocks()]
@@ -705,3 +707,48 @@ def candidate_blocks(lhs, rhs, group_sizes, **kwargs) -> list[RaggedDotBlocks]:
         info=_info(),
     )
     return [RaggedDotBlocks(forward=f) for f in forwards]
+
+
+def _mxfp4_candidate_blocks(lhs, rhs, group_sizes, **kwargs) -> list[RaggedDotBlocks]:
+    """candidate_blocks for MXFP4 rhs: the forward kernel as it reads the weights (mxfp4.prepare's [R, K / 2, N],
+    whatever orientation the call gives them in) with tk = K, as the call resolves it: the table's choice (tn =
+    MXFP4_TN unless N is narrower), then tm halved and doubled and the next narrower and wider tn, each resolved
+    through blocks= as the call would and kept where it is legal and distinct."""
+    shape = tuple(rhs.shape)
+    if len(shape) == 4 and shape[-1] == 16:  # transformers' [R, N, K / 32, 16]
+        shape = (*shape[:2], shape[2] * 16)
+    rhs = jax.ShapeDtypeStruct(shape, rhs.dtype)
+    cfg, _, _ = check_inputs(lhs, rhs, group_sizes, **kwargs)
+    if cfg.rhs_transposed:  # the checkpoint's orientation: the call prepares it, so tile the prepared layout
+        g, n, half_k = shape
+        rhs = jax.ShapeDtypeStruct((g, half_k, n), rhs.dtype)
+        scale = jax.ShapeDtypeStruct((g, mxfp4.scale_rows(2 * half_k), n), mxfp4.SCALE_DTYPE)
+        kwargs = dict(kwargs, rhs_transposed=False, rhs_scale=scale)
+        cfg, _, _ = check_inputs(lhs, rhs, group_sizes, **kwargs)
+    m, k = lhs.shape
+
+    def resolved(forward):
+        blocks = RaggedDotBlocks(forward=forward)
+        has_row_scale = kwargs.get("row_scale") is not None
+        return _resolve_kernels(
+            cfg, blocks, "blocks", m=m, k=k, rhs=rhs, lhs_dtype=jnp.dtype(lhs.dtype), has_row_scale=has_row_scale
+        ).forward
+
+    table = resolved(None)
+    n_full = rhs.shape[2]
+    n_out = n_full // 2 if cfg.gated else n_full
+    tn_options = tuning.tn_options(
+        n_out, _info(), cfg.gated is not None, n_out if cfg.gated == "concatenated" else None
+    )
+    at = tn_options.index(table.tn) if table.tn in tn_options else 0
+    moves = [MatmulBlocks(tm=table.tm // 2, tn=table.tn), MatmulBlocks(tm=table.tm * 2, tn=table.tn)]
+    moves += [MatmulBlocks(tm=table.tm, tn=tn_options[i]) for i in (at - 1, at + 1) if 0 <= i < len(tn_options)]
+    candidates = [table]
+    for move in moves:
+        try:
+            candidate = resolved(move)
+        except (TypeError, ValueError):  # not a legal tile here, or too large for VMEM
+            continue
+        if candidate not in candidates:
+            candidates.append(candidate)
+    return [RaggedDotBlocks(forward=f) for f in candidates]

@@ -209,6 +209,14 @@ def _tn_options(n: int, gen: str, gated: bool, half_n) -> list[int]:
     return options
 
 
+MXFP4_TN = 256  # the forward's default output tile against MXFP4 rhs (its blocks widened whole along K)
+
+
+def tn_options(n: int, info, gated: bool, half_n) -> list[int]:
+    """The output tiles (tn) the forward's table considers for n output columns on `info`'s generation."""
+    return _tn_options(n, _generation(info), gated, half_n)
+
+
 def _tk_options(k: int, gen: str) -> list[int]:
     return _tile_options(k, TK_MAX[gen], LANES, prefer_divisors=True)
 
