@@ -161,7 +161,10 @@ def _start(visit, slot, refs, layout: Layout):
 
 
 def _wait(visit, slot, refs, layout: Layout):
-    """A wait needs the copy's size and semaphore, not its source: every page's copy has the same."""
+    """A wait needs the copy's size and semaphore, not its source: every page's copy has the same. A visit that
+    computes nothing fetches no rows (its rows word is 0), so it waits on nothing: no condition around the page waits,
+    whose regions the compiler predicates (a `pl.when(compute)` around them kept a branch region of the kernel's that
+    the schedule did not have, and the performance model then counted both visit branches at every step)."""
     _, rows_ref, _, k_hbm, v_hbm, k_buf, v_buf, sems = refs
     rows = rows_ref[visit]
     for i in range(layout.pages_per_block):
@@ -254,7 +257,7 @@ def _kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    pl.when(compute)(lambda: _wait(visit, slot, dma_refs, lay))
+    _wait(visit, slot, dma_refs, lay)
 
     def block_of(buf, j, width):
         x = buf[slot, :, :, j, :]

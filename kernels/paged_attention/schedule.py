@@ -96,19 +96,17 @@ def _builder(
     size = words_ref.shape[0]
     num = jnp.clip(num_in[0], 0, n)
 
-    # ---- the clamped metadata: offsets a running max of the clamped ones, frozen past num_seqs
+    # ---- the clamped metadata, one loop: offsets a running max of the clamped ones, frozen past num_seqs; lengths
+    # within the page table, 0 past num_seqs
     def clamp(s, run):
-        run = jnp.where(s <= num, jnp.maximum(run, jnp.clip(cu_in[s], 0, tokens)), run)
-        cu_ref[s] = run
+        run = jnp.where(s + 1 <= num, jnp.maximum(run, jnp.clip(cu_in[s + 1], 0, tokens)), run)
+        cu_ref[s + 1] = run
+        kv_ref[s] = jnp.where(s < num, jnp.clip(kv_in[s], 0, max_context), 0)
         return run
 
-    jax.lax.fori_loop(0, n + 1, clamp, jnp.int32(0))
-
-    def clamp_len(s, carry):
-        kv_ref[s] = jnp.where(s < num, jnp.clip(kv_in[s], 0, max_context), 0)
-        return carry
-
-    jax.lax.fori_loop(0, n, clamp_len, jnp.int32(0))
+    first = jnp.clip(cu_in[0], 0, tokens)
+    cu_ref[0] = first
+    jax.lax.fori_loop(0, n, clamp, first)
     total = cu_ref[n]
 
     def seq_of(s, t):
