@@ -401,24 +401,29 @@ def test_choose_and_candidate_blocks(generation, tokens):
             ladder.assert_moe_path(fn, specs, candidate.path)
 
 
+def _gpt_oss_mxfp4_shapes(tokens):
+    """experts_forward's arguments at gpt-oss-20b's shapes (H = I = 2880, 32 experts, top-4) with MXFP4 weights as
+    prepare_mxfp4_experts lays them out, (shape, dtype) pairs, scales positional (quantized_experts)."""
+    e, h, i = 32, 2880, 2880
+    rows = mxfp4.scale_rows(h)
+    return [
+        ((tokens, h), BF16),
+        ((tokens, 4), jnp.int32),
+        ((tokens, 4), BF16),
+        ((e, h // 2, 2 * i), jnp.uint8),
+        ((e, i // 2, h), jnp.uint8),
+        ((e, rows, 2 * i), jnp.uint8),
+        ((e, rows, h), jnp.uint8),
+    ]
+
+
 def test_mxfp4_candidate_blocks_are_grouped_tilings():
     """For MXFP4 weights (prepared, gpt-oss-20b's shapes at 8 tokens) candidate_blocks lists the table's grouped
     path first, then grouped tilings of the output width a step, all distinct, never the small-batch path (which
     refuses MXFP4); experts_forward traces each through blocks=."""
-    e, h, i, tokens = 32, 2880, 2880, 8
-    rows = mxfp4.scale_rows(h)
-    specs = [
-        jax.ShapeDtypeStruct(*sd)
-        for sd in (
-            ((tokens, h), BF16),
-            ((tokens, 4), jnp.int32),
-            ((tokens, 4), BF16),
-            ((e, h // 2, 2 * i), jnp.uint8),
-            ((e, i // 2, h), jnp.uint8),
-            ((e, rows, 2 * i), jnp.uint8),
-            ((e, rows, h), jnp.uint8),
-        )
-    ]
+    h = i = 2880
+    tokens = 8
+    specs = [jax.ShapeDtypeStruct(*sd) for sd in _gpt_oss_mxfp4_shapes(tokens)]
     kwargs = dict(
         gate_up_shape=specs[3].shape,
         down_shape=specs[4].shape,
@@ -996,17 +1001,7 @@ def test_mxfp4_experts_compile_for_tpu(generation):
     scales into VMEM before the kernels (a copy-start of the gate/up scales and async slices of the down scales in the
     compiled program), and its cost analysis counts that and the activations' relayout into the planes' column order:
     1.47x on v6e."""
-    e, h, i, tokens = 32, 2880, 2880, 64
-    rows = mxfp4.scale_rows(h)
-    shapes = [
-        ((tokens, h), BF16),
-        ((tokens, 4), jnp.int32),
-        ((tokens, 4), BF16),
-        ((e, h // 2, 2 * i), jnp.uint8),
-        ((e, i // 2, h), jnp.uint8),
-        ((e, rows, 2 * i), jnp.uint8),
-        ((e, rows, h), jnp.uint8),
-    ]
+    shapes = _gpt_oss_mxfp4_shapes(64)
     fn = functools.partial(
         quantized_experts,
         activation=ClampedSwiGLU(limit=7.0, alpha=1.702),
