@@ -22,7 +22,8 @@ Implementations (all compiled by the same compiler in the same run, modeled on o
 flash-attn layout costs every baseline a relayout of q and of the output in XLA (the (8, 128) tiles of [.., H, D] are
 not those of the [T, H * D] or [H, S, D] views the kernels take): 2 x 409 µs at Qwen3's 32768 tokens on v6e. Ours
 takes q and the output as they lie where a step's query heads are a multiple of 8 (Qwen3, Gemma 4 full) and pays
-only K/V's relayout there (docs/flash_attention.md, Layout).
+only K/V's relayout there (docs/flash_attention.md, Layout); its fused backward there takes o and do and writes dq
+as they lie (q is a residual its forward's differentiation rule saves merged, so no copy of it is in the backward).
 - default: XLA attention, the plain jnp composition: bf16 matmuls with f32 scores and softmax. It materialises the
   scores, so it runs per chunk of sequences and query rows with at most 2^30 scores each (the whole batch's scores
   would not fit HBM from S = 8192); varlen: per sequence, with the lengths known at trace time. With a mask XLA
