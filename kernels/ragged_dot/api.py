@@ -318,8 +318,8 @@ def _resolve_kernels(cfg: _Config, blocks: RaggedDotBlocks, owner: str, *, m, k,
     n_full = rhs_shape[1] if cfg.rhs_transposed else rhs_shape[2]
     common = dict(num_groups=cfg.num_local_groups, rhs_dtype=rhs_dtype, info=_info())
     if cfg.mxfp4:
-        # The packed blocks are widened whole along K (one scale block per 32 of it): tk = K; and, unless given, 256
-        # output columns a step, which bounds the widening's f32 planes (a few [2 x 256, K / 2] arrays in VMEM).
+        # The packed blocks are widened whole along K (one scale block per 32 of it): tk = K; and, unless given,
+        # MXFP4_TN output columns a step, which bounds the widened bf16 planes in VMEM (four [K / 4, 2 tn] when gated).
         fixed = blocks.forward or MatmulBlocks()
         tn = fixed.tn if fixed.tn is not None else min(MXFP4_TN, n_full // 2 if cfg.gated else n_full)
         blocks = dataclasses.replace(blocks, forward=dataclasses.replace(fixed, tk=k, tn=tn))
