@@ -996,17 +996,21 @@ def test_mxfp4_experts_compile_for_tpu(generation):
     """gpt-oss-20b's experts (H = I = 2880, 32 experts, top-4) on MXFP4 weights as prepare_mxfp4_experts lays them
     out, at 64 tokens on every generation (v5e's 128-wide MXUs lower the widened blocks' matmuls differently, v7x
     has the least VMEM): both grouped matmuls, their blocks widened whole along K (2880 codes, 90 scales a column),
-    and no copy of the weights in the program: XLA's cost analysis has it access under 1.5x the bytes its arguments
-    hold (a copy of the blocks would add twice their bytes, 1.9x). XLA's memory-space assignment prefetches the
-    scales into VMEM before the kernels (a copy-start of the gate/up scales and async slices of the down scales in the
-    compiled program), and its cost analysis counts that and the activations' relayout into the planes' column order:
-    1.47x on v6e."""
+    at the table's output width a step (MXFP4_TN) on v7x, whose VMEM bounds it, and at 256 columns on v5e / v6e
+    (the same code at a quarter of the compile time: their 128 MiB of VMEM fit what v7x's 64 fit), and no copy of
+    the weights in the program: XLA's cost analysis has it access under 1.5x the bytes its arguments hold (a copy of
+    the blocks would add twice their bytes, 1.9x). XLA's memory-space assignment prefetches the scales into VMEM
+    before the kernels (a copy-start of the gate/up scales and async slices of the down scales in the compiled
+    program), and its cost analysis counts that and the activations' relayout into the planes' column order: 1.47x
+    on v6e."""
     shapes = _gpt_oss_mxfp4_shapes(64)
+    narrow = RaggedDotBlocks(forward=MatmulBlocks(tn=256))
     fn = functools.partial(
         quantized_experts,
         activation=ClampedSwiGLU(limit=7.0, alpha=1.702),
         gate_layout="interleaved",
         weights_transposed=True,
+        blocks=None if generation == "v7x" else ExpertsBlocks(path="grouped", gate_up=narrow, down=narrow),
     )
     with jax.default_device(ladder.tpu_device(generation)):
         lowered = jax.jit(fn).lower(*(ladder.tpu_spec(generation, *sd) for sd in shapes))

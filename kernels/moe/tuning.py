@@ -336,8 +336,8 @@ def candidate_blocks(
     candidates = [table]
     if mxfp4.is_mxfp4(weight_dtype):
         # MXFP4 weights: the grouped path only, its blocks widened whole along K; what tiles is the output width
-        # a step (the ragged dot's MXFP4_TN unless given), halved and doubled for both matmuls.
-        for tn in (ragged_dot_tuning.MXFP4_TN // 2, ragged_dot_tuning.MXFP4_TN * 2):
+        # a step (the ragged dot's MXFP4_TN unless given): narrower ones for both matmuls.
+        for tn in ragged_dot_tuning.MXFP4_TN_OTHERS:
             forward = ragged_dot_tuning.RaggedDotBlocks(forward=ragged_dot_tuning.MatmulBlocks(tn=tn))
             candidates.append(ExpertsBlocks(path="grouped", gate_up=forward, down=forward))
         return candidates

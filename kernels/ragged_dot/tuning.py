@@ -209,7 +209,8 @@ def _tn_options(n: int, gen: str, gated: bool, half_n) -> list[int]:
     return options
 
 
-MXFP4_TN = 1024  # the forward's default output tile against MXFP4 rhs (its blocks widened whole along K)
+MXFP4_TN = 1536  # the forward's default output tile against MXFP4 rhs (its blocks widened whole along K)
+MXFP4_TN_OTHERS = (512, 1024)  # narrower ones the MoE sweep models (wider splits 2880 columns unevenly)
 
 
 def tn_options(n: int, info, gated: bool, half_n) -> list[int]:
