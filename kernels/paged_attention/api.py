@@ -87,9 +87,13 @@ def ragged_paged_attention(
     )
     block_q = chosen.queries_per_block
     padded = -(-tokens // block_q) * block_q
-    merged = kernel.merges_heads(
-        hkv=hkv, head_dim=d, v_head_dim=dv, block_rows=block_q * group, cache_itemsize=k_cache.dtype.itemsize
-    )
+    itemsize = k_cache.dtype.itemsize
+    head_major = kernel.head_major_cache(hkv=hkv, page_size=page_size, cache_itemsize=itemsize)
+    merged = 0  # a head-major buffer holds each head's keys as rows: one head at a time reads it plainly
+    if not head_major:
+        merged = kernel.merges_heads(
+            hkv=hkv, head_dim=d, v_head_dim=dv, block_rows=block_q * group, cache_itemsize=itemsize
+        )
     layout = kernel.Layout(
         scales=static_scales,
         tokens=padded,
@@ -106,7 +110,8 @@ def ragged_paged_attention(
         window_size=(window[0], 0 if causal else window[1]),
         merged=merged,
         merged_view=merged == hkv  # pairs of heads read the buffer as it lies
-        and kernel.merged_cache_view(hkv=hkv, head_dim=d, v_head_dim=dv, cache_itemsize=k_cache.dtype.itemsize),
+        and kernel.merged_cache_view(hkv=hkv, head_dim=d, v_head_dim=dv, cache_itemsize=itemsize),
+        head_major=head_major,
     )
     size = schedule.visit_bound(
         tokens=tokens,
@@ -150,6 +155,8 @@ def ragged_paged_attention(
     if layout.merged_view:  # the same bytes in HBM (kernel.merged_cache_view): no copy
         k_cache = k_cache.reshape(num_pages, page_size * hkv, d)
         v_cache = v_cache.reshape(num_pages, page_size * hkv, dv)
+    if layout.head_major:  # XLA's own layout of such a cache (kernel.head_major_cache): the same bytes, no copy
+        k_cache, v_cache = k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2)
     out = kernel.paged_attention(
         q_rows,
         k_cache,

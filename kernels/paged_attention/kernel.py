@@ -54,6 +54,7 @@ class Layout:
     window_size: tuple[int, int]  # (left, right), -1 unbounded; right = 0 when causal
     merged: int = 0  # kv heads a matmul takes at once (merges_heads); 0: one at a time
     merged_view: bool = False  # caches passed as [pages, page_size * kv_heads, head_dim] (merged_cache_view)
+    head_major: bool = False  # caches passed as [pages, kv_heads, page_size, head_dim] (head_major_cache)
     scales: tuple[float, float] | None = (1.0, 1.0)  # static (k, v) cache scales; None: a traced operand
 
     @property
@@ -94,6 +95,15 @@ def merged_cache_view(*, hkv: int, head_dim: int, v_head_dim: int, cache_itemsiz
     if head_dim == v_head_dim == LANES and hkv in (2, 4):
         return True
     return hkv == 8 and cache_itemsize in (2, 4) and head_dim % LANES == 0 and v_head_dim % LANES == 0
+
+
+def head_major_cache(*, hkv: int, page_size: int, cache_itemsize: int) -> bool:
+    """Whether XLA lays caches [pages, page_size, kv_heads, D] out head-major, `{3,1,2,0}`: each kv head's page a
+    contiguous (page_size, D) block, the page offset second-minor (float8 with 1 or 2 kv heads, whose rows of 1 or 2
+    heads would fill a quarter or half of a float8 tile). The api then passes them as [pages, kv_heads, page_size, D],
+    the same bytes (no copy in the program), and a visit reads each head's keys as plain rows of its page buffer. Only
+    for whole float8 tiles of the page (32 rows), which Mosaic merges into a head's key rows for free."""
+    return cache_itemsize == 1 and hkv <= 2 and page_size % 32 == 0
 
 
 def merges_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int, cache_itemsize: int) -> int:
@@ -260,7 +270,7 @@ def _kernel(
     _wait(visit, slot, dma_refs, lay)
 
     def block_of(buf, j, width):
-        x = buf[slot, :, :, j, :]
+        x = buf[slot, :, j] if lay.head_major else buf[slot, :, :, j, :]
         if x.dtype != compute_dtype:
             x = x.astype(compute_dtype)
         return x.reshape(bk, width)
@@ -404,10 +414,11 @@ def paged_attention(
     vmem_limit_bytes,
 ):
     """out [tokens, q_heads, Dv] in q's dtype. q_rows [tokens, q_heads, D] (tokens padded to whole blocks); k_pages /
-    v_pages [pages, page_size, kv_heads, D / Dv]; words, kv_blocks, rows: the visit lists, count int32 [>= 1] their
-    length, kv_lens [N] / cu_q_lens [N + 1] the clamped metadata they were built from (schedule.visits); pages
-    [seqs * pages_per_seq] int32; scales [2] f32 (k, v) where layout.scales is None (traced scales), else None; sinks
-    None or [kv_heads, block_q * group, 128] f32 (the sink logit of each row of a query block, lane-replicated)."""
+    v_pages [pages, page_size, kv_heads, D / Dv] ([pages, kv_heads, page_size, D / Dv] where layout.head_major);
+    words, kv_blocks, rows: the visit lists, count int32 [>= 1] their length, kv_lens [N] / cu_q_lens [N + 1] the
+    clamped metadata they were built from (schedule.visits); pages [seqs * pages_per_seq] int32; scales [2] f32 (k, v)
+    where layout.scales is None (traced scales), else None; sinks None or [kv_heads, block_q * group, 128] f32 (the
+    sink logit of each row of a query block, lane-replicated)."""
     lay = layout
     hkv, rows_per_block = lay.kv_heads, lay.block_rows
     compute_dtype = q_rows.dtype

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ..common import chip
 from ..common.blocks import check_tile, check_vmem_fit, sublane_multiple
-from .kernel import merged_cache_view, merges_heads
+from .kernel import head_major_cache, merged_cache_view, merges_heads
 
 KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
 # Decode-like batches: a visit's fixed cost (the online-softmax chain, the grid step) is a large part of a block of few
@@ -67,16 +67,20 @@ def working_set(
     rows = queries_per_block * group
     keys = pages_per_block * page_size
     # a token's kv heads are the second-minor dim of the page buffer: Mosaic tiles 8-bit rows in fours and 16-bit rows
-    # in pairs (one 32-bit sublane), so 2 float8 kv heads take the room of 4
-    packed_heads = -(-kv_heads // (4 // cache_itemsize)) * (4 // cache_itemsize)
+    # in pairs (one 32-bit sublane), so 2 float8 kv heads would take the room of 4; a head-major buffer's
+    # second-minor dim is the page (head_major_cache), whole tiles
+    head_major = head_major_cache(hkv=kv_heads, page_size=page_size, cache_itemsize=cache_itemsize)
+    packed_heads = kv_heads if head_major else -(-kv_heads // (4 // cache_itemsize)) * (4 // cache_itemsize)
     buffers = 2 * keys * packed_heads * (head_dim + v_head_dim) * cache_itemsize
     # A float8 block is widened in registers (float8 -> float32 -> the compute dtype) and Mosaic keeps the widened K and
     # V of both visit branches (masked, unmasked) in its internal scratch: counted for every head unless the caches are
     # passed as rows (an upper bound with more heads: Mosaic reuses some of the room). Every head at once multiplies the
     # score temporaries by kv_heads squared (every head's rows against every head's keys).
-    merged = merges_heads(
-        hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, block_rows=rows, cache_itemsize=cache_itemsize
-    )
+    merged = 0  # a head-major buffer is read one head at a time
+    if not head_major:
+        merged = merges_heads(
+            hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, block_rows=rows, cache_itemsize=cache_itemsize
+        )
     view = merged == kv_heads and merged_cache_view(
         hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, cache_itemsize=cache_itemsize
     )
