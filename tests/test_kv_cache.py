@@ -186,6 +186,43 @@ def test_fp8_round_trip(rand, in_dtype, scale_kind):
         np.testing.assert_array_equal(np.abs(rows[~inside]), limit * np.ones_like(rows[~inside]))  # saturated
 
 
+def test_head_major_fp8_caches_are_written_by_word_groups(rand):
+    """float8 caches of 1 or 2 kv heads (head-major in XLA's layout): each row merged into the 32-bit words it shares
+    with three other page offsets. Consecutive slots in shuffled token order (tokens sharing a word group, some in
+    different blocks), slot -1, negative and past-the-cache traced slots: the written rows are the quantised rows,
+    every other byte of the caches (random bits, NaNs among them) unchanged."""
+    pages, page_size, heads, d, tokens = 4, 16, 2, 128, 45
+    k_cache, v_cache = (
+        jax.lax.bitcast_convert_type(
+            jnp.asarray(rand.rng.integers(0, 256, (pages, page_size, heads, d), np.uint8)), FP8
+        )
+        for _ in range(2)
+    )
+    key, value = rand.normal((tokens, heads, d), jnp.bfloat16), rand.normal((tokens, heads, d), jnp.bfloat16, scale=4.0)
+    start = int(rand.rng.integers(0, pages * page_size - 40))
+    slots = np.concatenate([np.arange(start, start + 30), rand.rng.permutation(pages * page_size)[:15]]).astype(
+        np.int32
+    )
+    slots = slots[rand.rng.permutation(tokens)]
+    slots[np.flatnonzero(np.isin(slots[30:], slots[:30])) + 30] = -1  # the random ones distinct from the run
+    slots[rand.rng.choice(tokens, 4, replace=False)] = [-1, -5, pages * page_size, 10**6]
+    assert api.kernel.head_major_cache(hkv=heads, page_size=page_size, cache_itemsize=1)
+    fn = jax.jit(lambda *a: api.write_kv_cache(*a, k_scale=0.5, v_scale=0.25, blocks=SMALL))
+    out = ladder.run_interpreted(fn, k_cache, v_cache, key, value, jnp.asarray(slots))
+    live = slots[(slots >= 0) & (slots < pages * page_size)]
+    expected = reference.write_kv_cache_reference(
+        k_cache, v_cache, key, value, jnp.asarray(np.where(np.isin(slots, live), slots, -1)), k_scale=0.5, v_scale=0.25
+    )
+    for name, before, after, exp in zip(("k_cache", "v_cache"), (k_cache, v_cache), out, expected):
+        flat = (pages * page_size, heads * d)
+        got, want, old = (_bits(x).reshape(flat) for x in (after, exp, before))
+        assert (got[live] == want[live]).mean() > 0.99, f"{name}: the written rows {rand!r}"  # rounding ties aside
+        rows = [np.asarray(x.astype(jnp.float32)).reshape(flat)[live] for x in (after, exp)]
+        np.testing.assert_allclose(*rows, rtol=2**-3, atol=2**-9, err_msg=f"{name} {rand!r}")  # one fp8 step at a tie
+        untouched = np.setdiff1d(np.arange(flat[0]), live)
+        np.testing.assert_array_equal(got[untouched], old[untouched], err_msg=f"{name}: untouched rows {rand!r}")
+
+
 # ----------------------------------------------------------------------------------------------------- RoPE
 ROPE_CASES = {
     "default": dict(theta=1e6),
@@ -244,10 +281,11 @@ def test_rope_and_write_matches_rotary_reference(rand, case, dtype):
     np.testing.assert_array_equal(_bits(flat(k_out)[untouched]), _bits(flat(k_cache)[untouched]))
 
 
-def test_rope_and_write_fp8_with_traced_scales_and_long_decode_rows(rand):
-    """fp8 cache, scales as traced arrays, 64 decode tokens at one position each (row-select positions): the rotated,
+@pytest.mark.parametrize("heads,tokens", [(8, 64), (2, 24)])  # 2: head-major caches, written by word groups
+def test_rope_and_write_fp8_with_traced_scales_and_long_decode_rows(rand, heads, tokens):
+    """fp8 cache, scales as traced arrays, decode tokens at one position each (row-select positions): the rotated,
     quantised K equals the reference's quantisation of the reference rotation to one fp8 step."""
-    heads, d, tokens = 8, 256, 64
+    d = 256
     k_cache = _poisoned_cache(rand, (10, 16, heads, d), FP8, "random")
     query = rand.normal((tokens, 16, d), jnp.bfloat16)
     key, value = rand.normal((tokens, heads, d), jnp.bfloat16), rand.normal((tokens, heads, d), jnp.bfloat16)
@@ -560,6 +598,14 @@ def test_compiles_for_tpu(generation):
             *extra,
             label=f"rope_write_kv_cache {model} {jnp.dtype(dtype).name} page {rope_page_size} tokens {tokens}",
         )
+    if generation != "v6e":  # the head-major float8 word-group write (v6e: test_row_major_caches_...)
+        page_size = 16 if generation == "v5e" else 64
+        ladder.compile_for_tpu(
+            lambda *a: api.write_kv_cache(*a, **_scales(FP8)),
+            generation,
+            *_specs("gemma4_full", FP8, 8, page_size),
+            label=f"write_kv_cache gemma4_full float8 head-major page {page_size} tokens 8",
+        )
     # head dim 64 (gpt-oss), f32
     ladder.compile_for_tpu(
         lambda *a: api.write_kv_cache(*a),
@@ -638,11 +684,12 @@ def test_donated_caches_are_written_in_place(case):
 
 
 def test_row_major_caches_are_written_in_place_where_xla_prefers_another_layout():
-    """An fp8 cache of 2 kv heads (Gemma 4 full) defaults to a page-offset-major layout in XLA, which the kernel
-    cannot write row by row: XLA relayouts the whole cache around the kernel. A cache created in the row-major
-    layout (major_to_minor (0, 1, 2, 3)) is written in place, by the plain write and the fused RoPE (these are the v6e
-    deviceless compiles of this (model, dtype) body, see COMPILE_CASES)."""
-    specs = _specs("gemma4_full", FP8, 256, 64, pages=512)
+    """An fp8 cache of 2 kv heads (Gemma 4 full) defaults to a head-major layout in XLA, which the kernel cannot write
+    row by row: up to HEAD_MAJOR_MAX_TOKENS tokens it writes it in place by word groups (no copy, the caches aliased);
+    more tokens are written row by row, and XLA relayouts the whole cache around the kernel. A cache created in the
+    row-major layout (major_to_minor (0, 1, 2, 3)) is written in place, by the plain write and the fused RoPE (these
+    are the v6e deviceless compiles of this (model, dtype) body, see COMPILE_CASES)."""
+    small = _specs("gemma4_full", FP8, 8, 64, pages=512)
 
     def write(*a):
         return api.write_kv_cache(*a, **_scales(FP8))
@@ -650,6 +697,12 @@ def test_row_major_caches_are_written_in_place_where_xla_prefers_another_layout(
     def fused(kc, vc, k, v, s):
         return api.rope_and_write_kv_cache(k, k, v, kc, vc, s, s, theta=1e6, **_scales(FP8))[1:]
 
+    for fn in (write, fused):
+        text = _compiled_text(fn, small)
+        assert "tpu_custom_call" in text, "the compiled program holds no Mosaic kernel"
+        assert re.search(r"input_output_alias=\{ \{0\}: \(0, \{\}, may-alias\), \{1\}: \(1, \{\}, may-alias\) \}", text)
+        assert not _cache_copies(text, small), _cache_copies(text, small)
+    specs = _specs("gemma4_full", FP8, 256, 64, pages=512)
     assert _cache_copies(_compiled_text(write, specs), specs), "XLA's default layout changed: update the docs"
     for fn in (write, fused):
         text = _compiled_text(fn, specs, row_major=True)

@@ -21,6 +21,7 @@ distinct (an error otherwise). On traced arrays nothing can be checked; the kern
 negative or past the cache (it never writes outside the cache), and duplicate slots get one of their tokens' rows.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -185,8 +186,17 @@ def _flat(cache):
 def _write(k_cache, v_cache, key, value, slot_mapping, scales, blocks, rope=None):
     """The kernel over the tokens in calls of at most MAX_TOKENS_PER_CALL; rope: (query, positions, inv_freq,
     RopeConfig) or None. Returns (query_rotated or None, k_cache, v_cache)."""
+    given = key.shape[0]
     shapes = k_cache.shape, v_cache.shape
-    k_flat, v_flat = _flat(k_cache), _flat(v_cache)
+    pages, page_size, hkv = k_cache.shape[:3]
+    head_major = key.shape[0] <= kernel.HEAD_MAJOR_MAX_TOKENS and kernel.head_major_cache(
+        hkv=hkv, page_size=page_size, cache_itemsize=k_cache.dtype.itemsize
+    )
+    if head_major:  # XLA's own layout of such a cache: the same bytes (no copy), written by word groups
+        k_flat, v_flat = k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2)
+        key, value, slot_mapping, rope, blocks = _whole_tiles(key, value, slot_mapping, rope, blocks)
+    else:
+        k_flat, v_flat = _flat(k_cache), _flat(v_cache)
     quantize = (k_cache.dtype == FP8_DTYPE,) * 2
     inv_scales = _inv_scales(scales) if any(quantize) else None
     tokens = key.shape[0]
@@ -206,10 +216,11 @@ def _write(k_cache, v_cache, key, value, slot_mapping, scales, blocks, rope=None
             extra = dict(query=part(query), positions=pos, inv_freq=inv_freq)
         cfg = kernel.WriteConfig(
             tokens=count,
-            num_slots=k_flat.shape[0],
+            num_slots=pages * page_size,
             quantize=quantize,
             rope=None if rope is None else rope[3],
             positions=positions_layout,
+            page_size=page_size if head_major else 0,
         )
         q_out, k_flat, v_flat = kernel.write(
             k_flat,
@@ -226,7 +237,30 @@ def _write(k_cache, v_cache, key, value, slot_mapping, scales, blocks, rope=None
     query_rotated = None
     if rope is not None:
         query_rotated = q_parts[0] if len(q_parts) == 1 else jnp.concatenate(q_parts)
+        query_rotated = query_rotated[:given] if query_rotated.shape[0] != given else query_rotated
+    if head_major:
+        return query_rotated, k_flat.swapaxes(1, 2), v_flat.swapaxes(1, 2)
     return query_rotated, k_flat.reshape(shapes[0]), v_flat.reshape(shapes[1])
+
+
+def _whole_tiles(key, value, slot_mapping, rope, blocks):
+    """The head-major path's tokens padded to whole float8 tiles (slot -1: skipped) and its token block a multiple of
+    them: the kernel stages a block's rows head-major, [H, tokens, D], and reads them as 32-bit words."""
+    multiple = kernel.HEAD_MAJOR_TOKENS
+    tokens = key.shape[0]
+    padded = -(-tokens // multiple) * multiple
+    block = min(-(-blocks.block_tokens // multiple) * multiple, padded)
+    blocks = dataclasses.replace(blocks, block_tokens=block)
+    if padded == tokens:
+        return key, value, slot_mapping, rope, blocks
+
+    def pad(x, fill=0):
+        return jnp.pad(x, [(0, padded - tokens)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+
+    if rope is not None:
+        query, positions, inv_freq, rope_cfg = rope
+        rope = (pad(query), pad(positions), inv_freq, rope_cfg)
+    return pad(key), pad(value), pad(slot_mapping, -1), rope, blocks
 
 
 # ------------------------------------------------------------------------------------------------------ public API
