@@ -51,6 +51,19 @@ class WriteConfig:
 # A float8 cache's rows are packed four to a 32-bit word (XLA's tiling (4,1) of the page offset): the smallest unit
 # a DMA writes, so a token's row is merged into its word group in VMEM (read-modify-write) in the head-major layout.
 ROWS_PER_WORD = 4
+
+
+# Scalar index arithmetic on non-negative int32 values (slots of valid tokens, loop indices). Truncating lax.div /
+# lax.rem, not jnp's floor division, whose Mosaic lowering of sign() asks for the device's TPU generation and so
+# fails when the program is exported or compiled without a TPU attached.
+def _div(a, b):
+    return jax.lax.div(a, jnp.int32(b))
+
+
+def _rem(a, b):
+    return jax.lax.rem(a, jnp.int32(b))
+
+
 # The head-major path's token blocks are whole float8 tiles of the staging buffer (32 rows).
 HEAD_MAJOR_TOKENS = 32
 # Up to this many tokens a call writes head-major caches by word groups; more tokens are written row by row into XLA's
@@ -95,8 +108,8 @@ def _head_major_writes(
 
     def group_copies(t, reading):
         slot, _ = slot_of(t)
-        p = slot // page
-        first = pl.multiple_of((slot % page) // ROWS_PER_WORD * ROWS_PER_WORD, ROWS_PER_WORD)
+        p = _div(slot, page)
+        first = pl.multiple_of(_div(_rem(slot, page), ROWS_PER_WORD) * ROWS_PER_WORD, ROWS_PER_WORD)
         row = pl.multiple_of(t * ROWS_PER_WORD, ROWS_PER_WORD)
         for _, hbm, buf, c in caches:  # every head's group in one (strided) DMA
             ends = (hbm.at[p, :, pl.ds(first, ROWS_PER_WORD)], buf.at[:, pl.ds(row, ROWS_PER_WORD)])
@@ -114,9 +127,9 @@ def _head_major_writes(
 
         @pl.when(valid)
         def _():
-            group = slot // ROWS_PER_WORD
+            group = _div(slot, ROWS_PER_WORD)
             i = jax.lax.while_loop(
-                lambda i: (table[i] != -1) & (table[i] != group), lambda i: (i + 1) % size, group % size
+                lambda i: (table[i] != -1) & (table[i] != group), lambda i: _rem(i + 1, size), _rem(group, size)
             )
 
             @pl.when(table[i] == -1)
@@ -143,7 +156,7 @@ def _head_major_writes(
 
     def words(ref, h, row):
         """The (8, 128)-tiled 32-bit words of the float8 tile holding `row` of ref[h], and that tile's first row."""
-        start = pl.multiple_of(row // tile * tile, tile)
+        start = pl.multiple_of(_div(row, tile) * tile, tile)
         return pltpu.bitcast(ref[h, pl.ds(start, tile)], jnp.int32), start
 
     def merge(t, carry):
@@ -152,15 +165,17 @@ def _head_major_writes(
         @pl.when(leader >= 0)
         def _():
             slot, _ = slot_of(t)
-            into = (slot % ROWS_PER_WORD) * 8
+            into = _rem(slot, ROWS_PER_WORD) * 8
             mask = jnp.left_shift(jnp.int32(255), into)
             dest = leader * ROWS_PER_WORD  # the group's first row in the buffer
             for (_, _, buf, _), staged in zip(caches, byte_rows):
                 for h in range(heads):
-                    byte = staged[h, t % ROWS_PER_WORD, pl.ds(t // ROWS_PER_WORD, 1)]
+                    byte = staged[h, _rem(t, ROWS_PER_WORD), pl.ds(_div(t, ROWS_PER_WORD), 1)]
                     old, start = words(buf, h, dest)
                     sub = jax.lax.broadcasted_iota(jnp.int32, old.shape, 0)
-                    merged = jnp.where(sub == dest % tile // ROWS_PER_WORD, (old & ~mask) | (byte << into), old)
+                    merged = jnp.where(
+                        sub == _div(_rem(dest, tile), ROWS_PER_WORD), (old & ~mask) | (byte << into), old
+                    )
                     buf[h, pl.ds(start, tile)] = pltpu.bitcast(merged, buf.dtype)
 
         return carry
