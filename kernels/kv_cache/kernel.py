@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common.index_math import div_nonnegative as _div
+from ..common.index_math import rem_nonnegative as _rem
 from ..common.manual_axes import out_struct
 from ..rotary import kernel as rotary_kernel
 from ..rotary.tuning import RotaryBlocks
@@ -51,17 +53,6 @@ class WriteConfig:
 # A float8 cache's rows are packed four to a 32-bit word (XLA's tiling (4,1) of the page offset): the smallest unit
 # a DMA writes, so a token's row is merged into its word group in VMEM (read-modify-write) in the head-major layout.
 ROWS_PER_WORD = 4
-
-
-# Scalar index arithmetic on non-negative int32 values (slots of valid tokens, loop indices). Truncating lax.div /
-# lax.rem, not jnp's floor division, whose Mosaic lowering of sign() asks for the device's TPU generation and so
-# fails when the program is exported or compiled without a TPU attached.
-def _div(a, b):
-    return jax.lax.div(a, jnp.int32(b))
-
-
-def _rem(a, b):
-    return jax.lax.rem(a, jnp.int32(b))
 
 
 # The head-major path's token blocks are whole float8 tiles of the staging buffer (32 rows).

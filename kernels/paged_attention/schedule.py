@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common.index_math import div_nonnegative as _div
 from ..common.manual_axes import out_struct
 
 FIRST = 1 << 26
@@ -63,12 +64,6 @@ def visit_bound(
     if left >= 0 and right >= 0:
         per_pair = min(per_pair, -(-(block_q + left + right) // block_kv) + 1)
     return max(1, min(num_q_blocks + num_seqs, tokens) * per_pair + num_q_blocks)
-
-
-def _div(a, b: int):
-    """a // b for a >= 0 (truncating division: floor division lowers through `sign`, which a TPU export on a CPU host
-    cannot lower)."""
-    return jax.lax.div(a, jnp.int32(b))
 
 
 def _builder(

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common.index_math import div_nonnegative as _div
 from ..common.manual_axes import out_struct
 
 # Fields of the forward metadata, each a run of V int32 in one flat SMEM array.
@@ -113,12 +114,6 @@ def forward_metadata_reference(
     fields[F_FIRST] = first
     meta = jnp.concatenate([f.astype(jnp.int32) for f in fields] + [nv.reshape(1).astype(jnp.int32)])
     return meta, nv.astype(jnp.int32), V
-
-
-def _div(a, b):
-    # Truncating division: the operands are >= 0 wherever the result is used, and Mosaic lowers floor division of
-    # integers through a sign op that needs to know the chip (export for TPU on a CPU host would fail).
-    return jax.lax.div(a, jnp.int32(b))
 
 
 def _metadata_kernel(
