@@ -417,10 +417,10 @@ def _gpt_oss_mxfp4_shapes(tokens):
     ]
 
 
-def test_mxfp4_candidate_blocks_are_grouped_tilings():
-    """For MXFP4 weights (prepared, gpt-oss-20b's shapes at 8 tokens) candidate_blocks lists the table's grouped
-    path first, then grouped tilings of the output width a step, all distinct, never the small-batch path (which
-    refuses MXFP4); experts_forward traces each through blocks=."""
+def test_mxfp4_candidate_blocks_are_both_paths():
+    """For MXFP4 weights (prepared, gpt-oss-20b's shapes at 8 tokens) candidate_blocks lists the table's choice
+    first, then the other path, grouped tilings of the output width a step and small-batch chunks, all distinct;
+    experts_forward traces each through blocks=."""
     h = i = 2880
     tokens = 8
     specs = [jax.ShapeDtypeStruct(*sd) for sd in _gpt_oss_mxfp4_shapes(tokens)]
@@ -437,7 +437,7 @@ def test_mxfp4_candidate_blocks_are_grouped_tilings():
         candidates = moe_tuning.candidate_blocks(tokens, h, i, **kwargs)
         assert candidates[0] == moe_tuning.choose_blocks(tokens, h, i, **kwargs), candidates
         assert len(set(candidates)) == len(candidates) >= 3, candidates
-        assert {c.path for c in candidates} == {"grouped"}, candidates
+        assert {c.path for c in candidates} == {"grouped", "small_batch"}, candidates
         for candidate in candidates:
             fn = functools.partial(
                 quantized_experts,
@@ -730,10 +730,10 @@ BAD_INPUTS = [
         "gate_up_proj (4, 64, 128)), got (4, 8, 128)",
     ),
     ladder.BadInput(
-        "mxfp4 on the small-batch path",
+        "mxfp4 in one projection on the small-batch path",
         lambda rand: dict(_mxfp4_down(rand), blocks=ExpertsBlocks(path="small_batch")),
         ValueError,
-        "blocks.path: the small-batch kernel does not take MXFP4 weights",
+        "blocks.path: 'small_batch' cannot serve these inputs: MXFP4 weights in one projection only",
     ),
 ]
 
@@ -963,10 +963,12 @@ def _mxfp4_weights(rand, experts, out, contraction):
 
 def test_mxfp4_experts_match_dequantized_reference(rand):
     """gpt-oss's experts (interleaved gate/up, biases, its clamped SwiGLU) on MXFP4 weights laid out by
-    prepare_mxfp4_experts from gate/up in transformers' 4-D blocks and down packed 3-D, on the grouped path (its
-    kernels widen the blocks in VMEM), against the dense reference on the checkpoint's weights dequantized to f32.
-    (The checkpoint's layout, converted on every call: test_ragged_dot.py and test_moe_torch.py.)"""
-    tokens, experts, hidden, inter = 5, 4, 128, 64
+    prepare_mxfp4_experts from gate/up in transformers' 4-D blocks and down packed 3-D, on both paths (both widen
+    the blocks in VMEM; the small-batch kernel in two chunks of 64 intermediate columns, so that the second chunk's
+    gate/up columns, their scale columns and down_proj's scale rows are the ones it selects), against the dense
+    reference on the checkpoint's weights dequantized to f32. (The checkpoint's layout, converted on every call:
+    test_ragged_dot.py and test_moe_torch.py.)"""
+    tokens, experts, hidden, inter = 5, 4, 128, 128
     x = rand.normal((tokens, hidden), BF16)
     index, w = routing(rand, tokens, experts, 2, sentinels=2)
     (up_blocks, up_scales), (down_blocks, down_scales) = (
@@ -976,50 +978,68 @@ def test_mxfp4_experts_match_dequantized_reference(rand):
     biases = rand.normal((experts, 2 * inter), BF16), rand.normal((experts, hidden), BF16)
     kw = dict(activation=ClampedSwiGLU(limit=7.0, alpha=1.702), gate_layout="interleaved")
     prepared = tk.prepare_mxfp4_experts(up_blocks, up_scales, down_blocks, down_scales)
-    assert [p.shape for p in prepared] == [(4, 64, 128), (4, 32, 128), (4, 32, 128), (4, 32, 128)]
+    assert [p.shape for p in prepared] == [(4, 64, 256), (4, 32, 256), (4, 64, 128), (4, 32, 128)]
     args = (x, index, w.astype(BF16), prepared[0], prepared[2], prepared[1], prepared[3], *biases)
 
     def reference(x, index, w, up_blocks, down_blocks, up_scales, down_scales, up_bias, down_bias):
         up, down = (mxfp4.dequantize_prepared(b, c) for b, c in ((up_blocks, up_scales), (down_blocks, down_scales)))
-        return experts_forward_reference(x, index, w, up, down, up_bias, down_bias, weights_transposed=False, **kw)
+        out = experts_forward_reference(x, index, w, up, down, up_bias, down_bias, weights_transposed=False, **kw)
+        return out, out
 
     assert bool(
         jnp.all(mxfp4.dequantize_prepared(prepared[2], prepared[3]) == mxfp4.dequantize(down_blocks, down_scales))
     )
-    fn = functools.partial(quantized_experts, weights_transposed=True, **kw)
-    ladder.assert_moe_path(fn, args, "grouped")
-    ladder.check_against_reference(jax.jit(fn), jax.jit(reference), args, dtype=BF16, rand=rand)
+    paths = {
+        path: functools.partial(quantized_experts, weights_transposed=True, blocks=blocks, **kw)
+        for path, blocks in (
+            ("grouped", ExpertsBlocks(path="grouped")),
+            ("small_batch", ExpertsBlocks(path="small_batch", chunk=64)),
+        )
+    }
+    for path, fn in paths.items():
+        ladder.assert_moe_path(fn, args, path)
+
+    def both(*args):
+        return tuple(fn(*args) for fn in paths.values())
+
+    ladder.check_against_reference(jax.jit(both), jax.jit(reference), args, dtype=BF16, rand=rand, names=list(paths))
 
 
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 def test_mxfp4_experts_compile_for_tpu(generation):
     """gpt-oss-20b's experts (H = I = 2880, 32 experts, top-4) on MXFP4 weights as prepare_mxfp4_experts lays them
     out, at 64 tokens on every generation (v5e's 128-wide MXUs lower the widened blocks' matmuls differently, v7x
-    has the least VMEM): both grouped matmuls, their blocks widened whole along K (2880 codes, 90 scales a column),
-    at the table's output width a step (MXFP4_TN) on v7x, whose VMEM bounds it, and at 256 columns on v5e / v6e
-    (the same code at a quarter of the compile time: their 128 MiB of VMEM fit what v7x's 64 fit), and no copy of
-    the weights in the program: XLA's cost analysis has it access under 1.5x the bytes its arguments hold (a copy of
-    the blocks would add twice their bytes, 1.9x). XLA's memory-space assignment prefetches the scales into VMEM
-    before the kernels (a copy-start of the gate/up scales and async slices of the down scales in the compiled
-    program), and its cost analysis counts that and the activations' relayout into the planes' column order: 1.47x
-    on v6e."""
+    has the least VMEM), on both paths in one program (one compile): the grouped matmuls, their blocks widened whole
+    along K (2880 codes, 90 scales a column), and the small-batch kernel (chunks of down_proj's packed rows, the
+    expert's 96 scale rows whole); at the table's tiling on v7x, whose VMEM bounds it (the grouped path's output
+    width a step, MXFP4_TN, and the small-batch chunk), and at 256 columns / a chunk of 64 on v5e / v6e (the same
+    code at a fraction of the compile time: their 128 MiB of VMEM fit what v7x's 64 fit). No copy of the weights in
+    the program: XLA's cost analysis has it access under 3x the bytes its arguments hold, for two reads of them
+    (a copy of the blocks would add twice their bytes: 1.9x a path). XLA's memory-space assignment prefetches the
+    grouped path's scales into VMEM before the kernels, and its cost analysis counts that and the activations'
+    relayout into the planes' column order: 1.47x for the grouped path alone on v6e."""
     shapes = _gpt_oss_mxfp4_shapes(64)
     narrow = RaggedDotBlocks(forward=MatmulBlocks(tn=256))
-    fn = functools.partial(
-        quantized_experts,
-        activation=ClampedSwiGLU(limit=7.0, alpha=1.702),
-        gate_layout="interleaved",
-        weights_transposed=True,
-        blocks=None if generation == "v7x" else ExpertsBlocks(path="grouped", gate_up=narrow, down=narrow),
+    grouped = (
+        ExpertsBlocks(path="grouped")
+        if generation == "v7x"
+        else ExpertsBlocks(path="grouped", gate_up=narrow, down=narrow)
     )
+    small = ExpertsBlocks(path="small_batch", chunk=None if generation == "v7x" else 64)
+    kw = dict(activation=ClampedSwiGLU(limit=7.0, alpha=1.702), gate_layout="interleaved", weights_transposed=True)
+
+    def fn(*args):
+        return tuple(quantized_experts(*args, blocks=b, **kw) for b in (grouped, small))
+
     with jax.default_device(ladder.tpu_device(generation)):
         lowered = jax.jit(fn).lower(*(ladder.tpu_spec(generation, *sd) for sd in shapes))
         compiled = lowered.compile()
-    assert lowered.as_text().count("tpu_custom_call") >= 3
+    text = lowered.as_text()
+    assert text.count("tpu_custom_call") >= 4 and all(k in text for k in ladder.MOE_PATH_KERNELS.values())
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     arguments = compiled.memory_analysis().argument_size_in_bytes
-    assert cost["bytes accessed"] < 1.5 * arguments, f"{cost['bytes accessed']} bytes for {arguments}: a copy?"
+    assert cost["bytes accessed"] < 3 * arguments, f"{cost['bytes accessed']} bytes for {arguments}: a copy?"
 
 
 # ------------------------------------------------------------------------------------------------ rung 2

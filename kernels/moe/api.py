@@ -198,12 +198,6 @@ def _plan(
     before tracing, with errors naming the field of `blocks`."""
     blocks = _check_blocks(blocks)
     tokens, hidden = hidden_states.shape
-    is_mxfp4 = any(mxfp4.is_mxfp4(w.dtype) for w in (gate_up_proj, down_proj))
-    if is_mxfp4 and blocks.path == "small_batch":
-        raise ValueError(
-            "blocks.path: the small-batch kernel does not take MXFP4 weights; they run on the grouped path "
-            "(path=None or 'grouped'), got path='small_batch'"
-        )
     rows = tokens * top_k_index.shape[1]
     dtype = hidden_states.dtype
     spec = jax.ShapeDtypeStruct
@@ -249,8 +243,6 @@ def _plan(
         down_dtype=down_proj.dtype,
         blocks=blocks,
     )
-    if is_mxfp4:  # the grouped path's kernels widen MXFP4 blocks; the small-batch kernel does not
-        plan = None
     layout = _Layout(
         activation=activation,
         gate_layout=gate_layout,
@@ -419,16 +411,22 @@ def _small_batch_forward(plan, layout: _Layout, hidden_states, top_k_index, top_
     def per_column(v):  # [E, N] -> [E, 1, N] blocks
         return None if v is None else v[:, None, :]
 
+    gate_up, down = weights.gate_up_proj, weights.down_proj
+    gate_up_scale, down_scale = weights.gate_up_scale, weights.down_scale
+    if mxfp4.is_mxfp4(gate_up.dtype) and not layout.weights_transposed:  # the checkpoint's layout: every call
+        (gate_up, gate_up_scale), (down, down_scale) = (
+            mxfp4.prepare(w, c) for w, c in ((gate_up, gate_up_scale), (down, down_scale))
+        )
     return small_batch.experts_forward_small_batch(
         hidden_states,
         top_k_index,
         top_k_weights,
-        stored(weights.gate_up_proj, plan.swap_gate_up),
-        stored(weights.down_proj, plan.swap_down),
+        stored(gate_up, plan.swap_gate_up),
+        stored(down, plan.swap_down),
         per_column(weights.gate_up_bias),
         per_column(weights.down_bias),
-        gate_up_scale=weights.gate_up_scale,
-        down_scale=weights.down_scale,
+        gate_up_scale=gate_up_scale,
+        down_scale=down_scale,
         up_streams=plan.up_streams,
         down_i_axis=plan.down_i_axis,
         tc=plan.tc,
@@ -457,7 +455,11 @@ def _small_batch_bwd(plan, layout, saved, g):
     constant = {
         "gate_up_scale",
         "down_scale",
-        *(n for n in ("gate_up_proj", "down_proj") if quantization.is_quantized(getattr(weights, n).dtype)),
+        *(
+            n
+            for n in ("gate_up_proj", "down_proj")
+            if quantization.is_quantized(getattr(weights, n).dtype) or mxfp4.is_mxfp4(getattr(weights, n).dtype)
+        ),
     }
     free = {n: v for n, v in weights._asdict().items() if n not in constant}
 

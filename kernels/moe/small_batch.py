@@ -20,6 +20,14 @@ matmul, common.activation.deinterleaved_gating). Small chunks keep the first ste
 overlap it with) short. Weights are read in the orientation XLA stores them
 (ragged_dot.tuning.stored_minor_to_major_swapped); x, the routing and the f32 accumulator [T, H] stay in VMEM for the
 whole call.
+
+MXFP4 weights (gpt-oss), as mxfp4.prepare lays them out: gate/up blocks [E, H / 2, 2I] with scales [E, S(H), 2I]
+(a chunk's columns on lanes, blocks and scales alike) and down blocks [E, I / 2, H] (a chunk's tc / 2 packed rows)
+with the expert's scales [E, S(I), H] read whole (fetched once a visit; tc / 32 rows are no whole sublane tiles).
+Each block is widened in VMEM by mxfp4.widen into 4 planes of the contraction dimension (k = 8i + 2p + h); x comes
+in the planes' column order (mxfp4.plane_order, outside), and act(gate) * up [T, tc] meets down's planes through 4
+one-hot selection matmuls [tc, tc / 4] (exact; the MXU's cost of a [tc, tc] weight, small beside the chunk's
+3 * tc * H).
 """
 
 import dataclasses
@@ -30,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import quantization
+from ..common import mxfp4, quantization
 from ..common.activation import apply_activation, apply_gating, deinterleaved_gating
 from ..common.manual_axes import out_struct
 from ..ragged_dot.kernel import matmul_precision
@@ -76,6 +84,29 @@ def _contract(a, block, a_axis, block_axis, compute_dtype):
     )
 
 
+def _contract_planes(planes, lhs_planes, compute_dtype):
+    """sum over p of lhs_planes(p) [T, K / 4] @ planes[p] [K / 4, C] (MXFP4: the 4 planes of `mxfp4.widen`), f32."""
+    return sum(
+        jax.lax.dot_general(
+            lhs_planes(p),
+            w,
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=matmul_precision(compute_dtype),
+        )
+        for p, w in enumerate(planes)
+    )
+
+
+def _chunk_rows(ref, c, chunks: int, rows: int):
+    """Rows [c * rows, (c + 1) * rows) of `ref` [R, C] for chunk c, by selects over static slices (a chunk's MXFP4
+    scale rows, tc / 32 of them, are not whole sublane tiles: gpt-oss's 2880 has no chunk of 256 multiples)."""
+    out = ref[0:rows, :]
+    for ci in range(1, chunks):
+        out = jnp.where(c == ci, ref[ci * rows : (ci + 1) * rows, :], out)
+    return out
+
+
 def _chunk_columns(ref, e, c, stream: WeightStream, chunks: int, width: int):
     """Columns [(c + offset) * width, ...) of expert e's row of the scales `ref` [E, N] (all in VMEM), for chunk c:
     a chain of selects over static lane slices (Mosaic slices lanes at static offsets only, and a (1, width) block of
@@ -111,6 +142,7 @@ def _fused_kernel(
     h_dtype,
     up_dtype,
     down_dtype,
+    is_mxfp4=False,
 ):
     up_refs = refs[: len(up_streams)]
     rest = refs[len(up_streams) :]
@@ -122,8 +154,10 @@ def _fused_kernel(
     rest = rest[1:]
     down_scale_ref = rest[0] if has_down_scale else None
     rest = rest[has_down_scale:]
+    select_ref = rest[0] if is_mxfp4 else None
+    rest = rest[is_mxfp4:]
     down_bias_ref = rest[0] if has_down_bias else None
-    out_ref, acc_ref = rest[has_down_bias:]
+    out_ref, acc_ref, *exponent_ref = rest[has_down_bias:]
     v = pl.program_id(0)
     c = pl.program_id(1)
     e = experts_ref[v]
@@ -138,11 +172,23 @@ def _fused_kernel(
     routed = jnp.max(jnp.where(chose, 1.0, 0.0), axis=1, keepdims=True) > 0.0  # [T, 1]
 
     x = x_ref[...]
-    # x [T, H] against a block with H on the axis other than the intermediate one.
-    parts = [_contract(x, r[...], 1, 3 - s.i_axis - 1, up_dtype) for r, s in zip(up_refs, up_streams)]
+    if is_mxfp4:
+        # x [T, H] in the planes' column order (mxfp4.plane_order): plane p meets its H / 4 columns. Each stream's
+        # block [H / 2, width] is widened whole along H with its e8m0 scales [S(H), width].
+        quarter = x.shape[1] // 4
+        xq = x.astype(up_dtype)
+        parts = [
+            _contract_planes(
+                mxfp4.widen(r[...], sr[...], up_dtype), lambda p: xq[:, p * quarter : (p + 1) * quarter], up_dtype
+            )
+            for r, sr in zip(up_refs, up_scale_refs)
+        ]
+    else:
+        # x [T, H] against a block with H on the axis other than the intermediate one.
+        parts = [_contract(x, r[...], 1, 3 - s.i_axis - 1, up_dtype) for r, s in zip(up_refs, up_streams)]
     # Quantized weights: widened in VMEM by _contract, their per-column scale (times the widening's power of two) on
     # the f32 result, not on the block.
-    if num_up_scale:
+    if num_up_scale and not is_mxfp4:
         parts = [
             p * _scaled(_chunk_columns(up_scale_refs[0], e, c, s, chunks, p.shape[1]), up_refs[0].dtype)
             for p, s in zip(parts, up_streams)
@@ -156,8 +202,33 @@ def _fused_kernel(
         h = apply_activation(parts[0], activation)
     # The grouped path writes act(gate) * up in the activations' dtype before the down matmul; so does this one.
     h = h.astype(h_dtype)
-    y = _contract(h, down_ref[...], 1, down_i_axis - 1, down_dtype)  # [T, H] f32
-    if has_down_scale:
+    if is_mxfp4:
+        # The chunk's down_proj rows [tc / 2, H] (packed) widen to 4 planes of the chunk's intermediate columns
+        # k = 8i + 2p + h'; h meets them in that column order through 4 one-hot selection matmuls [tc, tc / 4]
+        # (exact: one product a column). The expert's e8m0 scales [S(I), H] arrive whole, as int32 in a scratch
+        # from its first chunk on; each chunk selects its tc / 32 rows.
+        rows = down_ref.shape[0] // 16
+
+        @pl.when(c == 0)
+        def _():
+            exponent_ref[0][...] = down_scale_ref[...].astype(jnp.int32)
+
+        planes = mxfp4.widen(down_ref[...], _chunk_rows(exponent_ref[0], c, chunks, rows), down_dtype)
+        hd = h.astype(down_dtype)
+        y = _contract_planes(
+            planes,
+            lambda p: jax.lax.dot_general(
+                hd,
+                select_ref[p],
+                (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+                precision=matmul_precision(down_dtype),
+            ).astype(down_dtype),
+            down_dtype,
+        )
+    else:
+        y = _contract(h, down_ref[...], 1, down_i_axis - 1, down_dtype)  # [T, H] f32
+    if has_down_scale and not is_mxfp4:
         y = y * _scaled(down_scale_ref[pl.ds(e, 1), :], down_ref.dtype)
     if has_down_bias:
         y = y + jnp.where(c == 0, 1.0, 0.0) * down_bias_ref[...].astype(jnp.float32)  # once per expert
@@ -166,6 +237,11 @@ def _fused_kernel(
     @pl.when(jnp.logical_and(v == last_visit, c == chunks - 1))
     def _():
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def _plane_selection(tc: int, dtype):
+    """[4, tc, tc / 4] one-hot: h [T, tc] @ out[p] is plane p's columns of h (mxfp4.plane_order's p-th quarter)."""
+    return mxfp4.plane_order(jnp.eye(tc, dtype=dtype)).reshape(tc, 4, tc // 4).swapaxes(0, 1)
 
 
 def experts_forward_small_batch(
@@ -192,7 +268,9 @@ def experts_forward_small_batch(
     divides `intermediate`. Biases (or None): gate_up_bias [E, 1, N], down_bias [E, 1, H]. Validated by api.py and
     chosen by tuning.py. Quantized (int8 / float8_e4m3fn) weights come with f32 per-column scales gate_up_scale
     [E, N] and down_scale [E, H], each whole in VMEM (read once a call: a per-expert [E, 1, N] view would cost XLA a
-    relayout copy of each, ~7 us modeled v6e at Qwen3's sizes); their blocks are cast to the activations' dtype."""
+    relayout copy of each, ~7 us modeled v6e at Qwen3's sizes); their blocks are cast to the activations' dtype.
+    MXFP4 (uint8) weights: both, in mxfp4.prepare's layout (up_streams on lanes, down_i_axis 1, tc a multiple of 64
+    or I), with their e8m0 scales gate_up_scale [E, S(H), N] and down_scale [E, S(I), H] (see the module docstring)."""
     tokens, hidden = hidden_states.shape
     num_experts = gate_up.shape[0]
     experts, count = touched.touched_experts(top_k_index, num_experts)
@@ -201,12 +279,18 @@ def experts_forward_small_batch(
     def whole(shape):
         return pl.BlockSpec(shape, lambda v, c, experts_ref, count_ref: (0,) * len(shape))
 
+    is_mxfp4 = mxfp4.is_mxfp4(gate_up.dtype)
+    x = mxfp4.plane_order(hidden_states) if is_mxfp4 else hidden_states
     in_specs = [whole(hidden_states.shape), whole(top_k_index.shape), whole(top_k_weights.shape)]
-    operands = [hidden_states, top_k_index, top_k_weights]
+    operands = [x, top_k_index, top_k_weights]
     for s in up_streams:
         in_specs.append(_weight_spec(gate_up.shape, s, tc))
         operands.append(gate_up)
-    if gate_up_scale is not None:  # whole, fetched once; each step selects its expert's row and chunk's columns
+    if is_mxfp4:  # each stream's e8m0 scales [S(H), width], beside its block
+        for s in up_streams:
+            in_specs.append(_weight_spec(gate_up_scale.shape, s, tc))
+            operands.append(gate_up_scale)
+    elif gate_up_scale is not None:  # whole, fetched once; each step selects its expert's row and chunk's columns
         in_specs.append(whole(gate_up_scale.shape))
         operands.append(gate_up_scale)
     if gate_up_bias is not None:
@@ -218,23 +302,37 @@ def experts_forward_small_batch(
                 )
             )
             operands.append(gate_up_bias)
-    in_specs.append(_weight_spec(down.shape, WeightStream(down_i_axis), tc))
-    operands.append(down)
-    if down_scale is not None:
-        in_specs.append(whole(down_scale.shape))
-        operands.append(down_scale)
+    down_dtype = quantization.compute_dtype(hidden_states.dtype, down.dtype)
+    scratch = [pltpu.VMEM((tokens, hidden), jnp.float32)]
+    if is_mxfp4:  # packed rows [tc / 2, H] a chunk; the expert's scales [S(I), H] whole (fetched once an expert)
+        in_specs.append(
+            pl.BlockSpec((None, tc // 2, hidden), lambda v, c, experts_ref, count_ref: (experts_ref[v], c, 0))
+        )
+        in_specs.append(
+            pl.BlockSpec(
+                (None, down_scale.shape[1], hidden), lambda v, c, experts_ref, count_ref: (experts_ref[v], 0, 0)
+            )
+        )
+        in_specs.append(whole((4, tc, tc // 4)))
+        operands += [down, down_scale, _plane_selection(tc, down_dtype)]
+        scratch.append(pltpu.VMEM(down_scale.shape[1:], jnp.int32))
+    else:
+        in_specs.append(_weight_spec(down.shape, WeightStream(down_i_axis), tc))
+        operands.append(down)
+        if down_scale is not None:
+            in_specs.append(whole(down_scale.shape))
+            operands.append(down_scale)
     if down_bias is not None:
         in_specs.append(pl.BlockSpec((None, 1, hidden), lambda v, c, experts_ref, count_ref: (experts_ref[v], 0, 0)))
         operands.append(down_bias)
     # Each matmul in its operands' promoted dtype, as the grouped path's kernels do (an f32 down_proj stays f32;
     # quantized weights run in the activations' dtype).
     up_dtype = quantization.compute_dtype(hidden_states.dtype, gate_up.dtype)
-    down_dtype = quantization.compute_dtype(hidden_states.dtype, down.dtype)
     kernel = functools.partial(
         _fused_kernel,
         up_streams=tuple(up_streams),
         down_i_axis=down_i_axis,
-        num_up_scale=int(gate_up_scale is not None),
+        num_up_scale=len(up_streams) if is_mxfp4 else int(gate_up_scale is not None),
         num_up_bias=len(up_streams) if gate_up_bias is not None else 0,
         has_down_scale=down_scale is not None,
         has_down_bias=down_bias is not None,
@@ -243,11 +341,15 @@ def experts_forward_small_batch(
         h_dtype=hidden_states.dtype,
         up_dtype=up_dtype,
         down_dtype=down_dtype,
+        is_mxfp4=is_mxfp4,
     )
     touched_bound = min(num_experts, top_k_index.size)
-    weight_bytes = (
-        touched_bound * intermediate * hidden * (len(up_streams) * gate_up.dtype.itemsize + down.dtype.itemsize)
-    )
+    if is_mxfp4:  # packed blocks and their scales, as stored
+        weight_bytes = touched_bound * sum(a.size // num_experts for a in (gate_up, gate_up_scale, down, down_scale))
+    else:
+        weight_bytes = (
+            touched_bound * intermediate * hidden * (len(up_streams) * gate_up.dtype.itemsize + down.dtype.itemsize)
+        )
     cost = pl.CostEstimate(
         flops=2 * touched_bound * tokens * hidden * intermediate * (len(up_streams) + 1),
         transcendentals=touched_bound * tokens * intermediate,
@@ -261,7 +363,7 @@ def experts_forward_small_batch(
             grid=(jnp.maximum(count, 1), chunks),
             in_specs=in_specs,
             out_specs=whole((tokens, hidden)),
-            scratch_shapes=[pltpu.VMEM((tokens, hidden), jnp.float32)],
+            scratch_shapes=scratch,
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=vmem_limit_bytes

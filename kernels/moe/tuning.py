@@ -136,12 +136,21 @@ def small_batch_chunks(
 ) -> list[int]:
     """The chunks the small-batch kernel can take, largest first: divisors of I that are whole layout tiles of
     every block they cut (gate/up and down weights in their stored orientation, the gate/up bias on lanes)."""
+    n_up = 2 * intermediate if gate_layout else intermediate
+    width = 2 if gate_layout == "interleaved" else 1  # an interleaved chunk's gate/up block: 2 * tc rows / lanes
+    if mxfp4.is_mxfp4(weight_dtype):
+        # Read as mxfp4.prepare lays them out: gate/up [E, H / 2, N] (a chunk's columns on lanes, with their scales
+        # [E, S(H), N]) and down [E, I / 2, H] (a chunk's tc / 2 packed rows whole uint8 sublane tiles, its tc / 32
+        # scale rows whole 32-element blocks).
+        def legal_mxfp4(tc):
+            rows_ok = tc % (2 * mxfp4.SCALE_ROW_TILE) == 0 or tc == intermediate
+            return tc % mxfp4.BLOCK == 0 and rows_ok and _legal(width * tc, 2, n_up, 0)
+
+        return [tc for tc in range(intermediate, 0, -1) if intermediate % tc == 0 and legal_mxfp4(tc)]
     up_axis, _ = _stored_i_axis(gate_up_shape, 2 if weights_transposed else 1)
     down_axis, _ = _stored_i_axis(down_shape, 1 if weights_transposed else 2)
-    n_up = 2 * intermediate if gate_layout else intermediate
     down_dtype = weight_dtype if down_dtype is None else down_dtype
     sub = max(sublane_multiple(weight_dtype), sublane_multiple(down_dtype))
-    width = 2 if gate_layout == "interleaved" else 1  # an interleaved chunk's gate/up block: 2 * tc rows / lanes
 
     def legal(tc):
         ok = _legal(width * tc, up_axis, n_up, sub) and _legal(tc, down_axis, intermediate, sub)
@@ -150,6 +159,15 @@ def small_batch_chunks(
         return ok
 
     return [tc for tc in range(intermediate, 0, -1) if intermediate % tc == 0 and legal(tc)]
+
+
+def _step_bytes(tc: int, hidden: int, intermediate: int, streams: int, weight_dtype, down_dtype) -> int:
+    """The weight bytes a small-batch step reads: the chunk's gate, up and down blocks (MXFP4: packed, with the
+    gate/up columns' e8m0 scales)."""
+    if mxfp4.is_mxfp4(weight_dtype):
+        return (streams + 1) * tc * hidden // 2 + streams * tc * mxfp4.scale_rows(hidden)
+    wb = max(jnp.dtype(weight_dtype).itemsize, jnp.dtype(down_dtype or weight_dtype).itemsize)
+    return (streams + 1) * tc * hidden * wb
 
 
 def plan_small_batch(
@@ -183,11 +201,19 @@ def plan_small_batch(
     unsupported = small_batch_unsupported(num_experts=gate_up_shape[0], gate_layout=gate_layout)
     if not forced and (tokens > SMALL_BATCH_MAX_TOKENS.get(gen, 8) or unsupported):
         return None
+    down_dtype = weight_dtype if down_dtype is None else down_dtype
+    is_mx = mxfp4.is_mxfp4(weight_dtype)
+    if is_mx != mxfp4.is_mxfp4(down_dtype):
+        unsupported = "MXFP4 weights in one projection only: it takes them in both or neither"
+        if not forced:
+            return None
     if unsupported:
         raise ValueError(f"blocks.path: 'small_batch' cannot serve these inputs: {unsupported}; use 'grouped' or None")
-    up_axis, swap_up = _stored_i_axis(gate_up_shape, 2 if weights_transposed else 1)
-    down_axis, swap_down = _stored_i_axis(down_shape, 1 if weights_transposed else 2)
-    down_dtype = weight_dtype if down_dtype is None else down_dtype
+    if is_mx:  # read as mxfp4.prepare lays them out (api.py prepares the checkpoint's layout first)
+        up_axis, swap_up, down_axis, swap_down = 2, False, 1, False
+    else:
+        up_axis, swap_up = _stored_i_axis(gate_up_shape, 2 if weights_transposed else 1)
+        down_axis, swap_down = _stored_i_axis(down_shape, 1 if weights_transposed else 2)
     options = small_batch_chunks(
         intermediate,
         gate_up_shape=gate_up_shape,
@@ -206,7 +232,6 @@ def plan_small_batch(
             "tiles of the weight and bias blocks it cuts; use 'grouped' or None"
         )
     streams = 2 if gate_layout else 1
-    wb = max(jnp.dtype(weight_dtype).itemsize, jnp.dtype(down_dtype).itemsize)
     hb = jnp.dtype(hidden_dtype).itemsize
     # Quantized (1-byte) weight blocks are also held cast to the activations' dtype in the kernel body, and their
     # f32 scales sit whole in VMEM (double-buffered).
@@ -218,17 +243,24 @@ def plan_small_batch(
     ]
     cast_bytes = sum(hb * blocks for blocks, _ in quantized)
     scale_bytes = sum(2 * 4 * gate_up_shape[0] * columns for _, columns in quantized)
+    if is_mx:
+        # The widened planes of a step's blocks, a byte a value of word temporaries; the expert's down scales
+        # (double-buffered) and their int32 copy.
+        cast_bytes = (hb + 1) * (streams + 1)
+        scale_bytes = 6 * mxfp4.scale_rows(intermediate) * hidden
 
     def step_bytes(tc):
-        return (streams + 1) * tc * hidden * wb
+        return _step_bytes(tc, hidden, intermediate, streams, weight_dtype, down_dtype)
 
     if blocks.chunk is not None:
         tc = check_tile("blocks", "chunk", blocks.chunk)
         if tc not in options:
+            tiles = f"128 lanes or {sublane_multiple(weight_dtype)} sublanes, by the weights' stored orientation"
+            if is_mx:
+                tiles = "MXFP4: 32-row tiles of down_proj's packed rows (a multiple of 64), gate/up's 128 lanes"
             raise ValueError(
                 f"blocks.chunk: expected a divisor of I = {intermediate} that is whole layout tiles of the blocks it "
-                f"cuts (128 lanes or {sublane_multiple(weight_dtype)} sublanes, by the weights' stored orientation): "
-                f"one of {options}, got {tc}"
+                f"cuts ({tiles}): one of {options}, got {tc}"
             )
     else:
         fitting = [tc for tc in options if step_bytes(tc) <= STEP_BYTES]
@@ -240,6 +272,7 @@ def plan_small_batch(
         + 4 * tokens * hidden * hb
         + tokens * hidden * 4
         + F32_TEMPORARIES * tokens * (tc * streams + hidden) * 4
+        + (2 * tc * tc * hb if is_mx else 0)  # MXFP4: the planes' one-hot selection (double-buffered)
     )
     if forced:
         limit = blocks.vmem_limit_bytes
@@ -280,8 +313,7 @@ def choose_blocks(
     info: pltpu.TpuInfo | None = None,
 ) -> ExpertsBlocks:
     """The table's choice as a `blocks=` value: the path, and the chunk when it is the small-batch kernel (the
-    grouped matmuls' tiles stay the ragged-dot table's). MXFP4 (uint8) weights: the grouped path, the only one that
-    takes them."""
+    grouped matmuls' tiles stay the ragged-dot table's). MXFP4 (uint8) weights: the grouped path."""
     if mxfp4.is_mxfp4(weight_dtype):
         return ExpertsBlocks(path="grouped")
     plan = plan_small_batch(
@@ -334,15 +366,14 @@ def candidate_blocks(
     )
     table = choose_blocks(tokens, hidden, intermediate, **kwargs)
     candidates = [table]
+    if table.path == "small_batch":
+        candidates.append(ExpertsBlocks(path="grouped"))
     if mxfp4.is_mxfp4(weight_dtype):
-        # MXFP4 weights: the grouped path only, its blocks widened whole along K; what tiles is the output width
-        # a step (the ragged dot's MXFP4_TN unless given): narrower ones for both matmuls.
+        # MXFP4 weights on the grouped path: its blocks widened whole along K; what tiles is the output width a
+        # step (the ragged dot's MXFP4_TN unless given): narrower ones for both matmuls.
         for tn in ragged_dot_tuning.MXFP4_TN_OTHERS:
             forward = ragged_dot_tuning.RaggedDotBlocks(forward=ragged_dot_tuning.MatmulBlocks(tn=tn))
             candidates.append(ExpertsBlocks(path="grouped", gate_up=forward, down=forward))
-        return candidates
-    if table.path == "small_batch":
-        candidates.append(ExpertsBlocks(path="grouped"))
     if tokens == 0 or small_batch_unsupported(num_experts=gate_up_shape[0], gate_layout=gate_layout):
         return candidates
     options = small_batch_chunks(
@@ -356,8 +387,11 @@ def candidate_blocks(
         chunks = [options[i] for i in (at - 1, at + 1) if 0 <= i < len(options)]
     else:
         streams = 2 if gate_layout else 1
-        wb = max(jnp.dtype(weight_dtype).itemsize, jnp.dtype(down_dtype or weight_dtype).itemsize)
-        fitting = [i for i, tc in enumerate(options) if (streams + 1) * tc * hidden * wb <= STEP_BYTES]
+        fitting = [
+            i
+            for i, tc in enumerate(options)
+            if _step_bytes(tc, hidden, intermediate, streams, weight_dtype, down_dtype) <= STEP_BYTES
+        ]
         at = fitting[0] if fitting else len(options) - 1
         chunks = [options[i] for i in (at - 1, at, at + 1) if 0 <= i < len(options)]
     for tc in chunks:
