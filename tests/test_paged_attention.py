@@ -4,6 +4,7 @@ poisoned with NaN wherever no sequence's context lies (unused pages, the tails o
 context shows; the visit lists vs a brute-force enumeration; metadata that breaks the contract on the device; bad
 input; TPU export; deviceless compile for v5e / v6e / v7x, with no copy of the caches in the compiled program."""
 
+import dataclasses
 import functools
 
 import jax
@@ -103,6 +104,9 @@ def _check(rand, batch, *, dtype=jnp.float32, tol=None, blocks=None, **options):
 Q_LENS = [1, 21, 1, 0, 5, 1, 0, 11]
 KV_LENS = [45, 21, 1, 23, 40, 50, 0, 75]
 BLOCKS = tk.PagedAttentionBlocks(queries_per_block=8, pages_per_block=2)
+# Two visits a grid step (the decode default, tuning.resolve_blocks): a step's visits each their own page slots, the
+# masked and unmasked ones mixed, a query block's last step filled up with a visit that computes nothing.
+PAIRED = dataclasses.replace(BLOCKS, visits_per_step=2)
 
 # Plain causal attention (no option) over this batch: test_bfloat16, test_float8_cache_with_scales and
 # test_page_sizes_and_default_blocks.
@@ -113,8 +117,9 @@ FEATURES = {
 }
 
 
-# The separate-heads path at scale 1 (large logits) and with every feature; a window on both sides without causal
-# masking is test_every_head_at_once's (one mask function, _keep, serves both paths) and the visit lists'.
+# The separate-heads path at scale 1 (large logits) and with every feature (two visits a step); a window on both sides
+# without causal masking is test_every_head_at_once's (one mask function, _keep, serves both paths) and the visit
+# lists'.
 @pytest.mark.parametrize("feature", ["scale_one", "everything"])
 def test_mixed_batch_matches_reference(rand, feature):
     options = dict(FEATURES[feature])
@@ -122,23 +127,23 @@ def test_mixed_batch_matches_reference(rand, feature):
     if options.pop("sinks", False):
         options["sinks"] = rand.normal((8,), scale=2.0)
     tol = dict(F32_TOL, atol=1e-4) if feature == "scale_one" else F32_TOL
-    _check(rand, batch, blocks=BLOCKS, tol=tol, **options)
+    _check(rand, batch, blocks=PAIRED if feature == "everything" else BLOCKS, tol=tol, **options)
 
 
 # The merged path's two ways to rows: the caches passed as rows (head dim 128 with 2 kv heads, "everything"; 8 kv
 # heads x 256, a window on both sides) and the page buffer loaded as it lies and reshaped in the kernel (2 kv heads x
 # 256, "everything", in query blocks of 40 tokens: 80 rows a head, which only 2 kv heads take at once; 4 kv heads x
-# 128 in blocks of 40 tokens: taken in pairs).
+# 128 in blocks of 40 tokens: taken in pairs). Two visits a grid step in the first and third.
 @pytest.mark.parametrize(
-    "hkv,d,queries,feature",
+    "hkv,d,queries,feature,per_step",
     [
-        (2, 128, 4, "everything"),
-        (8, 256, 4, "window_both_sides_not_causal"),
-        (2, 256, 40, "everything"),
-        (4, 128, 40, "window_both_sides_not_causal"),
+        (2, 128, 4, "everything", 2),
+        (8, 256, 4, "window_both_sides_not_causal", 1),
+        (2, 256, 40, "everything", 2),
+        (4, 128, 40, "window_both_sides_not_causal", 1),
     ],
 )
-def test_every_head_at_once(rand, feature, hkv, d, queries):
+def test_every_head_at_once(rand, feature, hkv, d, queries, per_step):
     """A visit takes every kv head in one matmul over the page buffer (kernel.merges_heads), the cross-head scores
     masked. Sequence 5's decode at position 63 sees the whole key block 32-63 even under the window of "everything"
     while sharing its query block with sequence 7: an unmasked visit that must leave the other sequence's rows
@@ -154,7 +159,7 @@ def test_every_head_at_once(rand, feature, hkv, d, queries):
     batch = Batch(rand, Q_LENS, kv_lens, hq=hq, hkv=hkv, d=d)
     if options.pop("sinks", False):
         options["sinks"] = rand.normal((hq,), scale=2.0)
-    blocks = tk.PagedAttentionBlocks(queries_per_block=queries, pages_per_block=2)
+    blocks = tk.PagedAttentionBlocks(queries_per_block=queries, pages_per_block=2, visits_per_step=per_step)
     _check(rand, batch, blocks=blocks, tol=F32_TOL, **options)
 
 
@@ -187,10 +192,11 @@ def test_float8_cache_with_scales(rand, page):
     """An e4m3 cache holding value / scale: the kernel folds k_scale into the query scale and v_scale into the output;
     Python floats, which the kernel takes as constants (traced float32 [1] scales, an SMEM operand, are the torch
     op's test's: torch passes tensors). Pages of 16: every head at once, the buffer reshaped to rows; of 32: the
-    caches passed head-major (XLA's own layout of 2 float8 kv heads), one head at a time."""
+    caches passed head-major (XLA's own layout of 2 float8 kv heads), one head at a time, two visits a step."""
     assert kernel.head_major_cache(hkv=2, page_size=page, cache_itemsize=1) == (page == 32)
     batch = Batch(rand, Q_LENS, KV_LENS, hq=8, hkv=2, d=128, page=page, dtype=jnp.bfloat16, cache_dtype=FP8)
-    attention = functools.partial(tk.ragged_paged_attention, blocks=BLOCKS, k_scale=0.5, v_scale=0.25)
+    blocks = PAIRED if page == 32 else BLOCKS
+    attention = functools.partial(tk.ragged_paged_attention, blocks=blocks, k_scale=0.5, v_scale=0.25)
     out = ladder.run_interpreted(_jit(attention), *batch.args)
     expected = ragged_paged_attention_reference(*batch.args, k_scale=0.5, v_scale=0.25)
     ladder.assert_close(out, expected, dtype=jnp.bfloat16, what="out", context=repr(rand))
@@ -259,8 +265,8 @@ def _brute_force_visits(kv_lens, cu_q, *, tokens, block_q, block_kv, page, max_c
     return full
 
 
-@pytest.mark.parametrize("window,causal", [((-1, -1), True), ((10, 0), True), ((6, 3), False)])
-def test_visit_lists_match_brute_force(rand, window, causal):
+@pytest.mark.parametrize("window,causal,parts", [((-1, -1), True, 1), ((10, 0), True, 2), ((6, 3), False, 2)])
+def test_visit_lists_match_brute_force(rand, window, causal, parts):
     q_lens = rand.rng.integers(0, 12, 9)
     q_lens[rand.rng.integers(0, 9, 3)] = 1
     kv_lens = q_lens + rand.rng.integers(0, 60, 9)
@@ -276,6 +282,7 @@ def test_visit_lists_match_brute_force(rand, window, causal):
         blocks_per_seq=bps,
         window_size=window,
         causal=causal,
+        parts=parts,
     )
     build = functools.partial(
         schedule.visits,
@@ -289,12 +296,13 @@ def test_visit_lists_match_brute_force(rand, window, causal):
         causal=causal,
         window_size=window,
         size=size,
+        parts=parts,
     )
     out = ladder.run_interpreted(
         _jit(build), jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu), jnp.asarray([9], jnp.int32)
     )
     words, kv_blocks, rows, status = (np.asarray(a) for a in out[:4])
-    count = int(status[0])
+    count = int(status[0]) * parts  # grid steps of `parts` visits
     assert status[1] == 0, "the visit lists overflowed their bound"
     np.testing.assert_array_equal(out[4], kv_lens, err_msg="the builder's clamped kv_lens")
     np.testing.assert_array_equal(out[5], cu, err_msg="the builder's clamped cu_q_lens")
@@ -321,6 +329,9 @@ def test_visit_lists_match_brute_force(rand, window, causal):
     change = np.diff(q_blocks) != 0
     np.testing.assert_array_equal((words[:count] & schedule.FIRST) != 0, np.concatenate([[True], change]))
     np.testing.assert_array_equal((words[:count] & schedule.LAST) != 0, np.concatenate([change, [True]]))
+    # a step's visits are one query block's (its last step filled up with visits that compute nothing and fetch nothing)
+    assert (q_blocks.reshape(-1, parts) == q_blocks[::parts, None]).all(), q_blocks
+    assert not rows[:count][(words[:count] & schedule.COMPUTE) == 0].any()
 
 
 @pytest.mark.parametrize("window,pages", [((127, 0), 8), ((1023, 0), 64), ((-1, 0), 64), ((9, 4), 1)])
@@ -329,8 +340,9 @@ def test_decode_blocks_span_the_window(window, pages):
     of 16; a prefill-heavy batch takes 512 whatever the window."""
     shape = dict(num_seqs=64, group=8, page_size=16, pages_per_seq=256, kv_heads=8, head_dim=64, v_head_dim=64)
     shape.update(q_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, info=chip.tpu_info_for("v6e"), window_size=window)
-    assert tuning.resolve_blocks(None, tokens=64, **shape).pages_per_block == pages
-    assert tuning.resolve_blocks(None, tokens=2108, **shape).pages_per_block == 32
+    decode, prefill = (tuning.resolve_blocks(None, tokens=tokens, **shape) for tokens in (64, 2108))
+    assert (decode.pages_per_block, prefill.pages_per_block) == (pages, 32)
+    assert (decode.visits_per_step, prefill.visits_per_step) == (2, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------- bad input
@@ -411,6 +423,12 @@ BAD = [
     ),
     ladder.BadInput("scale_shape", {"k_scale": jnp.ones((2,), jnp.float32)}, ValueError, "k_scale: expected shape"),
     ladder.BadInput("blocks_type", {"blocks": (8, 2)}, TypeError, "blocks: expected a PagedAttentionBlocks"),
+    ladder.BadInput(
+        "blocks_per_step",
+        {"blocks": tk.PagedAttentionBlocks(visits_per_step=3)},
+        ValueError,
+        "PagedAttentionBlocks.visits_per_step: expected 1 or 2, got 3",
+    ),
     ladder.BadInput(
         "blocks_rows",
         {"blocks": tk.PagedAttentionBlocks(queries_per_block=3)},

@@ -112,6 +112,7 @@ def ragged_paged_attention(
         merged_view=merged == hkv  # pairs of heads read the buffer as it lies
         and kernel.merged_cache_view(hkv=hkv, head_dim=d, v_head_dim=dv, cache_itemsize=itemsize),
         head_major=head_major,
+        parts=chosen.visits_per_step,
     )
     size = schedule.visit_bound(
         tokens=tokens,
@@ -122,6 +123,7 @@ def ragged_paged_attention(
         blocks_per_seq=layout.blocks_per_seq,
         window_size=window,
         causal=causal,
+        parts=layout.parts,
     )
     smem = 4 * (3 * size + n * pages_per_seq)  # the visit lists (three int32 words a visit) and the page table
     if smem > tuning.SMEM_BUDGET_BYTES:
@@ -145,6 +147,7 @@ def ragged_paged_attention(
         causal=causal,
         window_size=window,
         size=size,
+        parts=layout.parts,
     )
     q_rows = jnp.pad(q.astype(compute_dtype), ((0, padded - tokens), (0, 0), (0, 0)))
     pages = page_indices.reshape(-1)  # clamped to the cache where the kernel reads them

@@ -5,9 +5,11 @@ Layouts. The caches stay where they are, flash-attn's [pages, page_size, kv_head
 in the layout XLA gave them (any reshape of a cache would be a relayout copy of the whole cache on every call: XLA
 tiles its two minor dims, kv heads x head dim). A visit copies the pages of its key block, each page one contiguous
 DMA holding every kv head, into a (pages_per_block, page_size, kv_heads, head_dim) VMEM buffer; two buffers, so the
-next visit's pages arrive while this one computes. Decode-like blocks (few query rows) read the whole buffer as rows,
-token-major with the kv heads minor, and take every head in one matmul (merges_heads); prefill blocks take pairs of
-heads so; head dims that are not whole lane tiles read one kv head as a sublane-strided load of the buffer.
+next visit's pages arrive while this one computes. A grid step takes `parts` visits of one query block, each into its
+own pages_per_block page slots of the buffer (at decode both sequences of a block of 2 tokens: half the grid steps,
+each a fixed cost). Decode-like blocks (few query rows) read the whole buffer as rows, token-major with the kv heads
+minor, and take every head in one matmul (merges_heads); prefill blocks take pairs of heads so; head dims that are not
+whole lane tiles read one kv head as a sublane-strided load of the buffer.
 
 Queries come as they are, [tokens, q_heads, head_dim], a block of tokens with every head, and the output leaves so
 (no transposes in XLA around the kernel); a query block's first visit lays each kv head's rows out in VMEM as
@@ -56,6 +58,7 @@ class Layout:
     merged_view: bool = False  # caches passed as [pages, page_size * kv_heads, head_dim] (merged_cache_view)
     head_major: bool = False  # caches passed as [pages, kv_heads, page_size, head_dim] (head_major_cache)
     scales: tuple[float, float] | None = (1.0, 1.0)  # static (k, v) cache scales; None: a traced operand
+    parts: int = 1  # visits a grid step takes (consecutive list entries of one query block, each its own page slots)
 
     @property
     def group(self) -> int:
@@ -152,37 +155,42 @@ def _fetched(i: int, rows, layout: Layout):
     return (i * layout.page_size + layout.page_size > first) & (i * layout.page_size < end)
 
 
-def _start(visit, slot, refs, layout: Layout):
-    """Start the copies of the pages the visit fetches, K and V one DMA a page. Its fetched rows end at its
-    sequence's (clamped) context, so a fetched page lies within the sequence's page table: an entry is read only for a
-    page that is fetched."""
+def _start(step, slot, refs, layout: Layout):
+    """Start the copies of the pages the step's visits fetch, K and V one DMA a page, visit p's pages into page slots
+    p * pages_per_block on. A visit's fetched rows end at its sequence's (clamped) context, so a fetched page lies
+    within the sequence's page table: an entry is read only for a page that is fetched."""
     kv_blocks_ref, rows_ref, pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems = refs
     last_page = k_hbm.shape[0] - 1
-    seq, block_in_seq = _split_block(kv_blocks_ref[visit], layout)
-    rows = rows_ref[visit]
-    base = seq * layout.pages_per_seq + block_in_seq * layout.pages_per_block
-    for i in range(layout.pages_per_block):
+    for part in range(layout.parts):
+        visit = step * layout.parts + part
+        seq, block_in_seq = _split_block(kv_blocks_ref[visit], layout)
+        rows = rows_ref[visit]
+        base = seq * layout.pages_per_seq + block_in_seq * layout.pages_per_block
+        for i in range(layout.pages_per_block):
 
-        @pl.when(_fetched(i, rows, layout))
-        def _():
-            page = jnp.clip(pages_ref[base + i], 0, last_page)  # device page tables are not checked
-            pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, i], sems.at[slot, 0]).start()
-            pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, i], sems.at[slot, 1]).start()
+            @pl.when(_fetched(i, rows, layout))
+            def _():
+                page = jnp.clip(pages_ref[base + i], 0, last_page)  # device page tables are not checked
+                at = part * layout.pages_per_block + i
+                pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, at], sems.at[slot, 0]).start()
+                pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, at], sems.at[slot, 1]).start()
 
 
-def _wait(visit, slot, refs, layout: Layout):
+def _wait(step, slot, refs, layout: Layout):
     """A wait needs the copy's size and semaphore, not its source: every page's copy has the same. A visit that
     computes nothing fetches no rows (its rows word is 0), so it waits on nothing: no condition around the page waits,
     whose regions the compiler predicates (a `pl.when(compute)` around them kept a branch region of the kernel's that
     the schedule did not have, and the performance model then counted both visit branches at every step)."""
     _, rows_ref, _, k_hbm, v_hbm, k_buf, v_buf, sems = refs
-    rows = rows_ref[visit]
-    for i in range(layout.pages_per_block):
+    for part in range(layout.parts):
+        rows = rows_ref[step * layout.parts + part]
+        for i in range(layout.pages_per_block):
+            at = part * layout.pages_per_block + i
 
-        @pl.when(_fetched(i, rows, layout))
-        def _():
-            pltpu.make_async_copy(k_hbm.at[0], k_buf.at[slot, i], sems.at[slot, 0]).wait()
-            pltpu.make_async_copy(v_hbm.at[0], v_buf.at[slot, i], sems.at[slot, 1]).wait()
+            @pl.when(_fetched(i, rows, layout))
+            def _():
+                pltpu.make_async_copy(k_hbm.at[0], k_buf.at[slot, at], sems.at[slot, 0]).wait()
+                pltpu.make_async_copy(v_hbm.at[0], v_buf.at[slot, at], sems.at[slot, 1]).wait()
 
 
 def _rows_of_sequence(word, block, cu_ref, lay: Layout, row):
@@ -241,21 +249,22 @@ def _kernel(
     k_hbm, v_hbm, out_ref, k_buf, v_buf, sems, q_scaled_ref, m_ref, l_ref, acc_ref = refs
     lay = layout
     d, dv, bk = lay.head_dim, lay.v_head_dim, lay.block_kv
-    visit = pl.program_id(0)
+    step = pl.program_id(0)  # the step's visits: list entries step * parts + part
     count = count_ref[0]
-    word = words_ref[visit]
-    slot = visit & 1
-    compute = (word & schedule.COMPUTE) != 0
+    slot = step & 1
     dma_refs = (kv_blocks_ref, rows_ref, pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems)
 
-    # The first visit fetches its own pages; every visit fetches the next one's, which then arrive during this one.
-    pl.when((visit == 0) & compute)(lambda: _start(visit, slot, dma_refs, lay))
-    following = jnp.minimum(visit + 1, words_ref.shape[0] - 1)
-    pl.when((visit + 1 < count) & ((words_ref[following] & schedule.COMPUTE) != 0))(
-        lambda: _start(following, 1 - slot, dma_refs, lay)
-    )
+    def computes(step):
+        return functools.reduce(
+            jnp.logical_or, [(words_ref[step * lay.parts + p] & schedule.COMPUTE) != 0 for p in range(lay.parts)]
+        )
 
-    @pl.when((word & schedule.FIRST) != 0)
+    # The first step fetches its own pages; every step fetches the next one's, which then arrive during this one.
+    pl.when((step == 0) & computes(step))(lambda: _start(step, slot, dma_refs, lay))
+    following = jnp.minimum(step + 1, words_ref.shape[0] // lay.parts - 1)
+    pl.when((step + 1 < count) & computes(following))(lambda: _start(following, 1 - slot, dma_refs, lay))
+
+    @pl.when((words_ref[step * lay.parts] & schedule.FIRST) != 0)
     def _init():
         # scores in log2 units: q scaled once per query block by softmax_scale * k_scale * log2(e) (by
         # softmax_scale * k_scale / softcap under a softcap, whose tanh comes first)
@@ -267,15 +276,15 @@ def _kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    _wait(visit, slot, dma_refs, lay)
+    _wait(step, slot, dma_refs, lay)
 
-    def block_of(buf, j, width):
-        x = buf[slot, :, j] if lay.head_major else buf[slot, :, :, j, :]
+    def block_of(buf, pages, j, width):
+        x = buf[slot, pages, j] if lay.head_major else buf[slot, pages, :, j, :]
         if x.dtype != compute_dtype:
             x = x.astype(compute_dtype)
         return x.reshape(bk, width)
 
-    def accumulate(masked: bool):
+    def accumulate(masked: bool, visit, word, part: int):
         row = jax.lax.broadcasted_iota(jnp.int32, (lay.block_rows, 1), 0)
         if masked:
             key = jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
@@ -285,9 +294,10 @@ def _kernel(
             fetched = (key_rows >= (rows & schedule.ROW_MASK)) & (key_rows < (rows >> schedule.ROW_BITS))
         else:  # every key kept for the sequence's rows; other sequences' rows keep their statistics
             ours = _rows_of_sequence(word, kv_blocks_ref[visit], cu_ref, lay, row)
+        pages = pl.ds(part * lay.pages_per_block, lay.pages_per_block)
         for j in range(lay.kv_heads):
-            k = block_of(k_buf, j, d)
-            v = block_of(v_buf, j, dv)
+            k = block_of(k_buf, pages, j, d)
+            v = block_of(v_buf, pages, j, dv)
             if masked:
                 v = jnp.where(fetched, v, jnp.zeros_like(v))
             s = dot_nt(q_scaled_ref[j], k)
@@ -307,7 +317,7 @@ def _kernel(
                 acc_new = jnp.where(ours, acc_new, acc_ref[j])
             m_ref[j], l_ref[j], acc_ref[j] = m_new, l_new, acc_new
 
-    def accumulate_merged(masked: bool):
+    def accumulate_merged(masked: bool, visit, word, part: int):
         # Every kv head at once: score row (head h, row r) against key column (token t, head h') is kept only where
         # h' == h, so the cross-head scores cost vector work but the page buffer is read whole (no per-head sublane
         # gathers: rows of a merged_view buffer, or [pages, page_size, kv_heads, D] reshaped to rows in registers)
@@ -325,9 +335,9 @@ def _kernel(
         col = jax.lax.broadcasted_iota(jnp.int32, (1, tokens * hkv), 1)
         same_head = row_head == (col & (hkv - 1))
         for g in range(lay.kv_heads // hkv):
-            merged_piece(masked, pl.ds(g * hkv, hkv), hkv, tokens, row, row_head, col, same_head)
+            merged_piece(masked, visit, word, part, pl.ds(g * hkv, hkv), hkv, tokens, row, row_head, col, same_head)
 
-    def merged_piece(masked, heads, hkv, tokens, row, row_head, col, same_head):
+    def merged_piece(masked, visit, word, part, heads, hkv, tokens, row, row_head, col, same_head):
         """One online-softmax step of the query rows of `heads` (hkv consecutive kv heads) against their keys."""
         rows_per_head, cols, shift = lay.block_rows, tokens * hkv, hkv.bit_length() - 1
         n_rows = hkv * rows_per_head
@@ -338,12 +348,13 @@ def _kernel(
         acc0 = acc = acc_ref[heads].reshape(n_rows, dv)
         for c in range(bk // tokens):
             first = c * tokens
+            page = part * lay.pages_per_block + first // lay.page_size  # the visit's page slots
             if tokens >= lay.page_size:
-                at = (slot, pl.ds(first // lay.page_size, tokens // lay.page_size), slice(None))
+                at = (slot, pl.ds(page, tokens // lay.page_size), slice(None))
             elif lay.merged_view:
-                at = (slot, first // lay.page_size, pl.ds((first % lay.page_size) * hkv, cols))
+                at = (slot, page, pl.ds((first % lay.page_size) * hkv, cols))
             else:
-                at = (slot, first // lay.page_size, pl.ds(first % lay.page_size, tokens))
+                at = (slot, page, pl.ds(first % lay.page_size, tokens))
             if hkv < lay.kv_heads:  # a pair of the buffer's heads, [pages, page_size, kv_heads, D] as it lies
                 at = (*at, heads)
             k = k_buf[at].reshape(cols, d)
@@ -372,12 +383,15 @@ def _kernel(
         l_ref[heads] = l.reshape(hkv, rows_per_head, LANES)
         acc_ref[heads] = acc.reshape(hkv, rows_per_head, dv)
 
-    step = accumulate_merged if lay.merged else accumulate
-    masked = (word & schedule.MASKED) != 0
-    pl.when(compute & masked)(lambda: step(True))
-    pl.when(compute & ~masked)(lambda: step(False))
+    accumulate_visit = accumulate_merged if lay.merged else accumulate
+    for part in range(lay.parts):  # the step's visits in order (one query block's; a visit updates its rows)
+        visit = step * lay.parts + part
+        word = words_ref[visit]
+        compute, masked = (word & schedule.COMPUTE) != 0, (word & schedule.MASKED) != 0
+        pl.when(compute & masked)(functools.partial(accumulate_visit, True, visit, word, part))
+        pl.when(compute & ~masked)(functools.partial(accumulate_visit, False, visit, word, part))
 
-    @pl.when((word & schedule.LAST) != 0)
+    @pl.when((words_ref[step * lay.parts + lay.parts - 1] & schedule.LAST) != 0)
     def _finalize():
         for j in range(lay.kv_heads):
             m, l = m_ref[j], l_ref[j]
@@ -423,8 +437,8 @@ def paged_attention(
     hkv, rows_per_block = lay.kv_heads, lay.block_rows
     compute_dtype = q_rows.dtype
 
-    def q_map(v, words_ref, *_):
-        return words_ref[v] & schedule.QUERY_BLOCK_MASK, 0, 0
+    def q_map(step, words_ref, *_):
+        return words_ref[step * lay.parts] & schedule.QUERY_BLOCK_MASK, 0, 0
 
     in_specs = [pl.BlockSpec((lay.block_q, lay.q_heads, lay.head_dim), q_map)]
     operands = [q_rows]
@@ -454,8 +468,8 @@ def paged_attention(
             in_specs=in_specs,
             out_specs=pl.BlockSpec((lay.block_q, lay.q_heads, lay.v_head_dim), q_map),
             scratch_shapes=[
-                pltpu.VMEM((2, lay.pages_per_block, *k_pages.shape[1:]), k_pages.dtype),
-                pltpu.VMEM((2, lay.pages_per_block, *v_pages.shape[1:]), v_pages.dtype),
+                pltpu.VMEM((2, lay.parts * lay.pages_per_block, *k_pages.shape[1:]), k_pages.dtype),
+                pltpu.VMEM((2, lay.parts * lay.pages_per_block, *v_pages.shape[1:]), v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.VMEM((hkv, rows_per_block, lay.head_dim), compute_dtype),
                 pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),

@@ -18,6 +18,11 @@ A (query block, sequence) pair is a sequence with rows in the block; each pair v
   the context's length, so rows past it are zeroed in V, never read as values).
 A query block with no row to compute (padding past the last sequence) gets one visit that only writes zeros.
 
+A grid step of the attention kernel takes `parts` consecutive visits (1 or 2): a query block's visits are grouped in
+steps, its last step filled up with visits that compute and fetch nothing, so a step's visits are one query block's
+(at decode, the 2 sequences of a block of 2 tokens in one step). FIRST is on a block's first visit (a step's first),
+LAST on its last (a step's last); the count is the grid's steps.
+
 The builder also returns the metadata it used, clamped so that device metadata that breaks the contract can never
 address memory outside q, the pages or the lists: lengths within the page table, sequences past num_seqs emptied,
 offsets non-decreasing and within the tokens. The attention kernel masks from these (its rows' ranges follow from a
@@ -53,17 +58,20 @@ def visit_bound(
     blocks_per_seq: int,
     window_size,
     causal: bool,
+    parts: int = 1,
 ) -> int:
-    """At most how many visits a call can need. A (query block, sequence) pair holds at least one query row, so there
-    are at most min(query blocks + sequences, tokens) pairs, each visiting at most the key blocks of a whole context (or
-    those its window spans); a query block without rows adds one visit."""
+    """At most how many visits a call can need (list entries: whole steps of `parts` visits). A (query block, sequence)
+    pair holds at least one query row, so there are at most min(query blocks + sequences, tokens) pairs, each visiting
+    at most the key blocks of a whole context (or those its window spans); a query block without rows adds one visit,
+    and each query block's last step at most parts - 1 empty ones."""
     left, right = window_size
     if causal:
         right = 0
     per_pair = blocks_per_seq
     if left >= 0 and right >= 0:
         per_pair = min(per_pair, -(-(block_q + left + right) // block_kv) + 1)
-    return max(1, min(num_q_blocks + num_seqs, tokens) * per_pair + num_q_blocks)
+    entries = max(1, min(num_q_blocks + num_seqs, tokens) * per_pair + num_q_blocks) + (parts - 1) * num_q_blocks
+    return -(-entries // parts) * parts
 
 
 def _builder(
@@ -86,6 +94,7 @@ def _builder(
     max_context: int,
     left: int,
     right: int,
+    parts: int,
 ):
     n = kv_in.shape[0]
     size = words_ref.shape[0]
@@ -122,11 +131,11 @@ def _builder(
         return lo, hi
 
     def query_block(qb, carry):
-        s_first, v = carry
+        s_start, v = carry
         first_row = qb * block_q
+        block_end = jnp.minimum(first_row + block_q, total)
         has_rows = first_row < total
-        s_first = seq_of(s_first, first_row)
-        s_last = jnp.where(has_rows, seq_of(s_first, jnp.minimum(first_row + block_q, total) - 1), s_first)
+        s_first = seq_of(s_start, first_row)
         block_v = v
 
         def pair(s, v):
@@ -154,22 +163,34 @@ def _builder(
 
             return jax.lax.fori_loop(0, visits, visit, v)
 
-        v = jax.lax.fori_loop(s_first, s_last + 1, pair, v)
+        def more(carry):  # the block's sequences: from s_first, those whose rows start before the block's end
+            s, _ = carry
+            return (s < n) & (cu_ref[jnp.minimum(s, n)] < block_end)
 
-        # a query block with nothing to compute keeps one visit that writes its zeros; the block's last visit: LAST
+        s_end, v = jax.lax.while_loop(more, lambda carry: (carry[0] + 1, pair(*carry)), (s_first, v))
+
+        # a query block with nothing to compute keeps one visit that writes its zeros; its last step is filled up with
+        # visits that compute nothing (the next block's start on a step of its own); the block's last visit: LAST
         @pl.when(v == block_v)
         def _():
-            put(v, qb | FIRST | LAST, s_first * blocks_per_seq, 0)
+            put(v, qb | FIRST, s_first * blocks_per_seq, 0)
 
-        @pl.when((v > block_v) & (v <= size))
+        v = jnp.maximum(v, block_v + 1)
+        if parts > 1:
+            end = _div(v + parts - 1, parts) * parts
+            for k in range(parts - 1):
+                pl.when(v + k < end)(lambda k=k: put(v + k, qb, s_first * blocks_per_seq, 0))
+            v = end
+
+        @pl.when(v <= size)
         def _():
             at = jnp.clip(v - 1, 0, size - 1)
             words_ref[at] = words_ref[at] | LAST
 
-        return s_first, jnp.maximum(v, block_v + 1)
+        return jnp.maximum(s_end - 1, s_first), v  # the block's last sequence may go on in the next block
 
     _, count = jax.lax.fori_loop(0, -(-padded // block_q), query_block, (jnp.int32(0), jnp.int32(0)))
-    count_ref[0] = jnp.minimum(count, size)
+    count_ref[0] = _div(jnp.minimum(count, size), parts)  # grid steps
     count_ref[1] = (count > size).astype(jnp.int32)  # cannot happen under visit_bound: the lists would be cut
 
 
@@ -188,10 +209,12 @@ def visits(
     causal: bool,
     window_size: tuple[int, int],
     size: int,
+    parts: int = 1,
 ):
     """(words, kv_blocks, rows, count, kv_lens, cu_q_lens): the visit lists ([size] int32 each; `size` from
-    visit_bound, which no batch can exceed once the metadata is clamped), int32 [2] (the number of visits, and 1 if
-    the lists overflowed `size`), and the clamped metadata (int32 [N], [N + 1]) the lists were built from.
+    visit_bound, which no batch can exceed once the metadata is clamped), int32 [2] (the number of grid steps, each
+    `parts` consecutive visits of one query block, and 1 if the lists overflowed `size`), and the clamped metadata
+    (int32 [N], [N + 1]) the lists were built from.
     kv_lens int32 [N], cu_q_lens int32 [N + 1], num_seqs int32 [1]; tokens: the real query tokens, padded: tokens
     rounded up to whole query blocks."""
     left, right = window_size
@@ -211,6 +234,7 @@ def visits(
         max_context=max_context,
         left=left,
         right=right,
+        parts=parts,
     )
     operands = (kv_lens.astype(i32), cu_q_lens.astype(i32), jnp.asarray(num_seqs, i32).reshape(1))
     return pl.pallas_call(

@@ -12,6 +12,7 @@ Every entry is proven by the deviceless compile test on v5e, v6e and v7x.
 """
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
@@ -27,6 +28,14 @@ KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
 # kernel 172.1 us at 1024 keys, 56.5 at 256, 41.0 at 128.
 DECODE_KEYS_PER_BLOCK = {"v5e": 1024, "v6e": 1024, "v7x": 1024}
 PREFILL_ROWS = {"v5e": 128, "v6e": 128, "v7x": 128}
+# Decode steps take 2 visits (a block of 2 tokens: both sequences' pages) where the grid steps that saves pay for the
+# last step's one more visit computed unhidden: half the sequences x the key blocks a sequence visits, each step's cost
+# (0.14 us in the model, about 160 KiB of page DMA at its rate), against half a visit's pages' DMA (a decode visit's
+# compute). Modeled v6e, whole program, one visit a step -> two: Qwen3 bf16 decode at context 768 B = 64 98.3 -> 94.6,
+# B = 256 383.2 -> 365.9 (B = 8, 8 visits of 1.5 MiB: 15.2 -> 15.5, not paired); at 4096 B = 8 62.5 -> 61.3, B = 64
+# 475.2 -> 458.2; Gemma 4 full bf16 B = 8 (32 visits of 4 MiB) 114.1 -> 113.2; Gemma 4 sliding bf16 B = 8 (8 visits of
+# 8 MiB) 58.7 -> 61.0, not paired.
+STEP_COST_BYTES = 160 << 10
 # Visit lists (three int32 words a visit) and the page table live in SMEM; beyond this, larger blocks are needed.
 SMEM_BUDGET_BYTES = 512 * 1024
 
@@ -40,11 +49,15 @@ class PagedAttentionBlocks:
     pages_per_block: KV pages gathered per visit (at most the page table's width). None: about 512 keys (1024 for a
         decode-like batch, at most 2 tokens a sequence, or under a window the power of two that holds it).
     vmem_limit_bytes: the scoped VMEM the kernel may use; None: derived from the working set.
+    visits_per_step: 1 or 2 (query block, key block) visits of one query block a grid step takes, each into page
+        buffers of its own. None: 2 for a decode-like batch (a decode block of 2 tokens is 2 sequences: one step fetches
+        both sequences' pages) where the working set stays within 3/4 of the core's VMEM, else 1.
     """
 
     queries_per_block: int | None = None
     pages_per_block: int | None = None
     vmem_limit_bytes: int | None = None
+    visits_per_step: int | None = None
 
 
 def check_blocks_type(blocks):
@@ -62,7 +75,17 @@ def min_queries_per_block(group: int, dtype) -> int:
 
 
 def working_set(
-    *, queries_per_block, pages_per_block, page_size, kv_heads, group, head_dim, v_head_dim, q_itemsize, cache_itemsize
+    *,
+    queries_per_block,
+    pages_per_block,
+    page_size,
+    kv_heads,
+    group,
+    head_dim,
+    v_head_dim,
+    q_itemsize,
+    cache_itemsize,
+    visits_per_step=1,
 ) -> int:
     rows = queries_per_block * group
     keys = pages_per_block * page_size
@@ -71,7 +94,7 @@ def working_set(
     # second-minor dim is the page (head_major_cache), whole tiles
     head_major = head_major_cache(hkv=kv_heads, page_size=page_size, cache_itemsize=cache_itemsize)
     packed_heads = kv_heads if head_major else -(-kv_heads // (4 // cache_itemsize)) * (4 // cache_itemsize)
-    buffers = 2 * keys * packed_heads * (head_dim + v_head_dim) * cache_itemsize
+    buffers = 2 * visits_per_step * keys * packed_heads * (head_dim + v_head_dim) * cache_itemsize
     # A float8 block is widened in registers (float8 -> float32 -> the compute dtype) and Mosaic keeps the widened K and
     # V of both visit branches (masked, unmasked) in its internal scratch: counted for every head unless the caches are
     # passed as rows (an upper bound with more heads: Mosaic reuses some of the room). Every head at once multiplies the
@@ -148,7 +171,8 @@ def resolve_blocks(
             f"{owner}.pages_per_block: expected fewer than {(1 << 15) // page_size} pages of "
             f"{page_size} keys (a visit addresses its key rows in 15 bits), got {pages}"
         )
-    need = working_set(
+    need = functools.partial(
+        working_set,
         queries_per_block=queries,
         pages_per_block=pages,
         page_size=page_size,
@@ -159,8 +183,23 @@ def resolve_blocks(
         q_itemsize=jnp.dtype(q_dtype).itemsize,
         cache_itemsize=jnp.dtype(cache_dtype).itemsize,
     )
+    per_step = blocks.visits_per_step
+    if per_step is None:
+        keys = pages * page_size
+        visit_bytes = keys * kv_heads * (head_dim + v_head_dim) * jnp.dtype(cache_dtype).itemsize
+        per_seq = -(-pages_per_seq // pages)  # the key blocks a sequence visits at most (its window's span)
+        left, right = window_size
+        if left >= 0 and right >= 0:
+            per_seq = min(per_seq, -(-(queries + left + right) // keys) + 1)
+        pair = decode and num_seqs * per_seq * STEP_COST_BYTES >= visit_bytes
+        per_step = 2 if pair and need(visits_per_step=2) <= info.vmem_capacity_bytes * 3 // 4 else 1
+    elif per_step not in (1, 2):
+        raise ValueError(f"{owner}.visits_per_step: expected 1 or 2, got {per_step}")
+    need = need(visits_per_step=per_step)
     limit = blocks.vmem_limit_bytes
     check_vmem_fit(owner, need, limit, info)
     if limit is None:
         limit = chip.scoped_vmem_limit(info, need)
-    return PagedAttentionBlocks(queries_per_block=queries, pages_per_block=pages, vmem_limit_bytes=limit)
+    return PagedAttentionBlocks(
+        queries_per_block=queries, pages_per_block=pages, vmem_limit_bytes=limit, visits_per_step=per_step
+    )
