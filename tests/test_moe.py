@@ -418,9 +418,9 @@ def _gpt_oss_mxfp4_shapes(tokens):
 
 
 def test_mxfp4_candidate_blocks_are_both_paths():
-    """For MXFP4 weights (prepared, gpt-oss-20b's shapes at 8 tokens) candidate_blocks lists the table's choice
-    first, then the other path, grouped tilings of the output width a step and small-batch chunks, all distinct;
-    experts_forward traces each through blocks=."""
+    """For MXFP4 weights (prepared, gpt-oss-20b's shapes at 8 tokens, v6e) candidate_blocks lists the table's
+    choice first (the small-batch kernel, chunks of 960), then the other path, grouped tilings of the output width a
+    step and the neighbouring small-batch chunks, all distinct; experts_forward traces each through blocks=."""
     h = i = 2880
     tokens = 8
     specs = [jax.ShapeDtypeStruct(*sd) for sd in _gpt_oss_mxfp4_shapes(tokens)]
@@ -436,6 +436,8 @@ def test_mxfp4_candidate_blocks_are_both_paths():
     with jax.default_device(ladder.tpu_device("v6e")):
         candidates = moe_tuning.candidate_blocks(tokens, h, i, **kwargs)
         assert candidates[0] == moe_tuning.choose_blocks(tokens, h, i, **kwargs), candidates
+        # the table: the small-batch kernel in chunks of 960 (modeled v6e the faster path at B = 1 / 8 / 64)
+        assert candidates[0] == ExpertsBlocks(path="small_batch", chunk=960), candidates
         assert len(set(candidates)) == len(candidates) >= 3, candidates
         assert {c.path for c in candidates} == {"grouped", "small_batch"}, candidates
         for candidate in candidates:

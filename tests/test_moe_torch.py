@@ -886,8 +886,8 @@ def test_mxfp4_gpt_oss_experts_match_transformers_dequantized_experts(rand):
     dense weights removed, as docs/moe.md tells a TPU user to set it up; dispatched to experts_forward by the
     experts interface, against transformers' eager forward of the same module on the weights as transformers'
     dequantize-at-load gives them (f32 activations), and again, equal, once prepare_mxfp4_experts has laid them out
-    as the kernels read them; then the missing-scales and one-projection errors, and prepare_mxfp4_experts on a
-    module without MXFP4 blocks."""
+    as the kernels read them (both on the table's small-batch kernel), and on the grouped path; then the
+    missing-scales and one-projection errors, and prepare_mxfp4_experts on a module without MXFP4 blocks."""
     from transformers import GptOssConfig
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -920,9 +920,15 @@ def test_mxfp4_gpt_oss_experts_match_transformers_dequantized_experts(rand):
         assert tuple(experts.down_proj_blocks.shape) == (4, 32, 128)
         assert tuple(experts.down_proj_scales.shape) == (4, 32, 128)
         prepared = experts(x, index, weights)
+        # The table's path at 5 tokens is the small-batch kernel (both calls above); the grouped path on the same
+        # prepared bytes too.
+        grouped = tpu_kernels.experts_forward(
+            experts, x, index, weights, blocks=tpu_kernels.jax.ExpertsBlocks(path="grouped")
+        )
     assert not hasattr(experts, "gate_up_proj") and not hasattr(experts, "down_proj")
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(prepared, out, rtol=0, atol=0)
+    torch.testing.assert_close(grouped, expected, rtol=1e-5, atol=1e-4)
     del experts.down_proj_scales
     with pytest.raises(ValueError, match=r"self.down_proj_scales: self.down_proj_blocks holds MXFP4 blocks"):
         tpu_kernels.experts_forward(experts, x, index, weights)

@@ -310,8 +310,8 @@ def experts_forward(
     gate_up_scale uint8 [E, 2I, H / 32] / down_scale [E, H, I / 32] (common/mxfp4.py); or, laid out once at load by
     `prepare_mxfp4_experts` (no copy of them a call; the checkpoint's layout is converted on every call),
     weights_transposed=True with blocks [E, H / 2, 2I] / [E, I / 2, H] and scales [E, S(H), 2I] / [E, S(I), H]
-    (S(K) = mxfp4.scale_rows(K)). They take the grouped path, whose kernels widen each weight block in VMEM; no
-    gradient flows through them.
+    (S(K) = mxfp4.scale_rows(K)). Both paths' kernels widen each weight block in VMEM (the small-batch kernel needs
+    both projections in MXFP4); no gradient flows through them.
     `blocks`: the path and the tiles of its kernels (an ExpertsBlocks, see tuning.py); None: the tuning table's.
     """
     gate_up_proj, down_proj = (

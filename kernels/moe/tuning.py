@@ -33,6 +33,10 @@ SMALL_BATCH_MAX_TOKENS = {"v5e": 128, "v6e": 256, "v7x": 64}
 # touched.py builds [E, E] matrices in VMEM: E = 4096 overflows v7x's scoped VMEM; 1024 compiles everywhere (test).
 SMALL_BATCH_MAX_EXPERTS = 1024
 STEP_BYTES = 4 << 20
+# MXFP4 weights: a step's packed bytes. Wide chunks amortize the widening's per-step costs (modeled v6e, gpt-oss-20b
+# at B = 8: chunks of 960 columns, 4.3 MB a step, 374.3 us; 576 415.0; 320 501.9; the grouped path 388.4), so where
+# the VMEM share does not hold this chunk (v7x, or many tokens) the table takes the grouped path.
+MXFP4_STEP_BYTES = 8 << 20
 VMEM_SHARE = 0.35
 F32_TEMPORARIES = 3
 
@@ -262,18 +266,23 @@ def plan_small_batch(
                 f"blocks.chunk: expected a divisor of I = {intermediate} that is whole layout tiles of the blocks it "
                 f"cuts ({tiles}): one of {options}, got {tc}"
             )
-    else:
-        fitting = [tc for tc in options if step_bytes(tc) <= STEP_BYTES]
+
+    def working_set_bytes(tc):
+        return (
+            2 * step_bytes(tc)
+            + tc * hidden * cast_bytes
+            + scale_bytes
+            + 4 * tokens * hidden * hb
+            + tokens * hidden * 4
+            + F32_TEMPORARIES * tokens * (tc * streams + hidden) * 4
+            + (2 * tc * tc * hb if is_mx else 0)  # MXFP4: the planes' one-hot selection (double-buffered)
+        )
+
+    if blocks.chunk is None:
+        budget = MXFP4_STEP_BYTES if is_mx else STEP_BYTES
+        fitting = [tc for tc in options if step_bytes(tc) <= budget]
         tc = fitting[0] if fitting else options[-1]
-    working_set = (
-        2 * step_bytes(tc)
-        + tc * hidden * cast_bytes
-        + scale_bytes
-        + 4 * tokens * hidden * hb
-        + tokens * hidden * 4
-        + F32_TEMPORARIES * tokens * (tc * streams + hidden) * 4
-        + (2 * tc * tc * hb if is_mx else 0)  # MXFP4: the planes' one-hot selection (double-buffered)
-    )
+    working_set = working_set_bytes(tc)
     if forced:
         limit = blocks.vmem_limit_bytes
         if limit is None:
@@ -313,9 +322,7 @@ def choose_blocks(
     info: pltpu.TpuInfo | None = None,
 ) -> ExpertsBlocks:
     """The table's choice as a `blocks=` value: the path, and the chunk when it is the small-batch kernel (the
-    grouped matmuls' tiles stay the ragged-dot table's). MXFP4 (uint8) weights: the grouped path."""
-    if mxfp4.is_mxfp4(weight_dtype):
-        return ExpertsBlocks(path="grouped")
+    grouped matmuls' tiles stay the ragged-dot table's)."""
     plan = plan_small_batch(
         tokens,
         hidden,
