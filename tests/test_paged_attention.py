@@ -471,7 +471,7 @@ def test_exports_for_tpu():
 # Each model's layers at a decode batch and a mixed batch (4 prefill chunks of 512 + 60 decodes), page 64 bf16 and
 # page 16 fp8: (label, tokens, seqs, hq, hkv, d, page, pages per seq, cache dtype, options).
 COMPILE_CASES = [
-    ("qwen3_decode_p16_bf16", 64, 64, 32, 4, 128, 16, 256, jnp.bfloat16, {}),
+    ("qwen3_decode_p64_bf16", 64, 64, 32, 4, 128, 64, 64, jnp.bfloat16, {}),
     # the largest page table kept in SMEM at the benchmarks' sizes: 256 sequences x 128 pages (32k tokens of page 256)
     ("qwen3_decode_256_seqs_128_pages", 256, 256, 32, 4, 128, 256, 128, jnp.bfloat16, {}),
     ("qwen3_mixed_p64_fp8", 2108, 64, 32, 4, 128, 64, 64, FP8, {}),
