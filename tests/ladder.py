@@ -217,7 +217,9 @@ def run_interpreted(fn, *args, params: pltpu.InterpretParams = STRICT_INTERPRET_
 
 
 def _as_f32_numpy(a):
-    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+    """a as a float32 numpy array, widened on the host (exact for every dtype the kernels take): no XLA compile of a
+    convert per shape."""
+    return np.asarray(a).astype(np.float32)
 
 
 def assert_close(actual, expected, *, dtype=None, rtol=None, atol=None, what="output", context=""):
@@ -285,10 +287,12 @@ def vjp_loss(outs, cotangents=None):
     return sum(jnp.sum(leaf.astype(jnp.float32) * c) for leaf, c in zip(leaves, cotangent_leaves))
 
 
-def check_forward_and_gradients(kernel, reference, args, *, argnums, names, rand, dtype, out_tolerance, grad_tolerance):
+def check_forward_and_gradients(
+    kernel, reference, args, *, argnums, names, rand, dtype, out_tolerance, grad_tolerance, return_gradients=False
+):
     """The output and its gradients w.r.t. args[argnums] under one fixed random cotangent (vjp_loss), kernel
     (strict interpret mode) against reference: forward and backward in one program each (one compile instead of
-    two). Returns the kernel's output."""
+    two). Returns the kernel's output (and its gradients, with return_gradients)."""
     cotangents = rand.cotangents(reference, *args)
 
     def forward_and_gradients(fn):
@@ -302,7 +306,7 @@ def check_forward_and_gradients(kernel, reference, args, *, argnums, names, rand
     for name, actual, expected in zip(names, grads, expected_grads, strict=True):
         assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != reference {expected.dtype}"
         assert_close(actual, expected, dtype=dtype, what=name, context=repr(rand), **grad_tolerance)
-    return out
+    return (out, grads) if return_gradients else out
 
 
 def check_gradients(
