@@ -10,7 +10,7 @@ Weights in transformers' layout: gate_up_proj [E, 2I, H] (gate rows first), down
 the kernel dequantizes in VMEM, the XLA compositions dequantize in XLA before their matmuls (what a program without a
 dequantizing kernel runs), tokamax is compared in bf16 only. MXFP4 (the Shape's dtype "mxfp4"): uint8 blocks
 [E, 2I, H / 2] / [E, H, I / 2] with uint8 e8m0 scales [E, 2I, H / 32] / [E, H, I / 32], widened in VMEM by the
-grouped path's kernels; the XLA compositions dequantize them to bf16 in XLA. Both read them as
+kernels of either path; the XLA compositions dequantize them to bf16 in XLA. Both read them as
 `moe_api.prepare_mxfp4_experts` lays them out once at load ([E, H / 2, 2I] / [E, I / 2, H], scales [E, 96, 2I] /
 [E, 96, H]), which a call reads with no copy.
 """
