@@ -34,7 +34,7 @@ PREFILL_ROWS = {"v5e": 128, "v6e": 128, "v7x": 128}
 # compute). Modeled v6e, whole program, one visit a step -> two: Qwen3 bf16 decode at context 768 B = 64 98.3 -> 94.6,
 # B = 256 383.2 -> 365.9 (B = 8, 8 visits of 1.5 MiB: 15.2 -> 15.5, not paired); at 4096 B = 8 62.5 -> 61.3, B = 64
 # 475.2 -> 458.2; Gemma 4 full bf16 B = 8 (32 visits of 4 MiB) 114.1 -> 113.2; Gemma 4 sliding bf16 B = 8 (8 visits of
-# 8 MiB) 58.7 -> 61.0, not paired.
+# 8 MiB) 58.7 -> 61.0, not paired; B = 64 (64 visits) 431.3 -> 429.8.
 STEP_COST_BYTES = 160 << 10
 # Visit lists (three int32 words a visit) and the page table live in SMEM; beyond this, larger blocks are needed.
 SMEM_BUDGET_BYTES = 512 * 1024
