@@ -1,8 +1,8 @@
 """The paged KV cache write, JAX side, up the ladder: the kernel in strict interpret mode against the reference on
 poisoned caches (exactly the named slots change, every other element unchanged bit for bit), skipped and
 out-of-range slots, fp8 round trips with traced scales, the fused RoPE against the rotary reference for every rope
-type, flash-attn's block-table addressing, bad input, TPU export, deviceless compile for v5e / v6e / v7x, and the
-compiled program's aliasing (a donated cache is never copied)."""
+type whose kernel path differs, flash-attn's block-table addressing, bad input, TPU export, deviceless compile for
+v5e / v6e / v7x, and the compiled program's aliasing (a donated cache is never copied)."""
 
 import re
 
@@ -55,6 +55,13 @@ def _assert_only_slots_changed(before, after, expected, slots, what, rand):
     assert not np.isnan(np.asarray(after).astype(np.float32).reshape(flat_before.shape)[written]).any(), what
 
 
+def _reference_write(k_cache, v_cache, key, value, slots, **kw):
+    """The reference write as one jitted program (one XLA compile, not one per eager op)."""
+    return ladder.run_reference(
+        lambda *a: reference.write_kv_cache_reference(*a, **kw), k_cache, v_cache, key, value, slots
+    )
+
+
 # ------------------------------------------------------------------------------------------------------ rung 1
 WRITE_CASES = {
     # (dtype, num_pages, page_size, kv_heads, head_dim, v_head_dim, tokens, skipped, poison)
@@ -74,10 +81,12 @@ def test_write_changes_exactly_the_named_slots(rand, case):
     key, value = rand.normal((tokens, heads, d), dtype), rand.normal((tokens, heads, dv), dtype)
     slots = _slots(rand, tokens, pages, page_size, skip=skipped)
 
+    # 8-token blocks: several steps and a ragged last one. Jitted: one program around the kernel (the api's checks of
+    # concrete slot values run on the eager calls of test_block_sizes_agree and the split-call test).
     out = ladder.run_interpreted(
-        lambda *a: api.write_kv_cache(*a, blocks=SMALL), k_cache, v_cache, key, value, slots
-    )  # 8-token blocks: several steps and a ragged last one
-    expected = reference.write_kv_cache_reference(k_cache, v_cache, key, value, slots)
+        jax.jit(lambda *a: api.write_kv_cache(*a, blocks=SMALL)), k_cache, v_cache, key, value, slots
+    )
+    expected = _reference_write(k_cache, v_cache, key, value, slots)
     for name, before, after, exp in zip(("k_cache", "v_cache"), (k_cache, v_cache), out, expected):
         assert after.shape == before.shape and after.dtype == before.dtype
         _assert_only_slots_changed(before, after, exp, slots, name, rand)
@@ -92,7 +101,7 @@ def test_block_sizes_agree(rand, block_tokens):
     slots = _slots(rand, 48, 8, 16, skip=4)
     blocks = KVCacheBlocks(block_tokens=block_tokens)
     out = ladder.run_interpreted(lambda *a: api.write_kv_cache(*a, blocks=blocks), k_cache, k_cache, key, value, slots)
-    expected = reference.write_kv_cache_reference(k_cache, k_cache, key, value, slots)
+    expected = _reference_write(k_cache, k_cache, key, value, slots)
     for before, after, exp in zip((k_cache, k_cache), out, expected):
         _assert_only_slots_changed(before, after, exp, slots, f"block_tokens={block_tokens}", rand)
 
@@ -107,7 +116,7 @@ def test_traced_slots_out_of_range_are_skipped(rand):
     slots[[1, 5, 9, 12]] = [-1, -7, pages * page_size, 10**6]
     fn = jax.jit(lambda *a: api.write_kv_cache(*a, blocks=SMALL))
     out = ladder.run_interpreted(fn, k_cache, k_cache, key, value, jnp.asarray(slots))
-    expected = reference.write_kv_cache_reference(k_cache, k_cache, key, value, jnp.asarray(slots))
+    expected = _reference_write(k_cache, k_cache, key, value, jnp.asarray(slots))
     for after, exp in zip(out, expected):
         _assert_only_slots_changed(k_cache, after, exp, slots, "traced out-of-range slots", rand)
 
@@ -121,7 +130,7 @@ def test_long_calls_are_split_through_the_aliased_caches(rand, monkeypatch):
     fn = lambda *a: api.write_kv_cache(*a, blocks=SMALL)  # noqa: E731
     assert len(ladder.pallas_calls(fn, k_cache, k_cache, key, value, slots)) == 3
     out = ladder.run_interpreted(fn, k_cache, k_cache, key, value, slots)
-    expected = reference.write_kv_cache_reference(k_cache, k_cache, key, value, slots)
+    expected = _reference_write(k_cache, k_cache, key, value, slots)
     for after, exp in zip(out, expected):
         _assert_only_slots_changed(k_cache, after, exp, slots, "split calls", rand)
 
@@ -164,7 +173,7 @@ def test_fp8_round_trip(rand, in_dtype, scale_kind):
     else:
         fn = jax.jit(lambda kc, vc, k, v, s, ks, vs: api.write_kv_cache(kc, vc, k, v, s, k_scale=ks, v_scale=vs))
         out = ladder.run_interpreted(fn, k_cache, v_cache, key, value, slots, k_scale, v_scale)
-    expected = reference.write_kv_cache_reference(k_cache, v_cache, key, value, slots, k_scale=k_scale, v_scale=v_scale)
+    expected = _reference_write(k_cache, v_cache, key, value, slots, k_scale=k_scale, v_scale=v_scale)
     live = np.asarray(slots) >= 0
     for name, before, after, exp, x, scale in zip(
         ("k_cache", "v_cache"), (k_cache, v_cache), out, expected, (key, value), (k_scale, v_scale)
@@ -178,8 +187,9 @@ def test_fp8_round_trip(rand, in_dtype, scale_kind):
         assert (flat_after == flat_exp).mean() > 0.99, f"{name}: most stored values equal the reference bit for bit"
         untouched = np.setdiff1d(np.arange(flat_exp.shape[0]), np.asarray(slots)[live])
         np.testing.assert_array_equal(flat_after[untouched], _bits(before).reshape(flat_exp.shape)[untouched])
-        rows = np.asarray(reference.dequantize_reference(after, scale)).reshape(flat_exp.shape)[np.asarray(slots)[live]]
-        original = np.asarray(x.astype(jnp.float32))[live]
+        rows = np.asarray(ladder.run_reference(reference.dequantize_reference, after, scale))
+        rows = rows.reshape(flat_exp.shape)[np.asarray(slots)[live]]
+        original = np.asarray(x).astype(np.float32)[live]
         limit = reference.FP8_MAX * float(np.asarray(scale).reshape(()))
         inside = np.abs(original) <= limit
         np.testing.assert_allclose(rows[inside], original[inside], rtol=2**-4, atol=2**-9 * limit / 448 * 64)
@@ -210,35 +220,29 @@ def test_head_major_fp8_caches_are_written_by_word_groups(rand):
     fn = jax.jit(lambda *a: api.write_kv_cache(*a, k_scale=0.5, v_scale=0.25, blocks=SMALL))
     out = ladder.run_interpreted(fn, k_cache, v_cache, key, value, jnp.asarray(slots))
     live = slots[(slots >= 0) & (slots < pages * page_size)]
-    expected = reference.write_kv_cache_reference(
+    expected = _reference_write(
         k_cache, v_cache, key, value, jnp.asarray(np.where(np.isin(slots, live), slots, -1)), k_scale=0.5, v_scale=0.25
     )
     for name, before, after, exp in zip(("k_cache", "v_cache"), (k_cache, v_cache), out, expected):
         flat = (pages * page_size, heads * d)
         got, want, old = (_bits(x).reshape(flat) for x in (after, exp, before))
         assert (got[live] == want[live]).mean() > 0.99, f"{name}: the written rows {rand!r}"  # rounding ties aside
-        rows = [np.asarray(x.astype(jnp.float32)).reshape(flat)[live] for x in (after, exp)]
+        rows = [np.asarray(x).astype(np.float32).reshape(flat)[live] for x in (after, exp)]
         np.testing.assert_allclose(*rows, rtol=2**-3, atol=2**-9, err_msg=f"{name} {rand!r}")  # one fp8 step at a tie
         untouched = np.setdiff1d(np.arange(flat[0]), live)
         np.testing.assert_array_equal(got[untouched], old[untouched], err_msg=f"{name}: untouched rows {rand!r}")
 
 
 # ----------------------------------------------------------------------------------------------------- RoPE
+# The rope types whose kernel paths differ: default, a partial rotary prefix, interleaved pairs, yarn's attention
+# scaling and the proportional zero-frequency tail. "linear" and "llama3" only change the numbers of the host-built
+# inverse-frequency table the kernel reads (the default path, attention scaling 1); those numbers are
+# test_inverse_frequencies_match_transformers' in test_rotary_torch.py (and rope_and_write_kv_cache takes them from the
+# same frequencies.inverse_frequencies as the rotary ops).
 ROPE_CASES = {
     "default": dict(theta=1e6),
     "partial_rotary": dict(theta=1e4, rotary_dim=64),
     "interleaved": dict(theta=1e4, interleaved=True),
-    "linear": dict(theta=1e4, scaling={"rope_type": "linear", "factor": 4.0}),
-    "llama3": dict(
-        theta=5e5,
-        scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
     "yarn": dict(theta=1e4, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}),
     "proportional_gemma4_full": dict(
         theta=1e6, scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25}, heads=2, head_dim=512
@@ -246,8 +250,8 @@ ROPE_CASES = {
 }
 
 
-# Every rope type in f32 (the tight tolerance); bf16 (the kernel's rounding of the rotated rows) at the head dim 512
-# proportional one (bf16 at head dim 256 with the default rope: the fp8 test below, whose inputs are bf16).
+# Each of those rope types in f32 (the tight tolerance); bf16 (the kernel's rounding of the rotated rows) at the head
+# dim 512 proportional one (bf16 at head dim 256 with the default rope: the fp8 test below, whose inputs are bf16).
 ROPE_DTYPE_CASES = [(case, jnp.float32) for case in ROPE_CASES] + [("proportional_gemma4_full", jnp.bfloat16)]
 
 
@@ -274,7 +278,7 @@ def test_rope_and_write_matches_rotary_reference(rand, case, dtype):
     tol = dict(rtol=1e-5, atol=3e-5) if dtype == jnp.float32 else {}
     ladder.assert_close(q_rot, q_ref, dtype=dtype, what="query_rotated", context=repr(rand), **tol)
     live = np.asarray(slots)[np.asarray(slots) >= 0]
-    flat = lambda c: np.asarray(c.astype(jnp.float32)).reshape((-1,) + c.shape[2:])  # noqa: E731
+    flat = lambda c: np.asarray(c).astype(np.float32).reshape((-1,) + c.shape[2:])  # noqa: E731 (on the host)
     ladder.assert_close(flat(k_out)[live], flat(k_ref)[live], dtype=dtype, what="k rows", context=repr(rand), **tol)
     _assert_only_slots_changed(v_cache, v_out, v_ref, slots, "v_cache", rand)  # V is not rotated: exact
     untouched = np.setdiff1d(np.arange(pages * page_size), live)
@@ -296,8 +300,9 @@ def test_rope_and_write_fp8_with_traced_scales_and_long_decode_rows(rand, heads,
         return api.rope_and_write_kv_cache(q, k, v, kc, vc, s, p, theta=1e4, k_scale=ks, v_scale=vs)
 
     out = ladder.run_interpreted(jax.jit(fused), query, key, value, k_cache, k_cache, slots, positions, *scales)
-    expected = reference.rope_and_write_kv_cache_reference(
-        query, key, value, k_cache, k_cache, slots, positions, theta=1e4, k_scale=scales[0], v_scale=scales[1]
+    expected = ladder.run_reference(
+        lambda *a: reference.rope_and_write_kv_cache_reference(*a, theta=1e4, k_scale=scales[0], v_scale=scales[1]),
+        *(query, key, value, k_cache, k_cache, slots, positions),
     )
     ladder.assert_close(out[0], expected[0], dtype=jnp.bfloat16, what="query_rotated", context=repr(rand))
     for name, after, exp in zip(("k_cache", "v_cache"), out[1:], expected[1:]):
@@ -321,20 +326,21 @@ def test_block_table_slots_and_write(rand):
     np.testing.assert_array_equal(
         np.asarray(slots), np.asarray(reference.block_table_slots_reference(block_table, seqlens, new, page_size))
     )
-    bt, lens = np.asarray(block_table), np.asarray(seqlens)
+    bt, lens, host_slots = np.asarray(block_table), np.asarray(seqlens), np.asarray(slots)  # indexed on the host
     for b in range(batch):
         for j in range(new):
             p = lens[b] + j
-            assert slots[b * new + j] == bt[b, p // page_size] * page_size + p % page_size
+            assert host_slots[b * new + j] == bt[b, p // page_size] * page_size + p % page_size
     k_cache = _poisoned_cache(rand, (num_pages, page_size, 2, 128), jnp.bfloat16, "nan")
     key = rand.normal((batch * new, 2, 128), jnp.bfloat16)
     out = ladder.run_interpreted(lambda *a: api.write_kv_cache(*a), k_cache, k_cache, key, key, slots)
     for after in out:
+        after, host_key = np.asarray(after), np.asarray(key)
         for b in range(batch):
             for j in range(new):
                 p = lens[b] + j
                 np.testing.assert_array_equal(
-                    _bits(after[bt[b, p // page_size], p % page_size]), _bits(key[b * new + j])
+                    _bits(after[bt[b, p // page_size], p % page_size]), _bits(host_key[b * new + j])
                 )
 
 
