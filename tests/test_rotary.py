@@ -79,9 +79,10 @@ def test_transformers_tables_rotate_as_the_formula(rand):
     Also: k may be None."""
     q = rand.normal((1, 2, 8, 128))
     cos, sin = api.rope_cos_sin(rand.integers(0, 5000, (1, 8)), head_dim=128, theta=1e6)
-    out, out_k = ladder.run_interpreted(tk.apply_rotary, q, None, cos, sin)
+    # Jitted, kernel and reference: one XLA compile each instead of one per eager op.
+    out, out_k = ladder.run_interpreted(jax.jit(lambda q, c, s: tk.apply_rotary(q, None, c, s)), q, cos, sin)
     assert out_k is None
-    ladder.assert_close(out, reference.rotate_reference(q, cos, sin), dtype=F32)
+    ladder.assert_close(out, ladder.run_reference(reference.rotate_reference, q, cos, sin), dtype=F32)
     pairs = lambda x: x[..., :64] ** 2 + x[..., 64:] ** 2  # noqa: E731
     ladder.assert_close(pairs(out), pairs(q), dtype=F32, rtol=1e-4, atol=1e-4)
 
@@ -125,8 +126,12 @@ def test_backward_is_the_rotation_by_minus_sin(rand, interleaved):
     -sin. apply_rotary_backward computes grad * cos - R(grad * sin), which is that."""
     gq, gk = rand.normal((1, 4, 24, 128)), rand.normal((1, 2, 24, 128))
     cos, sin = api.rope_cos_sin(rand.integers(0, 100000, (1, 24)), head_dim=128, theta=1e4, interleaved=interleaved)
-    actual = ladder.run_interpreted(lambda *a: tk.apply_rotary_backward(*a, interleaved=interleaved), gq, gk, cos, sin)
-    expected = reference.apply_rotary_reference(gq, gk, cos, -sin, interleaved=interleaved)
+    actual = ladder.run_interpreted(
+        jax.jit(lambda *a: tk.apply_rotary_backward(*a, interleaved=interleaved)), gq, gk, cos, sin
+    )
+    expected = ladder.run_reference(
+        lambda q, k, c, s: reference.apply_rotary_reference(q, k, c, -s, interleaved=interleaved), gq, gk, cos, sin
+    )
     for a, e in zip(actual, expected):
         ladder.assert_close(a, e, dtype=F32, rtol=1e-5, atol=1e-5)
 
@@ -261,11 +266,14 @@ def test_apply_rotary_from_positions_matches_reference(rand, case):
     )
 
 
-# A decode batch at factor 0.25 (128 angle lanes), a prefill sequence at 0.75 (256 lanes).
-@pytest.mark.parametrize("factor,angle_lanes,batch,seq", [(0.25, 128, 12, 1), (0.75, 256, 1, 40)])
-def test_proportional_zero_frequencies_skip_transcendentals(rand, monkeypatch, factor, angle_lanes, batch, seq):
+# A decode batch at factor 0.25 (128 angle lanes) through the fused norm, a prefill sequence at 0.75 (256 lanes)
+# through the plain rope: both ops read the same in-kernel cos/sin (kernel._cos_sin, whose lanes are asserted), so each
+# factor runs one of them (the plain rope's proportional tail at head_dim 128 also runs in
+# test_apply_rotary_from_positions_matches_reference[proportional]).
+@pytest.mark.parametrize("factor,angle_lanes,batch,seq,op", [(0.25, 128, 12, 1, "norm"), (0.75, 256, 1, 40, "plain")])
+def test_proportional_zero_frequencies_skip_transcendentals(rand, monkeypatch, factor, angle_lanes, batch, seq, op):
     """Gemma 4's full layers (head_dim 512, proportional partial rotary): frequencies past partial_rotary_factor are 0,
-    so the kernel evaluates cos/sin only on the lanes that hold a nonzero one (cos 1, sin 0 past them); fused norm and
+    so the kernel evaluates cos/sin only on the lanes that hold a nonzero one (cos 1, sin 0 past them); fused norm or
     plain rope, against the reference on XLA's tables, and the lanes it evaluated."""
     kernel, seen = api.kernel, []
     original = kernel._cos_sin
@@ -283,25 +291,21 @@ def test_proportional_zero_frequencies_skip_transcendentals(rand, monkeypatch, f
     positions = rand.integers(0, 40000, (batch, seq) if seq == 1 else (1, seq))
     cos, sin = _reference_tables(positions, head_dim=512, **opts)
     tol = dict(rtol=1e-4, atol=1e-3)  # f32 angles up to 4e4 rad: cos/sin implementations differ in the last bits
+    checks = {
+        "norm": (
+            lambda *a: tk.rms_norm_rope_from_positions(*a, eps=1e-6, **opts),
+            lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(q, k, qw, kw_, cos, sin, eps=1e-6),
+            (q, k, qw, kw_, positions),
+        ),
+        "plain": (
+            lambda q, k, p: tk.apply_rotary_from_positions(q, k, p, **opts),
+            lambda q, k, p: reference.apply_rotary_reference(q, k, cos, sin),
+            (q, k, positions),
+        ),
+    }
+    kernel_op, reference_op, args = checks[op]
     ladder.check_against_reference(
-        lambda *a: tk.rms_norm_rope_from_positions(*a, eps=1e-6, **opts),
-        lambda q, k, qw, kw_, p: reference.rms_norm_rope_reference(q, k, qw, kw_, cos, sin, eps=1e-6),
-        (q, k, qw, kw_, positions),
-        dtype=F32,
-        rand=rand,
-        names=["q", "k"],
-        **tol,
-        jit_kernel=True,
-    )
-    ladder.check_against_reference(
-        lambda q, k, p: tk.apply_rotary_from_positions(q, k, p, **opts),
-        lambda q, k, p: reference.apply_rotary_reference(q, k, cos, sin),
-        (q, k, positions),
-        dtype=F32,
-        rand=rand,
-        names=["q", "k"],
-        **tol,
-        jit_kernel=True,
+        kernel_op, reference_op, args, dtype=F32, rand=rand, names=["q", "k"], **tol, jit_kernel=True
     )
     jax.clear_caches()
     assert seen and set(seen) == {("lanes", angle_lanes, 512)}, f"(packing, angle lanes, table width): {seen}"
@@ -445,22 +449,31 @@ def test_token_major_factor_rows(rand, case, factor_rows):
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 def test_token_major_factor_rows_compile_for_tpu(generation):
     """Rung 3 for both factor-row paths: Qwen3's fused norm + rope from positions in bshd at prefill (128-token
-    blocks: the unrolled broadcast-load body at its benchmark size) and at a 256-token decode batch. The table's
-    blocks take broadcast loads at both; RotaryBlocks(broadcast_loads=False) keeps its sizes, in registers."""
+    blocks: the unrolled broadcast-load body at its benchmark size; positions by row blocks) and at a 256-token decode
+    batch (row select). The table's blocks take broadcast loads at both; RotaryBlocks(broadcast_loads=False) keeps
+    its sizes, in registers. v6e compiles all four; v5e and v7x the table's blocks at both shapes (their VMEM fit)
+    and the in-register path (less VMEM: no scratch) at one each, crosswise: the positions read and the cos/sin
+    packing are the same code on both paths."""
     w = ((128,), BF16)
-    for blocks in (None, RotaryBlocks(broadcast_loads=False)):
+    in_registers = RotaryBlocks(broadcast_loads=False)
+    prefill, decode = (1, 2048), (256, 1)
+    pairings = {
+        "v6e": [(None, prefill), (None, decode), (in_registers, prefill), (in_registers, decode)],
+        "v5e": [(None, prefill), (None, decode), (in_registers, decode)],
+        "v7x": [(None, prefill), (None, decode), (in_registers, prefill)],
+    }
+    for blocks, (batch, seq) in pairings[generation]:
 
         def op(q, k, w, p, blocks=blocks):
             return api.rms_norm_rope_from_positions(q, k, w, w, p, theta=1e6, layout="bshd", blocks=blocks)
 
-        for batch, seq in ((1, 2048), (256, 1)):
-            q, k = ((batch, seq, 32, 128), BF16), ((batch, seq, 4, 128), BF16)
-            pos = ((batch, seq) if seq > 1 else (batch, 1), jnp.int32)
-            label = f"factor rows {'in registers' if blocks else 'broadcast loads'}"
-            ladder.compile_for_tpu(op, generation, q, k, w, pos, label=label)
-            with jax.default_device(ladder.tpu_device(generation)):
-                calls = ladder.pallas_calls(op, *(jax.ShapeDtypeStruct(*a) for a in (q, k, w, pos)))
-            assert [c.scratch_operands for c in calls] == [0 if blocks else 1], f"{label} at {(batch, seq)}: {calls}"
+        q, k = ((batch, seq, 32, 128), BF16), ((batch, seq, 4, 128), BF16)
+        pos = ((batch, seq) if seq > 1 else (batch, 1), jnp.int32)
+        label = f"factor rows {'in registers' if blocks else 'broadcast loads'}"
+        ladder.compile_for_tpu(op, generation, q, k, w, pos, label=label)
+        with jax.default_device(ladder.tpu_device(generation)):
+            calls = ladder.pallas_calls(op, *(jax.ShapeDtypeStruct(*a) for a in (q, k, w, pos)))
+        assert [c.scratch_operands for c in calls] == [0 if blocks else 1], f"{label} at {(batch, seq)}: {calls}"
 
 
 # How the kernel reads positions and packs cos/sin (kernel.PositionsLayout): each case forces a token block and asserts
@@ -993,8 +1006,12 @@ CANDIDATE_SHAPES = [("apply_rotary-prefill", 1, 2048), ("rms_norm_rope_from_posi
 
 @pytest.mark.parametrize("case", CANDIDATE_SHAPES, ids=[c[0] for c in CANDIDATE_SHAPES])
 def test_candidate_blocks_compile_for_tpu(case):
-    """The sweep's candidates are legal tilings (each compiles on v6e), the table's choice first, and the choice is
-    what the op runs with by default."""
+    """The sweep's candidates are legal tilings, the table's choice first, and the choice is what the op runs with by
+    default. The candidates differ only in their token block (whole sublane tiles, one sequence a step, one factor-row
+    path: asserted), so the kernel body keeps its structure and only VMEM and the broadcast loads' unrolled length
+    grow with the block: the smallest and the largest compile on v6e and bracket the rest. The table's choice traces
+    to the kernel blocks=None runs (asserted), which test_compiles_for_tpu_at_benchmark_shapes[v6e-qwen3-30b-a3b]
+    compiles at these shapes (apply_rotary at 2048 tokens, the fused norm + rope from positions at batch 256)."""
     name, batch, seq = case
     q = jax.ShapeDtypeStruct((batch, 32, seq, 128), BF16)
     k = jax.ShapeDtypeStruct((batch, 4, seq, 128), BF16)
@@ -1015,11 +1032,17 @@ def test_candidate_blocks_compile_for_tpu(case):
         arguments = api.tuning_arguments(q, k, tables)
         candidates = tuning.candidate_blocks(**arguments)
         default = ladder.pallas_calls(op, *arrays)
+        table_choice = ladder.pallas_calls(lambda *a: op(*a, blocks=candidates[0]), *arrays)
+    assert table_choice == default, (table_choice, default)
     assert candidates[0] == tuning.choose_blocks(**arguments, info=api.chip.tpu_info_for("v6e")), candidates
     assert len(candidates) >= 4 and len({(c.block_batch, c.block_seq) for c in candidates}) == len(candidates)
     kernel_seq = seq if seq > 1 else batch  # a decode batch runs as one sequence of its tokens
     assert default[0].grid == (1, kernel_seq // candidates[0].block_seq), (default, candidates[0])
-    for blocks in candidates:
+    multiple = tuning.sublane_multiple(BF16)
+    assert all(c.block_batch == 1 and c.block_seq % multiple == 0 for c in candidates), candidates
+    assert len({c.broadcast_loads for c in candidates}) == 1, candidates
+    by_tokens = sorted(candidates, key=lambda c: c.block_seq)
+    for blocks in (by_tokens[0], by_tokens[-1]):
         ladder.compile_for_tpu(
             lambda *a, blocks=blocks: op(*a, blocks=blocks),
             "v6e",
