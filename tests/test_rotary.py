@@ -24,7 +24,10 @@ def _reference_tables(positions, *, head_dim, theta, rotary_dim=None, scaling=No
     frequencies of transformers' rope init functions."""
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     inv_freq, attention_scaling, _ = frequencies.inverse_frequencies(head_dim, theta, rotary_dim, scaling)
-    return reference.cos_sin_from_positions(positions, inv_freq, attention_scaling, interleaved=interleaved)
+    # Jitted: one XLA compile per call instead of one per eager op (multiply, concatenate, cos, sin, ...) and shape.
+    return ladder.run_reference(
+        lambda p: reference.cos_sin_from_positions(p, inv_freq, attention_scaling, interleaved=interleaved), positions
+    )
 
 
 def _shapes(layout, batch, seq, hq, hk, head_dim):
