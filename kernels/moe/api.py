@@ -414,9 +414,7 @@ def _small_batch_forward(plan, layout: _Layout, hidden_states, top_k_index, top_
     gate_up, down = weights.gate_up_proj, weights.down_proj
     gate_up_scale, down_scale = weights.gate_up_scale, weights.down_scale
     if mxfp4.is_mxfp4(gate_up.dtype) and not layout.weights_transposed:  # the checkpoint's layout: every call
-        (gate_up, gate_up_scale), (down, down_scale) = (
-            mxfp4.prepare(w, c) for w, c in ((gate_up, gate_up_scale), (down, down_scale))
-        )
+        gate_up, gate_up_scale, down, down_scale = prepare_mxfp4_experts(gate_up, gate_up_scale, down, down_scale)
     return small_batch.experts_forward_small_batch(
         hidden_states,
         top_k_index,
