@@ -136,7 +136,8 @@ MODELED_NOTES = (
     "default = transformers' defaults compiled by XLA: experts as the grouped composition on XLA's ragged dot (what "
     "grouped_mm lowers to), sdpa over a static cache; our experts_forward = the default with only the experts "
     "replaced; ours, XLA attention = our experts_forward, RMSNorm (fused residual add + RMSNorm after attention) and "
-    "per-head RMSNorm + RoPE (fused), XLA's attention; all ours = the same with our ragged paged attention (page 64) "
+    "per-head RMSNorm + RoPE (fused), XLA's attention; all ours = the same with our ragged paged attention (pages of "
+    f"{models.PAGE} tokens) "
     "over a paged cache. The KV write is XLA's scatter in all four.",
 )
 
