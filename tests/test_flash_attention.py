@@ -12,7 +12,8 @@ import pytest
 
 from benchmarks.shapes import FLASH_ATTENTION, FLASH_ATTENTION_MODELS
 from tpu_kernels_jax import api as tk
-from tpu_kernels_jax.flash_attention import schedule
+from tpu_kernels_jax.common import chip
+from tpu_kernels_jax.flash_attention import schedule, tuning
 from tpu_kernels_jax.flash_attention.reference import (
     allowed_keys,
     attention_reference,
@@ -23,6 +24,9 @@ from tpu_kernels_jax.flash_attention.reference import (
 # check below runs it; UNFUSED: the dq kernel's path, still selectable (and the default for loosely bounded varlen)
 SMALL = tk.FlashAttentionBlocks(block_q=128, block_kv=128, fused_backward=True)
 UNFUSED = tk.FlashAttentionBlocks(block_q=128, block_kv=128, fused_backward=False)
+# the backward on blocks of its own (as the tuning table may give it): query blocks twice the forward's, so that its
+# row ranges, visit lists and dq slots are built for other blocks than the forward's residuals were written in
+OWN_BACKWARD = tk.FlashAttentionBlocks(block_q=128, block_kv=128, fused_backward=True, backward_block_q=256)
 # f32 kernel vs f32 reference: the online softmax sums in another order, and sharp softmaxes (scale 1.0, logits ~ 10)
 # carry the rounding of exp(s - max) to ~1e-4 relative.
 F32_TOL = dict(rtol=1e-4, atol=1e-5)
@@ -128,7 +132,6 @@ def test_low_precision_dtypes(rand, dtype):
 def test_row_sums_on_the_mxu(rand):
     """bfloat16 at V head dim 128 takes the row sums from the p @ [v | 1] matmul on 256-wide MXUs (v6e, v7x, the
     interpret default): rows that see no key, sinks, a window and ragged blocks, with the log-sum-exp."""
-    from tpu_kernels_jax.common import chip
     from tpu_kernels_jax.flash_attention import forward
     from tpu_kernels_jax.flash_attention.geometry import Geometry
 
@@ -193,20 +196,21 @@ def test_gradients_match_reference(rand, feature):
     )
 
 
-# (D, Dv, Hq, Hkv, options): GQA 8 with a narrower V head dim under a causal mask; head dim 64 (two kv heads a step)
-# under a window open on both sides, without causal
+# (D, Dv, Hq, Hkv, options, blocks): GQA 8 with a narrower V head dim under a causal mask, the backward on blocks of
+# its own (OWN_BACKWARD: one query block of 256 against the forward's two of 128, its heads as they lie); head dim
+# 64 (two kv heads a step) under a window open on both sides, without causal
 GRADIENT_LAYOUTS = [
-    (128, 64, 8, 1, dict(causal=True, softcap=3.0)),
-    (64, 64, 4, 4, dict(window_size=(70, 20), softcap=3.0)),
+    (128, 64, 8, 1, dict(causal=True, softcap=3.0), OWN_BACKWARD),
+    (64, 64, 4, 4, dict(window_size=(70, 20), softcap=3.0), SMALL),
 ]
 
 
 @pytest.mark.parametrize("layout", GRADIENT_LAYOUTS, ids=lambda t: "d{}_dv{}_hq{}_hkv{}".format(*t))
 def test_gradients_gqa_head_dims(rand, layout):
-    d, dv, hq, hkv, options = layout
+    d, dv, hq, hkv, options, blocks = layout
     q, k, v = _inputs(rand, 1, 136, 260, hq, hkv, d, dv)
     ladder.check_gradients(
-        lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL, **options),
+        lambda q, k, v: tk.flash_attention(q, k, v, blocks=blocks, **options),
         lambda q, k, v: attention_reference(q, k, v, **options),
         (q, k, v),
         argnums=(0, 1, 2),
@@ -295,10 +299,11 @@ def test_varlen_matches_reference(rand, feature):
     _assert_lse_close(lse, ref_lse, "lse", rand)
 
 
-@pytest.mark.parametrize("blocks", [SMALL, UNFUSED], ids=["fused", "unfused"])
+@pytest.mark.parametrize("blocks", [OWN_BACKWARD, UNFUSED], ids=["fused", "unfused"])
 def test_varlen_traced_cu_seqlens_and_gradients(rand, blocks):
-    """cu_seqlens as traced arguments (the visit list and the fused backward's dq slots are built at run time),
-    forward and gradients, on both backward paths (unfused is the default where the slot bound is loose)."""
+    """cu_seqlens as traced arguments (the visit lists and the fused backward's dq slots are built at run time),
+    forward and gradients, on both backward paths (unfused is the default where the slot bound is loose); the fused
+    one on blocks of its own (its lists, sized by their own bound, built beside the forward's)."""
     (q, k, v, cu_q, cu_k), max_q, max_k = _varlen_inputs(rand)
     options = dict(causal=True, window_size=(64, 0), softcap=3.0)
     ladder.check_gradients(
@@ -452,6 +457,18 @@ BAD_INPUTS = [
     BadInput("blocks type", dict(blocks=(128, 128)), TypeError, "blocks: expected a FlashAttentionBlocks"),
     BadInput("block_q not lanes", dict(blocks=tk.FlashAttentionBlocks(block_q=4)), ValueError, "blocks.block_q"),
     BadInput(
+        "backward_block_kv not lanes",
+        dict(blocks=tk.FlashAttentionBlocks(backward_block_kv=4)),
+        ValueError,
+        "blocks.backward_block_kv: expected a multiple of 128",
+    ),
+    BadInput(
+        "backward_block_q not an int",
+        dict(blocks=tk.FlashAttentionBlocks(backward_block_q=256.0)),
+        TypeError,
+        "blocks.backward_block_q: expected a positive int",
+    ),
+    BadInput(
         "fused_backward not a bool",
         dict(blocks=tk.FlashAttentionBlocks(fused_backward=1)),
         TypeError,
@@ -564,6 +581,25 @@ def test_blocks_reach_the_kernels(rand):
         chosen = tk.FlashAttentionBlocks(block_q=128, block_kv=256, fused_backward=fused)
         calls = grad_calls(lambda q, k, v: tk.flash_attention(q, k, v, causal=True, blocks=chosen).sum(), q, k, v)
         assert calls == [("flash_attention_fwd", (2, 6))] + kernels, calls
+    # the backward on blocks of its own, 256 x 128 (the forward's stay 128 x 256): 2 query blocks, the causal dk/dv
+    # list's 2 + 4 visits, and 4 slots of the query block that needs 4 key blocks
+    own = tk.FlashAttentionBlocks(block_q=128, block_kv=256, backward_block_q=256, backward_block_kv=128)
+    calls = grad_calls(lambda q, k, v: tk.flash_attention(q, k, v, causal=True, blocks=own).sum(), q, k, v)
+    assert calls == [
+        ("flash_attention_fwd", (2, 6)),
+        ("flash_attention_delta", (2, 2)),
+        ("flash_attention_dkv", (2, 6)),
+        ("flash_attention_dq_sum", (2, 2, 4)),
+    ], calls
+    # by default each direction takes its own table's blocks (Qwen3's benchmark shape on v6e; their kernels are
+    # compiled in test_compiles_at_benchmark_shapes), a caller's forward blocks both unless the backward's are given
+    shape = dict(q_rows=32768, kv_rows=32768, q_heads=32, kv_heads=4, head_dim=128, v_head_dim=128, itemsize=2)
+    v6e = chip.tpu_info_for("v6e")
+    table = tuning.resolve_blocks(None, **shape, info=v6e)
+    assert (table.block_q, table.block_kv) == tuning.TABLE["v6e"][128], table
+    assert (table.backward_block_q, table.backward_block_kv) == tuning.BACKWARD_TABLE["v6e"][128], table
+    given = tuning.resolve_blocks(tk.FlashAttentionBlocks(block_q=256, block_kv=512), **shape, info=v6e)
+    assert (given.backward_block_q, given.backward_block_kv) == (256, 512), given
     # 1200 packed rows, key blocks of 128: a query block may meet 3 sequences of up to 1000 keys, bounded only by the
     # 10 key blocks, over the 8 slots the table takes
     cu = jnp.asarray([0, 100, 200, 1200], jnp.int32)

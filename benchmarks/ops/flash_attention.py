@@ -482,10 +482,12 @@ def _arrays(op, s, seed):
     return (*inputs, normal(inputs[0]), residuals)
 
 
-def _candidates(s, gen):
-    """The kernel's candidate tilings at this shape (tuning.candidate_blocks) for `gen`'s chip."""
+def _candidates(op, s, gen):
+    """The kernel's candidate tilings for op ("forward" or "backward": that direction's blocks varied) at this
+    shape (tuning.candidate_blocks) for `gen`'s chip."""
     q, k, v = _inputs(s)[:3]
     return tuning.candidate_blocks(
+        direction=op,
         q_rows=TOKENS,
         kv_rows=TOKENS,
         q_heads=q.shape[-2],
@@ -573,7 +575,7 @@ def _op(name):
             Baseline(key, impl(key), functools.partial(_unsupported, key)) for key in ("jax_flash", "splash", "tokamax")
         ),
         static=lambda s: {"cfg": config(s)},
-        candidates=_candidates,
+        candidates=functools.partial(_candidates, name),
     )
 
 

@@ -23,7 +23,18 @@ MAX_VISITS = 32768
 
 
 # ---------------------------------------------------------------------------------------------------- the kernels
-def _geometry(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap):
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """The static choices of one call: each direction's geometry (the same but for their blocks), the scoped VMEM
+    limit of every kernel, and whether the backward fuses dq."""
+
+    forward: Geometry
+    backward: Geometry
+    vmem_limit: int
+    fused: bool
+
+
+def _setup(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap) -> _Setup:
     blocks = tuning.resolve_blocks(
         blocks,
         q_rows=q_rows,
@@ -35,7 +46,7 @@ def _geometry(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap)
         itemsize=jnp.dtype(dtype).itemsize,
         info=chip.current_tpu_info(),
     )
-    geometry = Geometry(
+    forward_geometry = Geometry(
         q_rows=q_rows,
         kv_rows=kv_rows,
         q_heads=hq,
@@ -48,21 +59,25 @@ def _geometry(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap)
         softmax_scale=scale,
         softcap=softcap,
     )
-    if max(geometry.num_q_blocks, geometry.num_kv_blocks) > schedule.MAX_BLOCKS:
-        raise ValueError(
-            f"blocks: {geometry.num_q_blocks} query blocks and {geometry.num_kv_blocks} key blocks, more than the "
-            f"{schedule.MAX_BLOCKS} a visit can address; use larger blocks"
-        )
-    return geometry, blocks.vmem_limit_bytes, blocks.fused_backward
+    backward_geometry = dataclasses.replace(
+        forward_geometry, block_q=blocks.backward_block_q, block_kv=blocks.backward_block_kv
+    )
+    for g in (forward_geometry, backward_geometry):
+        if max(g.num_q_blocks, g.num_kv_blocks) > schedule.MAX_BLOCKS:
+            raise ValueError(
+                f"blocks: {g.num_q_blocks} query blocks and {g.num_kv_blocks} key blocks, more than the "
+                f"{schedule.MAX_BLOCKS} a visit can address; use larger blocks"
+            )
+    return _Setup(forward_geometry, backward_geometry, blocks.vmem_limit_bytes, blocks.fused_backward)
 
 
-def _choose_backward(blocks, geometry_for, slots: int):
-    """(geometry, vmem limit, fused) where the tuning table chose the fused backward: unfused unless the caller asked
-    for it when its dq slots (f32 dq blocks of HBM per query block: the most key blocks one needs, or their bound for
+def _choose_backward(blocks, setup_for, slots: int) -> _Setup:
+    """The setup where the tuning table chose the fused backward: unfused unless the caller asked for it when its dq
+    slots (f32 dq blocks of HBM per query block of the backward: the most key blocks one needs, or their bound for
     traced cu_seqlens) would be more than tuning.MAX_DQ_SLOTS."""
     if slots <= tuning.MAX_DQ_SLOTS or (blocks is not None and blocks.fused_backward is not None):
-        return geometry_for(blocks)
-    return geometry_for(dataclasses.replace(blocks or FlashAttentionBlocks(), fused_backward=False))
+        return setup_for(blocks)
+    return setup_for(dataclasses.replace(blocks or FlashAttentionBlocks(), fused_backward=False))
 
 
 def _plan(geometry, lo, hi, xp, size=None, *, fused: bool, slot_bound: int | None = None):
@@ -107,15 +122,16 @@ def _plan(geometry, lo, hi, xp, size=None, *, fused: bool, slot_bound: int | Non
     return tuple(jnp.asarray(a) for a in arrays), static_counts, dq_slots
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _attention(geometry, vmem_limit, with_lse, static_counts, dq_slots, q3d, k2d, v2d, sinks, plan):
-    return _attention_fwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, q3d, k2d, v2d, sinks, plan)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _attention(setup, with_lse, static_counts, dq_slots, q3d, k2d, v2d, sinks, plans):
+    return _attention_fwd(setup, with_lse, static_counts, dq_slots, q3d, k2d, v2d, sinks, plans)[0]
 
 
-def _attention_fwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, q3d, k2d, v2d, sinks, plan):
-    g = geometry
-    qinfo, _, q_visits, _, q_count, _, status, _, _ = plan
-    count = q_count if static_counts is None else static_counts[0]
+def _attention_fwd(setup, with_lse, static_counts, dq_slots, q3d, k2d, v2d, sinks, plans):
+    """plans, static_counts: the forward's and the backward's (_plan at each direction's geometry)."""
+    g = setup.forward
+    qinfo, _, q_visits, _, q_count, _, status, _, _ = plans[0]
+    count = q_count if static_counts[0] is None else static_counts[0][0]
     out, lse = forward.forward(
         q3d,
         k2d,
@@ -125,24 +141,26 @@ def _attention_fwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, q3d,
         count,
         status,
         sinks,
-        geometry=geometry,
+        geometry=g,
         with_lse=True,
-        vmem_limit_bytes=vmem_limit,
+        vmem_limit_bytes=setup.vmem_limit,
     )
     result = (out, lse) if with_lse else (out, None)
     # the dk/dv kernel streams q with heads merged into lanes; merged here (an XLA relayout where the forward took q
     # as it lies), which inference, not differentiating, never runs. out is saved in the layout the backward reads
-    # it in: as it lies where the fused backward's delta kernel takes it so (backward.backward), else merged
+    # it in: as it lies where the fused backward's delta kernel takes it so (backward.backward), else merged. Both
+    # and lse are per row, whatever the backward's blocks.
     q2d = q3d.reshape(g.q_rows, g.q_heads * g.head_dim)
     if not (dq_slots > 0 and forward.heads_in_place(g)):
         out = out.reshape(g.q_rows, g.q_heads * g.v_head_dim)
-    return result, (q2d, k2d, v2d, sinks, plan, out, lse)
+    return result, (q2d, k2d, v2d, sinks, plans[1], out, lse)
 
 
-def _attention_bwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, residuals, cotangents):
+def _attention_bwd(setup, with_lse, static_counts, dq_slots, residuals, cotangents):
     q2d, k2d, v2d, sinks, plan, out, lse = residuals
     d_out, d_lse = cotangents
-    d_out = d_out.reshape(geometry.q_rows, geometry.q_heads, geometry.v_head_dim)
+    g = setup.backward
+    d_out = d_out.reshape(g.q_rows, g.q_heads, g.v_head_dim)
     dq, dk, dv, dsinks = backward.backward(
         q2d,
         k2d,
@@ -153,29 +171,46 @@ def _attention_bwd(geometry, vmem_limit, with_lse, static_counts, dq_slots, resi
         d_out,
         d_lse if with_lse else None,
         plan,
-        static_counts,
-        geometry=geometry,
-        vmem_limit_bytes=vmem_limit,
+        static_counts[1],
+        geometry=g,
+        vmem_limit_bytes=setup.vmem_limit,
         dq_slots=dq_slots,
     )
-    plan_cotangents = tuple(None for _ in plan)
-    dq = dq.reshape(geometry.q_rows, geometry.q_heads, geometry.head_dim)
-    return dq, dk, dv, cotangent_like(dsinks, sinks), plan_cotangents
+    plans_cotangents = (tuple(None for _ in plan),) * 2  # the forward's plan has the backward's structure
+    dq = dq.reshape(g.q_rows, g.q_heads, g.head_dim)
+    return dq, dk, dv, cotangent_like(dsinks, sinks), plans_cotangents
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _call(q3d, k3d, v3d, sinks, lo, hi, xp, size, *, geometry, vmem_limit, with_lse, fused, slot_bound=None):
-    """q3d [Tq, Hq, D], k3d [Tk, Hkv, D], v3d [Tk, Hkv, Dv] -> out [Tq, Hq, Dv], lse [Hq, Tq] or None."""
-    g = geometry
+def _call(q3d, k3d, v3d, sinks, lo, hi, xp, sizes, *, setup, with_lse, slot_bound=None):
+    """q3d [Tq, Hq, D], k3d [Tk, Hkv, D], v3d [Tk, Hkv, Dv] -> out [Tq, Hq, Dv], lse [Hq, Tq] or None. sizes: the
+    (forward, backward) visit lists' static sizes (None, None for constant lists)."""
+    g = setup.forward
     compute_dtype = jnp.float32 if q3d.dtype == jnp.float16 else q3d.dtype  # float16 runs as float32 on TPU
     q = q3d.astype(compute_dtype)
     k2d = k3d.astype(compute_dtype).reshape(g.kv_rows, g.kv_heads * g.head_dim)
     v2d = v3d.astype(compute_dtype).reshape(g.kv_rows, g.kv_heads * g.v_head_dim)
     sinks32 = None if sinks is None else sinks.astype(jnp.float32)
-    plan, static_counts, dq_slots = _plan(g, lo, hi, xp, size, fused=fused, slot_bound=slot_bound)
-    out, lse = _attention(g, vmem_limit, with_lse, static_counts, dq_slots, q, k2d, v2d, sinks32, plan)
+    backward_plan, backward_counts, dq_slots = _plan(
+        setup.backward, lo, hi, xp, sizes[1], fused=setup.fused, slot_bound=slot_bound
+    )
+    if setup.forward == setup.backward:
+        forward_plan, forward_counts = backward_plan, backward_counts
+    else:
+        forward_plan, forward_counts, _ = _plan(g, lo, hi, xp, sizes[0], fused=False)
+    out, lse = _attention(
+        setup,
+        with_lse,
+        (forward_counts, backward_counts),
+        dq_slots,
+        q,
+        k2d,
+        v2d,
+        sinks32,
+        (forward_plan, backward_plan),
+    )
     out = out.astype(q3d.dtype)
     if with_lse:
         lse = lse.transpose(0, 2, 1).reshape(g.q_heads, g.q_rows)
@@ -223,8 +258,8 @@ def flash_attention(
     if batch * sq == 0 or batch * sk == 0:
         out, lse = _empty_result(batch * sq, hq, dv, dtype, sinks, return_lse, q.dtype)
     else:
-        geometry_for = functools.partial(
-            _geometry,
+        setup_for = functools.partial(
+            _setup,
             q_rows=batch * sq,
             kv_rows=batch * sk,
             hq=hq,
@@ -235,13 +270,13 @@ def flash_attention(
             scale=scale,
             softcap=softcap,
         )
-        geometry, vmem_limit, fused = geometry_for(blocks)
+        setup = setup_for(blocks)
         cu_q, cu_k = np.arange(batch + 1) * sq, np.arange(batch + 1) * sk
         lo, hi = schedule.key_ranges(cu_q, cu_k, batch * sq, causal=causal, window_size=window, xp=np)
-        if fused:
-            g = geometry
+        if setup.fused:
+            g = setup.backward
             needed, _ = schedule.block_pairs(lo, hi, block_q=g.block_q, block_kv=g.block_kv, kv_rows=g.kv_rows, xp=np)
-            geometry, vmem_limit, fused = _choose_backward(blocks, geometry_for, int(needed.sum(axis=1).max()))
+            setup = _choose_backward(blocks, setup_for, int(needed.sum(axis=1).max()))
         out, lse = _call(
             q.reshape(batch * sq, hq, d),
             k.reshape(batch * sk, hkv, d),
@@ -250,11 +285,9 @@ def flash_attention(
             lo,
             hi,
             np,
-            None,
-            geometry=geometry,
-            vmem_limit=vmem_limit,
+            (None, None),
+            setup=setup,
             with_lse=return_lse,
-            fused=fused,
         )
     out = out.reshape(batch, sq, hq, dv)
     if not return_lse:
@@ -305,29 +338,36 @@ def flash_attention_varlen(
     max_k = checks.check_max_seqlen("max_seqlen_k", max_seqlen_k, actual_k)
     if q_rows == 0 or kv_rows == 0:
         return _finish_varlen(*_empty_result(q_rows, hq, dv, dtype, sinks, return_lse, q.dtype), return_lse)
-    geometry_for = functools.partial(
-        _geometry, q_rows=q_rows, kv_rows=kv_rows, hq=hq, hkv=hkv, d=d, dv=dv, dtype=dtype, scale=scale, softcap=softcap
+    setup_for = functools.partial(
+        _setup, q_rows=q_rows, kv_rows=kv_rows, hq=hq, hkv=hkv, d=d, dv=dv, dtype=dtype, scale=scale, softcap=softcap
     )
-    geometry, vmem_limit, fused = geometry_for(blocks)
     num_seqs = cu_seqlens_q.shape[0] - 1
-    size, slot_bound = schedule.visit_bound(
-        geometry.num_q_blocks,
-        geometry.num_kv_blocks,
-        num_seqs=num_seqs,
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
-        block_q=geometry.block_q,
-        block_kv=geometry.block_kv,
-        window_size=window,
-        causal=causal,
-    )
-    if size > MAX_VISITS:
-        raise ValueError(
-            f"blocks: these sequences may need up to {size} (query block, key block) visits, more than the "
-            f"{MAX_VISITS} the kernels keep in SMEM; use larger blocks"
+
+    def bounds(g):
+        """(visits, dq slots): the list size and slot bound at a direction's blocks (schedule.visit_bound)."""
+        size, slot_bound = schedule.visit_bound(
+            g.num_q_blocks,
+            g.num_kv_blocks,
+            num_seqs=num_seqs,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            block_q=g.block_q,
+            block_kv=g.block_kv,
+            window_size=window,
+            causal=causal,
         )
-    if fused:
-        geometry, vmem_limit, fused = _choose_backward(blocks, geometry_for, slot_bound)
+        if size > MAX_VISITS:
+            raise ValueError(
+                f"blocks: these sequences may need up to {size} (query block, key block) visits, more than the "
+                f"{MAX_VISITS} the kernels keep in SMEM; use larger blocks"
+            )
+        return size, slot_bound
+
+    setup = setup_for(blocks)
+    forward_size, _ = bounds(setup.forward)
+    backward_size, slot_bound = bounds(setup.backward)
+    if setup.fused:
+        setup = _choose_backward(blocks, setup_for, slot_bound)
     lo, hi = schedule.key_ranges(cu_seqlens_q, cu_seqlens_k, q_rows, causal=causal, window_size=window)
     out, lse = _call(
         q,
@@ -337,11 +377,9 @@ def flash_attention_varlen(
         lo,
         hi,
         jnp,
-        size,
-        geometry=geometry,
-        vmem_limit=vmem_limit,
+        (forward_size, backward_size),
+        setup=setup,
         with_lse=return_lse,
-        fused=fused,
         slot_bound=slot_bound,
     )
     return _finish_varlen(out, lse, return_lse)

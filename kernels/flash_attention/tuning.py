@@ -32,6 +32,13 @@ TABLE = {
     "v6e": {64: (512, 512), 128: (1024, 1024), 256: (512, 512), 512: (512, 1024)},
     "v7x": {64: (512, 512), 128: (1024, 512), 256: (512, 512), 512: (256, 512)},
 }
+# The backward's (block_q, block_kv) by generation and head dim: its kernels read the forward's residuals (out, lse)
+# per row, so its blocks are its own. Where not swept, the forward's.
+BACKWARD_TABLE = {
+    "v5e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (512, 512)},
+    "v6e": {64: (512, 512), 128: (1024, 1024), 256: (512, 512), 512: (512, 1024)},
+    "v7x": {64: (512, 512), 128: (1024, 512), 256: (512, 512), 512: (256, 512)},
+}
 # Whether the backward fuses dq into the dk/dv kernel, by generation and head dim (docs/flash_attention.md,
 # "Backward"). v6e: fused at every benchmark shape (seq 4096, modeled program: Qwen3 -19 % causal and unmasked, Gemma 4
 # sliding -8 %, full -4 / -6 %). v5e and v7x, Qwen3 unmasked seq 4096, the backward alone (modeled): v5e 42306 ->
@@ -52,18 +59,23 @@ VMEM_SHARE = 0.75
 
 @dataclasses.dataclass(frozen=True)
 class FlashAttentionBlocks:
-    """Tile sizes of the flash attention kernels (forward, dq and dk/dv): the `blocks=` of flash_attention and
-    flash_attention_varlen.
+    """Tile sizes of the flash attention kernels: the `blocks=` of flash_attention and flash_attention_varlen.
 
-    block_q: query rows per grid step, a multiple of 128, or at least the query rows (one block). None: the table's.
-    block_kv: key rows per grid step, a multiple of 128, or at least the key rows. None: the table's.
+    block_q: query rows per grid step of the forward, a multiple of 128, or at least the query rows (one block).
+        None: the table's.
+    block_kv: key rows per grid step of the forward, a multiple of 128, or at least the key rows. None: the table's.
+    backward_block_q, backward_block_kv: the same for the backward's kernels (delta, dk/dv, dq or the dq slots' sum),
+        which have their own table (the forward's residuals are per row, so the two may differ). None: block_q /
+        block_kv when given (a caller's blocks serve both directions unless the backward's are given too), else the
+        backward table's.
     kv_heads_per_step: kv heads per grid step, each with its query heads; must divide the kv heads, and its lane
         blocks must be whole multiples of 128 lanes (at head dim 64: an even count) or cover all heads. None: the
-        fewest that are legal.
-    vmem_limit_bytes: the scoped VMEM the kernels may use; None: derived from the working set.
+        fewest that are legal. The same in both directions (the residuals are laid out by head group).
+    vmem_limit_bytes: the scoped VMEM every kernel may use; None: derived from the widest working set of either
+        direction at its own blocks.
     fused_backward: True: the dk/dv kernel also computes dq (per key block partials, summed in XLA); False: a
         separate dq kernel recomputes the scores; None: the tuning table's choice (unfused where a query block may
-        need more than MAX_DQ_SLOTS key blocks: long sequences, loosely bounded packed batches).
+        need more than MAX_DQ_SLOTS key blocks of the backward: long sequences, loosely bounded packed batches).
     """
 
     block_q: int | None = None
@@ -71,6 +83,8 @@ class FlashAttentionBlocks:
     kv_heads_per_step: int | None = None
     vmem_limit_bytes: int | None = None
     fused_backward: bool | None = None
+    backward_block_q: int | None = None
+    backward_block_kv: int | None = None
 
 
 def check_blocks_type(blocks):
@@ -78,11 +92,13 @@ def check_blocks_type(blocks):
         raise TypeError(f"blocks: expected a FlashAttentionBlocks or None, got {type(blocks).__name__}")
 
 
-def working_set(block_q, block_kv, kv_heads_per_step, group, head_dim, v_head_dim, itemsize, fused=False) -> int:
-    """VMEM of the widest of the kernels: double-buffered blocks, scratch, and the f32 temporaries of the
-    (block_q, block_kv) score tiles (8 of them: Mosaic keeps several heads' tiles alive in the unrolled head loop;
-    fewer underestimates what a head dim 512 forward needs). fused: the dk/dv kernel also writes an f32 dq block
-    (and has no dq kernel beside it)."""
+def working_set(
+    block_q, block_kv, *, kv_heads_per_step, group, head_dim, v_head_dim, itemsize, fused=False, direction="forward"
+) -> int:
+    """VMEM of the widest kernel of one direction ("forward" or "backward"): double-buffered blocks, scratch, and
+    the f32 temporaries of the (block_q, block_kv) score tiles (8 of them: Mosaic keeps several heads' tiles alive
+    in the unrolled head loop; fewer underestimates what a head dim 512 forward needs). fused: the backward's dk/dv
+    kernel also writes an f32 dq block (and has no dq kernel beside it)."""
     heads = kv_heads_per_step * group
     row_block = block_q * LANES * 4  # a (block_q, up to 128) f32 / int32 block: lanes padded to 128
     stat = heads * block_q * LANES * 4  # lane-replicated per-row statistics of every head of the step
@@ -91,16 +107,17 @@ def working_set(block_q, block_kv, kv_heads_per_step, group, head_dim, v_head_di
     k = block_kv * kv_heads_per_step * head_dim * itemsize
     v = block_kv * kv_heads_per_step * v_head_dim * itemsize
     temporaries = 8 * block_q * block_kv * 4
-    forward = 2 * (q + o + k + v + 2 * row_block) + q + 2 * stat + heads * block_q * v_head_dim * 4
-    dq = 2 * (2 * q + o + k + v + 5 * row_block) + q + 2 * stat + heads * block_q * head_dim * 4
+    if direction == "forward":
+        return 2 * (q + o + k + v + 2 * row_block) + q + 2 * stat + heads * block_q * v_head_dim * 4 + temporaries
     dkv = (
         2 * (q + o + 2 * k + 2 * v + 3 * 8 * block_q * 4)
         + k
         + kv_heads_per_step * block_kv * (head_dim + v_head_dim) * 4
     )
     if fused:
-        return max(forward, dkv + 2 * heads * block_q * head_dim * 4) + temporaries
-    return max(forward, dq, dkv) + temporaries
+        return dkv + 2 * heads * block_q * head_dim * 4 + temporaries
+    dq = 2 * (2 * q + o + k + v + 5 * row_block) + q + 2 * stat + heads * block_q * head_dim * 4
+    return max(dq, dkv) + temporaries
 
 
 def _table_entry(generation: str, head_dim: int, table=TABLE):
@@ -109,6 +126,22 @@ def _table_entry(generation: str, head_dim: int, table=TABLE):
         if head_dim <= dim:
             return table[dim]
     return table[max(table)]
+
+
+def _block_pair(blocks, fields, table_entry, *, q_rows, kv_rows):
+    """(block_q, block_kv) of one direction: the caller's `fields` (or the forward's as a fallback), else the table's,
+    checked against the rows."""
+    why = "the lane tile: 128"
+    pair = []
+    for field, fallback, table, dim, dim_name in zip(
+        fields, ("block_q", "block_kv"), table_entry, (q_rows, kv_rows), ("the query rows", "the key rows")
+    ):
+        value = getattr(blocks, field)
+        if value is None:
+            value = getattr(blocks, fallback)
+        value = table if value is None else value
+        pair.append(check_block_dim("blocks", field, value, dim=dim, multiple=LANES, why=why, dim_name=dim_name))
+    return tuple(pair)
 
 
 def resolve_blocks(
@@ -123,30 +156,16 @@ def resolve_blocks(
     itemsize: int,
     info: pltpu.TpuInfo | None = None,
 ) -> FlashAttentionBlocks:
-    """The blocks the kernels run with: the table's for None and for fields left None, else the caller's, checked
-    (TypeError/ValueError naming the field)."""
+    """The blocks the kernels run with, every field set: the table's for None and for fields left None, else the
+    caller's, checked (TypeError/ValueError naming the field)."""
     check_blocks_type(blocks)
     info = info or chip.current_tpu_info()
     blocks = blocks or FlashAttentionBlocks()
-    table_q, table_kv = _table_entry(chip.generation_name(info), max(head_dim, v_head_dim))
-    why = "the lane tile: 128"
-    block_q = check_block_dim(
-        "blocks",
-        "block_q",
-        table_q if blocks.block_q is None else blocks.block_q,
-        dim=q_rows,
-        multiple=LANES,
-        why=why,
-        dim_name="the query rows",
-    )
-    block_kv = check_block_dim(
-        "blocks",
-        "block_kv",
-        table_kv if blocks.block_kv is None else blocks.block_kv,
-        dim=kv_rows,
-        multiple=LANES,
-        why=why,
-        dim_name="the key rows",
+    generation, widest = chip.generation_name(info), max(head_dim, v_head_dim)
+    rows = dict(q_rows=q_rows, kv_rows=kv_rows)
+    block_q, block_kv = _block_pair(blocks, ("block_q", "block_kv"), _table_entry(generation, widest), **rows)
+    backward_q, backward_kv = _block_pair(
+        blocks, ("backward_block_q", "backward_block_kv"), _table_entry(generation, widest, BACKWARD_TABLE), **rows
     )
     group = q_heads // kv_heads
     fewest = min_kv_heads_per_step(kv_heads, head_dim, v_head_dim, group)
@@ -163,10 +182,16 @@ def resolve_blocks(
             )
     fused = blocks.fused_backward
     if fused is None:
-        fused = _table_entry(chip.generation_name(info), max(head_dim, v_head_dim), FUSED_DQ)
+        fused = _table_entry(generation, widest, FUSED_DQ)
     elif not isinstance(fused, (bool, np.bool_)):
         raise TypeError(f"blocks.fused_backward: expected a bool or None, got {type(fused).__name__} {fused!r}")
-    need = working_set(block_q, block_kv, per_step, group, head_dim, v_head_dim, itemsize, bool(fused))
+    fused = bool(fused)
+    shape = dict(kv_heads_per_step=per_step, group=group, head_dim=head_dim, v_head_dim=v_head_dim, itemsize=itemsize)
+    # one scoped VMEM limit for every kernel, that of the widest of either direction at its own blocks
+    need = max(
+        working_set(block_q, block_kv, **shape, direction="forward"),
+        working_set(backward_q, backward_kv, **shape, fused=fused, direction="backward"),
+    )
     vmem_limit = blocks.vmem_limit_bytes
     if vmem_limit is None:
         vmem_limit = min(int(info.vmem_capacity_bytes * VMEM_SHARE), chip.scoped_vmem_limit(info, need))
@@ -176,26 +201,40 @@ def resolve_blocks(
         block_kv=block_kv,
         kv_heads_per_step=per_step,
         vmem_limit_bytes=int(vmem_limit),
-        fused_backward=bool(fused),
+        fused_backward=fused,
+        backward_block_q=backward_q,
+        backward_block_kv=backward_kv,
     )
 
 
-# Tile sizes `candidate_blocks` tries for each of block_q and block_kv (benchmarks' --sweep models every legal pair).
-CANDIDATE_TILES = (256, 512, 1024)
+# Tile sizes `candidate_blocks` tries for each of block_q and block_kv (benchmarks' --sweep models every legal pair);
+# the backward's key blocks also 2048 (half the dq slots of 1024).
+CANDIDATE_TILES = {"forward": ((256, 512, 1024), (256, 512, 1024)), "backward": ((256, 512, 1024), (512, 1024, 2048))}
 
 
-def candidate_blocks(*, info: pltpu.TpuInfo | None = None, **shape) -> list[FlashAttentionBlocks]:
+def candidate_blocks(
+    *, direction: str = "forward", info: pltpu.TpuInfo | None = None, **shape
+) -> list[FlashAttentionBlocks]:
     """Legal blocks worth modeling at a shape (resolve_blocks' keywords: q_rows, kv_rows, q_heads, kv_heads,
-    head_dim, v_head_dim, itemsize): the table's choice first, then every (block_q, block_kv) pair of CANDIDATE_TILES
-    that fits this generation's VMEM (resolve_blocks checks it), distinct after clipping to the rows."""
+    head_dim, v_head_dim, itemsize) for one direction's kernels: the table's choice first, then every pair of that
+    direction's CANDIDATE_TILES (the other direction's blocks left to the table) that fits this generation's VMEM
+    (resolve_blocks checks it), distinct after clipping to the rows."""
     info = info or chip.current_tpu_info()
-    candidates = [resolve_blocks(None, **shape, info=info)]
-    for block_q in CANDIDATE_TILES:
-        for block_kv in CANDIDATE_TILES:
+    table = resolve_blocks(None, **shape, info=info)
+    fields = ("block_q", "block_kv", "backward_block_q", "backward_block_kv")
+    varied, kept = (fields[:2], fields[2:]) if direction == "forward" else (fields[2:], fields[:2])
+    fixed = {f: getattr(table, f) for f in kept}
+    candidates, seen = [table], {tuple(getattr(table, f) for f in varied)}
+    q_tiles, kv_tiles = CANDIDATE_TILES[direction]
+    for block_q in q_tiles:
+        for block_kv in kv_tiles:
             try:
-                blocks = resolve_blocks(FlashAttentionBlocks(block_q=block_q, block_kv=block_kv), **shape, info=info)
+                blocks = FlashAttentionBlocks(**dict(zip(varied, (block_q, block_kv))), **fixed)
+                blocks = resolve_blocks(blocks, **shape, info=info)
             except ValueError:  # too large for the VMEM limit
                 continue
-            if all((blocks.block_q, blocks.block_kv) != (c.block_q, c.block_kv) for c in candidates):
+            pair = tuple(getattr(blocks, f) for f in varied)
+            if pair not in seen:
+                seen.add(pair)
                 candidates.append(blocks)
     return candidates
