@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ladder
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from tpu_kernels_jax import api as tk
 from tpu_kernels_jax.common import chip
@@ -200,6 +201,31 @@ def test_float8_cache_with_scales(rand, page):
     out = ladder.run_interpreted(_jit(attention), *batch.args)
     expected = ragged_paged_attention_reference(*batch.args, k_scale=0.5, v_scale=0.25)
     ladder.assert_close(out, expected, dtype=jnp.bfloat16, what="out", context=repr(rand))
+
+
+def _widened_codes(codes_ref, bf16_ref, f32_ref):
+    for ref in (bf16_ref, f32_ref):
+        ref[...] = kernel.widen(codes_ref[...], ref.dtype)
+
+
+def test_float8_widening_is_exact_for_every_code(monkeypatch):
+    """All 256 float8_e4m3fn codes through the kernel's widening as v6e traces it (the bytes read as e4m3b11, the -0
+    and NaN codes put right), in a kernel, to bf16 and to f32, times widen_factor: XLA's conversion bit for bit (-0
+    included, subnormals too), NaN exactly where it gives NaN. v7x (and v5e) cast the block as it is."""
+    monkeypatch.setenv("TPU_KERNELS_TARGET", "v7x")
+    assert kernel.widen_factor(FP8) == 1.0
+    monkeypatch.setenv("TPU_KERNELS_TARGET", "v6e")
+    assert kernel.widen_factor(FP8) == 16.0 and kernel.widen_factor(jnp.bfloat16) == 1.0
+    codes = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8).reshape(8, 32), FP8)
+    out = [jax.ShapeDtypeStruct(codes.shape, dt) for dt in (jnp.bfloat16, jnp.float32)]
+    widened = ladder.run_interpreted(jax.jit(lambda c: pl.pallas_call(_widened_codes, out_shape=out)(c)), codes)
+    expected = np.asarray(codes.astype(jnp.float32))
+    nan = np.isnan(expected)
+    assert int(nan.sum()) == 2 and int((expected == 0).sum()) == 2 and int(np.signbit(expected[expected == 0]).sum())
+    for got in widened:
+        got = np.asarray(got.astype(jnp.float32)) * np.float32(16.0)  # a power of two: exact, -0 stays -0
+        np.testing.assert_array_equal(np.isnan(got), nan)
+        np.testing.assert_array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
 
 
 def test_run_time_num_seqs_ignores_the_rest(rand):

@@ -20,8 +20,8 @@ one query row would leave idle.
 Statistics follow the flash attention forward (scores in log2 units, a finite running-max start, -inf for masked
 scores, lane-replicated per-row statistics). Visits that mask: rows of other sequences (a query block may hold many
 sequences), causality and the window, and value rows past the fetched pages or the context (zeroed: their VMEM is
-stale, and zero weight times NaN is NaN). A float8 cache is widened in VMEM; its scales are folded into the query
-scale (k_scale) and the output's normaliser (v_scale).
+stale, and zero weight times NaN is NaN). A float8 cache is widened in VMEM (`widen`, exact up to a power of two);
+its scales, times that power of two, are folded into the query scale (k_scale) and the output's normaliser (v_scale).
 """
 
 import dataclasses
@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common import chip
 from ..common.blocks import LANES
 from ..common.manual_axes import out_struct
 from ..flash_attention.geometry import LOG2_E, MAX_INIT, dot_nn, dot_nt, lanes, row_stat
@@ -126,6 +127,48 @@ def merges_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int, c
     if hkv * block_rows <= (MERGED_PAIR_ROWS if hkv == 2 else MERGED_ROWS) and (view or lanes_whole):
         return hkv
     return 2 if lanes_whole and 2 * block_rows <= MERGED_PAIR_ROWS else 0
+
+
+_E4M3FN = jnp.dtype(jnp.float8_e4m3fn)
+# The bf16 bits, sign masked off, that e4m3fn's NaN codes (0x7F / 0xFF) take read as e4m3b11fnuz: +-30 = 1.875 * 2^4.
+# No other code reaches it so read (e4m3fn's largest finite, 448, reads as 28).
+_NAN_CODES_AS_B11 = 0x41F0
+_BF16_NAN, _BF16_NEGATIVE_ZERO = 0x7FC0, -0x8000  # int16 bit patterns
+
+
+def _via_b11(dtype) -> bool:
+    """Whether `widen` reads a cache of `dtype` as e4m3b11: float8_e4m3fn on v6e (the generation being traced for)."""
+    return jnp.dtype(dtype) == _E4M3FN and chip.generation_name(chip.current_tpu_info()) == "v6e"
+
+
+def widen_factor(cache_dtype) -> float:
+    """What `widen`'s output times gives the cache's values: 2^4 where e4m3fn is read as e4m3b11, else 1."""
+    return 16.0 if _via_b11(cache_dtype) else 1.0
+
+
+def widen(x, dtype):
+    """A block of the cache in `dtype` (the queries'), exactly, divided by `widen_factor(x.dtype)`.
+
+    v6e's vector unit unpacks its native float8, e4m3b11 (jax's float8_e4m3b11fnuz: exponent bias 11, no infinities,
+    no -0, its one NaN the code 0x80), to float32 in one op a quarter of a vreg. e4m3fn has the same sign / 4 exponent
+    / 3 mantissa fields with bias 7, so its byte read as e4m3b11 is its value times 2^-4, subnormals included, except
+    two codes: -0 (0x80) reads as NaN and the NaN codes (0x7F / 0xFF) as +-30. Those are put right on the bf16 bits,
+    five 16-bit ops a bf16 vreg (a mask, two compares, two selects): -0 stays -0 and NaN NaN, bit for bit. Mosaic's
+    own e4m3fn conversion is the same unpack then about six float32 ops a float32 vreg (the 2^4 and the special
+    codes), which made the decode visit compute-bound (modeled v6e, Qwen3 fp8 decode B = 8 at 4096: 13394 -> 10200
+    bundles in the kernel body). v5e emulates 16-bit integer ops (each unpacked to 32 bits: slower than Mosaic's
+    conversion, 1163 against 1093 bundles for a toy block), and v7x converts e4m3fn natively: there, and for any other
+    dtype, the block is cast as it is."""
+    if x.dtype == dtype:
+        return x
+    if not _via_b11(x.dtype):
+        return x.astype(dtype)
+    b11 = jax.lax.bitcast_convert_type(x, jnp.float8_e4m3b11fnuz).astype(jnp.bfloat16)
+    bits = jax.lax.bitcast_convert_type(b11, jnp.int16)
+    magnitude = bits & jnp.int16(0x7FFF)
+    bits = jnp.where(magnitude > 0x7F80, jnp.int16(_BF16_NEGATIVE_ZERO), bits)  # e4m3fn's -0, read as NaN
+    bits = jnp.where(magnitude == _NAN_CODES_AS_B11, jnp.int16(_BF16_NAN), bits)  # its NaN codes, read as +-30
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(dtype)
 
 
 def _zero_unfetched(v, first_token: int, rows, hkv: int):
@@ -247,6 +290,8 @@ def _kernel(
     if has_sinks:
         sinks_ref, *refs = refs
     k_hbm, v_hbm, out_ref, k_buf, v_buf, sems, q_scaled_ref, m_ref, l_ref, acc_ref = refs
+    # the widened K and V are the cache's values over widen_factor, a power of two: the scales take it (exact)
+    k_scale, v_scale = k_scale * widen_factor(k_buf.dtype), v_scale * widen_factor(v_buf.dtype)
     lay = layout
     d, dv, bk = lay.head_dim, lay.v_head_dim, lay.block_kv
     step = pl.program_id(0)  # the step's visits: list entries step * parts + part
@@ -280,9 +325,7 @@ def _kernel(
 
     def block_of(buf, pages, j, width):
         x = buf[slot, pages, j] if lay.head_major else buf[slot, pages, :, j, :]
-        if x.dtype != compute_dtype:
-            x = x.astype(compute_dtype)
-        return x.reshape(bk, width)
+        return widen(x, compute_dtype).reshape(bk, width)
 
     def accumulate(masked: bool, visit, word, part: int):
         row = jax.lax.broadcasted_iota(jnp.int32, (lay.block_rows, 1), 0)
@@ -359,8 +402,7 @@ def _kernel(
                 at = (*at, heads)
             k = k_buf[at].reshape(cols, d)
             v = v_buf[at].reshape(cols, dv)
-            if k.dtype != compute_dtype:
-                k, v = k.astype(compute_dtype), v.astype(compute_dtype)
+            k, v = widen(k, compute_dtype), widen(v, compute_dtype)
             keep = same_head
             if masked:
                 key = first + (col >> shift)
