@@ -290,8 +290,8 @@ def _kernel(
     if has_sinks:
         sinks_ref, *refs = refs
     k_hbm, v_hbm, out_ref, k_buf, v_buf, sems, q_scaled_ref, m_ref, l_ref, acc_ref = refs
-    # the widened K and V are the cache's values over widen_factor, a power of two: the scales take it (exact)
-    k_scale, v_scale = k_scale * widen_factor(k_buf.dtype), v_scale * widen_factor(v_buf.dtype)
+    if widen_factor(k_buf.dtype) != 1.0:  # widened K and V are the values over it, a power of two: the scales take it
+        k_scale, v_scale = k_scale * widen_factor(k_buf.dtype), v_scale * widen_factor(v_buf.dtype)
     lay = layout
     d, dv, bk = lay.head_dim, lay.v_head_dim, lay.block_kv
     step = pl.program_id(0)  # the step's visits: list entries step * parts + part
