@@ -331,17 +331,38 @@ def _forced_implementation(model, tokens, moe_path):
 
     config = model.config.get_text_config()
     top_k = getattr(config, "num_experts_per_tok", None) or config.top_k_experts
-    modules = [m for m in model.modules() if isinstance(getattr(m, "down_proj", None), torch.nn.Parameter)]
-    assert modules, "no experts module in the model"
+    modules = _experts_modules(model)
     (blocks,) = set(moe_path.blocks(m, tokens.numel(), top_k) for m in modules)
     ALL_EXPERTS_FUNCTIONS.register(FORCED_IMPLEMENTATION, functools.partial(tpu_kernels.experts_forward, blocks=blocks))
     return FORCED_IMPLEMENTATION
+
+
+def _experts_modules(model):
+    modules = [m for m in model.modules() if isinstance(getattr(m, "down_proj", None), torch.nn.Parameter)]
+    assert modules, "no experts module in the model"
+    return modules
 
 
 def _logits(model, tokens, implementation):
     model.set_experts_implementation(implementation)
     with torch.no_grad():
         return model(tokens).logits.float()
+
+
+def _logits_and_routing(model, tokens, implementation):
+    """The logits and, per token, the experts every layer routed it to ([batch, seq, layers * top_k], each layer's
+    choice sorted): what the experts modules were called with (hidden_states, top_k_index, top_k_weights)."""
+    chosen = []
+    hooks = [
+        m.register_forward_pre_hook(lambda module, args: chosen.append(torch.sort(args[1], dim=-1).values))
+        for m in _experts_modules(model)
+    ]
+    try:
+        logits = _logits(model, tokens, implementation)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logits, torch.cat(chosen, dim=-1).reshape(*tokens.shape, -1)
 
 
 # Qwen3-MoE's experts in float32 on both paths: test_experts_forward_autograd_matches_eager (the same Qwen3MoeExperts
@@ -389,8 +410,8 @@ def test_model_logits_in_half_precision_are_as_accurate_as_eager(rand, model_nam
     tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (16, 32)))
     exact = _logits(model, tokens, "eager")
     model = model.to(dtype)
-    ours = _logits(model, tokens, _forced_implementation(model, tokens, moe_path))
-    eager = _logits(model, tokens, "eager")
+    ours, ours_routing = _logits_and_routing(model, tokens, _forced_implementation(model, tokens, moe_path))
+    eager, eager_routing = _logits_and_routing(model, tokens, "eager")
     assert torch.isfinite(ours).all()
     ours_error, eager_error = (ours - exact).abs(), (eager - exact).abs()
     # In float16 the mean is heavy-tailed: over 30 seeds (Gemma 4, grouped path) it ranged 0.90-1.05 but one seed
@@ -398,10 +419,15 @@ def test_model_logits_in_half_precision_are_as_accurate_as_eager(rand, model_nam
     typical = torch.median if dtype == torch.float16 else torch.mean
     assert typical(ours_error) <= 1.1 * typical(eager_error), (typical(ours_error), typical(eager_error), rand)
     if dtype == torch.float16:
-        # The worst token, but for the few whose routing flips: their router input differs from eager's by rounding,
-        # and a flipped expert choice moves all of that token's logits (seed 1482587546: one Qwen3-MoE token at 0.05
-        # against eager's worst 0.0014). The 99th percentile of the tokens' worst errors leaves out 5 of 512 tokens.
-        ours_worst, eager_worst = (e.amax(dim=-1).flatten() for e in (ours_error, eager_error))
+        # The worst tokens, but for those whose routing flips: their router input differs from eager's by rounding, and
+        # a flipped expert choice moves all of that token's logits (seed 1482587546: one Qwen3-MoE token at 0.05
+        # against eager's worst 0.0014; seed 2523612204: two tokens at 0.066 and 0.043 against eager's 0.0011 and
+        # 0.0008, which put the 99th percentile over all tokens at 3x eager's). So the tokens every layer routed as
+        # eager did are compared (510 of 512 at the second seed), and a kernel error that moved routing widely fails the
+        # count. The 99th percentile of their worst errors leaves out the tokens both flipped against float32.
+        same = (ours_routing == eager_routing).all(dim=-1)
+        assert same.float().mean() >= 0.95, (f"{int((~same).sum())} of {same.numel()} tokens routed unlike eager", rand)
+        ours_worst, eager_worst = (e.amax(dim=-1)[same] for e in (ours_error, eager_error))
         ours_q, eager_q = torch.quantile(ours_worst, 0.99), torch.quantile(eager_worst, 0.99)
         assert ours_q <= 2.0 * eager_q, (ours_q, eager_q, rand)
     else:
