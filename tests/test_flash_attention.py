@@ -723,20 +723,21 @@ def test_compiles_for_tpu():
 def _benchmark_cases():
     """(shape, generation): the causal dense benchmark shapes at sequence 4096 of Qwen3 and Gemma 4's full layers on v6e
     (the tables' largest blocks, 8 query heads a step: 1024 x 1024 both ways at head dim 128; at 512 the forward's 512 x
-    1024 and the backward's 256 x 2048), Gemma 4's full layers on v7x (head dim 512: the largest working set, the fused
+    1024 and the backward's 512 x 2048), Gemma 4's full layers on v7x (head dim 512: the largest working set, the fused
     backward's f32 dq blocks included, on the generation with the least VMEM), and Gemma 4's sliding layers on v5e,
     whose lowering differs (128-wide MXUs). On v5e the tables take 512 x 512 at every head dim, within v6e's head dim
     512 blocks in the same 128 MiB of VMEM, so the v6e compile bounds v5e's largest working set; the v5e compile proves
     the generation's lowering of every feature with the smaller body (2 query heads a step against 8: compile time grows
-    with the body). Gemma 4's sliding layers take the same blocks (512 x 512) and heads a step on v6e as on v5e, in the
-    same 128 MiB, so the v5e compile proves their fit and the v6e compiles their code paths (head dim 256 shares the
-    head dim 512's: early scores, no row sums on the MXU); a window is the kernels' run-time key ranges and visit list,
-    not their body. A kernel's body depends on the model (head dims, GQA group, the tuning table's blocks, which every
-    benchmark sequence length fills), not on the sequence length or the mask (those set the grid and the visit list,
-    which the kernels read at run time), so these prove the lowering and VMEM fit of every benchmark shape's kernels at
-    a fraction of the longest shape's compile time (its visit lists are constants of the program). On v5e and v7x the
-    program also takes every score feature (a causal window, softcap): one compile per generation proves the features'
-    lowering with the generation's heaviest working set."""
+    with the body). Gemma 4's sliding layers take the same forward blocks (512 x 512) and heads a step on v6e as on v5e,
+    in the same 128 MiB, and on v6e a backward of 1024 x 1024 whose working set (47 MiB) is within Qwen3's at the same
+    blocks (51 MiB), so the v5e and v6e Qwen3 compiles prove their fit and the v6e compiles their code paths (head dim
+    256 shares the head dim 512's: early scores, no row sums on the MXU); a window is the kernels' run-time key ranges
+    and visit list, not their body. A kernel's body depends on the model (head dims, GQA group, the tuning table's
+    blocks, which every benchmark sequence length fills), not on the sequence length or the mask (those set the grid and
+    the visit list, which the kernels read at run time), so these prove the lowering and VMEM fit of every benchmark
+    shape's kernels at a fraction of the longest shape's compile time (its visit lists are constants of the program). On
+    v5e and v7x the program also takes every score feature (a causal window, softcap): one compile per generation proves
+    the features' lowering with the generation's heaviest working set."""
     shapes = [s for s in FLASH_ATTENTION if s["layout"] == "dense" and s["mask"] == "causal" and s.batch == 4096]
     assert {s["model"] for s in shapes} == set(FLASH_ATTENTION_MODELS)
     return (

@@ -35,14 +35,14 @@ TABLE = {
 # The backward's (block_q, block_kv) by generation and head dim: its kernels read the forward's residuals (out, lse)
 # per row, so its blocks are its own. Chosen as TABLE (least modeled backward program, causal + unmasked, seq 4096,
 # v6e, whole programs; against the forward's blocks): key blocks of 2048 halve the fused backward's dq slots (the
-# slot sum's f32 reads) but compute more of the causal diagonal. Head dim 512 (Gemma 4 full): 256 x 2048, unmasked
-# 17394 -> 15748 us, causal 11697 -> 12310 (-1033 us together). Head dim 128 (Qwen3) keeps 1024 x 1024: 512 x 2048
-# unmasked 14105, causal 11059 us; 1024 x 2048 causal 10947 (against 14894 and 9866). Head dim 256 (Gemma 4 sliding,
-# window 1024) keeps 512 x 512 (6301 us): 512 x 1024 6356, 256 x 1024 7342. v5e, v7x and head dim 64: not swept, the
-# forward's.
+# slot sum's f32 reads) but compute more of the causal diagonal. Head dim 512 (Gemma 4 full): 512 x 2048, unmasked
+# 17394 -> 15545 us, causal 11697 -> 12267 (256 x 2048: 15748 / 12310). Head dim 256 (Gemma 4 sliding, window 1024):
+# 1024 x 1024, 6301 -> 5981 us (512 x 1024 6356, 256 x 1024 7342). Head dim 128 (Qwen3) keeps 1024 x 1024 (14894 /
+# 9866): 1024 x 2048 13858 / 10947 (+0.2 % together), 512 x 2048 14105 / 11059, 512 x 4096 unmasked 13463, 256 x 1024
+# causal 10796. v5e, v7x and head dim 64: not swept, the forward's.
 BACKWARD_TABLE = {
     "v5e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (512, 512)},
-    "v6e": {64: (512, 512), 128: (1024, 1024), 256: (512, 512), 512: (256, 2048)},
+    "v6e": {64: (512, 512), 128: (1024, 1024), 256: (1024, 1024), 512: (512, 2048)},
     "v7x": {64: (512, 512), 128: (1024, 512), 256: (512, 512), 512: (256, 512)},
 }
 # Whether the backward fuses dq into the dk/dv kernel, by generation and head dim (docs/flash_attention.md,
