@@ -1,7 +1,8 @@
 """python -m benchmarks.decode: the CPU smoke end to end through the module's main (tiny random models, greedy tokens
 of our experts_forward against transformers' default), the device mode's refusal without a TPU, and the modeled
-composition's pieces that need no compile (the ring model, the busiest chip's routing, the HBM ceiling), and the
-performance model's whole-slice compile the composition is checked with (a sharded program for v6e:2x4)."""
+composition's pieces that need no compile (the ring model, the busiest chip's routing, the HBM ceiling, the paged
+attention's visit builder charged once a step), the deviceless compile that rule stands on (two layers, one builder),
+and the performance model's whole-slice compile the composition is checked with (a sharded program for v6e:2x4)."""
 
 import importlib
 import json
@@ -111,3 +112,38 @@ def test_sharded_program_compiles_for_a_whole_slice_as_the_per_chip_spmd_program
     assert "all-reduce" in hlo
     assert "bf16[128,512]" in hlo  # each chip's share of w (1024 / 8 rows), not the whole weight
     assert "bf16[1024,512]" not in hlo
+
+
+def test_attention_charges_the_visit_builder_once_a_step_per_layer_kind():
+    figures = {
+        "ours": {"s": 10e-6, "kernel_s_by_name": {compose.VISITS_KERNEL: 2e-6, "paged_attention": 8e-6}},
+        "xla": {"s": 7e-6},
+    }
+    assert compose._attention_s(figures, "ours", 48) == pytest.approx(48 * 8e-6 + 2e-6)
+    assert compose._attention_s(figures, "xla", 48) == pytest.approx(48 * 7e-6)
+
+
+def test_compiled_step_builds_the_visit_lists_once_for_every_layer():
+    """The evidence the composition's rule stands on: two layers over the same traced metadata, compiled deviceless
+    for v6e, keep one visit-list builder (XLA's CSE) feeding both layers' kernels."""
+    from ladder import tpu_device, tpu_spec
+
+    from benchmarks.ops import paged_attention as ops
+
+    shape = programs.paged_shape(models.QWEN3.kinds[0], 8, 512)
+    cfg = ops.config(shape)
+    q, caches, *metadata = ops.specs(shape)
+
+    def two_layers(q, k1, v1, k2, v2, *metadata):
+        first = ops.kernel_attention(q, {"flash": (k1, v1)}, *metadata, cfg=cfg)
+        return ops.kernel_attention(q + first, {"flash": (k2, v2)}, *metadata, cfg=cfg)
+
+    k, v = caches["flash"]
+    specs = [tpu_spec("v6e", x.shape, x.dtype) for x in (q, k, v, k, v, *metadata)]
+    with jax.default_device(tpu_device("v6e")):
+        lowered = jax.jit(two_layers).lower(*specs)
+        optimized = lowered.compile().as_text()
+    calls = [line for line in optimized.splitlines() if "custom-call(" in line and "tpu_custom_call" in line]
+    assert lowered.as_text().count("tpu_custom_call") == 4  # as traced: a builder and a kernel per layer
+    assert len(calls) == 3, calls
+    assert sum(compose.VISITS_KERNEL in line for line in calls) == 1, calls
