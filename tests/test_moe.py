@@ -30,7 +30,8 @@ from tpu_kernels_jax.common import mxfp4, quantization
 from tpu_kernels_jax.common.activation import ClampedSwiGLU
 from tpu_kernels_jax.moe import api, touched
 from tpu_kernels_jax.moe import tuning as moe_tuning
-from tpu_kernels_jax.moe.reference import experts_forward_reference
+from tpu_kernels_jax.moe.reference import experts_forward_reference, gate_and_up
+from tpu_kernels_jax.ragged_dot.reference import gating_reference
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 # gpt-oss's gating with a limit the test pre-activations (std ~1.1 plus biases) cross on both sides of both clamps.
@@ -1004,7 +1005,24 @@ def test_mxfp4_experts_match_dequantized_reference(rand):
     def both(*args):
         return tuple(fn(*args) for fn in paths.values())
 
-    ladder.check_against_reference(jax.jit(both), jax.jit(reference), args, dtype=BF16, rand=rand, names=list(paths))
+    # Kernel and reference both round the clamped SwiGLU's intermediate (up to 56 in magnitude) to bf16, but from f32
+    # sums in different orders: one that lands on the other side of a rounding boundary moves by a bf16 ulp (<= 2^-7 of
+    # it) through its down_proj weights (seed 3175825721: one of 640 outputs 0.031 against 0.014). So bf16's tolerance
+    # holds for all but 1 % of the outputs, and every output is within it plus one such flip of the largest
+    # intermediate through the largest down_proj weight.
+    up_f32, down_f32 = (
+        mxfp4.dequantize_prepared(b, c) for b, c in ((prepared[0], prepared[1]), (prepared[2], prepared[3]))
+    )
+    h = jnp.einsum("th,eih->eti", x.astype(jnp.float32), up_f32) + biases[0].astype(jnp.float32)[:, None]
+    act = gating_reference(*gate_and_up(h, "interleaved"), kw["activation"])
+    flip = 2.0**-7 * float(jnp.max(jnp.abs(act))) * float(jnp.max(jnp.abs(down_f32)))
+    actual = ladder.run_interpreted(jax.jit(both), *args)
+    expected = ladder.run_reference(jax.jit(reference), *args)[0]
+    for path, out in zip(paths, actual):
+        ladder.assert_close(out, expected, dtype=BF16, atol=0.016 + flip, what=path, context=repr(rand))
+        error = np.abs(np.asarray(out, np.float32) - np.asarray(expected, np.float32))
+        outside = np.mean(error > 0.016 + 0.016 * np.abs(np.asarray(expected, np.float32)))
+        assert outside <= 0.01, (path, f"{outside:.2%} of outputs outside bf16's tolerance", rand)
 
 
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
