@@ -188,15 +188,21 @@ def test_bfloat16(rand):
     _check(rand, batch, dtype=jnp.bfloat16, blocks=tk.PagedAttentionBlocks(queries_per_block=8, pages_per_block=3))
 
 
-@pytest.mark.parametrize("page", [16, 32], ids=["p16_rows", "p32_head_major"])
-def test_float8_cache_with_scales(rand, page):
+@pytest.mark.parametrize(
+    "page,hkv", [(16, 2), (32, 2), (16, 4)], ids=["p16_rows", "p32_head_major", "p16_four_heads_split"]
+)
+def test_float8_cache_with_scales(rand, page, hkv):
     """An e4m3 cache holding value / scale: the kernel folds k_scale into the query scale and v_scale into the output;
     Python floats, which the kernel takes as constants (traced float32 [1] scales, an SMEM operand, are the torch
     op's test's: torch passes tensors). Pages of 16: every head at once, the buffer reshaped to rows; of 32: the
-    caches passed head-major (XLA's own layout of 2 float8 kv heads), one head at a time, two visits a step."""
-    assert kernel.head_major_cache(hkv=2, page_size=page, cache_itemsize=1) == (page == 32)
-    batch = Batch(rand, Q_LENS, KV_LENS, hq=8, hkv=2, d=128, page=page, dtype=jnp.bfloat16, cache_dtype=FP8)
-    blocks = PAIRED if page == 32 else BLOCKS
+    caches passed head-major (XLA's own layout of 2 float8 kv heads), one head at a time, two visits a step; 4 kv
+    heads as rows (Qwen3's layout): each head split from the buffer's 32-bit words (kernel.splits_words), its keys
+    in the split's order, the poisoned rows past a context zeroed as words before the split, two visits a step."""
+    assert kernel.head_major_cache(hkv=hkv, page_size=page, cache_itemsize=1) == (page == 32)
+    split = kernel.splits_words(merged=hkv, merged_view=True, cache_itemsize=1, block_kv=2 * page)
+    assert split == (hkv == 4), (hkv, split)
+    batch = Batch(rand, Q_LENS, KV_LENS, hq=8, hkv=hkv, d=128, page=page, dtype=jnp.bfloat16, cache_dtype=FP8)
+    blocks = PAIRED if page == 32 or hkv == 4 else BLOCKS
     attention = functools.partial(tk.ragged_paged_attention, blocks=blocks, k_scale=0.5, v_scale=0.25)
     out = ladder.run_interpreted(_jit(attention), *batch.args)
     expected = ragged_paged_attention_reference(*batch.args, k_scale=0.5, v_scale=0.25)

@@ -185,6 +185,48 @@ def _zero_unfetched(v, first_token: int, rows, hkv: int):
     return pltpu.bitcast(words, v.dtype) if packing > 1 else words
 
 
+_SPLIT_CHUNK = 32  # tokens a byte transpose of `_split_heads` takes: four vregs of 8 words (tokens) a lane
+
+
+def splits_words(*, merged: int, merged_view: bool, cache_itemsize: int, block_kv: int) -> bool:
+    """Whether a visit that takes every kv head at once splits them per head from the page buffer's 32-bit words
+    instead (`_split_heads`): a float8 buffer of 4 kv heads as rows (merged_cache_view: head dim 128), where each word
+    holds one token's 4 heads at one lane, in key blocks of whole 32-token chunks. Each head's keys then go through
+    their own matmul and softmax (no cross-head scores: a quarter of the merged visit's vector work on scores) at the
+    cost of a byte transpose of the words (four 32-bit ops a float8 vreg: two shifts, two bit selects)."""
+    return merged == 4 and merged_view and cache_itemsize == 1 and block_kv % _SPLIT_CHUNK == 0
+
+
+def _split_heads(x):
+    """x [tokens * 4, D] float8, rows token-major with 4 kv heads minor -> 4 arrays [tokens, D] float8, head h's rows,
+    the tokens of each chunk of 32 in `_split_order`. A 32-bit word of x (pltpu.bitcast: rows 4t .. 4t + 3, byte h
+    head h) is one token's 4 heads at one lane; four vregs of words (tokens 8i + s of a chunk, i = 0 .. 3) are
+    transposed bytewise, 16-bit halves then bytes, so that head h's word holds byte i = token 8i + s's head h."""
+    tokens, d = x.shape[0] // 4, x.shape[1]
+    words = pltpu.bitcast(x, jnp.uint32).reshape(tokens // _SPLIT_CHUNK, 4, _SPLIT_CHUNK // 4, d)
+    a, b, c, e = (words[:, i] for i in range(4))
+
+    def bits(mask, x, y):  # x's bits where mask is set, else y's: one select
+        return (x & mask) | (y & ~mask)
+
+    low, even = jnp.uint32(0x0000FFFF), jnp.uint32(0x00FF00FF)
+    ac = (bits(low, a, c << 16), bits(low, a >> 16, c))  # bytes (a_h, a_h+1, c_h, c_h+1) for h = 0, 2
+    be = (bits(low, b, e << 16), bits(low, b >> 16, e))
+    heads = []
+    for h in range(4):
+        x0, x1 = ac[h // 2], be[h // 2]
+        head = bits(even, x0, x1 << 8) if h % 2 == 0 else bits(even, x0 >> 8, x1)
+        heads.append(pltpu.bitcast(head.reshape(tokens // 4, d), x.dtype))
+    return heads
+
+
+def _split_order(shape, dimension: int):
+    """The token (within the key block) of each row of `_split_heads`' output: row 32q + 4s + i is token 32q + 8i +
+    s. An int32 iota of `shape` along `dimension` so mapped."""
+    r = jax.lax.broadcasted_iota(jnp.int32, shape, dimension)
+    return (r & ~(_SPLIT_CHUNK - 1)) | ((r & 3) << 3) | ((r >> 2) & 7)
+
+
 def _split_block(block, layout: Layout):
     """(sequence, key block within it) of a visit's key block. Truncating division: the values are >= 0, and Python's
     floor division on scalars lowers through `sign`, which needs a chip to lower (a TPU export on a CPU host has
@@ -327,27 +369,52 @@ def _kernel(
         x = buf[slot, pages, j] if lay.head_major else buf[slot, pages, :, j, :]
         return widen(x, compute_dtype).reshape(bk, width)
 
+    split = splits_words(
+        merged=lay.merged,
+        merged_view=lay.merged_view,
+        cache_itemsize=max(k_buf.dtype.itemsize, v_buf.dtype.itemsize),
+        block_kv=bk,
+    )
+
+    # a decode-like block's few rows a head: every head's scores live at once is the merged visit's score rows at most
+    scores_first = split or lay.head_major and lay.kv_heads * lay.block_rows <= MERGED_ROWS
+
     def accumulate(masked: bool, visit, word, part: int):
         row = jax.lax.broadcasted_iota(jnp.int32, (lay.block_rows, 1), 0)
-        if masked:
+        pages = pl.ds(part * lay.pages_per_block, lay.pages_per_block)
+        if split:  # every head's rows at once, split per head from their words (their keys in _split_order)
+            v_rows = v_buf[slot, pages].reshape(bk * lay.kv_heads, dv)
+            if masked:  # as words, one token each, before the split
+                v_rows = _zero_unfetched(v_rows, 0, rows_ref[visit], lay.kv_heads)
+            k_heads = _split_heads(k_buf[slot, pages].reshape(bk * lay.kv_heads, d))
+            v_heads = _split_heads(v_rows)
+            key = _split_order((1, bk), 1)
+        else:
             key = jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        if masked:
             keep = _keep(word, kv_blocks_ref[visit], kv_lens_ref, cu_ref, lay, row, key)
             rows = rows_ref[visit]
             key_rows = jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
             fetched = (key_rows >= (rows & schedule.ROW_MASK)) & (key_rows < (rows >> schedule.ROW_BITS))
         else:  # every key kept for the sequence's rows; other sequences' rows keep their statistics
             ours = _rows_of_sequence(word, kv_blocks_ref[visit], cu_ref, lay, row)
-        pages = pl.ds(part * lay.pages_per_block, lay.pages_per_block)
-        for j in range(lay.kv_heads):
-            k = block_of(k_buf, pages, j, d)
-            v = block_of(v_buf, pages, j, dv)
-            if masked:
-                v = jnp.where(fetched, v, jnp.zeros_like(v))
+
+        def scores_of(j):
+            if split:
+                k, v = widen(k_heads[j], compute_dtype), widen(v_heads[j], compute_dtype)
+            else:
+                k = block_of(k_buf, pages, j, d)
+                v = block_of(v_buf, pages, j, dv)
+                if masked:
+                    v = jnp.where(fetched, v, jnp.zeros_like(v))
             s = dot_nt(q_scaled_ref[j], k)
             if lay.softcap > 0:
                 s = jnp.tanh(s) * (lay.softcap * LOG2_E)
             if masked:
                 s = jnp.where(keep, s, -jnp.inf)
+            return s, v
+
+        def update(j, s, v):
             m_prev = m_ref[j]
             m_new = jnp.maximum(m_prev, row_stat(jnp.max(s, axis=1, keepdims=True)))
             p = jnp.exp2(s - lanes(m_new, bk))
@@ -359,6 +426,14 @@ def _kernel(
                 l_new = jnp.where(ours, l_new, l_ref[j])
                 acc_new = jnp.where(ours, acc_new, acc_ref[j])
             m_ref[j], l_ref[j], acc_ref[j] = m_new, l_new, acc_new
+
+        if scores_first:  # every head's scores, then every head's softmax and P V: the MXU takes the next head's
+            # keys while the vector units reduce this head's scores (head by head, each head's chain waits on the last)
+            for j, (s, v) in enumerate([scores_of(j) for j in range(lay.kv_heads)]):
+                update(j, s, v)
+        else:  # one head's scores live at a time (prefill blocks: kv_heads x their rows x the key block)
+            for j in range(lay.kv_heads):
+                update(j, *scores_of(j))
 
     def accumulate_merged(masked: bool, visit, word, part: int):
         # Every kv head at once: score row (head h, row r) against key column (token t, head h') is kept only where
@@ -425,7 +500,7 @@ def _kernel(
         l_ref[heads] = l.reshape(hkv, rows_per_head, LANES)
         acc_ref[heads] = acc.reshape(hkv, rows_per_head, dv)
 
-    accumulate_visit = accumulate_merged if lay.merged else accumulate
+    accumulate_visit = accumulate_merged if lay.merged and not split else accumulate
     for part in range(lay.parts):  # the step's visits in order (one query block's; a visit updates its rows)
         visit = step * lay.parts + part
         word = words_ref[visit]
