@@ -8,8 +8,9 @@ DMA holding every kv head, into a (pages_per_block, page_size, kv_heads, head_di
 next visit's pages arrive while this one computes. A grid step takes `parts` visits of one query block, each into its
 own pages_per_block page slots of the buffer (at decode both sequences of a block of 2 tokens: half the grid steps,
 each a fixed cost). Decode-like blocks (few query rows) read the whole buffer as rows, token-major with the kv heads
-minor, and take every head in one matmul (merges_heads); prefill blocks take pairs of heads so; head dims that are not
-whole lane tiles read one kv head as a sublane-strided load of the buffer.
+minor, and take every head in one matmul (merges_heads), except a float8 buffer of 4 kv heads as rows, whose heads are
+split from its 32-bit words (splits_words); prefill blocks take pairs of heads so; head dims that are not whole lane
+tiles read one kv head as a sublane-strided load of the buffer.
 
 Queries come as they are, [tokens, q_heads, head_dim], a block of tokens with every head, and the output leaves so
 (no transposes in XLA around the kernel); a query block's first visit lays each kv head's rows out in VMEM as
