@@ -600,6 +600,19 @@ def test_blocks_reach_the_kernels(rand):
     assert (table.backward_block_q, table.backward_block_kv) == tuning.BACKWARD_TABLE["v6e"][128], table
     given = tuning.resolve_blocks(tk.FlashAttentionBlocks(block_q=256, block_kv=512), **shape, info=v6e)
     assert (given.backward_block_q, given.backward_block_kv) == (256, 512), given
+    # kv heads a step (tuning.QUERY_HEADS_PER_STEP): Qwen3 the fewest legal (8 query heads); Gemma 4 sliding (16 / 8
+    # heads x 256) all 8 on v6e, 4 on v5e and on v7x (two head groups for its two cores), and fewer where a caller's
+    # blocks or VMEM limit would not hold 8 (1024 x 1024 both ways: 148 MiB at 8, 90 MiB at 4; 40 MiB: 37 MiB at 4)
+    assert table.kv_heads_per_step == 1, table
+    sliding = dict(shape, q_heads=16, kv_heads=8, head_dim=256, v_head_dim=256)
+    for generation, expected in (("v5e", 4), ("v6e", 8), ("v7x", 4)):
+        chosen = tuning.resolve_blocks(None, **sliding, info=chip.tpu_info_for(generation))
+        assert chosen.kv_heads_per_step == expected, (generation, chosen)
+    for caller in (
+        tk.FlashAttentionBlocks(block_q=1024, block_kv=1024),
+        tk.FlashAttentionBlocks(vmem_limit_bytes=40 << 20),
+    ):
+        assert tuning.resolve_blocks(caller, **sliding, info=v6e).kv_heads_per_step == 4, caller
     # 1200 packed rows, key blocks of 128: a query block may meet 3 sequences of up to 1000 keys, bounded only by the
     # 10 key blocks, over the 8 slots the table takes
     cu = jnp.asarray([0, 100, 200, 1200], jnp.int32)
@@ -723,21 +736,23 @@ def test_compiles_for_tpu():
 def _benchmark_cases():
     """(shape, generation): the causal dense benchmark shapes at sequence 4096 of Qwen3 and Gemma 4's full layers on v6e
     (the tables' largest blocks, 8 query heads a step: 1024 x 1024 both ways at head dim 128; at 512 the forward's 512 x
-    1024 and the backward's 512 x 2048), Gemma 4's full layers on v7x (head dim 512: the largest working set, the fused
-    backward's f32 dq blocks included, on the generation with the least VMEM), and Gemma 4's sliding layers on v5e,
-    whose lowering differs (128-wide MXUs). On v5e the tables take 512 x 512 at every head dim, within v6e's head dim
-    512 blocks in the same 128 MiB of VMEM, so the v6e compile bounds v5e's largest working set; the v5e compile proves
-    the generation's lowering of every feature with the smaller body (2 query heads a step against 8: compile time grows
-    with the body). Gemma 4's sliding layers take the same forward blocks (512 x 512) and heads a step on v6e as on v5e,
-    in the same 128 MiB, and on v6e a backward of 1024 x 1024 whose working set (47 MiB) is within Qwen3's at the same
-    blocks (51 MiB), so the v5e and v6e Qwen3 compiles prove their fit and the v6e compiles their code paths (head dim
-    256 shares the head dim 512's: early scores, no row sums on the MXU); a window is the kernels' run-time key ranges
-    and visit list, not their body. A kernel's body depends on the model (head dims, GQA group, the tuning table's
-    blocks, which every benchmark sequence length fills), not on the sequence length or the mask (those set the grid and
-    the visit list, which the kernels read at run time), so these prove the lowering and VMEM fit of every benchmark
-    shape's kernels at a fraction of the longest shape's compile time (its visit lists are constants of the program). On
-    v5e and v7x the program also takes every score feature (a causal window, softcap): one compile per generation proves
-    the features' lowering with the generation's heaviest working set."""
+    1024 and the backward's 512 x 2048), Gemma 4's full layers on v7x (head dim 512, the fused backward's f32 dq blocks
+    of 512 lanes, on the generation with the least VMEM), and Gemma 4's sliding layers on v5e, whose lowering differs
+    (128-wide MXUs). On v5e the tables take 512 x 512 at every head dim, within v6e's head dim 512 blocks in the same
+    128 MiB of VMEM, so the v6e compile bounds v5e's largest working set; the v5e compile proves the generation's
+    lowering of every feature. Gemma 4's sliding layers take 4 kv heads (8 query heads) a step and 512 x 512 blocks both
+    ways on v5e and v7x (one body; 37 MiB, under v7x's 48 MiB limit, as Qwen3's 40 MiB there), and on v6e all 8 kv heads
+    (16 query heads, heads in place) at 512 x 512 both ways, whose working set (66 MiB) is within Gemma 4 full's there
+    (90 MiB), so the Gemma 4 full compiles bound their fit; the v6e 16-head and v7x 8-head sliding programs were
+    compiled when the table took them (47 s and 22 s, a loaded machine), not here for the suite's time, and the v5e
+    compile proves the 8-head body's lowering. The v6e compiles prove the sliding layers' code paths (head dim 256
+    shares the head dim 512's: early scores, no row sums on the MXU); a window is the kernels' run-time key ranges and
+    visit list, not their body. A kernel's body depends on the model (head dims, GQA group, the tuning table's blocks,
+    which every benchmark sequence length fills), not on the sequence length or the mask (those set the grid and the
+    visit list, which the kernels read at run time), so these prove the lowering and VMEM fit of every benchmark shape's
+    kernels at a fraction of the longest shape's compile time (its visit lists are constants of the program). On v5e and
+    v7x the program also takes every score feature (a causal window, softcap): one compile per generation proves the
+    features' lowering with the generation's heaviest working set."""
     shapes = [s for s in FLASH_ATTENTION if s["layout"] == "dense" and s["mask"] == "causal" and s.batch == 4096]
     assert {s["model"] for s in shapes} == set(FLASH_ATTENTION_MODELS)
     return (

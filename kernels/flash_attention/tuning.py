@@ -37,14 +37,35 @@ TABLE = {
 # v6e, whole programs; against the forward's blocks): key blocks of 2048 halve the fused backward's dq slots (the
 # slot sum's f32 reads) but compute more of the causal diagonal. Head dim 512 (Gemma 4 full): 512 x 2048, unmasked
 # 17394 -> 15545 us, causal 11697 -> 12267 (256 x 2048: 15748 / 12310). Head dim 256 (Gemma 4 sliding, window 1024):
-# 1024 x 1024, 6301 -> 5981 us (512 x 1024 6356, 256 x 1024 7342). Head dim 128 (Qwen3) keeps 1024 x 1024 (14894 /
-# 9866): 1024 x 2048 13858 / 10947 (+0.2 % together), 512 x 2048 14105 / 11059, 512 x 4096 unmasked 13463, 256 x 1024
-# causal 10796. v5e, v7x and head dim 64: not swept, the forward's.
+# 512 x 512 at 8 kv heads a step (QUERY_HEADS_PER_STEP), 4941 us (256 x 1024 4972, 256 x 512 5316, 512 x 256 8151;
+# the fused backward's 1024 x 1024 does not fit VMEM at 8 kv heads); at 1 kv head 1024 x 1024 had won, 6301 -> 5981
+# us (512 x 1024 6356, 256 x 1024 7342), and at 4 kv heads 4947 us (512 x 512 5003, 256 x 1024 5205). Head dim 128
+# (Qwen3) keeps 1024 x 1024 (14894 / 9866): 1024 x 2048 13858 / 10947 (+0.2 % together), 512 x 2048 14105 / 11059,
+# 512 x 4096 unmasked 13463, 256 x 1024 causal 10796. v5e, v7x and head dim 64: not swept, the forward's.
 BACKWARD_TABLE = {
     "v5e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (512, 512)},
-    "v6e": {64: (512, 512), 128: (1024, 1024), 256: (1024, 1024), 512: (512, 2048)},
+    "v6e": {64: (512, 512), 128: (1024, 1024), 256: (512, 512), 512: (512, 2048)},
     "v7x": {64: (512, 512), 128: (1024, 512), 256: (512, 512), 512: (256, 512)},
 }
+# Query heads a grid step takes at most, by generation and head dim: kv heads per step is the most that divides the kv
+# heads, keeps its query heads within this (1: the fewest legal) and leaves MIN_HEAD_GROUPS head groups, among those
+# whose working set at the resolved blocks fits the VMEM limit (fewer where a caller's blocks would not fit), never
+# fewer than the fewest legal. More heads a step mean fewer, larger grid steps (the per-step cost and a masked visit's
+# keep mask shared by more heads) and, at 8 or all query heads, q and the output taken as they lie (no relayout copies:
+# forward.heads_in_place). Head dim 256, Gemma 4 sliding (16 / 8 heads, window 1024, causal, seq 4096; whole programs,
+# forward + backward): v6e 8 kv heads (16 query heads, backward 512 x 512: BACKWARD_TABLE) 3669 + 5981 -> 2154 + 4941
+# us, against 2275 + 4947 at 4 kv heads (backward 1024 x 1024; 512 x 512 5003); v7x 4 (its two cores split the head
+# groups) 1989 + 3481 -> 1527 + 1599 us; v5e 4, 7747 + 16400 -> 5707 + 14271 us (8: forward 5677, a tie). All modeled.
+# Head dims 128 and 512 (Qwen3, Gemma 4 full) take 8 query heads a step at the fewest legal kv heads already; 64 and
+# other GQA ratios were not modeled (the fewest legal).
+QUERY_HEADS_PER_STEP = {
+    "v5e": {64: 1, 128: 1, 256: 8, 512: 1},
+    "v6e": {64: 1, 128: 1, 256: 16, 512: 1},
+    "v7x": {64: 1, 128: 1, 256: 8, 512: 1},
+}
+# Head groups the table's kv heads per step leave at least, where the kv heads allow: v7x's two TensorCores split the
+# grid's "parallel" head-group axis, and one group would leave a core idle.
+MIN_HEAD_GROUPS = {"v5e": 1, "v6e": 1, "v7x": 2}
 # Whether the backward fuses dq into the dk/dv kernel, by generation and head dim (docs/flash_attention.md,
 # "Backward"). v6e: fused at every benchmark shape (seq 4096, modeled program: Qwen3 -19 % causal and unmasked, Gemma 4
 # sliding -8 %, full -4 / -6 %). v5e and v7x, Qwen3 unmasked seq 4096, the backward alone (modeled): v5e 42306 ->
@@ -76,7 +97,9 @@ class FlashAttentionBlocks:
         backward table's.
     kv_heads_per_step: kv heads per grid step, each with its query heads; must divide the kv heads, and its lane
         blocks must be whole multiples of 128 lanes (at head dim 64: an even count) or cover all heads. None: the
-        fewest that are legal. The same in both directions (the residuals are laid out by head group).
+        table's (QUERY_HEADS_PER_STEP: by generation and head dim, the most whose query heads stay within the table's
+        and whose working set fits VMEM at the resolved blocks, at least the fewest legal; v7x keeps two head groups
+        for its two cores). The same in both directions (the residuals are laid out by head group).
     vmem_limit_bytes: the scoped VMEM every kernel may use; None: derived from the widest working set of either
         direction at its own blocks.
     fused_backward: True: the dk/dv kernel also computes dq (per key block partials, summed in XLA); False: a
@@ -134,6 +157,20 @@ def _table_entry(generation: str, head_dim: int, table=TABLE):
     return table[max(table)]
 
 
+def _table_kv_heads_per_step(generation: str, head_dim: int, *, kv_heads: int, group: int, fewest: int, fits) -> int:
+    """The table's kv heads per step (QUERY_HEADS_PER_STEP, MIN_HEAD_GROUPS): the most legal count (a multiple of the
+    fewest legal that divides the kv heads) within the table's query heads and head groups whose working set
+    fits(count), else the fewest."""
+    most_heads = _table_entry(generation, head_dim, QUERY_HEADS_PER_STEP)
+    min_groups = MIN_HEAD_GROUPS.get(generation, 1)
+    counts = [
+        n
+        for n in range(fewest, kv_heads + 1, fewest)
+        if kv_heads % n == 0 and n * group <= most_heads and kv_heads // n >= min_groups
+    ]
+    return max((n for n in counts if fits(n)), default=fewest)
+
+
 def _block_pair(blocks, fields, table_entry, *, q_rows, kv_rows):
     """(block_q, block_kv) of one direction: the caller's `fields` (or the forward's as a fallback), else the table's,
     checked against the rows."""
@@ -174,9 +211,31 @@ def resolve_blocks(
         blocks, ("backward_block_q", "backward_block_kv"), _table_entry(generation, widest, BACKWARD_TABLE), **rows
     )
     group = q_heads // kv_heads
+    fused = blocks.fused_backward
+    if fused is None:
+        fused = _table_entry(generation, widest, FUSED_DQ)
+    elif not isinstance(fused, (bool, np.bool_)):
+        raise TypeError(f"blocks.fused_backward: expected a bool or None, got {type(fused).__name__} {fused!r}")
+    fused = bool(fused)
+    shape = dict(group=group, head_dim=head_dim, v_head_dim=v_head_dim, itemsize=itemsize)
+
+    def need(per_step):
+        # one scoped VMEM limit for every kernel, that of the widest of either direction at its own blocks
+        return max(
+            working_set(block_q, block_kv, kv_heads_per_step=per_step, **shape, direction="forward"),
+            working_set(
+                backward_q, backward_kv, kv_heads_per_step=per_step, **shape, fused=fused, direction="backward"
+            ),
+        )
+
     fewest = min_kv_heads_per_step(kv_heads, head_dim, v_head_dim, group)
     if blocks.kv_heads_per_step is None:
-        per_step = fewest
+        most = int(info.vmem_capacity_bytes * VMEM_SHARE)
+        if blocks.vmem_limit_bytes is not None:
+            most = check_tile("blocks", "vmem_limit_bytes", blocks.vmem_limit_bytes)
+        per_step = _table_kv_heads_per_step(
+            generation, widest, kv_heads=kv_heads, group=group, fewest=fewest, fits=lambda n: need(n) <= most
+        )
     else:
         per_step = check_tile("blocks", "kv_heads_per_step", blocks.kv_heads_per_step, at_most=kv_heads)
         if kv_heads % per_step:
@@ -186,22 +245,10 @@ def resolve_blocks(
                 f"blocks.kv_heads_per_step: expected a count whose K/V lane blocks ({per_step} x {head_dim} and "
                 f"{per_step} x {v_head_dim}) are multiples of 128 lanes, or all {kv_heads} kv heads, got {per_step}"
             )
-    fused = blocks.fused_backward
-    if fused is None:
-        fused = _table_entry(generation, widest, FUSED_DQ)
-    elif not isinstance(fused, (bool, np.bool_)):
-        raise TypeError(f"blocks.fused_backward: expected a bool or None, got {type(fused).__name__} {fused!r}")
-    fused = bool(fused)
-    shape = dict(kv_heads_per_step=per_step, group=group, head_dim=head_dim, v_head_dim=v_head_dim, itemsize=itemsize)
-    # one scoped VMEM limit for every kernel, that of the widest of either direction at its own blocks
-    need = max(
-        working_set(block_q, block_kv, **shape, direction="forward"),
-        working_set(backward_q, backward_kv, **shape, fused=fused, direction="backward"),
-    )
     vmem_limit = blocks.vmem_limit_bytes
     if vmem_limit is None:
-        vmem_limit = min(int(info.vmem_capacity_bytes * VMEM_SHARE), chip.scoped_vmem_limit(info, need))
-    check_vmem_fit("blocks", need, vmem_limit, info)
+        vmem_limit = min(int(info.vmem_capacity_bytes * VMEM_SHARE), chip.scoped_vmem_limit(info, need(per_step)))
+    check_vmem_fit("blocks", need(per_step), vmem_limit, info)
     return FlashAttentionBlocks(
         block_q=block_q,
         block_kv=block_kv,
