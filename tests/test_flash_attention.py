@@ -94,8 +94,9 @@ def test_forward_matches_reference(rand, feature):
 
 
 # (D, Dv, Hq, Hkv): head dims 64 to 512, GQA ratios 1, 2 and 8, a V head dim wider and one narrower than Q/K's; at
-# head dim 64 a step takes two kv heads (128 lanes), over two head groups.
-HEAD_LAYOUTS = [(64, 64, 4, 4), (128, 256, 8, 1), (256, 128, 2, 2), (512, 512, 4, 2)]
+# head dim 64 a step takes two kv heads (128 lanes), over two head groups; at 256 (Gemma 4 sliding's heads) all 8 kv
+# heads (the table's on v6e), q, K and V taken as they lie.
+HEAD_LAYOUTS = [(64, 64, 4, 4), (128, 256, 8, 1), (256, 128, 16, 8), (512, 512, 4, 2)]
 
 
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS, ids=lambda t: "d{}_dv{}_hq{}_hkv{}".format(*t))
@@ -648,12 +649,18 @@ def _kernel_shapes(fn, *args):
 
 def test_forward_takes_heads_as_they_lie(rand):
     """The forward reads q [T, H, D] and writes out [T, H, Dv] as they lie (no relayout into merged heads) where a
-    step's query heads are a multiple of 8 or all of them; otherwise it takes them merged into lanes. Both paths run
-    in the reference checks above (e.g. HEAD_LAYOUTS: 8 query heads a step in place, 2 of 4 merged)."""
-    for (hq, hkv, d), expected in (((8, 1, 128), (300, 8, 128)), ((8, 4, 64), (300, 8 * 64))):
+    step's query heads are a multiple of 8 or all of them, and k, v [T, Hkv, D] as they lie where a step also takes
+    every kv head, a multiple of 8; otherwise it takes them merged into lanes. Every path runs in the reference checks
+    above (HEAD_LAYOUTS: 8 query heads a step in place with K/V merged, 16 with K/V in place, 2 of 4 merged)."""
+    for (hq, hkv, d), expected, kv_expected in (
+        ((8, 1, 128), (300, 8, 128), (200, 128)),
+        ((8, 4, 64), (300, 8 * 64), (200, 4 * 64)),
+        ((16, 8, 256), (300, 16, 256), (200, 8, 256)),
+    ):
         q, k, v = _inputs(rand, 1, 300, 200, hq, hkv, d, dtype=jnp.bfloat16)
         shapes = _kernel_shapes(lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL), q, k, v)
-        assert shapes["flash_attention_fwd"][1][0] == expected, (hq, hkv, d, shapes)
+        inputs, outputs = shapes["flash_attention_fwd"]
+        assert outputs[0] == expected and inputs[-2:] == [kv_expected] * 2, (hq, hkv, d, shapes)
 
 
 def test_backward_takes_heads_as_they_lie(rand):

@@ -123,19 +123,19 @@ def _plan(geometry, lo, hi, xp, size=None, *, fused: bool, slot_bound: int | Non
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _attention(setup, with_lse, static_counts, dq_slots, q3d, k2d, v2d, sinks, plans):
-    return _attention_fwd(setup, with_lse, static_counts, dq_slots, q3d, k2d, v2d, sinks, plans)[0]
+def _attention(setup, with_lse, static_counts, dq_slots, q3d, k3d, v3d, sinks, plans):
+    return _attention_fwd(setup, with_lse, static_counts, dq_slots, q3d, k3d, v3d, sinks, plans)[0]
 
 
-def _attention_fwd(setup, with_lse, static_counts, dq_slots, q3d, k2d, v2d, sinks, plans):
+def _attention_fwd(setup, with_lse, static_counts, dq_slots, q3d, k3d, v3d, sinks, plans):
     """plans, static_counts: the forward's and the backward's (_plan at each direction's geometry)."""
     g = setup.forward
     qinfo, _, q_visits, _, q_count, _, status, _, _ = plans[0]
     count = q_count if static_counts[0] is None else static_counts[0][0]
     out, lse = forward.forward(
         q3d,
-        k2d,
-        v2d,
+        k3d,
+        v3d,
         qinfo,
         q_visits,
         count,
@@ -146,11 +146,13 @@ def _attention_fwd(setup, with_lse, static_counts, dq_slots, q3d, k2d, v2d, sink
         vmem_limit_bytes=setup.vmem_limit,
     )
     result = (out, lse) if with_lse else (out, None)
-    # the dk/dv kernel streams q with heads merged into lanes; merged here (an XLA relayout where the forward took q
-    # as it lies), which inference, not differentiating, never runs. out is saved in the layout the backward reads
-    # it in: as it lies where the fused backward's delta kernel takes it so (backward.backward), else merged. Both
-    # and lse are per row, whatever the backward's blocks.
+    # the dk/dv kernel streams q, k and v with heads merged into lanes; merged here (an XLA relayout where the
+    # forward took them as they lie), which inference, not differentiating, never runs. out is saved in the layout the
+    # backward reads it in: as it lies where the fused backward's delta kernel takes it so (backward.backward), else
+    # merged. Both and lse are per row, whatever the backward's blocks.
     q2d = q3d.reshape(g.q_rows, g.q_heads * g.head_dim)
+    k2d = k3d.reshape(g.kv_rows, g.kv_heads * g.head_dim)
+    v2d = v3d.reshape(g.kv_rows, g.kv_heads * g.v_head_dim)
     if not (dq_slots > 0 and forward.heads_in_place(g)):
         out = out.reshape(g.q_rows, g.q_heads * g.v_head_dim)
     return result, (q2d, k2d, v2d, sinks, plans[1], out, lse)
@@ -178,6 +180,8 @@ def _attention_bwd(setup, with_lse, static_counts, dq_slots, residuals, cotangen
     )
     plans_cotangents = (tuple(None for _ in plan),) * 2  # the forward's plan has the backward's structure
     dq = dq.reshape(g.q_rows, g.q_heads, g.head_dim)
+    dk = dk.reshape(g.kv_rows, g.kv_heads, g.head_dim)
+    dv = dv.reshape(g.kv_rows, g.kv_heads, g.v_head_dim)
     return dq, dk, dv, cotangent_like(dsinks, sinks), plans_cotangents
 
 
@@ -190,8 +194,8 @@ def _call(q3d, k3d, v3d, sinks, lo, hi, xp, sizes, *, setup, with_lse, slot_boun
     g = setup.forward
     compute_dtype = jnp.float32 if q3d.dtype == jnp.float16 else q3d.dtype  # float16 runs as float32 on TPU
     q = q3d.astype(compute_dtype)
-    k2d = k3d.astype(compute_dtype).reshape(g.kv_rows, g.kv_heads * g.head_dim)
-    v2d = v3d.astype(compute_dtype).reshape(g.kv_rows, g.kv_heads * g.v_head_dim)
+    k = k3d.astype(compute_dtype)
+    v = v3d.astype(compute_dtype)
     sinks32 = None if sinks is None else sinks.astype(jnp.float32)
     backward_plan, backward_counts, dq_slots = _plan(
         setup.backward, lo, hi, xp, sizes[1], fused=setup.fused, slot_bound=slot_bound
@@ -206,8 +210,8 @@ def _call(q3d, k3d, v3d, sinks, lo, hi, xp, sizes, *, setup, with_lse, slot_boun
         (forward_counts, backward_counts),
         dq_slots,
         q,
-        k2d,
-        v2d,
+        k,
+        v,
         sinks32,
         (forward_plan, backward_plan),
     )
