@@ -4,6 +4,8 @@ sequences, traced cu_seqlens), the visit lists vs a brute-force mask, bad input,
 v5e / v6e / v7x at the benchmark shapes. Small blocks (128) are forced so that every test runs several query and key
 blocks with ragged last blocks."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ladder
@@ -199,10 +201,11 @@ def test_gradients_match_reference(rand, feature):
 
 # (D, Dv, Hq, Hkv, options, blocks): GQA 8 with a narrower V head dim under a causal mask, the backward on blocks of
 # its own (OWN_BACKWARD: one query block of 256 against the forward's two of 128, its heads as they lie); head dim
-# 64 (two kv heads a step) under a window open on both sides, without causal
+# 64 with all 8 kv heads a step (q, K, V, dq, dk and dv as they lie in both directions: forward.kv_heads_in_place)
+# under a window open on both sides, without causal
 GRADIENT_LAYOUTS = [
     (128, 64, 8, 1, dict(causal=True, softcap=3.0), OWN_BACKWARD),
-    (64, 64, 4, 4, dict(window_size=(70, 20), softcap=3.0), SMALL),
+    (64, 64, 8, 8, dict(window_size=(70, 20), softcap=3.0), dataclasses.replace(SMALL, kv_heads_per_step=8)),
 ]
 
 
@@ -666,9 +669,10 @@ def test_forward_takes_heads_as_they_lie(rand):
 def test_backward_takes_heads_as_they_lie(rand):
     """The fused backward reads out and do [T, H, Dv] as they lie (the delta kernel also writes do merged, for the
     dk/dv kernel) and writes dq [T, H, D] (the slot sum splits the heads), where the forward takes q as it lies;
-    otherwise all merged. Both paths run in the gradient checks (test_gradients_gqa_head_dims: 8 query heads a step
-    in place; test_bfloat16_gradients: 2 of 4, merged)."""
-    for (hq, hkv, d), in_place in (((8, 1, 128), True), ((8, 4, 64), False)):
+    otherwise all merged; k and v [T, Hkv, D] as they lie, dk and dv written so, where the forward takes them so
+    (every kv head a step, a multiple of 8). Every path runs in the gradient checks (test_gradients_gqa_head_dims: 8
+    query heads a step in place, with K/V in place at head dim 64; test_bfloat16_gradients: 2 of 4, merged)."""
+    for (hq, hkv, d), in_place in (((8, 1, 128), True), ((8, 4, 64), False), ((16, 8, 256), True)):
         q, k, v = _inputs(rand, 1, 300, 200, hq, hkv, d, dtype=jnp.bfloat16)
         loss = lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL).astype(jnp.float32).sum()  # noqa: E731
         shapes = _kernel_shapes(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
@@ -682,6 +686,8 @@ def test_backward_takes_heads_as_they_lie(rand):
             assert delta_in[:2] == [merged] * 2 and len(delta_out) == 1, shapes
             assert dq_out == [merged], shapes
         assert shapes["flash_attention_dkv"][0][-3] == merged, shapes  # do, merged, as the dk/dv kernel streams it
+        kv = (200, hkv, d) if hkv == 8 else (200, hkv * d)
+        assert shapes["flash_attention_dkv"][0][-5:-3] == [kv] * 2 and shapes["flash_attention_dkv"][1][:2] == [kv] * 2
 
 
 def test_empty_inputs(rand):

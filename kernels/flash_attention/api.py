@@ -146,27 +146,26 @@ def _attention_fwd(setup, with_lse, static_counts, dq_slots, q3d, k3d, v3d, sink
         vmem_limit_bytes=setup.vmem_limit,
     )
     result = (out, lse) if with_lse else (out, None)
-    # the dk/dv kernel streams q, k and v with heads merged into lanes; merged here (an XLA relayout where the
-    # forward took them as they lie), which inference, not differentiating, never runs. out is saved in the layout the
-    # backward reads it in: as it lies where the fused backward's delta kernel takes it so (backward.backward), else
-    # merged. Both and lse are per row, whatever the backward's blocks.
+    # the dk/dv kernel streams q with heads merged into lanes; merged here (an XLA relayout where the forward took q
+    # as it lies), which inference, not differentiating, never runs. k and v are saved as they lie (the backward
+    # merges them, or its dk/dv kernel takes them so where the forward does). out is saved in the layout the backward
+    # reads it in: as it lies where the fused backward's delta kernel takes it so (backward.backward), else merged.
+    # Both and lse are per row, whatever the backward's blocks.
     q2d = q3d.reshape(g.q_rows, g.q_heads * g.head_dim)
-    k2d = k3d.reshape(g.kv_rows, g.kv_heads * g.head_dim)
-    v2d = v3d.reshape(g.kv_rows, g.kv_heads * g.v_head_dim)
     if not (dq_slots > 0 and forward.heads_in_place(g)):
         out = out.reshape(g.q_rows, g.q_heads * g.v_head_dim)
-    return result, (q2d, k2d, v2d, sinks, plans[1], out, lse)
+    return result, (q2d, k3d, v3d, sinks, plans[1], out, lse)
 
 
 def _attention_bwd(setup, with_lse, static_counts, dq_slots, residuals, cotangents):
-    q2d, k2d, v2d, sinks, plan, out, lse = residuals
+    q2d, k3d, v3d, sinks, plan, out, lse = residuals
     d_out, d_lse = cotangents
     g = setup.backward
     d_out = d_out.reshape(g.q_rows, g.q_heads, g.v_head_dim)
     dq, dk, dv, dsinks = backward.backward(
         q2d,
-        k2d,
-        v2d,
+        k3d,
+        v3d,
         sinks,
         out,
         lse,

@@ -11,7 +11,9 @@ writes it out for the dk/dv kernel, and keeps delta and lse as lane-replicated (
 kernel walks the column-major list (key-block order) and computes the transposed scores s^T = k q^T (bk, bq), so
 that every matmul takes its operands as stored (no transposes): dv += p^T do, dp^T = v do^T, dk += ds^T q, with the
 per-row statistics as (1, bq) lane rows. K/V heads accumulate over their query heads (GQA)
-in f32 scratch and are written at the key block's last visit.
+in f32 scratch and are written at the key block's last visit. Where the forward takes K and V as they lie
+(forward.kv_heads_in_place), the fused dk/dv kernel does too: [bk, Hkv, D] blocks merged into lanes in registers at
+a key block's first visit (its K/V block stays for all its visits), dk and dv split back at its last.
 """
 
 import functools
@@ -102,7 +104,9 @@ def _dkv_kernel(visits_ref, status_ref, *refs, geometry: Geometry, fused: bool):
     qinfo_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *refs = refs
     if fused:
         dq_ref, *refs = refs
-    k_scaled_ref, dk_acc_ref, dv_acc_ref = refs
+    k_scaled_ref, dk_acc_ref, dv_acc_ref, *refs = refs
+    v_merged_ref = refs[0] if refs else v_ref  # V merged into lanes at the key block's first visit when it lies as is
+    in_place = len(k_ref.shape) == 3
     g = geometry
     word = visits_ref[pl.program_id(1)]
     q_block, kv_block = schedule.unpack(word)
@@ -111,7 +115,11 @@ def _dkv_kernel(visits_ref, status_ref, *refs, geometry: Geometry, fused: bool):
     @pl.when((word & schedule.FIRST) != 0)
     def _init():
         # K rows past the array are stale VMEM: zeroed, as the fused dq sums over key rows (ds^T k)
-        k = sanitize_rows(k_ref[...], kv_block, g.block_kv, g.kv_rows)
+        k = k_ref[...]
+        if in_place:
+            k = k.reshape(g.block_kv, g.kv_heads_per_step * d)
+            v_merged_ref[...] = v_ref[...].reshape(v_merged_ref.shape)
+        k = sanitize_rows(k, kv_block, g.block_kv, g.kv_rows)
         k_scaled_ref[...] = (k.astype(jnp.float32) * query_scale(g)).astype(k_scaled_ref.dtype)
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
@@ -122,7 +130,7 @@ def _dkv_kernel(visits_ref, status_ref, *refs, geometry: Geometry, fused: bool):
             keep = keep_mask(qinfo_ref[0:1, :], qinfo_ref[1:2, :], kv_block, g.block_kv, transposed=True)
         for j in range(g.kv_heads_per_step):
             k_scaled = k_scaled_ref[:, j * d : (j + 1) * d]
-            v = v_ref[:, j * dv : (j + 1) * dv]
+            v = v_merged_ref[:, j * dv : (j + 1) * dv]
             if fused:  # stale V rows would make NaN ds^T rows, which dq sums over
                 v = sanitize_rows(v, kv_block, g.block_kv, g.kv_rows)
             for i in range(g.group):
@@ -148,13 +156,21 @@ def _dkv_kernel(visits_ref, status_ref, *refs, geometry: Geometry, fused: bool):
     @pl.when((word & schedule.LAST) != 0)
     def _finalize():
         poison = jnp.where(status_ref[0] != 0, jnp.nan, 1.0)
-        for j in range(g.kv_heads_per_step):
-            dk_ref[:, j * d : (j + 1) * d] = (dk_acc_ref[j] * (poison * g.softmax_scale)).astype(dk_ref.dtype)
-            dv_ref[:, j * dv : (j + 1) * dv] = (dv_acc_ref[j] * poison).astype(dv_ref.dtype)
+        dks = [(dk_acc_ref[j] * (poison * g.softmax_scale)).astype(dk_ref.dtype) for j in range(g.kv_heads_per_step)]
+        dvs = [(dv_acc_ref[j] * poison).astype(dv_ref.dtype) for j in range(g.kv_heads_per_step)]
+        if in_place:
+            # the heads merged in lanes, then split to [bk, Hkv, D] in registers: the arrays as flash-attn lays them
+            dk_ref[...] = jnp.concatenate(dks, axis=1).reshape(dk_ref.shape)
+            dv_ref[...] = jnp.concatenate(dvs, axis=1).reshape(dv_ref.shape)
+        else:
+            for j in range(g.kv_heads_per_step):
+                dk_ref[:, j * d : (j + 1) * d] = dks[j]
+                dv_ref[:, j * dv : (j + 1) * dv] = dvs[j]
 
 
-def _specs(g: Geometry, rows_layout: bool):
-    """BlockSpecs of (row ranges, q, k, v, do, lse, delta) for a kernel over visit words."""
+def _specs(g: Geometry, rows_layout: bool, kv_in_place: bool = False):
+    """BlockSpecs of (row ranges, q, k, v, do, lse, delta) for a kernel over visit words; k and v as [Tk, Hkv, D]
+    blocks of every kv head where kv_in_place, else merged."""
     hs, d, dv, bq, bk = g.heads_per_step, g.head_dim, g.v_head_dim, g.block_q, g.block_kv
 
     def q_map(group, v, visits_ref, *_):
@@ -182,8 +198,16 @@ def _specs(g: Geometry, rows_layout: bool):
 
         info_spec, stats_spec = pl.BlockSpec((bq, 2), info_map), pl.BlockSpec((None, bq, hs), stats_map)
     q_spec = pl.BlockSpec((bq, hs * d), q_map)
-    k_spec = pl.BlockSpec((bk, g.kv_heads_per_step * d), kv_map)
-    v_spec = pl.BlockSpec((bk, g.kv_heads_per_step * dv), kv_map)
+    if kv_in_place:
+
+        def kv3_map(group, v, visits_ref, *_):
+            return schedule.unpack(visits_ref[v])[1], 0, 0  # every kv head: one head group
+
+        kv_map = kv3_map
+        k_spec, v_spec = pl.BlockSpec((bk, g.kv_heads, d), kv_map), pl.BlockSpec((bk, g.kv_heads, dv), kv_map)
+    else:
+        k_spec = pl.BlockSpec((bk, g.kv_heads_per_step * d), kv_map)
+        v_spec = pl.BlockSpec((bk, g.kv_heads_per_step * dv), kv_map)
     do_spec = pl.BlockSpec((bq, hs * dv), q_map)
     return [info_spec, q_spec, k_spec, v_spec, do_spec, stats_spec, stats_spec], q_map, kv_map
 
@@ -196,7 +220,7 @@ def _pad_rows(x, rows, value):
 
 
 def backward(
-    q2d, k2d, v2d, sinks, out, lse, d_out, d_lse, plan, static_counts, *, geometry, vmem_limit_bytes, dq_slots=0
+    q2d, k3d, v3d, sinks, out, lse, d_out, d_lse, plan, static_counts, *, geometry, vmem_limit_bytes, dq_slots=0
 ):
     """(dq, dk, dv, dsinks) of the forward's (out, lse). out [Tq, Hq, Dv] or [Tq, Hq * Dv] (either is taken),
     d_out [Tq, Hq, Dv]; lse [head groups, Tq, heads per step] f32; d_lse None or in lse's layout. dq_slots 0: the dq
@@ -204,7 +228,9 @@ def backward(
     first, the dk/dv kernel also writes each visit's dq contribution to one of dq_slots slots of its query block
     (plan's slot per visit), summed by a third kernel. Where a step's heads allow it (forward.heads_in_place), the
     fused backward takes out and d_out as they lie (the delta kernel merges do for the dk/dv kernel) and returns dq
-    as [Tq, Hq, D]: no XLA relayout copies; else dq is [Tq, Hq * D]."""
+    as [Tq, Hq, D]: no XLA relayout copies; else dq is [Tq, Hq * D]. k3d [Tk, Hkv, D], v3d [Tk, Hkv, Dv]: taken as
+    they lie where the forward takes them so (forward.kv_heads_in_place), dk and dv then returned so too; else merged,
+    [Tk, Hkv * D]."""
     g = geometry
     hs = g.heads_per_step
     qinfo, qinfo_rows, q_visits, kv_visits, q_count, kv_count, status, visit_slots, filled = plan
@@ -212,6 +238,9 @@ def backward(
         q_count, kv_count = static_counts
     fused = dq_slots > 0
     in_place = fused and forward.heads_in_place(g)
+    kv_in_place = fused and forward.kv_heads_in_place(g)
+    k_in = k3d if kv_in_place else k3d.reshape(g.kv_rows, g.kv_heads * g.head_dim)
+    v_in = v3d if kv_in_place else v3d.reshape(g.kv_rows, g.kv_heads * g.v_head_dim)
     d_out = d_out.astype(q2d.dtype)
     if in_place:
         out = out.reshape(g.q_rows, g.q_heads, g.v_head_dim)
@@ -228,7 +257,7 @@ def backward(
     if fused:
         delta, d_out = fused_dq.delta(out, d_out, d_lse, lse.shape, geometry=g, params_for=params_for)
     else:
-        dq, delta = _dq_call(q2d, k2d, v2d, out, lse, d_out, d_lse, qinfo, q_visits, q_count, status, g, params)
+        dq, delta = _dq_call(q2d, k_in, v_in, out, lse, d_out, d_lse, qinfo, q_visits, q_count, status, g, params)
 
     padded_rows = g.num_q_blocks * g.block_q
     dsinks = None
@@ -240,13 +269,11 @@ def backward(
     lse_rows = _pad_rows((lse * LOG2_E).transpose(0, 2, 1), padded_rows, jnp.inf)
     delta_rows = _pad_rows(delta.transpose(0, 2, 1), padded_rows, 0.0)
 
-    in_specs, q_map, kv_map = _specs(g, rows_layout=True)
-    operands = (kv_visits, status, qinfo_rows, q2d, k2d, v2d, d_out, lse_rows, delta_rows)
-    out_shape = [out_struct(k2d.shape, k2d.dtype, operands), out_struct(v2d.shape, v2d.dtype, operands)]
-    out_specs = [
-        pl.BlockSpec((g.block_kv, g.kv_heads_per_step * g.head_dim), kv_map),
-        pl.BlockSpec((g.block_kv, g.kv_heads_per_step * g.v_head_dim), kv_map),
-    ]
+    in_specs, q_map, kv_map = _specs(g, rows_layout=True, kv_in_place=kv_in_place)
+    operands = (kv_visits, status, qinfo_rows, q2d, k_in, v_in, d_out, lse_rows, delta_rows)
+    out_shape = [out_struct(k_in.shape, k_in.dtype, operands), out_struct(v_in.shape, v_in.dtype, operands)]
+    out_specs = in_specs[2:4]  # dk and dv in k's and v's layout and blocks
+    v_merged = [pltpu.VMEM((g.block_kv, g.kv_heads * g.v_head_dim), v_in.dtype)] if kv_in_place else []
     prefetch = [kv_visits, status]
     parts_bytes = 0
     if fused:
@@ -269,19 +296,20 @@ def backward(
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=[
-                pltpu.VMEM((g.block_kv, g.kv_heads_per_step * g.head_dim), k2d.dtype),
+                pltpu.VMEM((g.block_kv, g.kv_heads_per_step * g.head_dim), k_in.dtype),
                 pltpu.VMEM((g.kv_heads_per_step, g.block_kv, g.head_dim), jnp.float32),
                 pltpu.VMEM((g.kv_heads_per_step, g.block_kv, g.v_head_dim), jnp.float32),
+                *v_merged,
             ],
         ),
         compiler_params=params,
         cost_estimate=pl.CostEstimate(
             flops=flops_per_visit * kv_visits.shape[0] * (5 if fused else 4) // 4,
             transcendentals=g.q_heads * g.block_q * g.block_kv * kv_visits.shape[0],
-            bytes_accessed=(q2d.size + 2 * k2d.size + 2 * v2d.size + d_out.size) * q2d.dtype.itemsize + parts_bytes,
+            bytes_accessed=(q2d.size + 2 * k_in.size + 2 * v_in.size + d_out.size) * q2d.dtype.itemsize + parts_bytes,
         ),
         name="flash_attention_dkv",
-    )(*prefetch, qinfo_rows, q2d, k2d, v2d, d_out, lse_rows, delta_rows)
+    )(*prefetch, qinfo_rows, q2d, k_in, v_in, d_out, lse_rows, delta_rows)
     dk, dv = results[:2]
     if fused:
         # the kernel multiplied ds by the scaled k (query_scale): dq = ds k * softmax_scale
