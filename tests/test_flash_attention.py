@@ -605,11 +605,11 @@ def test_blocks_reach_the_kernels(rand):
     given = tuning.resolve_blocks(tk.FlashAttentionBlocks(block_q=256, block_kv=512), **shape, info=v6e)
     assert (given.backward_block_q, given.backward_block_kv) == (256, 512), given
     # kv heads a step (tuning.QUERY_HEADS_PER_STEP): Qwen3 the fewest legal (8 query heads); Gemma 4 sliding (16 / 8
-    # heads x 256) all 8 on v6e, 4 on v5e and on v7x (two head groups for its two cores), and fewer where a caller's
+    # heads x 256) all 8 on v5e and v6e, 4 on v7x (two head groups for its two cores), and fewer where a caller's
     # blocks or VMEM limit would not hold 8 (1024 x 1024 both ways: 148 MiB at 8, 90 MiB at 4; 40 MiB: 37 MiB at 4)
     assert table.kv_heads_per_step == 1, table
     sliding = dict(shape, q_heads=16, kv_heads=8, head_dim=256, v_head_dim=256)
-    for generation, expected in (("v5e", 4), ("v6e", 8), ("v7x", 4)):
+    for generation, expected in (("v5e", 8), ("v6e", 8), ("v7x", 4)):
         chosen = tuning.resolve_blocks(None, **sliding, info=chip.tpu_info_for(generation))
         assert chosen.kv_heads_per_step == expected, (generation, chosen)
     for caller in (
@@ -753,19 +753,19 @@ def _benchmark_cases():
     of 512 lanes, on the generation with the least VMEM), and Gemma 4's sliding layers on v5e, whose lowering differs
     (128-wide MXUs). On v5e the tables take 512 x 512 at every head dim, within v6e's head dim 512 blocks in the same
     128 MiB of VMEM, so the v6e compile bounds v5e's largest working set; the v5e compile proves the generation's
-    lowering of every feature. Gemma 4's sliding layers take 4 kv heads (8 query heads) a step and 512 x 512 blocks both
-    ways on v5e and v7x (one body; 37 MiB, under v7x's 48 MiB limit, as Qwen3's 40 MiB there), and on v6e all 8 kv heads
-    (16 query heads, heads in place) at 512 x 512 both ways, whose working set (66 MiB) is within Gemma 4 full's there
-    (90 MiB), so the Gemma 4 full compiles bound their fit; the v6e 16-head and v7x 8-head sliding programs were
-    compiled when the table took them (47 s and 22 s, a loaded machine), not here for the suite's time, and the v5e
-    compile proves the 8-head body's lowering. The v6e compiles prove the sliding layers' code paths (head dim 256
-    shares the head dim 512's: early scores, no row sums on the MXU); a window is the kernels' run-time key ranges and
-    visit list, not their body. A kernel's body depends on the model (head dims, GQA group, the tuning table's blocks,
-    which every benchmark sequence length fills), not on the sequence length or the mask (those set the grid and the
-    visit list, which the kernels read at run time), so these prove the lowering and VMEM fit of every benchmark shape's
-    kernels at a fraction of the longest shape's compile time (its visit lists are constants of the program). On v5e and
-    v7x the program also takes every score feature (a causal window, softcap): one compile per generation proves the
-    features' lowering with the generation's heaviest working set."""
+    lowering of every feature. Gemma 4's sliding layers take all 8 kv heads (16 query heads; q, K, V and their gradients
+    as they lie) a step and 512 x 512 blocks both ways on v5e and v6e (one body; 66 MiB, within Gemma 4 full's 90 MiB on
+    v6e, so the Gemma 4 full compiles bound their fit), and 4 kv heads (8 query heads, K and V merged) on v7x (37 MiB,
+    under its 48 MiB limit, as Qwen3's 40 MiB there); the v5e compile proves the 16-head body's lowering, and the v6e
+    16-head and v7x 8-head sliding programs were compiled when the table took them (28 s and 22 s), not here for the
+    suite's time. The v6e compiles prove the sliding layers' code paths (head dim 256 shares the head dim 512's: early
+    scores, no row sums on the MXU); a window is the kernels' run-time key ranges and visit list, not their body. A
+    kernel's body depends on the model (head dims, GQA group, the tuning table's blocks, which every benchmark sequence
+    length fills), not on the sequence length or the mask (those set the grid and the visit list, which the kernels read
+    at run time), so these prove the lowering and VMEM fit of every benchmark shape's kernels at a fraction of the
+    longest shape's compile time (its visit lists are constants of the program). On v5e and v7x the program also takes
+    every score feature (a causal window, softcap): one compile per generation proves the features' lowering with the
+    generation's heaviest working set."""
     shapes = [s for s in FLASH_ATTENTION if s["layout"] == "dense" and s["mask"] == "causal" and s.batch == 4096]
     assert {s["model"] for s in shapes} == set(FLASH_ATTENTION_MODELS)
     return (

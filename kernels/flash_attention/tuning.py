@@ -52,14 +52,15 @@ BACKWARD_TABLE = {
 # whose working set at the resolved blocks fits the VMEM limit (fewer where a caller's blocks would not fit), never
 # fewer than the fewest legal. More heads a step mean fewer, larger grid steps (the per-step cost and a masked visit's
 # keep mask shared by more heads) and, at 8 or all query heads, q and the output taken as they lie (no relayout copies:
-# forward.heads_in_place). Head dim 256, Gemma 4 sliding (16 / 8 heads, window 1024, causal, seq 4096; whole programs,
-# forward + backward): v6e 8 kv heads (16 query heads, backward 512 x 512: BACKWARD_TABLE) 3669 + 5981 -> 2154 + 4941
-# us, against 2275 + 4947 at 4 kv heads (backward 1024 x 1024; 512 x 512 5003); v7x 4 (its two cores split the head
-# groups) 1989 + 3481 -> 1527 + 1599 us; v5e 4, 7747 + 16400 -> 5707 + 14271 us (8: forward 5677, a tie). All modeled.
+# forward.heads_in_place), at every kv head a step (a multiple of 8) K and V too (forward.kv_heads_in_place). Head dim
+# 256, Gemma 4 sliding (16 / 8 heads, window 1024, causal, seq 4096; whole programs, forward + backward): v6e 8 kv heads
+# (16 query heads, backward 512 x 512: BACKWARD_TABLE) 3669 + 5981 -> 1915 + 4542 us, against 2275 + 4947 at 4 kv
+# heads (backward 1024 x 1024; 512 x 512 5003); v5e 8, 7747 + 16400 -> 4893 + 13555 us (4: 5707 + 14271); v7x 4 (its
+# two cores split the head groups) 1989 + 3481 -> 1527 + 1599 us. All modeled.
 # Head dims 128 and 512 (Qwen3, Gemma 4 full) take 8 query heads a step at the fewest legal kv heads already; 64 and
 # other GQA ratios were not modeled (the fewest legal).
 QUERY_HEADS_PER_STEP = {
-    "v5e": {64: 1, 128: 1, 256: 8, 512: 1},
+    "v5e": {64: 1, 128: 1, 256: 16, 512: 1},
     "v6e": {64: 1, 128: 1, 256: 16, 512: 1},
     "v7x": {64: 1, 128: 1, 256: 8, 512: 1},
 }
