@@ -18,12 +18,26 @@ from ..common.manual_axes import out_struct
 from .tuning import RmsNormBlocks
 
 
+def _scale(values, w_ref, weight_offset):
+    """values * (weight_offset + w) for an f32 (rows, hidden) slab.
+
+    The weight comes as (hidden / 128, 128) lane chunks when hidden is a multiple of 128: that is a free view of the
+    [hidden] parameter, where a (1, hidden) operand costs XLA a relayout copy of the weight before every call. Chunk k
+    scales lanes k * 128 .. k * 128 + 127 (whole vregs: no lane shifts). Other hidden sizes come as (1, hidden).
+    """
+    w = w_ref[...].astype(jnp.float32) + weight_offset
+    chunks, lanes = w.shape
+    if chunks == 1:
+        return values * w
+    return jnp.concatenate([values[:, k * lanes : (k + 1) * lanes] * w[k : k + 1] for k in range(chunks)], axis=-1)
+
+
 def _normalize(s, w_ref, eps, weight_offset):
     """s: f32 slab. Returns (s * rstd * (offset + w), s * rstd) in f32."""
     normed = s * jax.lax.rsqrt(jnp.mean(s * s, axis=-1, keepdims=True) + eps)
     if w_ref is None:
         return normed, normed
-    return normed * (w_ref[...].astype(jnp.float32) + weight_offset), normed
+    return _scale(normed, w_ref, weight_offset), normed
 
 
 def _forward_kernel(*refs, eps, weight_offset, has_weight, has_residual):
@@ -48,8 +62,8 @@ def _row_spec(blocks: RmsNormBlocks, hidden: int):
     return pl.BlockSpec((blocks.block_rows, hidden), lambda i: (i, 0))
 
 
-def _weight_spec(hidden: int):
-    return pl.BlockSpec((1, hidden), lambda i: (0, 0))  # same block every step: fetched once
+def _weight_spec(weight2d):
+    return pl.BlockSpec(weight2d.shape, lambda i: (0, 0))  # the whole weight, the same block every step: fetched once
 
 
 def _compiler_params(blocks: RmsNormBlocks):
@@ -65,12 +79,15 @@ def _cost(rows, hidden, itemsize, streams, has_weight, flops_per_element):
 
 
 def rms_norm_forward(x2d, weight2d, residual2d, *, eps, weight_offset, blocks: RmsNormBlocks):
-    """x2d, residual2d: (rows, hidden); weight2d: (1, hidden) or None. Returns out, or (out, sum) with a residual."""
+    """x2d, residual2d: (rows, hidden); weight2d: the weight as api.weight_rows lays it out, or None. Returns out, or
+    (out, sum) with a residual."""
     rows, hidden = x2d.shape
     has_weight = weight2d is not None
     has_residual = residual2d is not None
     operands = [x2d] + ([residual2d] if has_residual else []) + ([weight2d] if has_weight else [])
-    in_specs = [_row_spec(blocks, hidden)] * (2 if has_residual else 1) + ([_weight_spec(hidden)] if has_weight else [])
+    in_specs = [_row_spec(blocks, hidden)] * (2 if has_residual else 1) + (
+        [_weight_spec(weight2d)] if has_weight else []
+    )
     out_shape = [out_struct((rows, hidden), x2d.dtype, operands)] * (2 if has_residual else 1)
     out_specs = [_row_spec(blocks, hidden)] * len(out_shape)
     kernel = functools.partial(
@@ -103,7 +120,7 @@ def _backward_kernel(*refs, eps, weight_offset, has_weight, has_sum_grad, rows, 
     g = g_ref[...].astype(jnp.float32)
     rstd = jax.lax.rsqrt(jnp.mean(s * s, axis=-1, keepdims=True) + eps)
     normed = s * rstd
-    g_scaled = g * (w_ref[...].astype(jnp.float32) + weight_offset) if has_weight else g
+    g_scaled = _scale(g, w_ref, weight_offset) if has_weight else g
     # d/ds of s * rstd(s): rstd * (g - normed * mean(g * normed)), with g already scaled by the weight.
     ds = rstd * (g_scaled - normed * jnp.mean(g_scaled * normed, axis=-1, keepdims=True))
     if has_sum_grad:
@@ -126,7 +143,9 @@ def rms_norm_backward(s2d, g2d, gsum2d, weight2d, *, eps, weight_offset, blocks:
     has_weight = weight2d is not None
     has_sum_grad = gsum2d is not None
     operands = [s2d, g2d] + ([gsum2d] if has_sum_grad else []) + ([weight2d] if has_weight else [])
-    in_specs = [_row_spec(blocks, hidden)] * (3 if has_sum_grad else 2) + ([_weight_spec(hidden)] if has_weight else [])
+    in_specs = [_row_spec(blocks, hidden)] * (3 if has_sum_grad else 2) + (
+        [_weight_spec(weight2d)] if has_weight else []
+    )
     out_shape = [out_struct((rows, hidden), s2d.dtype, operands)]
     out_specs = [_row_spec(blocks, hidden)]
     if has_weight:
