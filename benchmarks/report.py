@@ -32,12 +32,23 @@ def columns(result: dict, rows: list[dict] | None = None) -> list[str]:
         f"modeled {gen} µs kernel",
         f"roofline {gen} µs",
         "efficiency",
+        *(_flops_headers(gen) if result.get("flops_columns") else []),
         f"modeled {gen} µs {default}",
         "speedup" if default == "default" else f"vs {default}",
     ]
     for name in _baseline_names(rows or []):
         head += [f"modeled {gen} µs {name}", f"vs {name}"]
     return head + [f"GB/s modeled {gen}"]
+
+
+def _flops_headers(gen: str) -> list[str]:
+    return [f"TFLOP/s modeled {gen}", f"% MXU peak modeled {gen}"]
+
+
+def _tflops(row: dict, entry) -> float | None:
+    """The row's matmul flops (mxu_flops: what the roofline counts) over the entry's modeled time, in TFLOP/s."""
+    us = _us(entry)
+    return None if us is None else row["mxu_flops"] / (us * 1e-6) / 1e12
 
 
 def _baseline_names(rows: list[dict]) -> list[str]:
@@ -59,6 +70,7 @@ def table_rows(result: dict) -> list[tuple[str, list[list[str]]]]:
     by_op: dict[str, list[dict]] = {}
     for r in result["rows"]:
         by_op.setdefault(r["op"], []).append(r)
+    flops = result.get("flops_columns", False)
     out = []
     for op, rows in by_op.items():
         names = _baseline_names(rows)
@@ -73,6 +85,7 @@ def table_rows(result: dict) -> list[tuple[str, list[list[str]]]]:
                 _time_cell(kernel),
                 _fmt(r["roofline"]["us"], ",.2f"),
                 _fmt(r["efficiency"], ".1%"),
+                *([_fmt(_tflops(r, kernel), ",.1f"), _fmt(r["mxu_fraction"], ".1%")] if flops else []),
                 _time_cell(default),
                 DASH if r["speedup"] is None else f"{r['speedup']:.2f}x",
             ]
@@ -110,6 +123,11 @@ def format_table(result: dict) -> str:
     )
     lines += [f"n/a = {reason}" for reason in na]
     lines += _extra_measured_lines(result)
+    if result.get("flops_columns"):
+        lines.append(
+            f"TFLOP/s = the op's matmul flops (those the roofline counts) / the modeled kernel time; % MXU peak = that "
+            f"over the {result['generation']} bf16 MXU peak ({result['chip']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s)"
+        )
     if result.get("goal"):
         lines.append(f"goal ({result['modeled_label']}): {result['goal']}")
     for t in result["targets"]:
@@ -173,7 +191,8 @@ def write_json(result: dict, out: pathlib.Path) -> pathlib.Path:
 
 
 def write_chart(result: dict, out: pathlib.Path) -> pathlib.Path:
-    """Throughput vs batch, kernel (solid) vs default (dashed), per op, one colour per series; roofline dotted."""
+    """Throughput vs batch, kernel (solid) vs default (dashed), per op, one colour per series; roofline dotted. A suite
+    with flops_columns plots TFLOP/s instead, with the chip's bf16 MXU peak as one dotted line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -188,6 +207,12 @@ def write_chart(result: dict, out: pathlib.Path) -> pathlib.Path:
     ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
     unit = result["batch_unit"]
     modeled = result["modeled_label"]
+    flops = result.get("flops_columns", False)
+
+    def y_of(r, entry):
+        """The plotted figure of a row's modeled or measured entry: TFLOP/s, or batch units per second."""
+        return _tflops(r, entry) if flops else entry["units_per_s"]
+
     fig, axes = plt.subplots(1, len(ops), figsize=(6.5 * len(ops), 4.8), squeeze=False)
     for ax, op in zip(axes[0], ops):
         rows = [r for r in result["rows"] if r["op"] == op]
@@ -196,14 +221,15 @@ def write_chart(result: dict, out: pathlib.Path) -> pathlib.Path:
             pts = sorted((r for r in rows if r["series"] == series), key=lambda r: r["batch"])
             color = f"C{i}"
             for key, style, name in (("modeled_kernel", "-o", "kernel"), ("modeled_default", "--s", "XLA default")):
-                xy = [(r["batch"], r[key]["units_per_s"]) for r in pts if "units_per_s" in r[key]]
+                xy = [(r["batch"], y_of(r, r[key])) for r in pts if "units_per_s" in r[key]]
                 if xy:
                     ax.plot(*zip(*xy), style, color=color, label=f"{name}, {labels[series]}")
-            roof = [(r["batch"], r["batch"] / (r["roofline"]["us"] * 1e-6)) for r in pts]
-            ax.plot(*zip(*roof), ":", color=color, alpha=0.6, label=f"{result['roofline_label']}, {labels[series]}")
+            if not flops:  # in TFLOP/s the roofline of a matmul-bound row is the peak line drawn once below
+                roof = [(r["batch"], r["batch"] / (r["roofline"]["us"] * 1e-6)) for r in pts]
+                ax.plot(*zip(*roof), ":", color=color, alpha=0.6, label=f"{result['roofline_label']}, {labels[series]}")
             if result["device"]["platform"] == "tpu":  # measured points only when they are TPU figures
                 xy = [
-                    (r["batch"], r["measured"]["kernel"]["units_per_s"])
+                    (r["batch"], y_of(r, r["measured"]["kernel"]))
                     for r in pts
                     if r["measured"] and "kernel" in r["measured"]
                 ]
@@ -215,10 +241,13 @@ def write_chart(result: dict, out: pathlib.Path) -> pathlib.Path:
                         markersize=9,
                         label=f"kernel, {labels[series]} ({result['measured_label']})",
                     )
+        if flops:
+            peak = result["chip"]["bf16_flops_per_s"] / 1e12
+            ax.axhline(peak, color="black", linestyle=":", label=f"bf16 MXU peak, {result['generation']}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(unit)
-        ax.set_ylabel(f"{unit}/s ({modeled})")
+        ax.set_ylabel(f"TFLOP/s ({modeled}; the flops the roofline counts)" if flops else f"{unit}/s ({modeled})")
         title = f"{result['kernel']}: {op} — {modeled}"
         if common:
             title += "\n" + " ".join(sorted(common))

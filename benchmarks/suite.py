@@ -113,6 +113,8 @@ class Suite:
     quick_shapes: tuple[Shape, ...] | None = None  # modeled without --full (None: every shape)
     sweep_shapes: tuple[Shape, ...] | None = None  # swept without --full (None: the quick shapes): a sweep models
     # every candidate tiling of every op at each shape, so it gets a few representative ones
+    flops_columns: bool = False  # a matmul-bound kernel: the table adds TFLOP/s and % of MXU peak (its mxu_flops over
+    # the modeled kernel time) and the chart plots TFLOP/s against the batch unit instead of throughput
 
     def cases(self, shapes: tuple[Shape, ...] | None = None) -> list[Case]:
         return [Case(op, shape) for op in self.ops for shape in (self.shapes if shapes is None else shapes)]

@@ -57,6 +57,7 @@ def test_labels(tiny_result):
         assert row["roofline"]["label"] == "roofline v6e"
     table = report.format_table(result)
     assert "modeled v6e µs kernel" in table and "modeled v6e µs default" in table
+    assert "TFLOP/s" not in table  # a memory-bound kernel's table: no flops columns (flops_columns off)
     if result["device"]["platform"] != "tpu":  # this machine: CPU interpret timings, never shown as TPU figures
         assert result["measured_label"] == device.CPU_INTERPRET
         for row in result["rows"]:
@@ -457,3 +458,71 @@ def test_kv_cache_xla_paths_write_the_named_slots(rand):
     assert not np.allclose(np.asarray(q1, np.float32), np.asarray(query, np.float32), atol=1e-2)  # rotated
     np.testing.assert_allclose(np.asarray(q1, np.float32), np.asarray(q2, np.float32), atol=3e-2, rtol=3e-2)
     np.testing.assert_allclose(flat(k1), flat(k2), atol=0.6, rtol=0.13)  # one fp8 step apart at most
+
+
+def test_flash_attention_table_and_chart_count_tflops(monkeypatch, tmp_path):
+    """The flash attention suite's table adds TFLOP/s and % of MXU peak (the kept scores' flops, as the roofline
+    counts them, over the modeled kernel time) and its chart plots TFLOP/s against the sequence length, the bf16 MXU
+    peak as a line: the harness end to end on stand-in modeled times (random fractions of peak; nothing compiled)."""
+    import matplotlib.figure
+
+    from benchmarks import perf_model
+    from benchmarks.ops import flash_attention
+
+    chip = perf_model.get_chip("v6e")
+    # Gemma 4 sliding (window 1024, causal): neither JAX's flash attention nor tokamax applies, splash does
+    sliding = [
+        s
+        for s in flash_attention.SUITE.shapes
+        if s["model"] == "gemma4-sliding" and s["layout"] == "dense" and s.batch in (1024, 4096)
+    ]
+    # the flops count the kept scores only: a causal window of 1024 keys over 32 sequences of 1024, brute force
+    cfg = flash_attention.config(sliding[0])
+    rows, cols = np.indices((1024, 1024))
+    assert cfg.window == (1023, 0) and len(cfg.lengths) == 32
+    assert flash_attention.kept_scores(cfg) == 32 * int(((cols <= rows) & (cols >= rows - 1023)).sum())
+    rng = np.random.default_rng()
+    cases = flash_attention.SUITE.cases(tuple(sliding))
+    fraction = {c.id: float(rng.uniform(0.2, 0.8)) for c in cases}
+
+    def model(us):
+        return types.SimpleNamespace(label="modeled v6e", modeled_us=us, warnings=(), notes=(), xla_ops=(), kernels=())
+
+    models = {}
+    for c in cases:
+        kernel_us = c.op.mxu_flops(c.shape) / chip.bf16_flops_per_s / fraction[c.id] * 1e6
+        for impl, times in (("kernel", 1.0), ("default", 5.0), ("baseline:splash", 2.0)):
+            models[(c.id, impl)] = model(kernel_us * times)
+    monkeypatch.setattr(harness.modeled, "run", lambda cases, gen, **_: models)
+    result = harness.run_kernel(
+        "flash_attention", harness.Config(gen="v6e", out=tmp_path, measure=False), dev=device.detect(), shapes=sliding
+    )
+    assert result["flops_columns"]
+    table = report.format_table(result)
+    peak = chip.bf16_flops_per_s / 1e12
+    for op, cells_list in report.table_rows(result):
+        head = report.columns(result, [r for r in result["rows"] if r["op"] == op])
+        tflops, mxu = head.index("TFLOP/s modeled v6e"), head.index("% MXU peak modeled v6e")
+        assert head[tflops - 1] == "efficiency" and head[mxu + 1] == "modeled v6e µs XLA attention"
+        for row, cells in zip([r for r in result["rows"] if r["op"] == op], cells_list):
+            assert float(cells[tflops].replace(",", "")) == pytest.approx(fraction[row["case"]] * peak, abs=0.06)
+            assert cells[mxu] == f"{fraction[row['case']]:.1%}"
+    assert f"bf16 MXU peak ({peak:.0f} TFLOP/s)" in table
+
+    drawn = []
+    save = matplotlib.figure.Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        drawn.extend(fig.axes)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    png = report.write_chart(result, tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [ax.get_xlabel() for ax in drawn] == ["seq", "seq"] and "TFLOP/s (modeled v6e" in drawn[0].get_ylabel()
+    for ax, op in zip(drawn, ("forward", "backward")):
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        kernel = next(line for label, line in lines.items() if label.startswith("kernel"))
+        expected = [fraction[f"{op} {s.id}"] * peak for s in sliding]
+        np.testing.assert_allclose(kernel.get_ydata(), expected, rtol=1e-9)
+        assert lines["bf16 MXU peak, v6e"].get_ydata()[0] == pytest.approx(peak)

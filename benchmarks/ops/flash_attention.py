@@ -16,7 +16,9 @@ kernels recompute theirs.
 
 Roofline: the MXU flops of the kept scores only (causal: the lower triangle; a window: its band; varlen: within each
 sequence): forward 2 * kept * (D + Dv) per query head (two matmuls), backward 2 * kept * (3 D + 2 Dv) (five: the score
-recompute, dp = do v^T, dv, dq, dk; flash-attn's 2.5x the forward), or the HBM bytes if those take longer.
+recompute, dp = do v^T, dv, dq, dk; flash-attn's 2.5x the forward), or the HBM bytes if those take longer. The table's
+TFLOP/s and % of MXU peak count those kept-score flops over the modeled time (`flops_columns`), and the chart plots
+TFLOP/s against the sequence length (varlen: the mean length).
 
 Implementations (all compiled by the same compiler in the same run, modeled on one TensorCore). On v5e / v6e the
 flash-attn layout costs every baseline a relayout of q and of the output in XLA (the (8, 128) tiles of [.., H, D] are
@@ -586,4 +588,5 @@ SUITE = Suite(
     quick_shapes=shapes.FLASH_ATTENTION_QUICK,
     targets=Targets(goal=GOAL, beats_default=True, custom=custom_targets),
     batch_unit="seq",
+    flops_columns=True,
 )
