@@ -6,6 +6,8 @@ and the performance model's whole-slice compile the composition is checked with 
 
 import importlib
 import json
+import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +55,46 @@ def test_device_mode_without_a_tpu_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("TPU_KERNELS_BENCH_DEVICE", "cpu")
     with pytest.raises(SystemExit, match="--device: expected a TPU host"):
         decode_main.main(["--device", "--out", str(tmp_path)])
+
+
+def test_device_mode_measures_a_build_of_this_checkout(monkeypatch):
+    """On a TPU host "all ours" must run this checkout's kernels, not the published package's: the 8 workers are
+    spawned with LOCAL_KERNELS naming a fresh build (spawned processes inherit the environment) and kernelize's layers
+    from it. TorchTPU and the spawn are stand-ins here; the spawn records what the workers would get."""
+    import types
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from benchmarks.decode import device_mode, generation
+
+    monkeypatch.setenv("TPU_KERNELS_BENCH_DEVICE", "tpu")
+    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
+    for name, value in (("MASTER_ADDR", "localhost"), ("MASTER_PORT", "29511")):
+        monkeypatch.setenv(name, value)  # restored afterwards: run() sets them for the workers
+    launched = {}
+    tpu = types.SimpleNamespace(
+        device_count=lambda: device_mode.CHIPS,
+        distributed=types.SimpleNamespace(set_tpu_launch_env=lambda nproc_per_node: launched.update(n=nproc_per_node)),
+    )
+    monkeypatch.setattr(torch, "tpu", tpu, raising=False)
+
+    def spawn(worker, args, nprocs, join):
+        options, out_path = args
+        build_dir = pathlib.Path(options["build_dir"])
+        launched.update(nprocs=nprocs, env=os.environ.get("LOCAL_KERNELS"), build_dir=build_dir)
+        assert (build_dir / "torch-tpu" / "metadata.json").is_file()  # the variant the TPU workers load
+        layer = generation.local_layers(options["build_dir"])("RMSNorm")
+        assert layer._repo_path == build_dir and layer.layer_name == "RMSNorm"
+        pathlib.Path(out_path).write_text(json.dumps({m: {"series": []} for m, _ in options["models"]}))
+
+    monkeypatch.setattr(mp, "spawn", spawn)
+    args = decode_main.parse_args(["--device", "--model", "qwen3-30b-a3b", "--batch", "8"])
+    result = device_mode.run(args)
+    assert launched["n"] == launched["nprocs"] == device_mode.CHIPS
+    assert launched["env"] == f"{generation.HUB_REPO}={launched['build_dir'].parent}"
+    assert "LOCAL_KERNELS" not in os.environ  # only while the workers run
+    assert list(result["models"]) == ["qwen3-30b-a3b"] and generation.OURS_NOTE in result["notes"]
 
 
 @pytest.mark.parametrize("argv", [["--batch", "0"], ["--context", "-5"]])

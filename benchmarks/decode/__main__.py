@@ -7,7 +7,7 @@ Qwen3-30B-A3B and Gemma 4 26B-A4B, in one of three modes (one table format, mark
                labeled "modeled v6e-8, excludes host dispatch" (compose.py);
   --cpu-smoke  tiny random models of both architectures on the CPU, greedy generate with the default and with our
                experts_forward, tokens compared: "cpu smoke, not a TPU figure" (smoke.py);
-  --device     (the default on a TPU host) the real models from the Hub on the v6e-8's 8 chips (device.py).
+  --device     (the default on a TPU host) the real models from the Hub on the v6e-8's 8 chips (device_mode.py).
 """
 
 from benchmarks import device as _bench_device

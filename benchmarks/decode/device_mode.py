@@ -8,6 +8,9 @@ sentinels, an all-reduce sums the experts' outputs). Launch: TorchTPU's `torch.t
 (nproc_per_node=8)` before spawning 8 processes (torch.multiprocessing), one chip each. Each batch: a random prompt of
 --prefill tokens (same on every rank), greedy generate with a static cache, --new-tokens forced, one warm-up, the
 median step over --repeats (generation.measure: the prefill-and-first-token run subtracted). Rank 0 writes the table.
+"all ours" runs a Hub build of this checkout (generation.checkout_build: LOCAL_KERNELS, which the spawned processes
+inherit, for the attention; its layers for kernelize), as our experts_forward is this checkout's: without it the
+attention, RMSNorm and rotary would be the published package's.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def _worker(rank: int, options: dict, out_path: str) -> None:
             device_type="tpu",
             new_tokens=options["new_tokens"],
             repeats=options["repeats"],
+            layers=generation.local_layers(options["build_dir"]),
             warmup=True,
             subtract_prefill=True,
             sync=sync,
@@ -98,7 +102,8 @@ def run(args) -> dict:
     }
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ.setdefault("MASTER_PORT", "29511")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, generation.checkout_build() as build_dir:
+        options["build_dir"] = str(build_dir)
         out_path = os.path.join(tmp, "rows.json")
         mp.spawn(_worker, args=(options, out_path), nprocs=CHIPS, join=True)
         with open(out_path) as f:
@@ -113,5 +118,6 @@ def run(args) -> dict:
         "notes": [
             f"prefill {args.prefill}, {args.new_tokens} new tokens forced, median of {args.repeats} after a warm-up; "
             "expert parallelism over 8 chips, attention replicated.",
+            generation.OURS_NOTE,
         ],
     }

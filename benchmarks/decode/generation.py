@@ -17,8 +17,14 @@ N new tokens are forced (min_new_tokens = max_new_tokens) so an end-of-sequence 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pathlib
 import statistics
+import sys
+import tempfile
 import time
+from unittest import mock
 
 EXPERTS_IMPLEMENTATION = "tpu_ragged_dot"  # the name the README registers our experts_forward under
 HUB_REPO = "kernels-community/tpu-kernels"
@@ -29,6 +35,11 @@ HUB_ATTENTION = f"{HUB_REPO}:flash_attn_varlen_func"
 KERNELIZED_LAYERS = {"RMSNorm": "RMSNorm", "rotary_pos_emb": "RotaryPosEmb"}  # transformers' hub name: our layer
 IMPLS = ("default", "experts", "ours")
 EXECUTIONS = ("compiled", "op by op")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+OURS_NOTE = (
+    "all ours = our experts_forward, attention (attn_implementation) and RMSNorm + rotary (kernelize), loaded from a "
+    "build of this checkout as from the Hub."
+)
 
 
 def register_experts(experts_forward) -> None:
@@ -48,6 +59,30 @@ def hub_layers(layer_name: str):
     from kernels import LayerRepository
 
     return LayerRepository(HUB_REPO, layer_name=layer_name, version=1)
+
+
+@contextlib.contextmanager
+def checkout_build():
+    """A Hub build of this checkout (scripts/build_hub.py into a temporary directory), named by LOCAL_KERNELS for
+    HUB_REPO while the block runs, so "ours" measures the checkout, not the published package (processes started in
+    the block inherit the variable); yields the build directory, for local_layers."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import build_hub
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    with tempfile.TemporaryDirectory() as root:
+        build_hub.build(pathlib.Path(root) / "build")
+        with mock.patch.dict(os.environ, {"LOCAL_KERNELS": f"{HUB_REPO}={root}"}):
+            yield pathlib.Path(root) / "build"
+
+
+def local_layers(build_dir):
+    """kernelize's layers from a checkout_build directory: LocalLayerRepository, as LayerRepository(version=1) asks
+    the Hub for the version before LOCAL_KERNELS is consulted."""
+    from kernels import LocalLayerRepository
+
+    return lambda layer_name: LocalLayerRepository(pathlib.Path(build_dir), layer_name=layer_name)
 
 
 def use_all_of_ours(model, device_type: str, layers=hub_layers) -> list[str]:

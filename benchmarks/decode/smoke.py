@@ -3,19 +3,14 @@ Gemma 4 MoE, built from configs by tests/tiny_models.py: no download), greedy ge
 implementation of generation.py (transformers' defaults, our experts_forward, all of ours; on the CPU our Pallas
 kernels run in TPU interpret mode), two batch sizes, a few new tokens, greedy tokens compared. Its times are labeled
 "cpu smoke, not a TPU figure": they prove the path runs, nothing about speed. "all ours" loads the Hub package the
-way a user does, from a build of this checkout (scripts/build_hub.py into a temporary directory: LOCAL_KERNELS for
-the attention, a local layer repository for kernelize). Op by op only: transformers compiles the decode step on a
-TPU, not on a CPU.
+way a user does, from a build of this checkout (generation.checkout_build: LOCAL_KERNELS for the attention, a local
+layer repository for kernelize). Op by op only: transformers compiles the decode step on a TPU, not on a CPU.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import pathlib
 import sys
-import tempfile
-from unittest import mock
 
 from . import generation
 
@@ -38,21 +33,6 @@ def _tiny_models():
     }, tiny_models.VOCAB
 
 
-@contextlib.contextmanager
-def _local_build():
-    """A build of this checkout (scripts/build_hub.py into a temporary directory), named by LOCAL_KERNELS for the Hub
-    repo while the smoke runs; yields the build directory."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import build_hub
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    with tempfile.TemporaryDirectory() as root:
-        build_hub.build(pathlib.Path(root) / "build")
-        with mock.patch.dict(os.environ, {"LOCAL_KERNELS": f"{generation.HUB_REPO}={root}"}):
-            yield pathlib.Path(root) / "build"
-
-
 def run(args) -> dict:
     import torch
 
@@ -63,9 +43,7 @@ def run(args) -> dict:
     wanted = {m.name for m in args.models}
     rng = torch.Generator().manual_seed(SEED)
     result = {"mode": "cpu-smoke", "label": LABEL, "impls": list(IMPLS), "models": {}}
-    from kernels import LocalLayerRepository
-
-    with _local_build() as build_dir:
+    with generation.checkout_build() as build_dir:
         for name, build in builders.items():
             if name.split(" ")[0] not in wanted:
                 continue
@@ -76,7 +54,7 @@ def run(args) -> dict:
                 prompts,
                 IMPLS,
                 device_type="cpu",
-                layers=lambda layer: LocalLayerRepository(build_dir, layer_name=layer),
+                layers=generation.local_layers(build_dir),
                 executions=EXECUTIONS,
                 new_tokens=args.new_tokens,
                 repeats=1,
@@ -89,7 +67,6 @@ def run(args) -> dict:
         f"{LABEL}: tiny random models on this CPU, our kernels in Pallas' TPU interpret mode; ms/step = one generate "
         f"of {args.new_tokens} new tokens after a {args.prefill}-token prompt (prefill included) / {args.new_tokens}.",
         "greedy tokens equal: every implementation generated the default's tokens.",
-        "all ours = our experts_forward, attention (attn_implementation) and RMSNorm + rotary (kernelize), loaded from "
-        "a build of this checkout as from the Hub.",
+        generation.OURS_NOTE,
     ]
     return result
