@@ -123,12 +123,23 @@ def check_blocks_type(blocks):
 
 
 def working_set(
-    block_q, block_kv, *, kv_heads_per_step, group, head_dim, v_head_dim, itemsize, fused=False, direction="forward"
+    block_q,
+    block_kv,
+    *,
+    kv_heads_per_step,
+    group,
+    head_dim,
+    v_head_dim,
+    itemsize,
+    fused=False,
+    direction="forward",
+    kv_in_place=False,
 ) -> int:
     """VMEM of the widest kernel of one direction ("forward" or "backward"): double-buffered blocks, scratch, and
     the f32 temporaries of the (block_q, block_kv) score tiles (8 of them: Mosaic keeps several heads' tiles alive
     in the unrolled head loop; fewer underestimates what a head dim 512 forward needs). fused: the backward's dk/dv
-    kernel also writes an f32 dq block (and has no dq kernel beside it)."""
+    kernel also writes an f32 dq block (and has no dq kernel beside it); kv_in_place: it takes K and V as they lie
+    (forward.kv_heads_in_place) and merges V's heads into lanes in a scratch block of its own."""
     heads = kv_heads_per_step * group
     row_block = block_q * LANES * 4  # a (block_q, up to 128) f32 / int32 block: lanes padded to 128
     stat = heads * block_q * LANES * 4  # lane-replicated per-row statistics of every head of the step
@@ -145,7 +156,7 @@ def working_set(
         + kv_heads_per_step * block_kv * (head_dim + v_head_dim) * 4
     )
     if fused:
-        return dkv + 2 * heads * block_q * head_dim * 4 + temporaries
+        return dkv + (v if kv_in_place else 0) + 2 * heads * block_q * head_dim * 4 + temporaries
     dq = 2 * (2 * q + o + k + v + 5 * row_block) + q + 2 * stat + heads * block_q * head_dim * 4
     return max(dq, dkv) + temporaries
 
@@ -225,7 +236,14 @@ def resolve_blocks(
         return max(
             working_set(block_q, block_kv, kv_heads_per_step=per_step, **shape, direction="forward"),
             working_set(
-                backward_q, backward_kv, kv_heads_per_step=per_step, **shape, fused=fused, direction="backward"
+                backward_q,
+                backward_kv,
+                kv_heads_per_step=per_step,
+                **shape,
+                fused=fused,
+                direction="backward",
+                # forward.kv_heads_in_place: a step takes every kv head, whole sublane tiles of them
+                kv_in_place=fused and per_step == kv_heads and kv_heads % 8 == 0,
             ),
         )
 
