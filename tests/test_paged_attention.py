@@ -176,11 +176,13 @@ def test_head_dims_and_gqa(rand, layout):
     _check(rand, batch, blocks=tk.PagedAttentionBlocks(pages_per_block=2), window_size=(25, 0), tol=F32_TOL)
 
 
-@pytest.mark.parametrize("page", [16, 64])
-def test_page_sizes_and_default_blocks(rand, page):
-    """The tuning table's blocks (one block of 512 keys holds every page of these contexts) at several page sizes."""
-    batch = Batch(rand, [1, 6, 1, 2], [70, 6, 33, 90], page=page, hq=8, hkv=2, d=128)
-    _check(rand, batch, tol=F32_TOL)
+@pytest.mark.parametrize("pages", [(16,), (64, 256)], ids=["p16", "p64_p256"])
+def test_page_sizes_and_default_blocks(rand, pages):
+    """The tuning table's blocks (one block of 512 keys holds every page of these contexts) at the page sizes of the
+    benchmarks, 16 to 256. At 256 the last sequence's context crosses into a second, partial page."""
+    for page in pages:
+        batch = Batch(rand, [1, 6, 1, 2], [70, 6, 33, 300 if page == 256 else 90], page=page, hq=8, hkv=2, d=128)
+        _check(rand, batch, tol=F32_TOL)
 
 
 def test_bfloat16(rand):
