@@ -27,6 +27,7 @@ from tpu_kernels_jax import api as tk
 from tpu_kernels_jax.flash_attention.reference import attention_reference
 from tpu_kernels_jax.kv_cache.reference import rope_and_write_kv_cache_reference
 from tpu_kernels_jax.moe.reference import experts_forward_reference
+from tpu_kernels_jax.moe.tuning import SMALL_BATCH_MAX_TOKENS
 from tpu_kernels_jax.paged_attention.reference import ragged_paged_attention_reference
 from tpu_kernels_jax.ragged_dot.reference import ragged_dot_reference
 from tpu_kernels_jax.rms_norm.reference import fused_add_rms_norm_reference, rms_norm_reference
@@ -273,4 +274,81 @@ def test_sharded_program_compiles_for_v6e_2x4():
         ],
         label="rms_norm + expert_parallel_experts_forward v6e:2x4",
         min_kernels=2,
+    )
+
+
+def test_attention_and_grouped_experts_program_compiles_for_v6e_2x4():
+    """Deviceless compile for a v6e 2x4 slice of one sharded program holding the kernels the RMSNorm + small-batch
+    experts program above does not: heads split (one kv head, two query heads a chip), rotary feeding flash attention
+    with sinks, forward and backward; the fused rotary + KV cache write feeding ragged paged attention over the
+    written caches; and the expert-parallel experts_forward on its grouped path (the ragged dot's grouped matmuls: more
+    tokens than v6e's small-batch limit). Small shapes: what is checked is that each kernel lowers and compiles inside
+    shard_map for the slice, not its tiling at a model's shapes."""
+    mesh_v6e = ladder.tpu_mesh("v6e:2x4", (AXIS,))
+    batch, seq, kv_heads, d = 1, 128, DEVICES, 128
+    pages, page, tokens = 8, 16, 8
+    experts, hidden, intermediate, top_k = 16, 128, 128, 2
+    moe_tokens = SMALL_BATCH_MAX_TOKENS["v6e"] + 8
+    bf16, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    heads, rows = P(None, None, AXIS), P(None, AXIS)
+    training_specs = (heads, heads, heads, P(AXIS), P(), P(), heads)
+    paged_specs = (rows, rows, rows, heads, heads, P(), P(), P(), P(), P())
+
+    def training_attention(q, k, v, sinks, cos, sin, cotangent):
+        def loss(q, k, v, sinks):
+            q, k = tk.apply_rotary(q, k, cos, sin, layout="bshd")
+            out = tk.flash_attention(q, k, v, sinks=sinks, causal=True)
+            return jnp.sum(out.astype(f32) * cotangent)
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+
+    def paged_decode(query, key, value, k_cache, v_cache, slots, positions, kv_lens, page_indices, cu_q_lens):
+        query, k_cache, v_cache = tk.rope_and_write_kv_cache(
+            query, key, value, k_cache, v_cache, slots, positions, theta=1e6
+        )
+        return tk.ragged_paged_attention(query, k_cache, v_cache, kv_lens, page_indices, cu_q_lens)
+
+    def program(*args):
+        training, paged, moe = args[:7], args[7:17], args[17:]
+        grads = jax.shard_map(training_attention, mesh=mesh_v6e, in_specs=training_specs, out_specs=training_specs[:4])
+        decode = jax.shard_map(paged_decode, mesh=mesh_v6e, in_specs=paged_specs, out_specs=rows)
+        return grads(*training), decode(*paged), tk.expert_parallel_experts_forward(mesh_v6e, AXIS, *moe)
+
+    q_shape, kv_shape = (batch, seq, 2 * kv_heads, d), (batch, seq, kv_heads, d)
+    cache_shape = (pages, page, kv_heads, d)
+    ladder.compile_sharded_for_tpu(
+        program,
+        mesh_v6e,
+        [
+            # rotary + flash attention, forward and backward
+            (q_shape, bf16, heads),
+            (kv_shape, bf16, heads),
+            (kv_shape, bf16, heads),
+            ((2 * kv_heads,), f32, P(AXIS)),
+            ((1, seq, d), f32, P()),
+            ((1, seq, d), f32, P()),
+            (q_shape, f32, heads),
+            # rotary + KV cache write, ragged paged attention
+            ((tokens, 2 * kv_heads, d), bf16, rows),
+            ((tokens, kv_heads, d), bf16, rows),
+            ((tokens, kv_heads, d), bf16, rows),
+            (cache_shape, bf16, heads),
+            (cache_shape, bf16, heads),
+            ((tokens,), i32, P()),
+            ((tokens,), i32, P()),
+            ((tokens,), i32, P()),
+            ((tokens, pages), i32, P()),
+            ((tokens + 1,), i32, P()),
+            # expert-parallel experts_forward, grouped path
+            ((moe_tokens, hidden), bf16, P()),
+            ((moe_tokens, top_k), i32, P()),
+            ((moe_tokens, top_k), bf16, P()),
+            ((experts, 2 * intermediate, hidden), bf16, P(AXIS)),
+            ((experts, hidden, intermediate), bf16, P(AXIS)),
+        ],
+        label="rotary + flash attention fwd/bwd, kv cache write + ragged paged attention, grouped experts v6e:2x4",
+        # rope, flash_attention_fwd, _delta, _dkv, _dq_sum, rope_bwd, rope_and_write_kv_cache, paged_attention_visits,
+        # ragged_paged_attention, and per grouped matmul ragged_dot_metadata + ragged_dot_fwd (the small-batch path
+        # would be one kernel)
+        min_kernels=13,
     )
