@@ -2,8 +2,8 @@
 8-device host mesh (conftest), in strict interpret mode: data-parallel over the batch / tokens, heads split for
 attention and the KV cache, each equal to its unsharded reference; gradients under shard_map for the kernels with
 backward kernels of their own (RMSNorm, the ragged dot, flash attention; a replicated weight's gradient is the sum over
-the shards); the expert-parallel experts_forward equal to the one-device result; and sharded programs compiled
-deviceless for v6e:2x4.
+the shards); the expert-parallel experts_forward equal to the one-device result on both paths; and sharded programs
+compiled deviceless for v6e:2x4.
 
 One check per kernel: what shard_map checks is each pallas_call's varying-axes declaration, so an entry point that
 runs the same pallas_calls as a checked one adds nothing here. Not repeated: flash_attention_varlen (the dense
@@ -139,15 +139,23 @@ def test_experts_forward_sharded(rand):
 
 
 def test_expert_parallel_experts_forward(rand):
-    """Experts split over the 8 devices (2 each), tokens everywhere: the one-device experts_forward's result."""
-    inputs = _moe_inputs(rand, tokens=12)
-    args = list(inputs.values())
+    """Experts split over the 8 devices (2 each), tokens everywhere: the one-device experts_forward's result, on each
+    path: the small-batch kernel (a decode batch's choice) and the grouped path's ragged dots, where each device's
+    sentinel rows sort past its experts; each against the one device's run at its table's path (the small-batch kernel
+    at 12 tokens) and the reference. The grouped path is forced by blocks at the decode batch: a batch past the
+    small-batch limit (over 256 tokens) runs the same code at several times the interpret-mode cost."""
+    args = list(_moe_inputs(rand, tokens=12).values())
     specs = (P(), P(), P(), P(AXIS), P(AXIS))
-    fn = jax.jit(functools.partial(tk.expert_parallel_experts_forward, mesh(), AXIS))
-    out = ladder.run_interpreted(fn, *place(args, specs))
     one_device = ladder.run_interpreted(jax.jit(tk.experts_forward), *args)
-    ladder.assert_close(out, one_device, what="expert parallel vs one device", context=repr(rand))
-    ladder.assert_close(out, experts_forward_reference(*args), what="expert parallel", context=repr(rand))
+    expected = experts_forward_reference(*args)
+    for path in ladder.MOE_PATHS:
+        fn = jax.jit(
+            functools.partial(tk.expert_parallel_experts_forward, mesh(), AXIS, blocks=tk.ExpertsBlocks(path=path))
+        )
+        ladder.assert_moe_path(fn, place(args, specs), path)
+        out = ladder.run_interpreted(fn, *place(args, specs))
+        ladder.assert_close(out, one_device, what=f"expert parallel ({path}) vs one device", context=repr(rand))
+        ladder.assert_close(out, expected, what=f"expert parallel ({path})", context=repr(rand))
 
 
 def test_expert_parallel_checks_the_expert_count(rand):
