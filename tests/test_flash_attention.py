@@ -55,12 +55,14 @@ def _assert_lse_close(actual, expected, what, rand):
 # Each mask shape alone, then every feature together; Sq != Sk everywhere (bottom-right alignment), neither a
 # multiple of 128. Softcap, sinks, a non-default scale and causal's override of the window's right side are checked
 # in "everything" (each changes its result); scale 1.0 alone (its sharp softmaxes take a looser tolerance). The
-# kernels see a window only as each row's key range (schedule.key_ranges) and the visit list: a one-sided window, a
-# window longer than the sequence (the unbounded ranges: test_causal_and_window_skip_blocks) are those ranges, which
-# the brute-force visit test checks against the reference's mask, on the kernel path "window" runs.
+# kernels see a window only as each row's key range (schedule.key_ranges) and the visit list: a one-sided window is
+# those ranges, which the brute-force visit test checks against the reference's mask, on the kernel path "window"
+# runs; a window longer than both sequences (the unbounded ranges: test_causal_and_window_skip_blocks) runs through
+# the kernels, forward and gradient, in "causal_more_queries_than_keys".
 FEATURES = {
     "plain": dict(),
-    "causal_more_queries_than_keys": dict(causal=True, sq=300, sk=200),  # the first 100 rows see no key
+    # the first 100 rows see no key; the window's left side reaches past every key (its right side: causal's 0)
+    "causal_more_queries_than_keys": dict(causal=True, window_size=(1000, 1000), sq=300, sk=200),
     "window": dict(window_size=(70, 20)),
     "scale_one": dict(softmax_scale=1.0),
     # causal forces the window's right side (7) to 0
@@ -175,25 +177,27 @@ def test_default_blocks_one_block_per_sequence(rand):
     )
 
 
-# The backward's masks: rows that see no key here; a causal mask in test_gradients_gqa_head_dims (head dim 128) and
-# test_bfloat16_gradients, a two-sided window there (head dim 64); every feature at once (sinks, softcap, scale,
-# causal window) in test_gradient_of_the_log_sum_exp, whose loss takes the output's gradient with the lse's.
+# The backward's masks: rows that see no key and a window longer than the keys here; a causal mask in
+# test_gradients_gqa_head_dims (head dim 128) and test_bfloat16_gradients, a two-sided window there (head dim 256);
+# every feature at once (sinks, softcap, scale, causal window) in test_gradient_of_the_log_sum_exp (head dim 64),
+# whose loss takes the output's gradient with the lse's.
 GRADIENT_FEATURES = ["causal_more_queries_than_keys"]
 
 
 @pytest.mark.parametrize("feature", GRADIENT_FEATURES)
 def test_gradients_match_reference(rand, feature):
-    args, options = _feature_call(rand, feature)
-    has_sinks = args[3] is not None
-    argnums = (0, 1, 2, 3) if has_sinks else (0, 1, 2)
+    """At head dim 512 with K = V, one array passed as both (Gemma 4's full layers): its gradient is dk + dv."""
+    (q, kv, _, sinks), options = _feature_call(rand, feature, d=512)
+    has_sinks = sinks is not None
+    argnums = (0, 1, 2) if has_sinks else (0, 1)
     ladder.check_gradients(
-        lambda q, k, v, s: tk.flash_attention(q, k, v, sinks=s, blocks=SMALL, **options),
-        lambda q, k, v, s: attention_reference(q, k, v, sinks=s, **options),
-        args,
+        lambda q, kv, s: tk.flash_attention(q, kv, kv, sinks=s, blocks=SMALL, **options),
+        lambda q, kv, s: attention_reference(q, kv, kv, sinks=s, **options),
+        (q, kv, sinks),
         argnums=argnums,
         rand=rand,
         dtype=jnp.float32,
-        names=["dq", "dk", "dv", "dsinks"][: len(argnums)],
+        names=["dq", "dkv", "dsinks"][: len(argnums)],
         atol=1e-4,
         rtol=1e-4,
     )
@@ -201,11 +205,13 @@ def test_gradients_match_reference(rand, feature):
 
 # (D, Dv, Hq, Hkv, options, blocks): GQA 8 with a narrower V head dim under a causal mask, the backward on blocks of
 # its own (OWN_BACKWARD: one query block of 256 against the forward's two of 128, its heads as they lie); head dim
-# 64 with all 8 kv heads a step (q, K, V, dq, dk and dv as they lie in both directions: forward.kv_heads_in_place)
-# under a window open on both sides, without causal
+# 256 (Gemma 4 sliding's) with all 8 kv heads a step, as Gemma 4 sliding takes them (q, K, V, dq, dk and dv as they
+# lie in both directions: forward.kv_heads_in_place; GQA 1, 8 query heads a step, for the compile time, which grows
+# with them) and a V head dim half Q/K's, under a window open on both sides, without causal. Head dim 512 (K = V) is
+# test_gradients_match_reference's.
 GRADIENT_LAYOUTS = [
     (128, 64, 8, 1, dict(causal=True, softcap=3.0), OWN_BACKWARD),
-    (64, 64, 8, 8, dict(window_size=(70, 20), softcap=3.0), dataclasses.replace(SMALL, kv_heads_per_step=8)),
+    (256, 128, 8, 8, dict(window_size=(70, 20), softcap=3.0), dataclasses.replace(SMALL, kv_heads_per_step=8)),
 ]
 
 
@@ -671,7 +677,7 @@ def test_backward_takes_heads_as_they_lie(rand):
     dk/dv kernel) and writes dq [T, H, D] (the slot sum splits the heads), where the forward takes q as it lies;
     otherwise all merged; k and v [T, Hkv, D] as they lie, dk and dv written so, where the forward takes them so
     (every kv head a step, a multiple of 8). Every path runs in the gradient checks (test_gradients_gqa_head_dims: 8
-    query heads a step in place, with K/V in place at head dim 64; test_bfloat16_gradients: 2 of 4, merged)."""
+    query heads a step in place, with K/V in place at head dim 256; test_bfloat16_gradients: 2 of 4, merged)."""
     for (hq, hkv, d), in_place in (((8, 1, 128), True), ((8, 4, 64), False), ((16, 8, 256), True)):
         q, k, v = _inputs(rand, 1, 300, 200, hq, hkv, d, dtype=jnp.bfloat16)
         loss = lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL).astype(jnp.float32).sum()  # noqa: E731
