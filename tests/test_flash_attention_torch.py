@@ -4,8 +4,8 @@ autograd of the formula (GQA, causal bottom-right, windows, softcap, sinks as s_
 int64 cu_seqlens and tensor max_seqlen), bad input, and transformers: tiny random Qwen3, Gemma 4 (head dims 256 and
 512, K = V, scaling 1) and gpt-oss (sinks, sliding window) models loaded with
 attn_implementation="kernels-community/tpu-kernels" from the Hub build give eager's logits and greedy tokens (Gemma 4's
-full batch, gpt-oss's padded batch, Qwen3's packed sequences) with every attention layer counted on our op, a training
-step's gradients equal eager's, and attention_forward registered under AttentionInterface does the same.
+full batch, gpt-oss's padded batch, Qwen3's packed sequences and full batch) with every attention layer counted on our
+op, a training step's gradients equal eager's, and attention_forward registered under AttentionInterface does the same.
 
 Sizes are tiny: every new shape is a compile of the Pallas kernels in interpret mode (seconds each)."""
 
@@ -503,13 +503,28 @@ def _one_by_one(model, tokens, lengths):
 def test_hub_attention_packed_sequences(rand, hub_kernels, tmp_path):
     """Packed sequences in one row (position_ids restarting, as padding-free training gives them): transformers
     passes flash_attn_varlen_func int32 cu_seqlens and a 0-d tensor max_seqlen; each sequence's logits are those it
-    has on its own."""
+    has on its own. Then Qwen3's greedy generation on a full batch (flash_attn_func: the prompt, a decode step):
+    every step's logits and the tokens are eager's."""
     eager, ours = _models("qwen3", rand.seed, tmp_path, REPO_ID)
     lengths = (5, 8, 3)
     tokens, positions = _packed(rand, lengths)
     with _counted({"flash_attention_varlen": _layers(ours)}):
         actual = ours(tokens, position_ids=positions).logits
     _assert_logits_close(actual, _one_by_one(eager, tokens, lengths))
+
+    prompt, new = tokens.reshape(2, sum(lengths) // 2), 2
+    pad = ours.generation_config.pad_token_id  # a pad token in the prompt would make it a padded batch (varlen)
+    if pad is not None:
+        prompt[prompt == pad] = (pad + 1) % tiny_models.VOCAB
+    options = dict(max_new_tokens=new, do_sample=False, attention_mask=None, output_logits=True)
+    with torch.no_grad():
+        expected = eager.generate(prompt, return_dict_in_generate=True, **options)
+    with _counted({"flash_attention": _layers(ours) * new}):  # the prompt, then one step per further token
+        generated = ours.generate(prompt, return_dict_in_generate=True, **options)
+    assert len(generated.logits) == new
+    for actual_step, expected_step in zip(generated.logits, expected.logits):
+        _assert_logits_close(actual_step, expected_step)
+    assert torch.equal(generated.sequences, expected.sequences)
 
 
 def _loss_and_grads(model, tokens):
