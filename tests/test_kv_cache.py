@@ -15,6 +15,7 @@ from jax.experimental.layout import Format, Layout
 
 from tpu_kernels_jax.kv_cache import api, reference
 from tpu_kernels_jax.kv_cache.tuning import KVCacheBlocks
+from tpu_kernels_jax.rotary import api as rotary_api
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 SMALL = KVCacheBlocks(block_tokens=8)
@@ -283,6 +284,39 @@ def test_rope_and_write_matches_rotary_reference(rand, case, dtype):
     _assert_only_slots_changed(v_cache, v_out, v_ref, slots, "v_cache", rand)  # V is not rotated: exact
     untouched = np.setdiff1d(np.arange(pages * page_size), live)
     np.testing.assert_array_equal(_bits(flat(k_out)[untouched]), _bits(flat(k_cache)[untouched]))
+    if case in TABLE_CASES and dtype == jnp.float32:
+        # The same kernel from each token's cos / sin rows (flash_attn_with_kvcache's tables): a partial rotary prefix
+        # padded to the head dim with the query, interleaved pairs with the key alone (query None).
+        with_query = TABLE_CASES[case]
+        cos, sin = (
+            t[0]
+            for t in rotary_api.rope_cos_sin(
+                positions[None],
+                head_dim=head_dim,
+                theta=options["theta"],
+                rotary_dim=options.get("rotary_dim"),
+                interleaved=options.get("interleaved", False),
+            )
+        )
+
+        def from_tables(q, k, v, kc, vc, s, c, si):
+            return api.rope_tables_and_write_kv_cache(
+                q if with_query else None, k, v, kc, vc, s, c, si, interleaved=options.get("interleaved", False)
+            )
+
+        q_tab, k_tab, v_tab = ladder.run_interpreted(from_tables, query, key, value, k_cache, v_cache, slots, cos, sin)
+        assert (q_tab is None) == (not with_query)
+        if with_query:
+            ladder.assert_close(q_tab, q_ref, dtype=dtype, what="query (tables)", context=repr(rand), **tol)
+        ladder.assert_close(
+            flat(k_tab)[live], flat(k_ref)[live], dtype=dtype, what="k (tables)", context=repr(rand), **tol
+        )
+        np.testing.assert_array_equal(_bits(flat(k_tab)[untouched]), _bits(flat(k_cache)[untouched]))
+        np.testing.assert_array_equal(_bits(v_tab), _bits(v_out))
+
+
+# rope_tables_and_write_kv_cache checked inside those cases: {case: whether a query is rotated too}.
+TABLE_CASES = {"partial_rotary": True, "interleaved": False}
 
 
 @pytest.mark.parametrize("heads,tokens", [(8, 64), (2, 24)])  # 2: head-major caches, written by word groups

@@ -13,6 +13,7 @@ import tpu_kernels
 from tpu_kernels import kv_cache_ops
 
 OP = kv_cache_ops.reshape_and_cache_flash_op
+FUSED_OP = kv_cache_ops.rope_and_reshape_and_cache_flash_op
 FP8_MAX = 448.0
 
 
@@ -106,15 +107,36 @@ def _op_args(rand, dtype=torch.bfloat16, fp8=False):
     return (key, value, *caches, slots, "fp8" if fp8 else "auto", torch.full((1,), 0.5), torch.full((1,), 0.25))
 
 
+def _fused_op_args(rand):
+    """The fused op's arguments: reshape_and_cache_flash's with a query, its output tensor, flash-attn's half-width
+    rotary tables (rotary_dim 64 of 128) and each token's position, GPT-NeoX halves."""
+    key, value, key_cache, value_cache, slots, *_ = _op_args(rand)
+    query = _randn(rand, 9, 4, 128, dtype=torch.bfloat16)
+    tables = [_randn(rand, 40, 32, dtype=torch.bfloat16) for _ in range(2)]
+    positions = torch.from_numpy(rand.rng.integers(0, 40, 9)).to(torch.int32)
+    ones = torch.ones((1,))
+    return (query, key, value, torch.empty_like(query), key_cache, value_cache, slots, *tables, positions), (
+        False,
+        "auto",
+        ones,
+        ones,
+    )
+
+
 def test_mutating_op_checks(rand):
-    """opcheck of the op that declares its mutation (schema: the caches are mutated and nothing else; fake; AOT
-    dispatch with functionalization), its meta call, and the functional op underneath (fake and meta shapes,
-    torch.compile)."""
+    """opcheck of the ops that declare their mutation (schema: the caches are mutated and nothing else; the fused
+    op's query output too; fake; AOT dispatch with functionalization), their meta calls, and the functional op
+    underneath the write (fake and meta shapes, torch.compile)."""
     args = _op_args(rand)
     assert "Tensor(a!) key_cache" in str(OP._opoverload._schema) and "-> ()" in str(OP._opoverload._schema)
     torch.library.opcheck(OP, args)  # bf16: the fake and meta kernels are dtype-blind (f32 runs in the write test)
     assert OP(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)) is None
     ladder.check_torch_op(OP.functional_op, args, expected_shapes=[(4, 16, 2, 128)] * 2)
+    tensors, static = _fused_op_args(rand)
+    schema = str(FUSED_OP._opoverload._schema)
+    assert "Tensor(a!) query_out" in schema and "Tensor(c!) value_cache" in schema and "-> ()" in schema
+    torch.library.opcheck(FUSED_OP, (*tensors, *static))
+    assert FUSED_OP(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in (*tensors, *static))) is None
 
 
 def test_wrapper_under_fake_tensors_and_torch_compile(rand):
@@ -206,6 +228,9 @@ def test_op_function_exports_for_tpu(rand, fp8):
     """What TorchTPU's jax_op exports on `tpu` tensors (the caches donated): the functional op's JAX function holds
     the Mosaic kernel."""
     ladder.export_torch_op_for_tpu(OP.functional_op, _op_args(rand, fp8=fp8))
+    if not fp8:  # the fused RoPE + write (flash_attn_with_kvcache's rotary) likewise
+        tensors, static = _fused_op_args(rand)
+        ladder.export_torch_op_for_tpu(FUSED_OP.functional_op, (*tensors, *static))
 
 
 def test_functional_op_donates_the_caches_to_torch_tpu():
@@ -213,9 +238,10 @@ def test_functional_op_donates_the_caches_to_torch_tpu():
     3), so the kernel's aliasing reaches the device buffers; without torch-tpu it is a plain custom op."""
     from tpu_kernels import _op_registry
 
-    functional = OP.functional_op
-    if _op_registry.HAS_TORCH_TPU:
-        assert list(functional._init_fn.donate_argnums) == [2, 3]
-    else:
-        assert not hasattr(functional._init_fn, "donate_argnums")
-    assert OP.jax_fn is functional.jax_fn
+    for op, donated in ((OP, [2, 3]), (FUSED_OP, [3, 4, 5])):  # the fused op's query output and caches
+        functional = op.functional_op
+        if _op_registry.HAS_TORCH_TPU:
+            assert list(functional._init_fn.donate_argnums) == donated
+        else:
+            assert not hasattr(functional._init_fn, "donate_argnums")
+        assert op.jax_fn is functional.jax_fn

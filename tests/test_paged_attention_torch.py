@@ -16,6 +16,7 @@ import pytest
 import tiny_models
 import torch
 from hub import REPO_ID
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tpu_kernels
 from tpu_kernels import paged_attention_ops as pa
@@ -37,6 +38,18 @@ def _bits(t):
 
 def _int32(values):
     return torch.tensor(values, dtype=torch.int32)
+
+
+class _OpTrace(TorchDispatchMode):
+    """The ops a call dispatches, by name without namespace and overload (a custom op's inner calls run beneath it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func).split(".")[-2])
+        return func(*args, **(kwargs or {}))
 
 
 # ------------------------------------------------------------------------------------------------------ references
@@ -319,8 +332,16 @@ def test_flash_attn_with_kvcache_matches_torch_and_writes_in_place(rand, name):
     out_ref, k_ref, v_ref = _torch_kvcache(case, **options)
     before = [(c.data_ptr(), _bits(c)) for c in (case["k_cache"], case["v_cache"])]
 
-    out = pa.flash_attn_with_kvcache(**case, **options)
+    with _OpTrace() as trace:
+        out = pa.flash_attn_with_kvcache(**case, **options)
     assert out.dtype == case["q"].dtype and not torch.isnan(out).any(), f"{rand!r}"
+    if spec.get("rotary_dim"):
+        # RoPE of the new k in the kernel that writes it: the fused op, no separate write; q rotates in it too when
+        # its rows are the new keys' positions (the causal chunk), else (non-causal: q at cache_seqlens) by the
+        # rotary op
+        assert trace.names.count("rope_and_reshape_and_cache_flash") == 1, trace.names
+        assert "reshape_and_cache_flash" not in trace.names
+        assert trace.names.count("apply_rotary") == (0 if options.get("causal") else 1), trace.names
     tol = 2e-2 if spec["dtype"] == torch.bfloat16 else 2e-5
     torch.testing.assert_close(out.float(), out_ref.float(), rtol=tol, atol=tol, msg=lambda m: f"{m} ({rand!r})")
     for cache, expected, (pointer, bits) in zip((case["k_cache"], case["v_cache"]), (k_ref, v_ref), before):
@@ -334,8 +355,10 @@ def test_flash_attn_with_kvcache_matches_torch_and_writes_in_place(rand, name):
 
 def test_flash_attn_with_kvcache_int_seqlens_and_compile(rand):
     """cache_seqlens as a Python int (flash-attn accepts one), eager and under torch.compile(fullgraph) give the same
-    output and the same caches."""
-    case = _kvcache_case(rand, batch=2, seqlen_q=1, new=1, lengths=(17, 17), paged=True, dtype=torch.float32)
+    output and the same caches; with rotary, so the fused RoPE + write op runs under torch.compile too."""
+    case = _kvcache_case(
+        rand, batch=2, seqlen_q=1, new=1, lengths=(17, 17), paged=True, dtype=torch.float32, rotary_dim=32
+    )
     case["cache_seqlens"] = 17
     eager = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
     compiled = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}

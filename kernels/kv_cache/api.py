@@ -3,6 +3,8 @@
     write_kv_cache(k_cache, v_cache, key, value, slot_mapping)     vLLM's reshape_and_cache_flash, in place
     rope_and_write_kv_cache(query, key, value, k_cache, v_cache, slot_mapping, positions, theta=...)
                                                                     RoPE of Q and K, K/V written: one pass
+    rope_tables_and_write_kv_cache(query, key, value, k_cache, v_cache, slot_mapping, cos, sin)
+                                                                    the same from each token's cos / sin rows
     block_table_slots(block_table, cache_seqlens, new_tokens, page_size)   flash-attn's paged addressing as slots
 
 Cache layout: k_cache [num_pages, page_size, kv_heads, head_dim], v_cache [num_pages, page_size, kv_heads,
@@ -41,6 +43,8 @@ FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 # Inputs an fp8 cache quantises.
 FP8_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 INT32 = jnp.dtype(jnp.int32)
+# cos / sin rows of rope_tables_and_write_kv_cache (computed in f32 in the kernel).
+TABLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # The slot mapping of one kernel call lives in SMEM (4 bytes a token); longer calls are split into calls of this
 # many tokens, chained through the aliased caches.
 MAX_TOKENS_PER_CALL = 16384
@@ -184,8 +188,9 @@ def _flat(cache):
 
 
 def _write(k_cache, v_cache, key, value, slot_mapping, scales, blocks, rope=None):
-    """The kernel over the tokens in calls of at most MAX_TOKENS_PER_CALL; rope: (query, positions, inv_freq,
-    RopeConfig) or None. Returns (query_rotated or None, k_cache, v_cache)."""
+    """The kernel over the tokens in calls of at most MAX_TOKENS_PER_CALL; rope: (query or None, table_a, table_b,
+    RopeConfig) or None, the tables positions [T] and inverse frequencies [1, W] (RopeConfig.from_positions) or each
+    token's cos and sin rows [T, W]. Returns (query_rotated or None, k_cache, v_cache)."""
     given = key.shape[0]
     shapes = k_cache.shape, v_cache.shape
     pages, page_size, hkv = k_cache.shape[:3]
@@ -207,19 +212,24 @@ def _write(k_cache, v_cache, key, value, slot_mapping, scales, blocks, rope=None
         count = stop - start
         extra, positions_layout = {}, None
         if rope is not None:
-            query, positions, inv_freq, rope_cfg = rope
-            positions_layout = rotary_kernel.positions_layout(
-                (1, count), seq=count, cfg=rope_cfg, width=inv_freq.shape[-1], blocks=kernel.rope_blocks(blocks)
-            )
-            pos = part(positions)
-            pos = pos.reshape(1, count, 1) if positions_layout.mode == "column" else pos.reshape(1, 1, count)
-            extra = dict(query=part(query), positions=pos, inv_freq=inv_freq)
+            query, table_a, table_b, rope_cfg = rope
+            if rope_cfg.from_positions:
+                positions_layout = rotary_kernel.positions_layout(
+                    (1, count), seq=count, cfg=rope_cfg, width=table_b.shape[-1], blocks=kernel.rope_blocks(blocks)
+                )
+                pos = part(table_a)
+                pos = pos.reshape(1, count, 1) if positions_layout.mode == "column" else pos.reshape(1, 1, count)
+                extra = dict(table_a=pos, table_b=table_b)
+            else:
+                extra = dict(table_a=part(table_a)[None], table_b=part(table_b)[None])
+            extra["query"] = None if query is None else part(query)
         cfg = kernel.WriteConfig(
             tokens=count,
             num_slots=pages * page_size,
             quantize=quantize,
             rope=None if rope is None else rope[3],
             positions=positions_layout,
+            rope_query=rope is not None and rope[0] is not None,
             page_size=page_size if head_major else 0,
         )
         q_out, k_flat, v_flat = kernel.write(
@@ -235,7 +245,7 @@ def _write(k_cache, v_cache, key, value, slot_mapping, scales, blocks, rope=None
         )
         q_parts.append(q_out)
     query_rotated = None
-    if rope is not None:
+    if rope is not None and rope[0] is not None:
         query_rotated = q_parts[0] if len(q_parts) == 1 else jnp.concatenate(q_parts)
         query_rotated = query_rotated[:given] if query_rotated.shape[0] != given else query_rotated
     if head_major:
@@ -258,8 +268,14 @@ def _whole_tiles(key, value, slot_mapping, rope, blocks):
         return jnp.pad(x, [(0, padded - tokens)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
 
     if rope is not None:
-        query, positions, inv_freq, rope_cfg = rope
-        rope = (pad(query), pad(positions), inv_freq, rope_cfg)
+        query, table_a, table_b, rope_cfg = rope
+        per_token_b = not rope_cfg.from_positions  # sin rows, not the inverse frequencies
+        rope = (
+            None if query is None else pad(query),
+            pad(table_a),
+            pad(table_b) if per_token_b else table_b,
+            rope_cfg,
+        )
     return pad(key), pad(value), pad(slot_mapping, -1), rope, blocks
 
 
@@ -333,6 +349,63 @@ def rope_and_write_kv_cache(
     return _write(
         k_cache, v_cache, key, value, slot_mapping, scales, blocks, rope=(query, positions, inv_table, rope_cfg)
     )
+
+
+def check_table_inputs(query, key, cos, sin):
+    """cos / sin [T, r] (each token's rows, one float dtype, r even, 2 <= r <= head_dim), query [T, Hq, D] in key's
+    dtype or None. Returns r."""
+    if query is not None:
+        check_array("query", query, ndim=3, dtypes=(jnp.dtype(key.dtype),))
+        if query.shape[0] != key.shape[0] or query.shape[2] != key.shape[2]:
+            raise ValueError(
+                f"query: expected [{key.shape[0]}, heads, {key.shape[2]}] (key's tokens and head dim), got shape "
+                f"{tuple(query.shape)}"
+            )
+    check_array("cos", cos, ndim=2, dtypes=TABLE_DTYPES)
+    check_array("sin", sin, ndim=2, dtypes=(jnp.dtype(cos.dtype),))
+    if cos.shape[0] != key.shape[0]:
+        raise ValueError(f"cos: expected [{key.shape[0]}, rotary_dim] (a row per token of key), got {tuple(cos.shape)}")
+    if tuple(sin.shape) != tuple(cos.shape):
+        raise ValueError(f"sin: expected the shape of cos {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    return rotary_api._check_rotary_dim(cos.shape[1], key.shape[2], what="rotary_dim (cos.shape[-1])")
+
+
+@interpret_eager_cpu_calls
+def rope_tables_and_write_kv_cache(
+    query: jax.Array | None,
+    key: jax.Array,
+    value: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    slot_mapping: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    *,
+    interleaved: bool = False,
+    k_scale=None,
+    v_scale=None,
+    blocks: KVCacheBlocks | None = None,
+) -> tuple[jax.Array | None, jax.Array, jax.Array]:
+    """rope_and_write_kv_cache with each token's cos / sin rows given instead of positions (flash-attn's rotary
+    tables gathered at the tokens' positions): (rope(query) or None, k_cache, v_cache), in one kernel.
+
+    cos / sin [T, r] (float32 or bfloat16; used in f32): the first r lanes of token t's heads rotate as the rotary
+    ops' apply_rotary does (x * cos + rotate(x) * sin, GPT-J pairs when interleaved), the rest pass through. query
+    [T, Hq, D] or None (only K rotated). The rotated K is rounded to key's dtype before it is stored (or quantised).
+    Everything else as write_kv_cache."""
+    tokens, scales = check_inputs(k_cache, v_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    rotated = check_table_inputs(query, key, cos, sin)
+    if not isinstance(interleaved, (bool, np.bool_)):
+        raise TypeError(f"interleaved: expected a bool, got {type(interleaved).__name__}")
+    blocks = _resolve(blocks, k_cache, v_cache, key, q_heads=key.shape[1] if query is None else query.shape[1])
+    if tokens == 0:
+        return query, k_cache, v_cache
+    # f32 rows (the kernel's math; a bf16 table's block of 8 tokens would be half a packed tile), padded to the width
+    # the kernel rotates
+    cos, sin = (t.astype(jnp.float32) for t in (cos, sin))
+    cos, sin = (t[0] for t in rotary_api._cos_sin_tables(cos[None], sin[None], key.shape[2]))
+    rope_cfg = rotary_kernel.RopeConfig(rotary_dim=rotated, interleaved=bool(interleaved), seq_major=True)
+    return _write(k_cache, v_cache, key, value, slot_mapping, scales, blocks, rope=(query, cos, sin, rope_cfg))
 
 
 def _check_int(name, value, *, minimum):

@@ -1,5 +1,5 @@
 """Pallas TPU kernel writing new tokens' K/V rows into a paged KV cache in place, optionally with RoPE applied to the
-new K (and Q) and fp8 quantisation on the way.
+new K (and Q; cos/sin from positions, or each token's cos/sin rows given) and fp8 quantisation on the way.
 
 The caches stay in HBM (`memory_space=pl.ANY`) and are aliased input -> output, so the kernel never reads or copies
 them: it only writes the named rows. The cache is seen flat, [num_pages * page_size, kv_heads, head_dim] (merging
@@ -45,8 +45,10 @@ class WriteConfig:
     tokens: int  # new tokens T (rows of key / value / slot_mapping)
     num_slots: int  # rows of the flattened cache: num_pages * page_size
     quantize: tuple[bool, bool]  # (K, V): the cache is fp8, rows are scaled and rounded before their DMA
-    rope: rotary_kernel.RopeConfig | None = None  # RoPE of Q and K from positions, fused
+    # RoPE of K (and Q), fused: from positions (rope.from_positions) or from each token's cos/sin rows
+    rope: rotary_kernel.RopeConfig | None = None
     positions: rotary_kernel.PositionsLayout | None = None
+    rope_query: bool = True  # with rope: a query is rotated too (its own input and output)
     page_size: int = 0  # > 0: float8 caches passed head-major, [pages, kv_heads, page_size, D] (head_major_cache)
 
 
@@ -187,11 +189,13 @@ def _head_major_writes(
 def _kernel(slots_ref, *refs, cfg: WriteConfig, block_tokens: int):
     refs = list(refs)
     scales_ref = refs.pop(0) if any(cfg.quantize) else None
+    rotates_query = cfg.rope is not None and cfg.rope_query
     if cfg.rope is not None:
-        pos_ref, inv_ref, q_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+        table_a, table_b = refs.pop(0), refs.pop(0)
+        q_ref = refs.pop(0) if rotates_query else None
     k_ref, v_ref = refs.pop(0), refs.pop(0)
     refs.pop(0), refs.pop(0)  # the caches as inputs: aliased to the outputs, never read
-    q_out_ref = refs.pop(0) if cfg.rope is not None else None
+    q_out_ref = refs.pop(0) if rotates_query else None
     k_cache, v_cache = refs.pop(0), refs.pop(0)
     k_stage = refs.pop(0) if (cfg.rope is not None or cfg.quantize[0]) else None
     v_stage = refs.pop(0) if cfg.quantize[1] else None
@@ -204,11 +208,15 @@ def _kernel(slots_ref, *refs, cfg: WriteConfig, block_tokens: int):
     key = None
     if cfg.rope is not None:
         rope = cfg.rope
-        pos = rotary_kernel._positions_column(pos_ref, cfg.positions)  # (1, bt, 1) f32
-        cos, sin = rotary_kernel._cos_sin(pos, inv_ref[...], rope, cfg.positions.packing)
+        if rope.from_positions:  # table_a: positions (cfg.positions), table_b: inverse frequencies (1, W)
+            pos = rotary_kernel._positions_column(table_a, cfg.positions)  # (1, bt, 1) f32
+            cos, sin = rotary_kernel._cos_sin(pos, table_b[...], rope, cfg.positions.packing)
+        else:  # each token's cos / sin rows, (1, bt, W)
+            cos, sin = table_a[...].astype(jnp.float32), table_b[...].astype(jnp.float32)
         a, b = (t[:, :, None, :] for t in rotary_kernel._lane_factors(cos, sin, None, rope))  # (1, bt, 1, W)
-        q = q_ref[...][None].astype(jnp.float32)
-        q_out_ref[...] = rotary_kernel._normed_rotation(q, a, b, None, None, rope)[0].astype(q_out_ref.dtype)
+        if rotates_query:
+            q = q_ref[...][None].astype(jnp.float32)
+            q_out_ref[...] = rotary_kernel._normed_rotation(q, a, b, None, None, rope)[0].astype(q_out_ref.dtype)
         # Rounded to the inputs' dtype first, as the unfused rope -> write would store it.
         key = rotary_kernel._normed_rotation(k_ref[...][None].astype(jnp.float32), a, b, None, None, rope)[0]
         key = key.astype(k_ref.dtype)
@@ -292,14 +300,16 @@ def write(
     cfg: WriteConfig,
     blocks: KVCacheBlocks,
     query=None,
-    positions=None,
-    inv_freq=None,
+    table_a=None,
+    table_b=None,
 ):
     """One pallas_call: (query_rotated or None, k_cache, v_cache) with the rows written in place.
 
     k_cache / v_cache: flat [num_slots, kv_heads, D] / [num_slots, kv_heads, Dv]; key / value [T, kv_heads, D / Dv];
     slot_mapping [T] int32; inv_scales [2] f32 (1 / k_scale, 1 / v_scale) when a cache is fp8. With cfg.rope:
-    query [T, Hq, D], positions as cfg.positions lays them out, inv_freq [1, W] f32 (the rotary kernel's tables).
+    query [T, Hq, D] (when cfg.rope_query) and the tables: from positions, table_a the positions as cfg.positions
+    lays them out and table_b the inverse frequencies [1, W] f32 (the rotary kernel's); else table_a / table_b each
+    token's cos / sin rows [1, T, W] (any float dtype, used in f32).
     """
     bt = blocks.block_tokens
     steps = pl.cdiv(cfg.tokens, bt)
@@ -316,21 +326,29 @@ def write(
         operands.append(inv_scales)
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     if cfg.rope is not None:
-        layout = cfg.positions
-        if layout.mode == "column":
-            pos_spec = pl.BlockSpec((1, bt, 1), lambda i, j, slots: (0, j, 0))
-        elif layout.mode == "row_blocks":
-            pos_spec = pl.BlockSpec((1, 1, bt), lambda i, j, slots: (0, 0, j))
+        if cfg.rope.from_positions:
+            layout = cfg.positions
+            if layout.mode == "column":
+                pos_spec = pl.BlockSpec((1, bt, 1), lambda i, j, slots: (0, j, 0))
+            elif layout.mode == "row_blocks":
+                pos_spec = pl.BlockSpec((1, 1, bt), lambda i, j, slots: (0, 0, j))
+            else:
+                pos_spec = whole(table_a)
+            table_specs = [pos_spec, whole(table_b)]
         else:
-            pos_spec = whole(positions)
-        operands += [positions, inv_freq, query]
-        in_specs += [pos_spec, whole(inv_freq), token_block(query)]
+            rows = pl.BlockSpec((1, bt, table_a.shape[-1]), lambda i, j, slots: (0, j, 0))
+            table_specs = [rows, rows]
+        operands += [table_a, table_b]
+        in_specs += table_specs
+        if cfg.rope_query:
+            operands.append(query)
+            in_specs.append(token_block(query))
     operands += [key, value, k_cache, v_cache]
     in_specs += [token_block(key), token_block(value), hbm, hbm]
     cache_at = len(operands) - 2 + 1  # the scalar-prefetch slot mapping is operand 0
 
     out_shape, out_specs = [], []
-    if cfg.rope is not None:
+    if cfg.rope is not None and cfg.rope_query:
         out_shape.append(out_struct(query.shape, query.dtype, slot_mapping, operands))
         out_specs.append(token_block(query))
     out_shape += [
@@ -361,10 +379,12 @@ def write(
     if cfg.page_size:
         written *= 2 * ROWS_PER_WORD  # each row's word group read and written
     q_bytes = 0 if query is None else 2 * query.size * query.dtype.itemsize
+    tables = cfg.rope is not None and not cfg.rope.from_positions
+    table_bytes = 2 * table_a.size * table_a.dtype.itemsize if tables else 0
     cost = pl.CostEstimate(
-        flops=0 if cfg.rope is None else 6 * (key.size + query.size),
-        transcendentals=0 if cfg.rope is None else 2 * cfg.tokens * inv_freq.shape[-1],
-        bytes_accessed=row_bytes + written + q_bytes + slot_mapping.size * 4,
+        flops=0 if cfg.rope is None else 6 * (key.size + (0 if query is None else query.size)),
+        transcendentals=0 if cfg.rope is None or tables else 2 * cfg.tokens * table_b.shape[-1],
+        bytes_accessed=row_bytes + written + q_bytes + table_bytes + slot_mapping.size * 4,
     )
     outs = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg, block_tokens=bt),
@@ -385,7 +405,7 @@ def write(
         cost_estimate=cost,
         name="rope_and_write_kv_cache" if cfg.rope is not None else "write_kv_cache",
     )(slot_mapping, *operands)
-    if cfg.rope is not None:
+    if cfg.rope is not None and cfg.rope_query:
         return outs[0], outs[1], outs[2]
     return None, outs[0], outs[1]
 

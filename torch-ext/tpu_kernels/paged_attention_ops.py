@@ -2,10 +2,12 @@
 prefill chunks and decode tokens), flash-attn's `flash_attn_with_kvcache` (new K/V written into the cache in place,
 optional rotary, then attention) and the paged branch of `flash_attn_varlen_func` (block_table given).
 
-flash_attn_with_kvcache composes three ops, each a kernel: the rotary op on q and the new k (flash-attn's half-width
-cos/sin tables gathered at the tokens' positions), reshape_and_cache_flash (the KV cache write, in place: on a `tpu`
-tensor the caches are donated to the kernel, on a CPU tensor the interpret-mode result is copied back into the same
-storage) at the slots the block table names, and ragged_paged_attention over the updated pages. A non-paged cache
+flash_attn_with_kvcache composes two ops, each a kernel: the KV cache write at the slots the block table names (in
+place: on a `tpu` tensor the caches are donated to the kernel, on a CPU tensor the interpret-mode result is copied
+back into the same storage), and ragged_paged_attention over the updated pages. The write is reshape_and_cache_flash,
+or with rotary_cos / rotary_sin rope_and_reshape_and_cache_flash, which rotates the new k (and q, when q's rows sit
+at the new keys' positions) in the kernel that writes k (flash-attn's half-width cos/sin tables gathered at the
+tokens' positions in the same program); a q at other positions is rotated by the rotary op first. A non-paged cache
 [B, S_cache, Hkv, D] is viewed (not copied) as pages: each batch row a run of S_cache / page_size pages.
 
 Inference only: no autograd; inputs that require grad are refused. Metadata (cache_seqlens, block_table, kv_lens,
@@ -385,60 +387,31 @@ def _slots(cache_seqlens, table, new, page):
     return slots.reshape(-1).to(torch.int32)
 
 
-def _rotary_tables(name_cos, cos, sin, positions, interleaved):
-    """flash-attn's half-width tables [seqlen_ro, rotary_dim / 2] gathered at positions [B, S] and widened to the
-    rotary op's [B, S, rotary_dim]: each frequency twice, side by side (interleaved) or in two halves."""
-    index = positions.clamp(0, cos.shape[0] - 1).long()
-    tables = []
-    for t in (cos, sin):
-        rows = t[index]
-        tables.append(rows.repeat_interleave(2, dim=-1) if interleaved else torch.cat([rows, rows], dim=-1))
-    return tables
-
-
-def _check_rotary(rotary_cos, rotary_sin, head_dim, interleaved):
-    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        if t.dim() != 2:
-            raise ValueError(f"{name}: expected [seqlen_ro, rotary_dim / 2], got shape {tuple(t.shape)}")
-    if rotary_sin.shape != rotary_cos.shape or rotary_sin.dtype != rotary_cos.dtype:
-        raise ValueError(
-            f"rotary_sin: expected the shape and dtype of rotary_cos {tuple(rotary_cos.shape)} {rotary_cos.dtype}, got "
-            f"{tuple(rotary_sin.shape)} {rotary_sin.dtype}"
-        )
-    if not 0 < 2 * rotary_cos.shape[1] <= head_dim:
-        raise ValueError(
-            f"rotary_cos: expected [seqlen_ro, rotary_dim / 2] with rotary_dim from 2 to the head dim {head_dim}, got "
-            f"shape {tuple(rotary_cos.shape)}"
-        )
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"rotary_interleaved: expected a bool, got {type(interleaved).__name__}")
-
-
-def _apply_rotary(q, k, rotary_cos, rotary_sin, cache_seqlens, interleaved, per_row):
-    """flash-attn's rotary of q and the new k: k's token j at position cache_seqlens + j; q's row i at cache_seqlens +
-    i when per_row (causal or local attention), else every row at cache_seqlens."""
-    batch, seqlen_q, new = q.shape[0], q.shape[1], k.shape[1]
-    steps = torch.arange(max(seqlen_q, new), dtype=torch.int32, device=q.device)
-    k_positions = cache_seqlens[:, None] + steps[None, :new]
-    q_positions = cache_seqlens[:, None] + (
-        steps[None, :seqlen_q] if per_row else torch.zeros_like(steps[None, :seqlen_q])
-    )
-    if checks.tracing() or not _host(cache_seqlens):
-        pass
-    else:
-        last = int((cache_seqlens + max(new, seqlen_q if per_row else 1) - 1).max()) if batch else -1
+def _rotary_positions(rotary_cos, cache_seqlens, steps, per_row):
+    """Positions [B, steps] of flash-attn's rotary: row i at cache_seqlens + i when per_row, else every row at
+    cache_seqlens; on host tensors each must have a row of the tables."""
+    offsets = torch.arange(steps, dtype=torch.int32, device=cache_seqlens.device)[None, :]
+    positions = cache_seqlens[:, None] + (offsets if per_row else torch.zeros_like(offsets))
+    if _host(cache_seqlens) and positions.numel():
+        last = int(positions.max())
         if last >= rotary_cos.shape[0]:
             raise ValueError(
                 f"rotary_cos: expected a row per position up to {last} (cache_seqlens + new tokens), got "
                 f"{rotary_cos.shape[0]} rows"
             )
-    k_tables = _rotary_tables("rotary_cos", rotary_cos, rotary_sin, k_positions, interleaved)
-    if per_row and seqlen_q == new:
-        return rotary_ops.apply_rotary(q, k, *k_tables, interleaved=interleaved, layout="bshd")
-    q_tables = _rotary_tables("rotary_cos", rotary_cos, rotary_sin, q_positions, interleaved)
-    q_out = rotary_ops.apply_rotary(q, None, *q_tables, interleaved=interleaved, layout="bshd")[0]
-    k_out = rotary_ops.apply_rotary(k, None, *k_tables, interleaved=interleaved, layout="bshd")[0]
-    return q_out, k_out
+    return positions
+
+
+def _rotate_query(q, rotary_cos, rotary_sin, positions, interleaved):
+    """q [B, Sq, Hq, D] rotated by the rotary op at positions [B, Sq] (flash-attn's half-width tables gathered and
+    widened to the op's [B, Sq, rotary_dim]): for queries whose positions are not the new keys' (see
+    flash_attn_with_kvcache)."""
+    index = positions.clamp(0, rotary_cos.shape[0] - 1).long()
+    tables = []
+    for t in (rotary_cos, rotary_sin):
+        rows = t[index]
+        tables.append(rows.repeat_interleave(2, dim=-1) if interleaved else torch.cat([rows, rows], dim=-1))
+    return rotary_ops.apply_rotary(q, None, *tables, interleaved=interleaved, layout="bshd")[0]
 
 
 def flash_attn_with_kvcache(
@@ -470,10 +443,11 @@ def flash_attn_with_kvcache(
     without it (S_cache a multiple of 16; read as pages in place). k [B, Snew, Hkv, D], v [B, Snew, Hkv, Dv] or both
     None: token j of sequence b is written at position cache_seqlens[b] + j of its cache, in place (the caller's
     tensors keep their storage; only those slots change). cache_seqlens: an int or [B] tensor, the tokens already
-    cached (None: the whole cache, without new k / v). rotary_cos / rotary_sin [seqlen_ro, rotary_dim / 2] (only with
-    k / v): q and the new k are rotated before the write and the attention, k's token j at position cache_seqlens +
-    j, q's row i at cache_seqlens + i when causal or local (window_size != (-1, -1)), else at cache_seqlens;
-    rotary_interleaved: GPT-J pairs (2i, 2i + 1) when True, halves (i, i + rotary_dim / 2) when False. Attention over
+    cached (None: the whole cache, without new k / v). rotary_cos / rotary_sin [seqlen_ro, rotary_dim / 2] (float32,
+    bfloat16 or float16, only with k / v): q and the new k are rotated before the attention, k's token j at position
+    cache_seqlens + j (in the kernel that writes it), q's row i at cache_seqlens + i when causal or local
+    (window_size != (-1, -1)), else at cache_seqlens; rotary_interleaved: GPT-J pairs (2i, 2i + 1) when True, halves
+    (i, i + rotary_dim / 2) when False. Attention over
     cache_seqlens + Snew keys per sequence: causal bottom-right aligned, window_size (left, right), softcap,
     softmax_scale (None: D ** -0.5), s_aux [Hq] sink logits (gpt-oss). -> out [B, Sq, Hq, Dv] in q's dtype.
 
@@ -554,10 +528,6 @@ def flash_attn_with_kvcache(
         _host_kvcache_checks(seqlens, table, new, seqlen_q, page, k_pages.shape[0], block_table is not None)
 
     window_size = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
-    if rotary_cos is not None:
-        _check_rotary(rotary_cos, rotary_sin, q.shape[-1], rotary_interleaved)
-        per_row = bool(causal) or window_size != (-1, -1)
-        q, k = _apply_rotary(q, k, rotary_cos, rotary_sin, seqlens, rotary_interleaved, per_row)
     names = {"key_cache": "k_cache", "value_cache": "v_cache", "key": "k", "value": "v"}
     if new and _overlap(k_pages, v_pages):
         # The write updates each cache as one array (donated on TPU, copied back whole on CPU): with shared bytes,
@@ -566,7 +536,33 @@ def flash_attn_with_kvcache(
             "v_cache: expected a tensor that shares no memory with k_cache (the new k and v are written in place, "
             "each cache as a whole array), got overlapping views of one buffer"
         )
-    if new:
+    if rotary_cos is not None:
+        kv_cache_ops.check_rotary(rotary_cos, rotary_sin, q.shape[-1], rotary_interleaved)
+        per_row = bool(causal) or window_size != (-1, -1)
+        k_positions = _rotary_positions(rotary_cos, seqlens, new, True)
+        # q rotates in the write's kernel when its rows sit at the new keys' positions (decode, and causal or local
+        # chunks of the new tokens); otherwise (q at cache_seqlens, or a q longer or shorter than the new tokens) the
+        # rotary op rotates it first, and the kernel rotates the key alone.
+        fused_q = seqlen_q == new and (per_row or new == 1)
+        if not fused_q:
+            q_positions = _rotary_positions(rotary_cos, seqlens, seqlen_q, per_row)
+            q = _rotate_query(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
+        with _renamed(names | {"query": "q"}):
+            q_rot = kv_cache_ops.rope_and_reshape_and_cache_flash(
+                q.reshape(batch * seqlen_q, *q.shape[2:]) if fused_q else None,
+                k.reshape(batch * new, *k.shape[2:]),
+                v.reshape(batch * new, *v.shape[2:]),
+                k_pages,
+                v_pages,
+                _slots(seqlens, table, new, page),
+                rotary_cos,
+                rotary_sin,
+                k_positions.reshape(-1),
+                rotary_interleaved=rotary_interleaved,
+            )
+        if fused_q:
+            q = q_rot.view(q.shape)
+    elif new:
         with _renamed(names):
             kv_cache_ops.reshape_and_cache_flash(
                 k.reshape(batch * new, *k.shape[2:]),
