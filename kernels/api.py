@@ -7,7 +7,7 @@ kernels in Pallas' TPU interpret mode; to jit them for the CPU, call them inside
 from .common.interpret import interpret_on_cpu
 from .flash_attention.api import flash_attention, flash_attention_varlen
 from .flash_attention.tuning import FlashAttentionBlocks
-from .kv_cache.api import block_table_slots, rope_and_write_kv_cache, write_kv_cache
+from .kv_cache.api import block_table_slots, rope_and_write_kv_cache, rope_tables_and_write_kv_cache, write_kv_cache
 from .kv_cache.tuning import KVCacheBlocks
 from .moe.api import experts_forward, prepare_mxfp4_experts
 from .moe.expert_parallel import expert_parallel_experts_forward, experts_forward_shard
@@ -59,5 +59,6 @@ __all__ = [
     "rms_norm_rope_from_positions",
     "rope_and_write_kv_cache",
     "rope_cos_sin",
+    "rope_tables_and_write_kv_cache",
     "write_kv_cache",
 ]

@@ -43,6 +43,8 @@ EXPECTED_OPS = tuple(
     # inference ops that update caches in place: the mutating op and the functional op under it
     "reshape_and_cache_flash",
     "reshape_and_cache_flash_functional",
+    "rope_and_reshape_and_cache_flash",
+    "rope_and_reshape_and_cache_flash_functional",
 )
 
 
