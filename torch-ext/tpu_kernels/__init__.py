@@ -8,12 +8,14 @@
     out = kernel.flash_attn_func(q, k, v, causal=True)  # flash-attn 2's API; also flash_attn_varlen_func
     out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=pages)  # decode
     AutoModelForCausalLM.from_pretrained(id, attn_implementation="kernels-community/tpu-kernels:flash_attn_varlen_func")
+    name = kernel.register_continuous_batching()  # generate_batch with our cache writes and paged attention
 
 Importing this package compiles nothing and makes no network access.
 """
 
 from . import jax, layers
 from ._ops import add_op_namespace_prefix, ops
+from .continuous_batching import paged_attention_forward, register_continuous_batching
 from .expert_parallel_ops import expert_parallel_experts, expert_parallel_op  # noqa: F401  (torch op over a mesh)
 from .flash_attention_ops import attention_forward, flash_attn_func, flash_attn_varlen_func
 from .kv_cache_ops import reshape_and_cache_flash
@@ -35,9 +37,11 @@ __all__ = [
     "jax",
     "layers",
     "ops",
+    "paged_attention_forward",
     "prepare_mxfp4_experts",
     "ragged_dot",
     "ragged_paged_attention",
+    "register_continuous_batching",
     "reshape_and_cache_flash",
     "rms_norm",
     "rms_norm_rope",

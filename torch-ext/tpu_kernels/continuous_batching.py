@@ -1,0 +1,264 @@
+"""transformers' continuous batching (`model.generate_batch`) on these kernels: an attention function for transformers'
+AttentionInterface that, given transformers' PagedAttentionCache, writes each step's new K/V into the cache with
+reshape_and_cache_flash (in place, at transformers' own write indices) and attends with ragged_paged_attention
+directly over the cache's pages. Without a paged cache it is flash_attention_ops.attention_forward.
+
+    name = "kernels-community/tpu-kernels:flash_paged"
+    model = AutoModelForCausalLM.from_pretrained(model_id, attn_implementation=name)
+    kernel.register_continuous_batching(model)  # after loading: the name now runs paged_attention_forward
+    model.generate_batch(prompts, generation_config=config)
+
+Why that spelling and the call. generate_batch accepts "sdpa", "paged|eager" or a name containing "flash" (only a
+flash name gets transformers' packed batches without masks). Loading a model with a name containing "flash"
+imports a flash attention implementation for it: a Hub kernel name ("org/repo:suffix", any suffix) loads the kernel,
+a name of one's own fails (flash_attn is not installed). For a kernel with flash_attn_varlen_func transformers then
+registers its own flash_attention_forward under the name whatever the suffix says (that wrapper writes and gathers
+the cache in torch, then calls our flash_attn_varlen_func); register_continuous_batching replaces that entry (and
+sets flash attention's mask function), so it is called after loading.
+
+How transformers' cache is laid out, and how it is used here. One flat buffer per attention type (an allocator: full
+or sliding attention) holds, block after block, one page of K then one page of V of every layer of that type, each
+page `page_size` tokens of [kv_heads, head_dim]. Layer i of the group reads its K at rows 2 i page_size + x and its V
+at (2 i + 1) page_size + x of the buffer seen as rows, x = transformers' physical index (write_index, read_index).
+- The write: the buffer as pages [buffer_pages, page_size, kv_heads, head_dim] is one tensor holding both K and V,
+  so reshape_and_cache_flash gets it as key_cache and as value_cache (the same tensor) with the new K and V rows both
+  as its key and value rows at slots (K rows' then V rows'): each of its two updated arrays then holds every new row
+  and writing either back gives the same buffer. Two distinct views (transformers' K and V page views) overlap
+  by all but one page, and the op updates each as a whole array, so the second would restore the first's old rows.
+  This writes each row twice; a key-only mode of the cache write would halve that.
+- The attention: ragged_paged_attention over transformers' K and V page views of the layer (the buffer's pages from
+  2 i and from 2 i + 1; read only, so their overlap is harmless), page tables derived on the device from the read /
+  write indices (the physical index of each page's first token, over page_size), kv_lens from cu_seq_lens_k.
+- Sliding window layers keep a ring buffer of `sliding_window` slots (token p at slot p % window), rotated once a
+  request is longer than the window. Before it wraps (every context of the step shorter than the window) slots are
+  positions and the pages read as for full attention. A ring that fits one page (window <= page_size) at a decode
+  step (one query per request) is read whole: every slot holds a key of the window, and attention of a single query
+  does not depend on the keys' order. Otherwise (a chunk of several queries whose window wrapped, whose early
+  queries need keys its later tokens overwrite; or a decode over a ring of several pages, whose slots are rotated
+  across pages) the layer falls back, for that step: it gathers the window's K/V at transformers' read indices
+  (before the write, the new tokens at the sentinel slots), runs flash_attn_varlen_func on them, then writes with
+  reshape_and_cache_flash. Every write and every attention is still one of these ops.
+transformers' decode fast path (block_table, flash_attn_with_kvcache) is enabled on CUDA / XPU only; its block
+table is read here too (decode: one new token a request). Padded batches (CUDA graphs) are not supported.
+"""
+
+import torch
+
+from . import flash_attention_ops, kv_cache_ops, paged_attention_ops
+
+CB_ATTENTION = "kernels-community/tpu-kernels:flash_paged"
+FULL_ATTENTION = "full_attention"
+# Each new token count, sequence count or page-table width is a new compiled program of the kernels (a new export on
+# TPU): they are padded to powers of two, each to at least these many, so that steps share programs (padding tokens
+# and sequences are skipped by the kernels; a sequence and a page-table column are SMEM words).
+MIN_TOKENS = 16
+MIN_SEQS = 8
+MIN_PAGES = 8
+
+
+def _bucket(size: int, minimum: int) -> int:
+    return max(minimum, 1 << max(size - 1, 0).bit_length())
+
+
+def register_continuous_batching(model) -> str:
+    """Make the model's attention (transformers' registry entry for its attn_implementation, which must contain
+    "flash") paged_attention_forward, with flash attention's mask function. `model`: a model loaded with
+    attn_implementation="kernels-community/tpu-kernels:flash_paged" (see the module docstring), or that name.
+    Call it after loading: loading registers transformers' own wrapper under the name. Returns the name."""
+    name = model if isinstance(model, str) else model.config._attn_implementation
+    if not isinstance(name, str) or "flash" not in name:
+        raise ValueError(
+            f"model: generate_batch takes a flash attention name only (one containing 'flash', e.g. "
+            f"{CB_ATTENTION!r}), got attn_implementation {name!r}"
+        )
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(name, paged_attention_forward)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    return name
+
+
+def _is_paged_cache(cache) -> bool:
+    if cache is None:
+        return False
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    return isinstance(cache, PagedAttentionCache)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache=None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: with `cache` a PagedAttentionCache (continuous batching), the new K/V
+    written into it by reshape_and_cache_flash and ragged_paged_attention over its pages (see the module docstring);
+    otherwise flash_attention_ops.attention_forward (its options: scaling, sliding_window, softcap, is_causal, s_aux).
+    query [1, Hq, T, D], key / value [1, Hkv, T, D] -> ([1, T, Hq, D], None). Inference only."""
+    if not _is_paged_cache(cache):
+        return flash_attention_ops.attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if kwargs.get("dropout"):
+        raise ValueError(f"dropout: continuous batching is inference only, expected 0.0, got {kwargs['dropout']}")
+    if query.shape[0] != 1:
+        raise ValueError(f"query: expected transformers' packed batch [1, heads, tokens, head_dim], got {query.shape}")
+    is_causal, softcap, s_aux = kwargs.get("is_causal"), kwargs.get("softcap"), kwargs.get("s_aux")
+    scaling, sliding_window = kwargs.get("scaling"), kwargs.get("sliding_window")
+    causal = bool(module.is_causal if is_causal is None else is_causal)
+    step = _Step(cache, module.layer_idx, kwargs)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    attend = dict(
+        softmax_scale=scaling,
+        causal=causal,
+        window_size=flash_attention_ops._window(sliding_window),
+        softcap=0.0 if softcap is None else softcap,
+    )
+    if step.paged(sliding_window):
+        step.write(k, v)
+        out = step.attend(q, sinks=s_aux, **attend)
+    else:
+        k_ctx, v_ctx = step.gather_window(k, v)  # before the write: the ring's new slots hold keys still needed
+        out = step.attend_gathered(q, k_ctx, v_ctx, s_aux=s_aux, **attend)
+        step.write(k, v)
+    return out.unsqueeze(0), None
+
+
+class _Step:
+    """One layer's view of a continuous batching step: its allocator's buffer and the step's indices."""
+
+    def __init__(self, cache, layer_idx, kwargs):
+        self.allocator = a = cache.layer_to_allocator[layer_idx]
+        self.layer = a.layer_indices.index(layer_idx)
+        self.page = a.tokens_per_page
+        rows = a.cache_tensor  # [tokens, 2, kv_heads, head_dim]
+        self.buffer = rows.view(-1, self.page, *rows.shape[2:])  # every page of the group: K and V of each layer
+        self.cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
+        self.max_q = int(kwargs["max_length_q"])
+        self.cu_k, self.max_k = kwargs["cu_seq_lens_k"], kwargs["max_length_k"]
+        if isinstance(self.cu_k, dict):  # per layer type, as transformers' paged cache hands them
+            self.cu_k, self.max_k = self.cu_k[a.layer_type], self.max_k[a.layer_type]
+        self.cu_k, self.max_k = self.cu_k.to(torch.int32), int(self.max_k)
+        self.block_table = kwargs.get("block_table")
+        if self.block_table is not None:
+            self.block_table = self.block_table[a.index]
+            self.write_index = self.read_index = None
+        else:
+            self.write_index = kwargs["write_index"][a.index]
+            self.read_index = kwargs["read_index"][a.index]
+
+    # ------------------------------------------------------------------------------------------------------ pages
+    def attend(self, q, **options):
+        """ragged_paged_attention of q [T, Hq, D] over the layer's pages, its sizes padded to _bucket's."""
+        tokens, seqs = q.shape[0], self.cu_q.numel() - 1
+        table = self.page_table()
+        padded_seqs, padded_pages = _bucket(seqs, MIN_SEQS), _bucket(table.shape[1], MIN_PAGES)
+        table = torch.nn.functional.pad(table, (0, padded_pages - table.shape[1], 0, padded_seqs - seqs))
+        kv_lens = torch.nn.functional.pad(self.cu_k.diff(), (0, padded_seqs - seqs))
+        cu_q = torch.nn.functional.pad(self.cu_q, (0, padded_seqs - seqs), value=tokens)
+        q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, _bucket(tokens, MIN_TOKENS) - tokens))
+        # one view pair for every layer of the group (one compiled program): K pages from 0, V pages from 1, the
+        # layer's pages 2 i further on
+        k_pages, v_pages = self.buffer[:-1], self.buffer[1:]
+        out = paged_attention_ops.ragged_paged_attention(
+            q, k_pages, v_pages, kv_lens, table + 2 * self.layer, cu_q, num_seqs=seqs, **options
+        )
+        return out[:tokens]
+
+    def attend_gathered(self, q, k, v, **options):
+        """flash_attn_varlen_func of q [T, Hq, D] over gathered contexts k / v [Tk, Hkv, D], its sizes padded as
+        attend's: the padding rows form one more sequence (its queries see as many padding keys or more: every row
+        has keys) whose rows are dropped, then empty sequences up to the bucket."""
+        tokens, keys, seqs = q.shape[0], k.shape[0], self.cu_q.numel() - 1
+        padded_q = _bucket(tokens, MIN_TOKENS)
+        padded_k = _bucket(keys + padded_q - tokens, 2 * MIN_TOKENS)  # contexts outnumber queries
+        q, k, v = (
+            torch.nn.functional.pad(x, (0, 0, 0, 0, 0, n - x.shape[0]))
+            for x, n in ((q, padded_q), (k, padded_k), (v, padded_k))
+        )
+        more = _bucket(seqs + 1, MIN_SEQS) - seqs
+        cu_q, cu_k = (
+            torch.nn.functional.pad(cu, (0, more), value=n) for cu, n in ((self.cu_q, padded_q), (self.cu_k, padded_k))
+        )
+        out = flash_attention_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, padded_q, padded_k, **options)
+        return out[:tokens]
+
+    def sliding(self) -> bool:
+        return self.allocator.layer_type != FULL_ATTENTION
+
+    def paged(self, sliding_window) -> bool:
+        """Whether this step's contexts are pages the kernel can read (see the module docstring)."""
+        if not self.sliding() or self.block_table is not None:
+            return True
+        window = self.allocator.sliding_window
+        if self.max_k < window:  # no ring has wrapped: slots are positions
+            return True
+        if self.max_q == 1 and window <= self.page:  # decode over one-page rings: every slot is in the window
+            return True
+        q_lens, k_lens = self.cu_q.diff(), self.cu_k.diff()
+        # a request wraps only if its context reaches the window; with one query it is read whole (one page) or not
+        return not bool(((k_lens >= window) & ((q_lens > 1) | (window > self.page))).any())
+
+    def page_table(self):
+        """[N, pages] page indices of the layer's page views: each page's first token's physical index over
+        page_size, from transformers' block table, or its read indices (write indices where the batch reads
+        nothing; a sliding layer's sentinels, its new tokens, replaced by their write indices)."""
+        if self.block_table is not None:
+            return self.block_table.clamp(min=0).to(torch.int32)
+        if self.sliding() and self.max_q == 1 and self.allocator.sliding_window <= self.page:
+            # one-page rings: the page holding each request's new token
+            return (self.write_index[self.cu_q[:-1].long()] // self.page).to(torch.int32)[:, None]
+        if self.read_index.numel() == 0:
+            physical, starts = self.write_index, self.cu_q
+        else:
+            physical, starts = self.read_index, self.cu_k
+            if self.sliding():
+                sentinel = physical == self.allocator.sentinel_index
+                physical = physical.masked_scatter(sentinel, self.write_index)
+        pages = max(1, -(-self.max_k // self.page))
+        first = starts[:-1, None].long() + self.page * torch.arange(pages, device=physical.device)[None, :]
+        inside = first < starts[1:, None]
+        index = torch.where(inside, first, 0).clamp(max=max(physical.numel() - 1, 0))
+        return torch.where(inside, physical[index] // self.page, 0).to(torch.int32)
+
+    # ------------------------------------------------------------------------------------------------------ write
+    def slots(self):
+        """Slots of the new tokens in this layer's K page view (-1: not stored, transformers' write trash)."""
+        if self.block_table is not None:  # decode: each request's one new token, at its context's last position
+            last = self.cu_k.diff() - 1
+            pages = torch.gather(self.block_table, 1, (last // self.page).long()[:, None])[:, 0]
+            return pages * self.page + last % self.page
+        trash = self.write_index == self.allocator.write_trash_index
+        return torch.where(trash, -1, self.write_index)
+
+    def write(self, k, v):
+        """k / v [T, kv_heads, D] written into the buffer by reshape_and_cache_flash, in place (see the module
+        docstring: the buffer is both caches, the K and V rows both the key and the value rows)."""
+        slots = self.slots()
+        skip = slots < 0
+        offset = 2 * self.layer * self.page
+        slot_mapping = torch.cat(
+            [torch.where(skip, -1, slots + offset), torch.where(skip, -1, slots + offset + self.page)]
+        )
+        rows = torch.cat([k, v])
+        padded = 2 * _bucket(k.shape[0], MIN_TOKENS)
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, 0, 0, padded - rows.shape[0]))
+        slot_mapping = torch.nn.functional.pad(slot_mapping, (0, padded - slot_mapping.shape[0]), value=-1)
+        kv_cache_ops.reshape_and_cache_flash(rows, rows, self.buffer, self.buffer, slot_mapping)
+
+    # --------------------------------------------------------------------------------------------------- fallback
+    def gather_window(self, k, v):
+        """The window's K/V [sum of kv lens, kv_heads, D] at transformers' read indices, read before the write, the
+        new tokens at the sentinel slots (a sliding layer's ring that the step's write would overwrite)."""
+        if self.read_index.numel() == 0:  # no request has a past: the context is the new tokens
+            return k, v
+        flat = self.buffer.view(-1, *self.buffer.shape[2:])
+        sentinel = (self.read_index == self.allocator.sentinel_index)[:, None, None]
+        gathered = []
+        for new, first in ((k, 2 * self.layer * self.page), (v, (2 * self.layer + 1) * self.page)):
+            rows = flat[first:].index_select(0, self.read_index)
+            gathered.append(rows.masked_scatter(sentinel, new))
+        return gathered
