@@ -38,8 +38,8 @@ at (2 i + 1) page_size + x of the buffer seen as rows, x = transformers' physica
   across pages) the layer falls back, for that step: it gathers the window's K/V at transformers' read indices
   (before the write, the new tokens at the sentinel slots), runs flash_attn_varlen_func on them, then writes with
   reshape_and_cache_flash. Every write and every attention is still one of these ops.
-transformers' decode fast path (block_table, flash_attn_with_kvcache) is enabled on CUDA / XPU only; its block
-table is read here too (decode: one new token a request). Padded batches (CUDA graphs) are not supported.
+transformers' decode fast path (block_table, flash_attn_with_kvcache) and its padded batches (CUDA graphs) are enabled
+on CUDA / XPU only: a block_table is refused with an error.
 """
 
 import torch
@@ -142,13 +142,13 @@ class _Step:
         if isinstance(self.cu_k, dict):  # per layer type, as transformers' paged cache hands them
             self.cu_k, self.max_k = self.cu_k[a.layer_type], self.max_k[a.layer_type]
         self.cu_k, self.max_k = self.cu_k.to(torch.int32), int(self.max_k)
-        self.block_table = kwargs.get("block_table")
-        if self.block_table is not None:
-            self.block_table = self.block_table[a.index]
-            self.write_index = self.read_index = None
-        else:
-            self.write_index = kwargs["write_index"][a.index]
-            self.read_index = kwargs["read_index"][a.index]
+        if kwargs.get("block_table") is not None:
+            raise NotImplementedError(
+                "block_table: transformers' decode fast path (flash_attn_with_kvcache, CUDA / XPU only) is not taken "
+                "by paged_attention_forward; expected write_index and read_index"
+            )
+        self.write_index = kwargs["write_index"][a.index]
+        self.read_index = kwargs["read_index"][a.index]
 
     # ------------------------------------------------------------------------------------------------------ pages
     def attend(self, q, **options):
@@ -191,7 +191,7 @@ class _Step:
 
     def paged(self, sliding_window) -> bool:
         """Whether this step's contexts are pages the kernel can read (see the module docstring)."""
-        if not self.sliding() or self.block_table is not None:
+        if not self.sliding():
             return True
         window = self.allocator.sliding_window
         if self.max_k < window:  # no ring has wrapped: slots are positions
@@ -204,10 +204,8 @@ class _Step:
 
     def page_table(self):
         """[N, pages] page indices of the layer's page views: each page's first token's physical index over
-        page_size, from transformers' block table, or its read indices (write indices where the batch reads
+        page_size, from transformers' read indices (write indices where the batch reads
         nothing; a sliding layer's sentinels, its new tokens, replaced by their write indices)."""
-        if self.block_table is not None:
-            return self.block_table.clamp(min=0).to(torch.int32)
         if self.sliding() and self.max_q == 1 and self.allocator.sliding_window <= self.page:
             # one-page rings: the page holding each request's new token
             return (self.write_index[self.cu_q[:-1].long()] // self.page).to(torch.int32)[:, None]
@@ -227,10 +225,6 @@ class _Step:
     # ------------------------------------------------------------------------------------------------------ write
     def slots(self):
         """Slots of the new tokens in this layer's K page view (-1: not stored, transformers' write trash)."""
-        if self.block_table is not None:  # decode: each request's one new token, at its context's last position
-            last = self.cu_k.diff() - 1
-            pages = torch.gather(self.block_table, 1, (last // self.page).long()[:, None])[:, 0]
-            return pages * self.page + last % self.page
         trash = self.write_index == self.allocator.write_trash_index
         return torch.where(trash, -1, self.write_index)
 
