@@ -20,14 +20,16 @@ How transformers' cache is laid out, and how it is used here. One flat buffer pe
 or sliding attention) holds, block after block, one page of K then one page of V of every layer of that type, each
 page `page_size` tokens of [kv_heads, head_dim]. Layer i of the group reads its K at rows 2 i page_size + x and its V
 at (2 i + 1) page_size + x of the buffer seen as rows, x = transformers' physical index (write_index, read_index).
-- The write: the buffer as pages [buffer_pages, page_size, kv_heads, head_dim] is one tensor holding both K and V,
-  so reshape_and_cache_flash gets it as key_cache and as value_cache (the same tensor) with the new K and V rows both
-  as its key and value rows at slots (K rows' then V rows'): each of its two updated arrays then holds every new row
-  and writing either back gives the same buffer. Two distinct views (transformers' K and V page views) overlap
-  by all but one page, and the op updates each as a whole array, so the second would restore the first's old rows.
-  This writes each row twice; a key-only mode of the cache write would halve that.
-- The attention: ragged_paged_attention over transformers' K and V page views of the layer (the buffer's pages from
-  2 i and from 2 i + 1; read only, so their overlap is harmless), page tables derived on the device from the read /
+- The write: the K and V page views transformers reads a layer through overlap by all but one page, and
+  reshape_and_cache_flash updates each of its caches as a whole array (donated on TPU, copied back on CPU), so they
+  cannot be its two caches. Its caches are the buffer's two halves instead (its pages split in the middle: two
+  distinct contiguous tensors, nothing copied): a first call writes the new rows that fall in the first half as keys,
+  with as values the second half's rows at the same slots as they are; a second call writes the rows that fall in
+  the second half as values, with the first half's rows at those slots (read after the first call) as keys. Each new
+  row is written once and one other row rewritten unchanged; a key-only mode of the write would drop the rewrites.
+- The attention: ragged_paged_attention over the buffer's pages from 0 as K and from 1 as V (read only, so their
+  overlap is harmless; one pair of views for every layer, so one compiled program), the layer's pages 2 i further
+  on, page tables derived on the device from the read /
   write indices (the physical index of each page's first token, over page_size), kv_lens from cu_seq_lens_k.
 - Sliding window layers keep a ring buffer of `sliding_window` slots (token p at slot p % window), rotated once a
   request is longer than the window. Before it wraps (every context of the step shorter than the window) slots are
@@ -229,19 +231,28 @@ class _Step:
         return torch.where(trash, -1, self.write_index)
 
     def write(self, k, v):
-        """k / v [T, kv_heads, D] written into the buffer by reshape_and_cache_flash, in place (see the module
-        docstring: the buffer is both caches, the K and V rows both the key and the value rows)."""
+        """k / v [T, kv_heads, D] written into the buffer in place by two reshape_and_cache_flash calls over its two
+        halves (see the module docstring): the first writes the new rows that fall in the first half as keys, the
+        second those in the second half as values, each rewriting its slots' rows of the other half as they are."""
         slots = self.slots()
         skip = slots < 0
         offset = 2 * self.layer * self.page
-        slot_mapping = torch.cat(
-            [torch.where(skip, -1, slots + offset), torch.where(skip, -1, slots + offset + self.page)]
-        )
+        rows_at = torch.cat([torch.where(skip, -1, slots + offset), torch.where(skip, -1, slots + offset + self.page)])
         rows = torch.cat([k, v])
         padded = 2 * _bucket(k.shape[0], MIN_TOKENS)
         rows = torch.nn.functional.pad(rows, (0, 0, 0, 0, 0, padded - rows.shape[0]))
-        slot_mapping = torch.nn.functional.pad(slot_mapping, (0, padded - slot_mapping.shape[0]), value=-1)
-        kv_cache_ops.reshape_and_cache_flash(rows, rows, self.buffer, self.buffer, slot_mapping)
+        rows_at = torch.nn.functional.pad(rows_at, (0, padded - rows_at.shape[0]), value=-1)
+        half = self.buffer.shape[0] // 2  # transformers' buffer has an even number of pages (K and V of each)
+        halves = self.buffer[:half], self.buffer[half:]
+        flats = [h.view(-1, *h.shape[2:]) for h in halves]
+        size = flats[0].shape[0]
+        for second in (False, True):
+            mine = (rows_at >= size) if second else ((rows_at >= 0) & (rows_at < size))
+            slot_mapping = torch.where(mine, rows_at - size * second, -1)
+            # the other half's rows at these slots as they are now (after the first call, for the second)
+            current = flats[not second].index_select(0, slot_mapping.clamp(min=0))
+            key, value = (current, rows) if second else (rows, current)
+            kv_cache_ops.reshape_and_cache_flash(key, value, *halves, slot_mapping)
 
     # --------------------------------------------------------------------------------------------------- fallback
     def gather_window(self, k, v):
