@@ -16,9 +16,13 @@ from tpu_kernels.continuous_batching import CB_ATTENTION
 # cache), prompts and decodes share steps, and every step has the kernels' smallest token bucket (one program).
 MAX_BATCH_TOKENS = 16
 NEW_TOKENS = 2
+# Gemma 4's sliding window of 18 (two pages of 16, the second partial): the 20-token prompt's second chunk wraps its
+# ring (the window gathered, flash attention) and its decode reads the wrapped ring as pages rotated by its position.
+# Both of its layer types take one head dim (see MODELS).
+CB_MODELS = MODELS | {"gemma4": lambda seed: tiny_models.gemma4(seed, global_head_dim=128, sliding_window=18)}
 
 
-@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("model_name", CB_MODELS)
 def test_generate_batch_writes_and_attends_with_our_ops(rand, model_name, hub_kernels, tmp_path):  # noqa: F811
     """generate_batch with attn_implementation CB_ATTENTION and register_continuous_batching: the greedy tokens of
     plain generate with "sdpa"; per attention call (counted on the attention modules) two reshape_and_cache_flash
@@ -32,7 +36,7 @@ def test_generate_batch_writes_and_attends_with_our_ops(rand, model_name, hub_ke
 
     import kernels
 
-    MODELS[model_name](rand.seed).save_pretrained(tmp_path / model_name)
+    CB_MODELS[model_name](rand.seed).save_pretrained(tmp_path / model_name)
     models = {
         name: AutoModelForCausalLM.from_pretrained(tmp_path / model_name, attn_implementation=name, dtype=torch.float32)
         for name in ("sdpa", CB_ATTENTION)
@@ -44,13 +48,24 @@ def test_generate_batch_writes_and_attends_with_our_ops(rand, model_name, hub_ke
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
     prompts = [rand.rng.integers(1, tiny_models.VOCAB, n).tolist() for n in PROMPT_LENGTHS]
     with torch.no_grad():
-        expected = [models["sdpa"].generate(torch.tensor([p]), generation_config=config)[0, len(p) :] for p in prompts]
+        runs = [
+            models["sdpa"].generate(torch.tensor([p]), config, output_scores=True, return_dict_in_generate=True)
+            for p in prompts
+        ]
+    expected = [run.sequences[0, len(p) :].tolist() for run, p in zip(runs, prompts)]
+    # the chosen tokens' log-probabilities: a wrong key read that leaves the argmax alone still moves them
+    expected_logprobs = [
+        [float(torch.log_softmax(score[0], -1)[t]) for score, t in zip(run.scores, tokens)]
+        for run, tokens in zip(runs, expected)
+    ]
 
     calls = collections.Counter()
     hooks = [
         layer.self_attn.register_forward_hook(lambda *a: calls.update(["attention"])) for layer in ours.model.layers
     ]
-    cb_config = ContinuousBatchingConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=MAX_BATCH_TOKENS)
+    cb_config = ContinuousBatchingConfig(
+        page_size=PAGE, num_blocks=16, max_batch_tokens=MAX_BATCH_TOKENS, return_logprobs=True
+    )
     with pytest.MonkeyPatch.context() as patch:
         _counting(patch, kernel.kv_cache_ops, "reshape_and_cache_flash_op", calls)
         _counting(patch, kernel.paged_attention_ops, "ragged_paged_attention_op", calls)
@@ -64,8 +79,10 @@ def test_generate_batch_writes_and_attends_with_our_ops(rand, model_name, hub_ke
         outputs = ours.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config)
     for hook in hooks:
         hook.remove()
-    generated = [outputs[key].generated_tokens for key in sorted(outputs, key=lambda k: int(k.split("_")[-1]))]
-    assert generated == [e.tolist() for e in expected]
+    results = [outputs[key] for key in sorted(outputs, key=lambda k: int(k.split("_")[-1]))]
+    assert [r.generated_tokens for r in results] == expected
+    logprobs = [x for r in results for x in r.logprobs]
+    assert logprobs == pytest.approx([x for row in expected_logprobs for x in row], abs=1e-4)
     attention = calls.pop("attention")
     layers = ours.config.num_hidden_layers
     steps = attention // layers
@@ -73,6 +90,6 @@ def test_generate_batch_writes_and_attends_with_our_ops(rand, model_name, hub_ke
     assert calls.pop("reshape_and_cache_flash_op") == 2 * attention  # the buffer's two halves
     gathered = calls.pop("flash_attention_varlen_op", 0)
     assert calls.pop("ragged_paged_attention_op") + gathered == attention
-    # Qwen3 has no sliding layer; Gemma 4's (window 8) wraps within the 20-token prompt's chunks only
+    # Qwen3 has no sliding layer; Gemma 4's wraps within the 20-token prompt's second chunk only
     assert (gathered > 0) == (model_name == "gemma4") and gathered < steps
     assert not calls  # no allocator update, no dense flash attention

@@ -33,13 +33,14 @@ at (2 i + 1) page_size + x of the buffer seen as rows, x = transformers' physica
   write indices (the physical index of each page's first token, over page_size), kv_lens from cu_seq_lens_k.
 - Sliding window layers keep a ring buffer of `sliding_window` slots (token p at slot p % window), rotated once a
   request is longer than the window. Before it wraps (every context of the step shorter than the window) slots are
-  positions and the pages read as for full attention. A ring that fits one page (window <= page_size) at a decode
-  step (one query per request) is read whole: every slot holds a key of the window, and attention of a single query
-  does not depend on the keys' order. Otherwise (a chunk of several queries whose window wrapped, whose early
-  queries need keys its later tokens overwrite; or a decode over a ring of several pages, whose slots are rotated
-  across pages) the layer falls back, for that step: it gathers the window's K/V at transformers' read indices
-  (before the write, the new tokens at the sentinel slots), runs flash_attn_varlen_func on them, then writes with
-  reshape_and_cache_flash. Every write and every attention is still one of these ops.
+  positions and the pages read as for full attention. A request with one query (a decode) reads its whole ring,
+  every slot a key of its window, as the context: its pages in ring order (the ring's pages rotated by its position,
+  from transformers' position_ids; the last page partial when the window is not a multiple of the page), the order of
+  the keys being irrelevant to a single query's attention. A chunk of several queries whose window wrapped cannot be
+  read after its write (its later tokens overwrite keys its earlier queries need): for such a step the layer gathers
+  the window's K/V at transformers' read indices (before the write, the new tokens at the sentinel slots), runs
+  flash_attn_varlen_func on them, then writes with reshape_and_cache_flash. Every write and every attention is still
+  one of these ops. (Without position_ids only one-page rings are read at a decode; others gather.)
 transformers' decode fast path (block_table, flash_attn_with_kvcache) and its padded batches (CUDA graphs) are enabled
 on CUDA / XPU only: a block_table is refused with an error.
 """
@@ -150,6 +151,8 @@ class _Step:
                 "by paged_attention_forward; expected write_index and read_index"
             )
         self.write_index = kwargs["write_index"][a.index]
+        positions = kwargs.get("position_ids")  # each new token's position (transformers passes them to attention)
+        self.positions = None if positions is None else positions.reshape(-1)
         self.read_index = kwargs["read_index"][a.index]
 
     # ------------------------------------------------------------------------------------------------------ pages
@@ -198,17 +201,21 @@ class _Step:
         window = self.allocator.sliding_window
         if self.max_k < window:  # no ring has wrapped: slots are positions
             return True
-        if self.max_q == 1 and window <= self.page:  # decode over one-page rings: every slot is in the window
+        # a request's ring may have wrapped only if its context reaches the window; a single query reads the whole
+        # ring, rotated by its position (or, without positions, a ring of one page as it lies)
+        single = self.positions is not None or window <= self.page
+        if self.max_q == 1 and single:
             return True
         q_lens, k_lens = self.cu_q.diff(), self.cu_k.diff()
-        # a request wraps only if its context reaches the window; with one query it is read whole (one page) or not
-        return not bool(((k_lens >= window) & ((q_lens > 1) | (window > self.page))).any())
+        return not bool(((k_lens >= window) & ((q_lens > 1) | (not single))).any())
 
     def page_table(self):
-        """[N, pages] page indices of the layer's page views: each page's first token's physical index over
-        page_size, from transformers' read indices (write indices where the batch reads
-        nothing; a sliding layer's sentinels, its new tokens, replaced by their write indices)."""
-        if self.sliding() and self.max_q == 1 and self.allocator.sliding_window <= self.page:
+        """[N, pages] page indices of the layer's page views: each page's first context token's physical index over
+        page_size, from transformers' read indices (write indices where the batch reads nothing; a sliding layer's
+        sentinels, its new tokens, replaced by their write indices). A wrapped ring's read indices start at ring slot
+        (past + 1) % window: page j's first slot j * page_size is read entry (j * page_size - that) % window."""
+        window = self.allocator.sliding_window if self.sliding() else 0
+        if self.sliding() and self.positions is None and self.max_q == 1 and window <= self.page:
             # one-page rings: the page holding each request's new token
             return (self.write_index[self.cu_q[:-1].long()] // self.page).to(torch.int32)[:, None]
         if self.read_index.numel() == 0:
@@ -218,10 +225,15 @@ class _Step:
             if self.sliding():
                 sentinel = physical == self.allocator.sentinel_index
                 physical = physical.masked_scatter(sentinel, self.write_index)
+        lengths = starts.diff().long()[:, None]
         pages = max(1, -(-self.max_k // self.page))
-        first = starts[:-1, None].long() + self.page * torch.arange(pages, device=physical.device)[None, :]
-        inside = first < starts[1:, None]
-        index = torch.where(inside, first, 0).clamp(max=max(physical.numel() - 1, 0))
+        offsets = self.page * torch.arange(pages, device=physical.device)[None, :]
+        inside = offsets < lengths
+        if self.sliding() and self.positions is not None and self.read_index.numel():
+            past = self.positions[self.cu_q[:-1].long()].long()[:, None]
+            start = torch.where(past >= window, (past + 1) % window, 0)
+            offsets = (offsets - start) % lengths.clamp(min=1)
+        index = torch.where(inside, starts[:-1, None].long() + offsets, 0).clamp(max=max(physical.numel() - 1, 0))
         return torch.where(inside, physical[index] // self.page, 0).to(torch.int32)
 
     # ------------------------------------------------------------------------------------------------------ write
