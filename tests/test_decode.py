@@ -16,7 +16,7 @@ import pytest
 
 decode_main = importlib.import_module("benchmarks.decode.__main__")
 from benchmarks import perf_model  # noqa: E402
-from benchmarks.decode import compose, models, programs, ring  # noqa: E402
+from benchmarks.decode import compose, models, programs, ring, smoke  # noqa: E402
 
 
 def test_cpu_smoke_end_to_end(tmp_path):
@@ -27,12 +27,15 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert result["label"] == "cpu smoke, not a TPU figure" and "cpu smoke, not a TPU figure" in markdown
     assert len(result["models"]) == 2  # both architectures
     for name, model in result["models"].items():
+        # on 2 CPU processes, each holding half of the tiny models' 8 experts (transformers' expert parallelism)
+        assert (model["ranks"], model["experts_per_rank"]) == (smoke.RANKS, 8 // smoke.RANKS), name
         (series,) = model["series"]
         assert series["execution"] == "op by op", name
         rows = series["rows"]
         assert [r["batch"] for r in rows] == list(decode_main.SMOKE_BATCHES), name
         for row in rows:
-            # every implementation generated the default's greedy tokens, under a static cache
+            # every implementation generated the default's greedy tokens, under a static cache, on every rank
+            # (device_mode.run_ranks raises otherwise)
             assert row["tokens_match"] is True, (name, row)
             assert row["new_tokens"] == decode_main.SMOKE_NEW_TOKENS
             impls = row["impls"]
@@ -80,13 +83,16 @@ def test_device_mode_measures_a_build_of_this_checkout(monkeypatch):
     monkeypatch.setattr(torch, "tpu", tpu, raising=False)
 
     def spawn(worker, args, nprocs, join):
-        options, out_path = args
+        options, out_dir = args
         build_dir = pathlib.Path(options["build_dir"])
         launched.update(nprocs=nprocs, env=os.environ.get("LOCAL_KERNELS"), build_dir=build_dir)
         assert (build_dir / "torch-tpu" / "metadata.json").is_file()  # the variant the TPU workers load
         layer = generation.local_layers(options["build_dir"])("RMSNorm")
         assert layer._repo_path == build_dir and layer.layer_name == "RMSNorm"
-        pathlib.Path(out_path).write_text(json.dumps({m: {"series": []} for m, _ in options["models"]}))
+        assert worker is device_mode.worker and options["world_size"] == nprocs and options["device_type"] == "tpu"
+        for rank in range(nprocs):
+            rows = {m: {"series": []} for m, _ in options["models"]}
+            (pathlib.Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(rows))
 
     monkeypatch.setattr(mp, "spawn", spawn)
     args = decode_main.parse_args(["--device", "--model", "qwen3-30b-a3b", "--batch", "8"])

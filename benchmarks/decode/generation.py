@@ -18,6 +18,7 @@ N new tokens are forced (min_new_tokens = max_new_tokens) so an end-of-sequence 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pathlib
 import statistics
@@ -152,10 +153,10 @@ def measure(
     sync=lambda: None,
 ) -> list[dict]:
     """One series {"execution", "rows"} per execution; a row {"batch", "impls": {impl: {"ms", "tokens_per_s",
-    "experts_implementation", "attn_implementation", "kernelized"}}, "tokens_match", "new_tokens"} per prompt (one
-    prompt a batch size). `layers` gives "ours" its kernelize layers (use_all_of_ours). Each impl generates
-    `new_tokens` greedily (after one warm-up run when `warmup`), the median step of `repeats` runs; every impl's
-    tokens are compared with the first's, per execution and batch."""
+    "experts_implementation", "attn_implementation", "kernelized"}}, "tokens_match", "new_tokens", "tokens_digest"}
+    per prompt (one prompt a batch size). `layers` gives "ours" its kernelize layers (use_all_of_ours). Each impl
+    generates `new_tokens` greedily (after one warm-up run when `warmup`), the median step of `repeats` runs; every
+    impl's tokens are compared with the first's, per execution and batch."""
     least = 2 if subtract_prefill else 1  # with the subtraction a step is the difference of two runs
     if new_tokens < least:
         raise ValueError(f"new_tokens: expected at least {least}, got {new_tokens}")
@@ -195,6 +196,8 @@ def measure(
             first = outs[impls[0]]
             row["tokens_match"] = all(bool((t.shape == first.shape) and (t == first).all()) for t in outs.values())
             row["new_tokens"] = int(first.shape[1] - prompt.shape[1])
+            # the first impl's tokens, compact: what the ranks of an expert-parallel run compare
+            row["tokens_digest"] = hashlib.sha256(first.cpu().numpy().tobytes()).hexdigest()[:16]
     return series
 
 
