@@ -93,3 +93,24 @@ def test_generate_batch_writes_and_attends_with_our_ops(rand, model_name, hub_ke
     # Qwen3 has no sliding layer; Gemma 4's wraps within the 20-token prompt's second chunk only
     assert (gathered > 0) == (model_name == "gemma4") and gathered < steps
     assert not calls  # no allocator update, no dense flash attention
+
+
+def test_paged_attention_forward_bad_input_names_the_argument(rand):
+    """With a paged cache: dropout, a query that is not transformers' packed [1, H, T, D] batch and a block table
+    (transformers' CUDA-only decode path) are clear errors naming the argument; so is a non-flash model name."""
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    from tpu_kernels.continuous_batching import paged_attention_forward, register_continuous_batching
+
+    cache = object.__new__(PagedAttentionCache)  # only its type is read before the checks
+    module = torch.nn.Module()
+    module.is_causal, module.layer_idx = True, 0
+    q, k = (torch.from_numpy(rand.rng.standard_normal((1, h, 4, 16), dtype="float32")) for h in (4, 2))
+    with pytest.raises(ValueError, match="dropout: continuous batching is inference only"):
+        paged_attention_forward(module, q, k, k, None, cache=cache, dropout=0.1)
+    with pytest.raises(ValueError, match=r"query: expected transformers' packed batch \[1, heads"):
+        paged_attention_forward(module, q.expand(2, -1, -1, -1), k, k, None, cache=cache)
+    with pytest.raises(ValueError, match="block_table: expected None"):
+        paged_attention_forward(module, q, k, k, None, cache=cache, block_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="model: generate_batch takes a flash attention name only"):
+        register_continuous_batching("sdpa")

@@ -109,6 +109,11 @@ def paged_attention_forward(
         raise ValueError(f"dropout: continuous batching is inference only, expected 0.0, got {kwargs['dropout']}")
     if query.shape[0] != 1:
         raise ValueError(f"query: expected transformers' packed batch [1, heads, tokens, head_dim], got {query.shape}")
+    if kwargs.get("block_table") is not None:
+        raise ValueError(
+            "block_table: expected None (paged_attention_forward reads the pages by transformers' write_index and "
+            "read_index; its block-table decode path is flash_attn_with_kvcache's, CUDA / XPU only), got a tensor"
+        )
     is_causal, softcap, s_aux = kwargs.get("is_causal"), kwargs.get("softcap"), kwargs.get("s_aux")
     scaling, sliding_window = kwargs.get("scaling"), kwargs.get("sliding_window")
     causal = bool(module.is_causal if is_causal is None else is_causal)
@@ -145,11 +150,6 @@ class _Step:
         if isinstance(self.cu_k, dict):  # per layer type, as transformers' paged cache hands them
             self.cu_k, self.max_k = self.cu_k[a.layer_type], self.max_k[a.layer_type]
         self.cu_k, self.max_k = self.cu_k.to(torch.int32), int(self.max_k)
-        if kwargs.get("block_table") is not None:
-            raise NotImplementedError(
-                "block_table: transformers' decode fast path (flash_attn_with_kvcache, CUDA / XPU only) is not taken "
-                "by paged_attention_forward; expected write_index and read_index"
-            )
         self.write_index = kwargs["write_index"][a.index]
         positions = kwargs.get("position_ids")  # each new token's position (transformers passes them to attention)
         self.positions = None if positions is None else positions.reshape(-1)
