@@ -433,6 +433,87 @@ def test_causal_and_window_skip_blocks():
     np.testing.assert_array_equal(np.stack(longer), np.stack(unbounded))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_diagonal_pairs_match_brute_force_mask(seed):
+    """A pair is DIAGONAL exactly when its block of the mask is the triangle key - first key <= row - first row and
+    its key block is whole: causal and windowed sequences of block-multiple lengths (where the diagonal meets the
+    blocks' corners) and others (where it does not), query blocks equal to, half and twice the key blocks; the traced
+    builder agrees, and the forward's list flags exactly those of its masked visits."""
+    rng = np.random.default_rng(seed)
+    # the first sequence has DIAGONAL pairs at every block shape; the others' lengths and offsets are drawn
+    lens = np.concatenate([[1024], rng.choice([512, 1024, 300, 768], 2)])
+    lens_k = lens + np.concatenate([[0], rng.choice([0, 256, 40], 2)])
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens, lens_k))
+    window = [(-1, -1), (700, 0), (256, -1)][seed]
+    tq, tk_rows = int(cu_q[-1]), int(cu_k[-1])
+    mask = np.zeros((tq, tk_rows), bool)
+    for s in range(3):
+        mask[cu_q[s] : cu_q[s + 1], cu_k[s] : cu_k[s + 1]] = np.asarray(
+            allowed_keys(int(lens[s]), int(lens_k[s]), causal=True, window_size=window)
+        )
+    lo, hi = schedule.key_ranges(cu_q, cu_k, tq, causal=True, window_size=window, xp=np)
+    flagged = 0
+    for bq, bk in ((256, 256), (256, 512), (512, 256)):
+        diagonal = schedule.diagonal_pairs(lo, hi, block_q=bq, block_kv=bk, kv_rows=tk_rows, xp=np)
+        nq, nk = diagonal.shape
+        padded = np.zeros((nq * bq, nk * bk), bool)
+        padded[:tq, :tk_rows] = mask
+        blocks = padded.reshape(nq, bq, nk, bk).transpose(0, 2, 1, 3)
+        triangle = np.arange(bk)[None, :] <= np.arange(bq)[:, None]
+        whole = (np.arange(nk) + 1) * bk <= tk_rows
+        expected = (blocks == triangle).all(axis=(2, 3)) & whole[None, :]
+        np.testing.assert_array_equal(diagonal, expected, err_msg=f"blocks {bq} x {bk}, seed {seed}")
+        traced = jax.jit(
+            lambda lo, hi, bq=bq, bk=bk: schedule.diagonal_pairs(lo, hi, block_q=bq, block_kv=bk, kv_rows=tk_rows)
+        )(jnp.asarray(lo), jnp.asarray(hi))
+        np.testing.assert_array_equal(np.asarray(traced), diagonal)
+        needed, full = schedule.block_pairs(lo, hi, block_q=bq, block_kv=bk, kv_rows=tk_rows, xp=np)
+        words, _ = schedule.visits(needed, full, by="q", diagonal=diagonal, xp=np)
+        q_block, kv_block = schedule.unpack(words)
+        on = (words & schedule.DIAGONAL) != 0
+        assert ((words[on] & schedule.MASKED) != 0).all()
+        assert set(zip(q_block[on], kv_block[on])) == set(zip(*np.nonzero(diagonal)))
+        flagged += int(on.sum())
+    assert flagged > 0
+
+
+# Blocks of 512 and 1024 rows: the forward's DIAGONAL visits (key chunks of the MXU's width, 256 on the interpret
+# default's v6e) run, next to masked and full ones.
+DIAGONAL_CASES = {
+    # square blocks, two sequences, GQA 2, every option the kernel takes
+    "square_f32_everything": dict(blocks=(512, 512), seq=1024, dtype=jnp.float32, softcap=4.0, sinks=True),
+    # key blocks twice the query blocks: half the DIAGONAL pairs' key chunks needed by no row; row sums on the MXU
+    "wide_keys_bf16": dict(blocks=(512, 1024), seq=1024, dtype=jnp.bfloat16),
+    # query blocks twice the key blocks: rows past the key block see all of it; a causal window of 700
+    "tall_queries_bf16_window": dict(blocks=(1024, 512), seq=1024, dtype=jnp.bfloat16, window_size=(700, 0)),
+}
+
+
+@pytest.mark.parametrize("case", DIAGONAL_CASES)
+def test_forward_diagonal_visits(rand, case):
+    options = dict(DIAGONAL_CASES[case])
+    (bq, bk), seq, dtype = options.pop("blocks"), options.pop("seq"), options.pop("dtype")
+    blocks = tk.FlashAttentionBlocks(block_q=bq, block_kv=bk)
+    q, k, v = _inputs(rand, 2, seq, seq, 4, 2, 128, dtype=dtype)
+    sinks = rand.normal((4,), scale=2.0) if options.pop("sinks", False) else None
+    options.update(causal=True, sinks=sinks)
+    out, lse = ladder.run_interpreted(
+        jax.jit(lambda q, k, v: tk.flash_attention(q, k, v, blocks=blocks, return_lse=True, **options)), q, k, v
+    )
+    ref_out, ref_lse = ladder.run_reference(
+        lambda q, k, v: attention_reference(q, k, v, return_lse=True, **options),
+        *(x.astype(jnp.float32) for x in (q, k, v)),
+    )
+    if dtype == jnp.float32:
+        ladder.assert_close(out, ref_out, dtype=dtype, what="out", context=repr(rand), **F32_TOL)
+        _assert_lse_close(lse, ref_lse, "lse", rand)
+    else:
+        ladder.assert_close(out, ref_out, dtype=dtype, what="out", context=repr(rand))
+        lse = np.asarray(lse)
+        assert not np.isnan(lse).any()
+        np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=2e-2, atol=2e-2, err_msg=f"lse {rand!r}")
+
+
 # ------------------------------------------------------------------------------------------------------- bad input
 BadInput = ladder.BadInput
 BAD_INPUTS = [

@@ -80,16 +80,21 @@ def _choose_backward(blocks, setup_for, slots: int) -> _Setup:
     return setup_for(dataclasses.replace(blocks or FlashAttentionBlocks(), fused_backward=False))
 
 
-def _plan(geometry, lo, hi, xp, size=None, *, fused: bool, slot_bound: int | None = None):
+def _plan(geometry, lo, hi, xp, size=None, *, fused: bool, slot_bound: int | None = None, forward_list: bool = True):
     """What the kernels need beyond q, k, v: (arrays, static_counts, dq_slots). arrays: the row ranges in two layouts
     ([Tq padded, 2] for column blocks, [2, Tq padded] for row blocks), the forward / dq and the dk/dv visit lists,
     their run-time counts (int32 scalars), an overflow status [1], and for the fused backward each dk/dv visit's dq
     slot and each query block's filled slots (else placeholders). static_counts: (forward, dk/dv) visit counts as
     ints when the lists are constants (numpy), else None (the grids take the run-time counts). dq_slots: the fused
-    backward's slots per query block (the most key blocks one needs; slot_bound when traced), 0 when unfused."""
+    backward's slots per query block (the most key blocks one needs; slot_bound when traced), 0 when unfused.
+    forward_list: whether the forward walks this plan's query-ordered list (its DIAGONAL flags are then set; the dq
+    kernel ignores them)."""
     g = geometry
     needed, full = schedule.block_pairs(lo, hi, block_q=g.block_q, block_kv=g.block_kv, kv_rows=g.kv_rows, xp=xp)
-    q_visits, q_count = schedule.visits(needed, full, by="q", size=size, xp=xp)
+    diagonal = None
+    if forward_list and forward.diagonal_chunk(g, chip.current_tpu_info()):
+        diagonal = schedule.diagonal_pairs(lo, hi, block_q=g.block_q, block_kv=g.block_kv, kv_rows=g.kv_rows, xp=xp)
+    q_visits, q_count = schedule.visits(needed, full, by="q", size=size, diagonal=diagonal, xp=xp)
     kv_visits, kv_count = schedule.visits(needed, full, by="kv", size=size, xp=xp)
     pad = g.num_q_blocks * g.block_q - g.q_rows
     lo = xp.concatenate([lo, xp.full((pad,), schedule.EMPTY_LO, xp.int32)])
@@ -197,7 +202,14 @@ def _call(q3d, k3d, v3d, sinks, lo, hi, xp, sizes, *, setup, with_lse, slot_boun
     v = v3d.astype(compute_dtype)
     sinks32 = None if sinks is None else sinks.astype(jnp.float32)
     backward_plan, backward_counts, dq_slots = _plan(
-        setup.backward, lo, hi, xp, sizes[1], fused=setup.fused, slot_bound=slot_bound
+        setup.backward,
+        lo,
+        hi,
+        xp,
+        sizes[1],
+        fused=setup.fused,
+        slot_bound=slot_bound,
+        forward_list=setup.forward == setup.backward,
     )
     if setup.forward == setup.backward:
         forward_plan, forward_counts = backward_plan, backward_counts

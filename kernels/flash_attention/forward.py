@@ -17,6 +17,7 @@ registers at every visit; otherwise merged, [Tk, Hkv * D].
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -42,7 +43,14 @@ from .geometry import (
 
 
 def _forward_kernel(
-    visits_ref, status_ref, *refs, geometry: Geometry, has_sinks: bool, with_lse: bool, sum_on_mxu: bool
+    visits_ref,
+    status_ref,
+    *refs,
+    geometry: Geometry,
+    has_sinks: bool,
+    with_lse: bool,
+    sum_on_mxu: bool,
+    chunk: int,
 ):
     if has_sinks:
         sinks_ref, *refs = refs
@@ -74,20 +82,27 @@ def _forward_kernel(
     # than the overlap gains (+1 %).
     early_scores = d >= 2 * LANES
 
-    def accumulate(masked: bool):
-        keep = keep_mask(qinfo_ref[:, 0:1], qinfo_ref[:, 1:2], kv_block, g.block_kv) if masked else None
-        k_all, v_all = k_ref, v_ref
+    def kv_blocks():
+        """The step's K and V blocks with heads merged in lanes."""
         if len(k_ref.shape) == 3:
             # [bk, Hkv, D] as the arrays lie: merged into lanes in registers, once a visit (a K/V block serves one)
-            k_all = k_ref[...].reshape(g.block_kv, g.kv_heads_per_step * d)
-            v_all = v_ref[...].reshape(g.block_kv, g.kv_heads_per_step * dv)
+            return (
+                k_ref[...].reshape(g.block_kv, g.kv_heads_per_step * d),
+                v_ref[...].reshape(g.block_kv, g.kv_heads_per_step * dv),
+            )
+        return k_ref, v_ref
+
+    def with_ones(v):
+        # 128 columns of ones beside V fill the MXU tile's idle half: p @ [v | 1] gives the row sums, already
+        # lane-replicated, for no extra MXU pass and no VPU adds or cross-lane reductions
+        return jnp.concatenate([v, jnp.ones((v.shape[0], LANES), v.dtype)], axis=1) if sum_on_mxu else v
+
+    def accumulate(masked: bool):
+        keep = keep_mask(qinfo_ref[:, 0:1], qinfo_ref[:, 1:2], kv_block, g.block_kv) if masked else None
+        k_all, v_all = kv_blocks()
         for j in range(g.kv_heads_per_step):
             k = sanitize_rows(k_all[:, j * d : (j + 1) * d], kv_block, g.block_kv, g.kv_rows)
-            v = sanitize_rows(v_all[:, j * dv : (j + 1) * dv], kv_block, g.block_kv, g.kv_rows)
-            if sum_on_mxu:
-                # 128 columns of ones beside V fill the MXU tile's idle half: p @ [v | 1] gives the row sums,
-                # already lane-replicated, for no extra MXU pass and no VPU adds or cross-lane reductions
-                v = jnp.concatenate([v, jnp.ones((g.block_kv, LANES), v.dtype)], axis=1)
+            v = with_ones(sanitize_rows(v_all[:, j * dv : (j + 1) * dv], kv_block, g.block_kv, g.kv_rows))
 
             def scores(h):
                 return log2_scores(dot_nt(q_scaled_ref[:, h * d : (h + 1) * d], k), g)
@@ -118,7 +133,55 @@ def _forward_kernel(
                 m_ref[h] = m_new
                 acc_ref[h] = acc_ref[h] * lanes(alpha, dv) + pv
 
-    schedule.run_visit(word, accumulate)
+    def accumulate_diagonal():
+        # A DIAGONAL visit keeps key - first key <= row - first row: key chunk c (`chunk` keys, the MXU's width) is
+        # needed by the rows from c * chunk on only, so its matmuls take those rows (q's rows stream past the chunk's
+        # K weights once: no weight is pushed twice), the first `chunk` of them masked by a static triangle and the
+        # rest kept; key chunks at or past the query block's rows are needed by none. Of a square block's chunk
+        # pairs this computes (n + 1) / 2n, and masks one in n. The statistics go by row chunk: row chunk r takes
+        # key chunks 0..r. A DIAGONAL pair is two whole blocks (schedule.diagonal_pairs): no stale rows to zero.
+        row_chunks, key_chunks = g.block_q // chunk, min(g.block_q, g.block_kv) // chunk
+        rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+        triangle = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1) <= rows
+        k_all, v_all = kv_blocks()
+        for j in range(g.kv_heads_per_step):
+            for i in range(g.group):
+                h = j * g.group + i
+                tiles = {}  # (row chunk, key chunk) -> scores
+                for c in range(key_chunks):
+                    keys = slice(c * chunk, (c + 1) * chunk)
+                    q = q_scaled_ref[c * chunk :, h * d : (h + 1) * d]
+                    s = log2_scores(dot_nt(q, k_all[keys, j * d : (j + 1) * d]), g)
+                    for r in range(c, row_chunks):
+                        tile = s[(r - c) * chunk : (r - c + 1) * chunk]
+                        tiles[r, c] = jnp.where(triangle, tile, -jnp.inf) if r == c else tile
+                m_prev = m_ref[h]
+                m_new = []
+                for r in range(row_chunks):
+                    m_r = m_prev[r * chunk : (r + 1) * chunk]
+                    for c in range(min(r + 1, key_chunks)):
+                        m_r = jnp.maximum(m_r, row_stat(jnp.max(tiles[r, c], axis=1, keepdims=True)))
+                    m_new.append(m_r)
+                alpha = jnp.exp2(m_prev - jnp.concatenate(m_new, axis=0))
+                acc, l = acc_ref[h] * lanes(alpha, dv), alpha * l_ref[h]
+                acc = [acc[r * chunk : (r + 1) * chunk] for r in range(row_chunks)]
+                l = [l[r * chunk : (r + 1) * chunk] for r in range(row_chunks)]
+                for c in range(key_chunks):
+                    v = with_ones(v_all[c * chunk : (c + 1) * chunk, j * dv : (j + 1) * dv])
+                    p = [jnp.exp2(tiles[r, c] - lanes(m_new[r], chunk)) for r in range(c, row_chunks)]
+                    pv = dot_nn(jnp.concatenate(p, axis=0).astype(v.dtype), v)
+                    for r in range(c, row_chunks):
+                        part = pv[(r - c) * chunk : (r - c + 1) * chunk]
+                        acc[r] = acc[r] + part[:, :dv]
+                        if sum_on_mxu:
+                            l[r] = l[r] + part[:, dv:]
+                        else:
+                            l[r] = l[r] + row_stat(jnp.sum(p[r - c], axis=1, keepdims=True))
+                m_ref[h] = jnp.concatenate(m_new, axis=0)
+                l_ref[h] = jnp.concatenate(l, axis=0)
+                acc_ref[h] = jnp.concatenate(acc, axis=0)
+
+    schedule.run_visit(word, accumulate, diagonal=accumulate_diagonal if chunk else None)
 
     @pl.when((word & schedule.LAST) != 0)
     def _finalize():
@@ -158,6 +221,16 @@ def sums_on_mxu(geometry: Geometry, dtype, info) -> bool:
     matmuls would pay for the extra columns)."""
     dv = geometry.v_head_dim
     return dtype == jnp.bfloat16 and dv % LANES == 0 and (-dv) % info.mxu_column_size == LANES
+
+
+def diagonal_chunk(geometry: Geometry, info) -> int:
+    """The key-chunk width of the forward's DIAGONAL visits, the MXU's width (a narrower chunk would half-fill its
+    weight tiles), or 0 where the blocks are not whole chunks or both are one chunk (nothing to skip): those visits
+    then take the masked path."""
+    chunk = info.mxu_column_size
+    if geometry.block_q % chunk or geometry.block_kv % chunk or max(geometry.block_q, geometry.block_kv) < 2 * chunk:
+        return 0
+    return chunk
 
 
 def heads_in_place(geometry: Geometry) -> bool:
@@ -240,6 +313,7 @@ def forward(
         has_sinks=sinks is not None,
         with_lse=with_lse,
         sum_on_mxu=sums_on_mxu(g, v.dtype, chip.current_tpu_info()),
+        chunk=diagonal_chunk(g, chip.current_tpu_info()),
     )
     flops = 2 * g.q_heads * (d + dv) * g.block_q * g.block_kv
     cost = pl.CostEstimate(

@@ -31,15 +31,25 @@ FIRST = 1 << 26  # the first visit of its output block (initialise the accumulat
 LAST = 1 << 27  # the last visit of its output block (finalise and write)
 COMPUTE = 1 << 28  # some score of the pair is kept (else the visit only initialises / finalises)
 MASKED = 1 << 29  # some score of the pair is masked
+# a masked pair whose kept scores are exactly the triangle key - first key <= row - first row (the causal diagonal
+# through both blocks' first corner), every row seeing the key block's first key: the forward computes only the
+# sub-tiles on and below it (forward.diagonal_chunk)
+DIAGONAL = 1 << 30
 BLOCK_MASK = MAX_BLOCKS - 1
 
 
-def run_visit(word, accumulate):
+def run_visit(word, accumulate, diagonal=None):
     """In a kernel body: `accumulate(masked)` for a visit that computes, traced twice (with and without the mask) so
-    that wholly kept pairs run no mask code; a visit without COMPUTE runs neither."""
+    that wholly kept pairs run no mask code; a visit without COMPUTE runs neither. With `diagonal` given, a DIAGONAL
+    visit runs `diagonal()` instead of the masked body (kernels without one ignore the flag: its pairs are MASKED)."""
     compute = (word & COMPUTE) != 0
     masked = (word & MASKED) != 0
-    pl.when(compute & masked)(lambda: accumulate(True))
+    if diagonal is None:
+        pl.when(compute & masked)(lambda: accumulate(True))
+    else:
+        on_diagonal = (word & DIAGONAL) != 0
+        pl.when(compute & masked & on_diagonal)(diagonal)
+        pl.when(compute & masked & ~on_diagonal)(lambda: accumulate(True))
     pl.when(compute & ~masked)(lambda: accumulate(False))
 
 
@@ -91,6 +101,23 @@ def block_pairs(lo, hi, *, block_q: int, block_kv: int, kv_rows: int, xp=jnp):
     return needed, full
 
 
+def diagonal_pairs(lo, hi, *, block_q: int, block_kv: int, kv_rows: int, xp=jnp):
+    """[nq, nk] bool: the pairs whose kept scores are exactly key - first key <= row - first row (DIAGONAL), from the
+    rows' key ranges: every row of the query block sees the key block's first key, and row r's last kept key in the
+    block is the r-th (or the block's last)."""
+    rows = lo.shape[0]
+    nq, nk = -(-rows // block_q), -(-kv_rows // block_kv)
+    pad = nq * block_q - rows
+    lo = xp.concatenate([lo, xp.full((pad,), EMPTY_LO, xp.int32)]).reshape(nq, block_q, 1)
+    hi = xp.concatenate([hi, xp.full((pad,), EMPTY_HI, xp.int32)]).reshape(nq, block_q, 1)
+    key_start = xp.arange(nk, dtype=xp.int32) * block_kv
+    key_last = (key_start + block_kv - 1)[None, None, :]
+    triangle = xp.minimum(key_start[None, None, :] + xp.arange(block_q, dtype=xp.int32)[None, :, None], key_last)
+    exact = (lo <= key_start[None, None, :]) & (xp.minimum(hi, key_last) == triangle)
+    whole_block = key_start + block_kv <= kv_rows  # (row 0 sees one key of the block: such a pair is never full)
+    return xp.all(exact, axis=1) & whole_block[None, :]
+
+
 def visit_bound(
     num_q_blocks: int,
     num_kv_blocks: int,
@@ -132,12 +159,14 @@ def dq_slots(needed, kv_words, *, slots: int, xp=jnp):
     return slot.astype(xp.int32), needed.sum(axis=1).astype(xp.int32)
 
 
-def visits(needed, full, *, by: str, size: int | None = None, xp=jnp):
+def visits(needed, full, *, by: str, size: int | None = None, diagonal=None, xp=jnp):
     """(words, count): the visit list over the needed pairs, `by` "q" (row-major: forward, dq) or "kv" (column-major:
     dk/dv), padded to `size` entries by repeating the last visit's blocks with no flags (padding is never run when
-    the grid is sized by count, and would cause no DMA if it were). size None: exactly count (numpy only)."""
+    the grid is sized by count, and would cause no DMA if it were). size None: exactly count (numpy only).
+    diagonal: None, or diagonal_pairs' [nq, nk] to flag those visits DIAGONAL."""
     if by == "kv":
         needed, full = needed.T, full.T
+        diagonal = None if diagonal is None else diagonal.T
     outer, inner = needed.shape
     # every output block gets at least one visit: a block that needs none visits its first partner, computing nothing
     lonely = ~xp.any(needed, axis=1)
@@ -159,6 +188,7 @@ def visits(needed, full, *, by: str, size: int | None = None, xp=jnp):
     last = live & ((o != next_o) | (xp.arange(size) == count - 1))
     compute = live & needed.reshape(-1)[index]
     masked = compute & ~full.reshape(-1)[index]
+    on_diagonal = masked & diagonal.reshape(-1)[index] if diagonal is not None else xp.zeros_like(masked)
     q_block, kv_block = (o, i) if by == "q" else (i, o)
     word = (
         q_block
@@ -167,5 +197,6 @@ def visits(needed, full, *, by: str, size: int | None = None, xp=jnp):
         | xp.where(last, LAST, 0)
         | xp.where(compute, COMPUTE, 0)
         | xp.where(masked, MASKED, 0)
+        | xp.where(on_diagonal, DIAGONAL, 0)
     )
     return word.astype(xp.int32), count
