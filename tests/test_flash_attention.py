@@ -514,6 +514,41 @@ def test_forward_diagonal_visits(rand, case):
         np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=2e-2, atol=2e-2, err_msg=f"lse {rand!r}")
 
 
+# The fused dk/dv kernel's DIAGONAL visits (the backward's blocks of 512 and 1024 rows: query chunks of the MXU's width,
+# 256 on the interpret default's v6e, each over the key rows that need it), next to masked and full ones.
+DKV_DIAGONAL_CASES = {
+    # square blocks, two sequences, GQA 2, softcap and sinks (their gradient too)
+    "square_f32_softcap_sinks": dict(blocks=(512, 512), dtype=jnp.float32, softcap=4.0, sinks=True),
+    # key blocks twice the query blocks: the DIAGONAL pairs' key chunks past the query block are needed by no row
+    "wide_keys_bf16": dict(blocks=(512, 1024), dtype=jnp.bfloat16),
+    # query blocks twice the key blocks: the query chunks past the key block see all of it, unmasked
+    "tall_queries_bf16": dict(blocks=(1024, 512), dtype=jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", DKV_DIAGONAL_CASES)
+def test_backward_diagonal_visits(rand, case):
+    options = dict(DKV_DIAGONAL_CASES[case])
+    (bq, bk), dtype = options.pop("blocks"), options.pop("dtype")
+    blocks = tk.FlashAttentionBlocks(block_q=bq, block_kv=bk, fused_backward=True)
+    q, k, v = _inputs(rand, 2, 1024, 1024, 4, 2, 128, dtype=dtype)
+    sinks = rand.normal((4,), scale=2.0) if options.pop("sinks", False) else None
+    argnums, names = (
+        ((0, 1, 2, 3), ["dq", "dk", "dv", "dsinks"]) if sinks is not None else ((0, 1, 2), ["dq", "dk", "dv"])
+    )
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == jnp.float32 else dict(atol=5e-2, rtol=5e-2)
+    ladder.check_gradients(
+        lambda q, k, v, s: tk.flash_attention(q, k, v, causal=True, sinks=s, blocks=blocks, **options),
+        lambda q, k, v, s: attention_reference(q, k, v, causal=True, sinks=s, **options),
+        (q, k, v, sinks),
+        argnums=argnums,
+        rand=rand,
+        dtype=dtype,
+        names=names,
+        **tolerance,
+    )
+
+
 # ------------------------------------------------------------------------------------------------------- bad input
 BadInput = ladder.BadInput
 BAD_INPUTS = [

@@ -88,14 +88,22 @@ def _plan(geometry, lo, hi, xp, size=None, *, fused: bool, slot_bound: int | Non
     ints when the lists are constants (numpy), else None (the grids take the run-time counts). dq_slots: the fused
     backward's slots per query block (the most key blocks one needs; slot_bound when traced), 0 when unfused.
     forward_list: whether the forward walks this plan's query-ordered list (its DIAGONAL flags are then set; the dq
-    kernel ignores them)."""
+    kernel ignores them). The dk/dv list's are set where the fused dk/dv kernel computes them
+    (backward.diagonal_chunk)."""
     g = geometry
     needed, full = schedule.block_pairs(lo, hi, block_q=g.block_q, block_kv=g.block_kv, kv_rows=g.kv_rows, xp=xp)
     diagonal = None
     if forward_list and forward.diagonal_chunk(g, chip.current_tpu_info()):
         diagonal = schedule.diagonal_pairs(lo, hi, block_q=g.block_q, block_kv=g.block_kv, kv_rows=g.kv_rows, xp=xp)
     q_visits, q_count = schedule.visits(needed, full, by="q", size=size, diagonal=diagonal, xp=xp)
-    kv_visits, kv_count = schedule.visits(needed, full, by="kv", size=size, xp=xp)
+    kv_diagonal = None
+    if backward.diagonal_chunk(g, fused):
+        kv_diagonal = diagonal
+        if kv_diagonal is None:
+            kv_diagonal = schedule.diagonal_pairs(
+                lo, hi, block_q=g.block_q, block_kv=g.block_kv, kv_rows=g.kv_rows, xp=xp
+            )
+    kv_visits, kv_count = schedule.visits(needed, full, by="kv", size=size, diagonal=kv_diagonal, xp=xp)
     pad = g.num_q_blocks * g.block_q - g.q_rows
     lo = xp.concatenate([lo, xp.full((pad,), schedule.EMPTY_LO, xp.int32)])
     hi = xp.concatenate([hi, xp.full((pad,), schedule.EMPTY_HI, xp.int32)])

@@ -13,15 +13,19 @@ that every matmul takes its operands as stored (no transposes): dv += p^T do, dp
 per-row statistics as (1, bq) lane rows. K/V heads accumulate over their query heads (GQA)
 in f32 scratch and are written at the key block's last visit. Where the forward takes K and V as they lie
 (forward.kv_heads_in_place), the fused dk/dv kernel does too: [bk, Hkv, D] blocks merged into lanes in registers at
-a key block's first visit (its K/V block stays for all its visits), dk and dv split back at its last.
+a key block's first visit (its K/V block stays for all its visits), dk and dv split back at its last. The fused
+kernel computes a DIAGONAL visit (schedule.diagonal_pairs) by chunks of the MXU's width, only the parts on and below
+the causal diagonal (accumulate_diagonal).
 """
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common import chip
 from ..common.blocks import LANES
 from ..common.manual_axes import out_struct
 from . import forward, fused_dq, schedule
@@ -98,7 +102,7 @@ def _dq_kernel(visits_ref, status_ref, *refs, geometry: Geometry, has_dlse: bool
             dq_ref[:, h * d : (h + 1) * d] = (acc_ref[h] * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(visits_ref, status_ref, *refs, geometry: Geometry, fused: bool):
+def _dkv_kernel(visits_ref, status_ref, *refs, geometry: Geometry, fused: bool, chunk: int = 0):
     if fused:
         _, *refs = refs  # the dq slots: read by the index maps only
     qinfo_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *refs = refs
@@ -151,7 +155,55 @@ def _dkv_kernel(visits_ref, status_ref, *refs, geometry: Geometry, fused: bool):
                     # this key block's share of dq (against the scaled k: backward() undoes the scale)
                     dq_ref[:, h * d : (h + 1) * d] = dot_tn(ds_t, k_scaled)
 
-    schedule.run_visit(word, accumulate)
+    def accumulate_diagonal():
+        # A DIAGONAL visit keeps key - first key <= row - first row: in s^T (keys down, rows across) query chunk r
+        # (`chunk` rows, the MXU's width) needs the key rows of chunks 0..r only, its last chunk of them masked by a
+        # static triangle; key chunks at or past the query block's rows are needed by no row (their dk / dv rows
+        # are left as they are). The matmuls whose MXU weights are q or do (s^T, dp^T: q and do transposed; dv, dk:
+        # do and q) go by query chunk, each chunk's weights pushed once and streamed past the key rows that need
+        # it; dq, whose weights are k, goes by key chunk, streamed past the rows from that chunk on. A DIAGONAL pair
+        # is two whole blocks (schedule.diagonal_pairs): no stale rows to zero.
+        row_chunks, key_chunks = g.block_q // chunk, min(g.block_q, g.block_kv) // chunk
+        keys = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+        triangle = keys <= jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+        for j in range(g.kv_heads_per_step):
+            k_scaled = k_scaled_ref[:, j * d : (j + 1) * d]
+            dk_acc = [dk_acc_ref[j, c * chunk : (c + 1) * chunk] for c in range(key_chunks)]
+            dv_acc = [dv_acc_ref[j, c * chunk : (c + 1) * chunk] for c in range(key_chunks)]
+            for i in range(g.group):
+                h = j * g.group + i
+                ds_tiles = {}  # (key chunk, query chunk) -> ds^T
+                for r in range(row_chunks):
+                    cols = slice(r * chunk, (r + 1) * chunk)
+                    n = min(r + 1, key_chunks)  # the key chunks query chunk r needs
+                    q = q_ref[cols, h * d : (h + 1) * d]
+                    do = do_ref[cols, h * dv : (h + 1) * dv]
+                    s_t, t_t = _log2_scores(dot_nt(k_scaled_ref[: n * chunk, j * d : (j + 1) * d], q), g)
+                    if r < key_chunks:
+                        last = jnp.where(triangle, s_t[r * chunk :], -jnp.inf)
+                        s_t = last if r == 0 else jnp.concatenate([s_t[: r * chunk], last], axis=0)
+                    p_t = jnp.exp2(s_t - lse_ref[h : h + 1, cols])
+                    pv = dot_nn(p_t.astype(do.dtype), do)
+                    dp_t = dot_nt(v_merged_ref[: n * chunk, j * dv : (j + 1) * dv], do)
+                    ds_t = _softcap_grad(p_t * (dp_t - delta_ref[h : h + 1, cols]), t_t).astype(q.dtype)
+                    dsq = dot_nn(ds_t, q)
+                    for c in range(n):
+                        dv_acc[c] = dv_acc[c] + pv[c * chunk : (c + 1) * chunk]
+                        dk_acc[c] = dk_acc[c] + dsq[c * chunk : (c + 1) * chunk]
+                        ds_tiles[c, r] = ds_t[c * chunk : (c + 1) * chunk]
+                # this key block's share of dq (the path runs fused only) by key chunk c: rows from c * chunk on
+                dq = [None] * row_chunks
+                for c in range(key_chunks):
+                    ds_c = jnp.concatenate([ds_tiles[c, r] for r in range(c, row_chunks)], axis=1)
+                    part = dot_tn(ds_c, k_scaled[c * chunk : (c + 1) * chunk])
+                    for r in range(c, row_chunks):
+                        tile = part[(r - c) * chunk : (r - c + 1) * chunk]
+                        dq[r] = tile if dq[r] is None else dq[r] + tile
+                dq_ref[:, h * d : (h + 1) * d] = jnp.concatenate(dq, axis=0)
+            dk_acc_ref[j, : key_chunks * chunk] = jnp.concatenate(dk_acc, axis=0)
+            dv_acc_ref[j, : key_chunks * chunk] = jnp.concatenate(dv_acc, axis=0)
+
+    schedule.run_visit(word, accumulate, diagonal=accumulate_diagonal if chunk else None)
 
     @pl.when((word & schedule.LAST) != 0)
     def _finalize():
@@ -166,6 +218,13 @@ def _dkv_kernel(visits_ref, status_ref, *refs, geometry: Geometry, fused: bool):
             for j in range(g.kv_heads_per_step):
                 dk_ref[:, j * d : (j + 1) * d] = dks[j]
                 dv_ref[:, j * dv : (j + 1) * dv] = dvs[j]
+
+
+def diagonal_chunk(geometry: Geometry, fused: bool) -> int:
+    """The chunk width of the fused dk/dv kernel's DIAGONAL visits (forward.diagonal_chunk's rule, the MXU's width,
+    at the backward's blocks), or 0 where it takes the masked path: the unfused backward (neither its dq kernel nor
+    its dk/dv kernel computes by chunks)."""
+    return forward.diagonal_chunk(geometry, chip.current_tpu_info()) if fused else 0
 
 
 def _specs(g: Geometry, rows_layout: bool, kv_in_place: bool = False):
@@ -288,7 +347,7 @@ def backward(
         prefetch.append(visit_slots)
         parts_bytes = kv_visits.shape[0] * g.head_groups * g.block_q * hs * g.head_dim * 4
     results = pl.pallas_call(
-        functools.partial(_dkv_kernel, geometry=g, fused=fused),
+        functools.partial(_dkv_kernel, geometry=g, fused=fused, chunk=diagonal_chunk(g, fused)),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
