@@ -188,8 +188,10 @@ def _forward_kernel(
         overflow = status_ref[0] != 0
         outs = []
         for h in range(g.heads_per_step):
-            m = m_ref[h][:, 0:1]
-            l = l_ref[h][:, 0:1]
+            # the statistics stay lane-replicated, (bq, 128): the output's scaling takes whole vregs (no lane
+            # broadcast), and the log-sum-exp is stored from lane h of its own vregs (no lane shift)
+            m = m_ref[h]
+            l = l_ref[h]
             if has_sinks:
                 sink = sinks_ref[group_index * g.heads_per_step + h] * LOG2_E
                 m_final = jnp.maximum(m, sink)
@@ -202,14 +204,15 @@ def _forward_kernel(
             # a visit list that overflowed its static size (a varlen call whose max_seqlen understated a length)
             # must not pass for a result: every output is NaN
             inv = jnp.where(overflow, jnp.nan, inv)
-            out = (acc_ref[h] * inv).astype(out_ref.dtype)
+            out = (acc_ref[h] * lanes(inv, dv)).astype(out_ref.dtype)
             if len(out_ref.shape) == 3:
                 outs.append(out)
             else:
                 out_ref[:, h * dv : (h + 1) * dv] = out
             if with_lse:
                 lse = (m_final + jnp.log2(jnp.where(nonzero, l, 1.0))) * LN_2
-                lse_ref[:, h : h + 1] = jnp.where(overflow, jnp.nan, jnp.where(nonzero, lse, jnp.inf))
+                lse = jnp.where(overflow, jnp.nan, jnp.where(nonzero, lse, jnp.inf))
+                lse_ref[:, h : h + 1] = lse[:, h % LANES : h % LANES + 1]
         if outs:
             # the heads merged in lanes, then split to [bq, heads, Dv] in registers: the array as flash-attn lays it
             out_ref[...] = jnp.concatenate(outs, axis=1).reshape(out_ref.shape)
