@@ -480,12 +480,13 @@ def test_diagonal_pairs_match_brute_force_mask(seed):
 # Blocks of 512 and 1024 rows: the forward's DIAGONAL visits (key chunks of the MXU's width, 256 on the interpret
 # default's v6e) run, next to masked and full ones.
 DIAGONAL_CASES = {
-    # square blocks, two sequences, GQA 2, every option the kernel takes
+    # square blocks, GQA 2, every option the kernel takes
     "square_f32_everything": dict(blocks=(512, 512), seq=1024, dtype=jnp.float32, softcap=4.0, sinks=True),
     # key blocks twice the query blocks: half the DIAGONAL pairs' key chunks needed by no row; row sums on the MXU
     "wide_keys_bf16": dict(blocks=(512, 1024), seq=1024, dtype=jnp.bfloat16),
-    # query blocks twice the key blocks: rows past the key block see all of it; a causal window of 700
-    "tall_queries_bf16_window": dict(blocks=(1024, 512), seq=1024, dtype=jnp.bfloat16, window_size=(700, 0)),
+    # query blocks twice the key blocks: rows past the key block see all of it; a causal window of 1100 (its pairs
+    # on the diagonal are DIAGONAL ones: every row sees the first key; the window's far edge cuts the second row block)
+    "tall_queries_bf16_window": dict(blocks=(1024, 512), seq=2048, dtype=jnp.bfloat16, window_size=(1100, 0)),
 }
 
 
@@ -494,7 +495,7 @@ def test_forward_diagonal_visits(rand, case):
     options = dict(DIAGONAL_CASES[case])
     (bq, bk), seq, dtype = options.pop("blocks"), options.pop("seq"), options.pop("dtype")
     blocks = tk.FlashAttentionBlocks(block_q=bq, block_kv=bk)
-    q, k, v = _inputs(rand, 2, seq, seq, 4, 2, 128, dtype=dtype)
+    q, k, v = _inputs(rand, 1, seq, seq, 4, 2, 128, dtype=dtype)
     sinks = rand.normal((4,), scale=2.0) if options.pop("sinks", False) else None
     options.update(causal=True, sinks=sinks)
     out, lse = ladder.run_interpreted(
@@ -517,7 +518,7 @@ def test_forward_diagonal_visits(rand, case):
 # The fused dk/dv kernel's DIAGONAL visits (the backward's blocks of 512 and 1024 rows: query chunks of the MXU's width,
 # 256 on the interpret default's v6e, each over the key rows that need it), next to masked and full ones.
 DKV_DIAGONAL_CASES = {
-    # square blocks, two sequences, GQA 2, softcap and sinks (their gradient too)
+    # square blocks, GQA 2, softcap and sinks (their gradient too)
     "square_f32_softcap_sinks": dict(blocks=(512, 512), dtype=jnp.float32, softcap=4.0, sinks=True),
     # key blocks twice the query blocks: the DIAGONAL pairs' key chunks past the query block are needed by no row
     "wide_keys_bf16": dict(blocks=(512, 1024), dtype=jnp.bfloat16),
@@ -531,7 +532,7 @@ def test_backward_diagonal_visits(rand, case):
     options = dict(DKV_DIAGONAL_CASES[case])
     (bq, bk), dtype = options.pop("blocks"), options.pop("dtype")
     blocks = tk.FlashAttentionBlocks(block_q=bq, block_kv=bk, fused_backward=True)
-    q, k, v = _inputs(rand, 2, 1024, 1024, 4, 2, 128, dtype=dtype)
+    q, k, v = _inputs(rand, 1, 1024, 1024, 4, 2, 128, dtype=dtype)
     sinks = rand.normal((4,), scale=2.0) if options.pop("sinks", False) else None
     argnums, names = (
         ((0, 1, 2, 3), ["dq", "dk", "dv", "dsinks"]) if sinks is not None else ((0, 1, 2), ["dq", "dk", "dv"])
