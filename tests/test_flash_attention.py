@@ -753,6 +753,57 @@ def test_blocks_reach_the_kernels(rand):
     assert "flash_attention_dq_sum" in dict(grad_calls(varlen(SMALL), q3, k3, v3))
 
 
+def test_packed_batches_cap_the_table_blocks(monkeypatch):
+    """A packed batch's table blocks are capped by its longest sequence (tuning.packed_block_cap: a quarter of it
+    forward, an eighth backward, a power of two times 128, at least 512); a caller's blocks and equal-length batches
+    keep theirs. flash_attention_varlen passes the longest of max_seqlen_q / max_seqlen_k: its kernels take the
+    capped blocks' grids."""
+    assert [tuning.packed_block_cap(n, "forward") for n in (100, 1722, 2048, 4096, 6893, 8192)] == [
+        512,
+        512,
+        512,
+        1024,
+        1024,
+        2048,
+    ]
+    assert [tuning.packed_block_cap(n, "backward") for n in (1722, 6893, 8192, 32768)] == [512, 512, 1024, 4096]
+    shape = dict(q_rows=32768, kv_rows=32768, q_heads=32, kv_heads=4, head_dim=128, v_head_dim=128, itemsize=2)
+    v6e = chip.tpu_info_for("v6e")
+    fields = ("block_q", "block_kv", "backward_block_q", "backward_block_kv")
+
+    def resolved(blocks=None, **kw):
+        chosen = tuning.resolve_blocks(blocks, **shape, info=v6e, **kw)
+        return tuple(getattr(chosen, f) for f in fields)
+
+    assert resolved() == (1024, 1024, 1024, 2048)
+    assert resolved(longest_sequence=1722) == (512, 512, 512, 512)
+    assert resolved(longest_sequence=6893) == (1024, 1024, 512, 512)
+    assert resolved(longest_sequence=32768) == (1024, 1024, 1024, 2048)
+    caller = tk.FlashAttentionBlocks(block_q=1024, block_kv=1024)
+    assert resolved(caller, longest_sequence=1722) == (1024, 1024, 1024, 1024)
+
+    # end to end (traced only): the default call's kernels run the grids of explicit 512 x 512 blocks, not the
+    # table's 1024 x 1024 (v6e, head dim 128, 4096 packed rows, max_seqlen_k 1600)
+    monkeypatch.setenv("TPU_KERNELS_TARGET", "v6e")
+    lengths = np.array([700, 1500, 96, 1300, 500])
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    rows = int(lengths.sum())
+    q = jax.ShapeDtypeStruct((rows, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((rows, 1, 128), jnp.bfloat16)
+
+    def grids(blocks):
+        def loss(q, k, v):
+            out = tk.flash_attention_varlen(q, k, v, cu, cu, 1500, 1600, causal=True, blocks=blocks)
+            return out.astype(jnp.float32).sum()
+
+        return [(c.name, c.grid) for c in ladder.pallas_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)]
+
+    default, small, large = (
+        grids(b) for b in (None, tk.FlashAttentionBlocks(512, 512), tk.FlashAttentionBlocks(1024, 1024))
+    )
+    assert default == small != large, (default, small, large)
+
+
 def _kernel_shapes(fn, *args):
     """{kernel name: (input shapes, output shapes)} of the pallas_calls in fn's program (the last of a name)."""
     shapes = {}
@@ -871,11 +922,12 @@ def test_compiles_for_tpu():
 
 def _benchmark_cases():
     """(shape, generation): the causal dense benchmark shapes at sequence 4096 of Qwen3 and Gemma 4's full layers on v6e
-    (the tables' largest blocks, 8 query heads a step: 1024 x 1024 both ways at head dim 128; at 512 the forward's 512 x
-    1024 and the backward's 512 x 2048), Gemma 4's full layers on v7x (head dim 512, the fused backward's f32 dq blocks
-    of 512 lanes, on the generation with the least VMEM), and Gemma 4's sliding layers on v5e, whose lowering differs
-    (128-wide MXUs). On v5e the tables take 512 x 512 at every head dim, within v6e's head dim 512 blocks in the same
-    128 MiB of VMEM, so the v6e compile bounds v5e's largest working set; the v5e compile proves the generation's
+    (the tables' largest blocks, 8 query heads a step: at head dim 128 the forward's 1024 x 1024 and the backward's 1024
+    x 2048; at 512 the forward's 512 x 1024 and the backward's 512 x 2048; packed batches take the tables' blocks or
+    smaller ones, tuning.packed_block_cap), Gemma 4's full layers on v7x (head dim 512, the fused backward's f32 dq
+    blocks of 512 lanes, on the generation with the least VMEM), and Gemma 4's sliding layers on v5e, whose lowering
+    differs (128-wide MXUs). On v5e the tables take 512 x 512 at every head dim, within v6e's head dim 512 blocks in the
+    same 128 MiB of VMEM, so the v6e compile bounds v5e's largest working set; the v5e compile proves the generation's
     lowering of every feature. Gemma 4's sliding layers take all 8 kv heads (16 query heads; q, K, V and their gradients
     as they lie) a step and 512 x 512 blocks both ways on v5e and v6e (one body; 66 MiB, within Gemma 4 full's 90 MiB on
     v6e, so the Gemma 4 full compiles bound their fit), and 4 kv heads (8 query heads, K and V merged) on v7x (37 MiB,

@@ -34,7 +34,7 @@ class _Setup:
     fused: bool
 
 
-def _setup(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap) -> _Setup:
+def _setup(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap, longest_sequence=None) -> _Setup:
     blocks = tuning.resolve_blocks(
         blocks,
         q_rows=q_rows,
@@ -45,6 +45,7 @@ def _setup(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap) ->
         v_head_dim=dv,
         itemsize=jnp.dtype(dtype).itemsize,
         info=chip.current_tpu_info(),
+        longest_sequence=longest_sequence,
     )
     forward_geometry = Geometry(
         q_rows=q_rows,
@@ -361,9 +362,11 @@ def flash_attention_varlen(
     max_k = checks.check_max_seqlen("max_seqlen_k", max_seqlen_k, actual_k)
     if q_rows == 0 or kv_rows == 0:
         return _finish_varlen(*_empty_result(q_rows, hq, dv, dtype, sinks, return_lse, q.dtype), return_lse)
+    # a packed batch: the table's blocks are capped by its longest sequence (tuning.packed_block_cap)
     setup_for = functools.partial(
         _setup, q_rows=q_rows, kv_rows=kv_rows, hq=hq, hkv=hkv, d=d, dv=dv, dtype=dtype, scale=scale, softcap=softcap
     )
+    setup_for = functools.partial(setup_for, longest_sequence=max(max_q, max_k))
     num_seqs = cu_seqlens_q.shape[0] - 1
 
     def bounds(g):

@@ -25,26 +25,27 @@ from .geometry import min_kv_heads_per_step
 # triangle, half masked) and packed sequences (+4..38 %): a choice by sequence length would take both. Head dim 512:
 # 512 x 1024 on v6e (-16 % against 512 x 256), 256 x 512 on v7x (-16 % against 256 x 256; the dq kernel overflows its
 # 48 MiB at 512 x 256). v5e's 128-wide MXUs gain nothing from larger blocks. Head dim 64 has no benchmark shape.
-# Not keyed on the mask: at v6e head dim 128, Qwen3 causal seq 4096, 512 x 1024 models slower than 1024 x 1024 in
-# both directions (forward 4819 against 4398 us, backward 10113 against 9866), 1024 x 2048 slower forward (5215 us).
+# Not keyed on the mask: at v6e head dim 128, Qwen3 causal seq 4096, the forward's 1024 x 1024 (3604 us, its DIAGONAL
+# pairs by chunks) models faster than 512 x 1024 (4369), 512 x 512 (4898) and 1024 x 2048 (4043).
 TABLE = {
     "v5e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (512, 512)},
     "v6e": {64: (512, 512), 128: (1024, 1024), 256: (512, 512), 512: (512, 1024)},
     "v7x": {64: (512, 512), 128: (1024, 512), 256: (512, 512), 512: (256, 512)},
 }
-# The backward's (block_q, block_kv) by generation and head dim: its kernels read the forward's residuals (out, lse)
-# per row, so its blocks are its own. Chosen as TABLE (least modeled backward program, causal + unmasked, seq 4096,
-# v6e, whole programs; against the forward's blocks): key blocks of 2048 halve the fused backward's dq slots (the
-# slot sum's f32 reads) but compute more of the causal diagonal. Head dim 512 (Gemma 4 full): 512 x 2048, unmasked
-# 17394 -> 15545 us, causal 11697 -> 12267 (256 x 2048: 15748 / 12310). Head dim 256 (Gemma 4 sliding, window 1024):
-# 512 x 512 at 8 kv heads a step (QUERY_HEADS_PER_STEP), 4941 us (256 x 1024 4972, 256 x 512 5316, 512 x 256 8151;
-# the fused backward's 1024 x 1024 does not fit VMEM at 8 kv heads); at 1 kv head 1024 x 1024 had won, 6301 -> 5981
-# us (512 x 1024 6356, 256 x 1024 7342), and at 4 kv heads 4947 us (512 x 512 5003, 256 x 1024 5205). Head dim 128
-# (Qwen3) keeps 1024 x 1024 (14894 / 9866): 1024 x 2048 13858 / 10947 (+0.2 % together), 512 x 2048 14105 / 11059,
-# 512 x 4096 unmasked 13463, 256 x 1024 causal 10796. v5e, v7x and head dim 64: not swept, the forward's.
+# The backward's (block_q, block_kv) by generation and head dim: its kernels read the forward's residuals (out, lse) per
+# row, so its blocks are its own. Chosen as TABLE (least modeled backward program, causal + unmasked, seq 4096, v6e,
+# whole programs; against the forward's blocks): key blocks of 2048 halve the fused backward's dq slots (the slot sum's
+# f32 reads) but compute more of the causal diagonal (a key block's DIAGONAL pair covers only its first query block; the
+# others' diagonals run through it further in and are masked visits). Head dim 512 (Gemma 4 full): 512 x 2048, unmasked
+# 17394 -> 15545 us, causal 11697 -> 12267 (256 x 2048: 15748 / 12310), before DIAGONAL pairs. Head dim 256 (Gemma 4
+# sliding, window 1024): 512 x 512 at 8 kv heads a step (QUERY_HEADS_PER_STEP), 4941 us (256 x 1024 4972, 256 x 512
+# 5316, 512 x 256 8151; the fused backward's 1024 x 1024 does not fit VMEM at 8 kv heads); at 1 kv head 1024 x 1024 had
+# won, 6301 -> 5981 us (512 x 1024 6356, 256 x 1024 7342), and at 4 kv heads 4947 us (512 x 512 5003, 256 x 1024 5205).
+# Head dim 128 (Qwen3), with DIAGONAL pairs: 1024 x 2048, unmasked 14986 -> 13962 us, causal 8743 -> 8892 against 1024 x
+# 1024 (-3.7 % together); 512 x 2048 14171 / 9978. v5e, v7x and head dim 64: not swept, the forward's.
 BACKWARD_TABLE = {
     "v5e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (512, 512)},
-    "v6e": {64: (512, 512), 128: (1024, 1024), 256: (512, 512), 512: (512, 2048)},
+    "v6e": {64: (512, 512), 128: (1024, 2048), 256: (512, 512), 512: (512, 2048)},
     "v7x": {64: (512, 512), 128: (1024, 512), 256: (512, 512), 512: (256, 512)},
 }
 # Query heads a grid step takes at most, by generation and head dim: kv heads per step is the most that divides the kv
@@ -81,6 +82,21 @@ FUSED_DQ = {
 # falls back to unfused (long sequences, packed batches whose query blocks may hold many sequences), so that the
 # slots take at most this many f32 copies of dq.
 MAX_DQ_SLOTS = 8
+# Packed batches (flash_attention_varlen): sequences start anywhere in a block, so a query block meets the ends of
+# several, every one of its visits is a masked one (no DIAGONAL pairs), and the larger the blocks the more of each
+# visit lies outside every sequence. The table's blocks are therefore capped by the longest sequence: at most
+# longest / PACKED_SHARE (the largest power of two times 128 within it), never below PACKED_MIN_BLOCK (smaller steps
+# would not hide their per-step cost and DMAs). Modeled v6e, Qwen3 (32 / 4 heads x 128), 32768 packed tokens, whole
+# programs, causal / unmasked: mean length 1024 (longest 1722): forward 1024 x 1024 4265 / 6347 us, 512 x 512 3525 /
+# 5342; backward 11541 / 16820, 512 x 512 8319 / 12426. Mean 4096 (longest 6893): forward 1024 x 1024 6133 / 10776,
+# 512 x 512 6801 / 11976; backward 18730 / 31076, 512 x 512 16760 / 29278. Equal-length batches keep the table
+# (sequence starts on block boundaries): at seq 1024 1024 x 1024 models faster than 512 x 512 in both directions
+# (forward 1571 against 2029 us causal, backward 3400 against 4108). The cap at mean 1024 elsewhere: Gemma 4 full v6e
+# forward 512 x 1024 -> 512 x 512 3633 -> 3090 us (causal), backward 512 x 2048 -> 512 x 512 14847 -> 8877; Qwen3 v7x
+# forward 1024 x 512 -> 512 x 512 3239 -> 2484, backward 7244 -> 5795; 256 x 512 loses to 512 x 512 (Qwen3 v6e forward
+# 4150 against 3525).
+PACKED_SHARE = {"forward": 4, "backward": 8}
+PACKED_MIN_BLOCK = 512
 # Never ask for more than this share of the core's VMEM.
 VMEM_SHARE = 0.75
 
@@ -90,7 +106,7 @@ class FlashAttentionBlocks:
     """Tile sizes of the flash attention kernels: the `blocks=` of flash_attention and flash_attention_varlen.
 
     block_q: query rows per grid step of the forward, a multiple of 128, or at least the query rows (one block).
-        None: the table's.
+        None: the table's (for a packed batch capped by its longest sequence: packed_block_cap).
     block_kv: key rows per grid step of the forward, a multiple of 128, or at least the key rows. None: the table's.
     backward_block_q, backward_block_kv: the same for the backward's kernels (delta, dk/dv, dq or the dq slots' sum),
         which have their own table (the forward's residuals are per row, so the two may differ). None: block_q /
@@ -183,6 +199,16 @@ def _table_kv_heads_per_step(generation: str, head_dim: int, *, kv_heads: int, g
     return max((n for n in counts if fits(n)), default=fewest)
 
 
+def packed_block_cap(longest_sequence: int, direction: str) -> int:
+    """The most rows a table block of `direction` takes in a packed batch whose longest sequence has
+    `longest_sequence` rows (PACKED_SHARE, PACKED_MIN_BLOCK)."""
+    share = longest_sequence // PACKED_SHARE[direction]
+    cap = LANES
+    while cap * 2 <= share:
+        cap *= 2
+    return max(cap, PACKED_MIN_BLOCK)
+
+
 def _block_pair(blocks, fields, table_entry, *, q_rows, kv_rows):
     """(block_q, block_kv) of one direction: the caller's `fields` (or the forward's as a fallback), else the table's,
     checked against the rows."""
@@ -210,17 +236,28 @@ def resolve_blocks(
     v_head_dim: int,
     itemsize: int,
     info: pltpu.TpuInfo | None = None,
+    longest_sequence: int | None = None,
 ) -> FlashAttentionBlocks:
     """The blocks the kernels run with, every field set: the table's for None and for fields left None, else the
-    caller's, checked (TypeError/ValueError naming the field)."""
+    caller's, checked (TypeError/ValueError naming the field). longest_sequence: for a packed batch (varlen), the
+    rows of its longest sequence (query or key), which caps the table's blocks (packed_block_cap); None for batches
+    of equal-length sequences."""
     check_blocks_type(blocks)
     info = info or chip.current_tpu_info()
     blocks = blocks or FlashAttentionBlocks()
     generation, widest = chip.generation_name(info), max(head_dim, v_head_dim)
     rows = dict(q_rows=q_rows, kv_rows=kv_rows)
-    block_q, block_kv = _block_pair(blocks, ("block_q", "block_kv"), _table_entry(generation, widest), **rows)
+
+    def table_pair(direction, table):
+        pair = _table_entry(generation, widest, table)
+        if longest_sequence is None:
+            return pair
+        cap = packed_block_cap(longest_sequence, direction)
+        return tuple(min(block, cap) for block in pair)
+
+    block_q, block_kv = _block_pair(blocks, ("block_q", "block_kv"), table_pair("forward", TABLE), **rows)
     backward_q, backward_kv = _block_pair(
-        blocks, ("backward_block_q", "backward_block_kv"), _table_entry(generation, widest, BACKWARD_TABLE), **rows
+        blocks, ("backward_block_q", "backward_block_kv"), table_pair("backward", BACKWARD_TABLE), **rows
     )
     group = q_heads // kv_heads
     fused = blocks.fused_backward
