@@ -753,11 +753,12 @@ def test_blocks_reach_the_kernels(rand):
     assert "flash_attention_dq_sum" in dict(grad_calls(varlen(SMALL), q3, k3, v3))
 
 
-def test_packed_batches_cap_the_table_blocks(monkeypatch):
+def test_table_blocks_capped_by_the_sequences(monkeypatch):
     """A packed batch's table blocks are capped by its longest sequence (tuning.packed_block_cap: a quarter of it
-    forward, an eighth backward, a power of two times 128, at least 512); a caller's blocks and equal-length batches
-    keep theirs. flash_attention_varlen passes the longest of max_seqlen_q / max_seqlen_k: its kernels take the
-    capped blocks' grids."""
+    forward, an eighth backward, a power of two times 128, at least 512), an equal-length batch's by its sequences'
+    query and key rows (tuning.sequence_block_cap: no block spans two sequences); a caller's blocks are kept.
+    flash_attention_varlen passes the longest of max_seqlen_q / max_seqlen_k, flash_attention its sequence lengths:
+    their kernels take the capped blocks' grids."""
     assert [tuning.packed_block_cap(n, "forward") for n in (100, 1722, 2048, 4096, 6893, 8192)] == [
         512,
         512,
@@ -781,6 +782,18 @@ def test_packed_batches_cap_the_table_blocks(monkeypatch):
     assert resolved(longest_sequence=32768) == (1024, 1024, 1024, 2048)
     caller = tk.FlashAttentionBlocks(block_q=1024, block_kv=1024)
     assert resolved(caller, longest_sequence=1722) == (1024, 1024, 1024, 1024)
+    assert [tuning.sequence_block_cap(n) for n in (1, 100, 1024, 1500, 2048, 4096)] == [
+        128,
+        128,
+        1024,
+        1024,
+        2048,
+        4096,
+    ]
+    assert resolved(sequence_rows=(1024, 1024)) == (1024, 1024, 1024, 1024)
+    assert resolved(sequence_rows=(4096, 4096)) == (1024, 1024, 1024, 2048)
+    assert resolved(sequence_rows=(512, 1500)) == (512, 1024, 512, 1024)
+    assert resolved(caller, sequence_rows=(512, 512)) == (1024, 1024, 1024, 1024)
 
     # end to end (traced only): the default call's kernels run the grids of explicit 512 x 512 blocks, not the
     # table's 1024 x 1024 (v6e, head dim 128, 4096 packed rows, max_seqlen_k 1600)
@@ -802,6 +815,25 @@ def test_packed_batches_cap_the_table_blocks(monkeypatch):
         grids(b) for b in (None, tk.FlashAttentionBlocks(512, 512), tk.FlashAttentionBlocks(1024, 1024))
     )
     assert default == small != large, (default, small, large)
+
+    # 4 sequences of 1024 (v6e): the backward takes 1024 x 1024, not the table's 1024 x 2048
+    q = jax.ShapeDtypeStruct((4, 1024, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((4, 1024, 1, 128), jnp.bfloat16)
+
+    def dense_grids(blocks):
+        def loss(q, k, v):
+            return tk.flash_attention(q, k, v, causal=True, blocks=blocks).astype(jnp.float32).sum()
+
+        # the grids match here (4 dk/dv visits either way); the VMEM limit follows the backward's blocks
+        return [
+            (c.name, c.grid, c.vmem_limit_bytes)
+            for c in ladder.pallas_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+        ]
+
+    within = tk.FlashAttentionBlocks(1024, 1024, backward_block_q=1024, backward_block_kv=1024)
+    spanning = tk.FlashAttentionBlocks(1024, 1024, backward_block_q=1024, backward_block_kv=2048)
+    default, within, spanning = (dense_grids(b) for b in (None, within, spanning))
+    assert default == within != spanning, (default, within, spanning)
 
 
 def _kernel_shapes(fn, *args):

@@ -498,7 +498,9 @@ def _candidates(op, s, gen):
         v_head_dim=v.shape[-1],
         itemsize=2,
         info=chip.tpu_info_for(gen),
-        longest_sequence=config(s).max_seqlen if s["layout"] == "varlen" else None,
+        **(
+            {"longest_sequence": config(s).max_seqlen} if s["layout"] == "varlen" else {"sequence_rows": (s.batch,) * 2}
+        ),
     )
 
 

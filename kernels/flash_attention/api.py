@@ -34,7 +34,7 @@ class _Setup:
     fused: bool
 
 
-def _setup(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap, longest_sequence=None) -> _Setup:
+def _setup(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap, **sequences) -> _Setup:
     blocks = tuning.resolve_blocks(
         blocks,
         q_rows=q_rows,
@@ -45,7 +45,7 @@ def _setup(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap, lo
         v_head_dim=dv,
         itemsize=jnp.dtype(dtype).itemsize,
         info=chip.current_tpu_info(),
-        longest_sequence=longest_sequence,
+        **sequences,  # longest_sequence (packed) or sequence_rows (equal lengths): tuning's caps on its blocks
     )
     forward_geometry = Geometry(
         q_rows=q_rows,
@@ -293,6 +293,7 @@ def flash_attention(
             dtype=dtype,
             scale=scale,
             softcap=softcap,
+            sequence_rows=(sq, sk),  # no table block spans two sequences (tuning.sequence_block_cap)
         )
         setup = setup_for(blocks)
         cu_q, cu_k = np.arange(batch + 1) * sq, np.arange(batch + 1) * sk

@@ -83,18 +83,17 @@ FUSED_DQ = {
 # slots take at most this many f32 copies of dq.
 MAX_DQ_SLOTS = 8
 # Packed batches (flash_attention_varlen): sequences start anywhere in a block, so a query block meets the ends of
-# several, every one of its visits is a masked one (no DIAGONAL pairs), and the larger the blocks the more of each
-# visit lies outside every sequence. The table's blocks are therefore capped by the longest sequence: at most
-# longest / PACKED_SHARE (the largest power of two times 128 within it), never below PACKED_MIN_BLOCK (smaller steps
-# would not hide their per-step cost and DMAs). Modeled v6e, Qwen3 (32 / 4 heads x 128), 32768 packed tokens, whole
-# programs, causal / unmasked: mean length 1024 (longest 1722): forward 1024 x 1024 4265 / 6347 us, 512 x 512 3525 /
-# 5342; backward 11541 / 16820, 512 x 512 8319 / 12426. Mean 4096 (longest 6893): forward 1024 x 1024 6133 / 10776,
-# 512 x 512 6801 / 11976; backward 18730 / 31076, 512 x 512 16760 / 29278. Equal-length batches keep the table
-# (sequence starts on block boundaries): at seq 1024 1024 x 1024 models faster than 512 x 512 in both directions
-# (forward 1571 against 2029 us causal, backward 3400 against 4108). The cap at mean 1024 elsewhere: Gemma 4 full v6e
-# forward 512 x 1024 -> 512 x 512 3633 -> 3090 us (causal), backward 512 x 2048 -> 512 x 512 14847 -> 8877; Qwen3 v7x
-# forward 1024 x 512 -> 512 x 512 3239 -> 2484, backward 7244 -> 5795; 256 x 512 loses to 512 x 512 (Qwen3 v6e forward
-# 4150 against 3525).
+# several, every one of its visits is a masked one (no DIAGONAL pairs), and the larger the blocks the more of each visit
+# lies outside every sequence. The table's blocks are therefore capped by the longest sequence: at most longest /
+# PACKED_SHARE (the largest power of two times 128 within it), never below PACKED_MIN_BLOCK (smaller steps would not
+# hide their per-step cost and DMAs). Modeled v6e, Qwen3 (32 / 4 heads x 128), 32768 packed tokens, whole programs,
+# causal / unmasked: mean length 1024 (longest 1722): forward 1024 x 1024 4265 / 6347 us, 512 x 512 3525 / 5342;
+# backward 11541 / 16820, 512 x 512 8319 / 12426. Mean 4096 (longest 6893): forward 1024 x 1024 6133 / 10776, 512 x 512
+# 6801 / 11976; backward 18730 / 31076, 512 x 512 16760 / 29278. Equal-length batches take sequence_block_cap instead:
+# at seq 1024 1024 x 1024 models faster than 512 x 512 in both directions (forward 1571 against 2029 us causal, backward
+# 3400 against 4108). The cap at mean 1024 elsewhere: Gemma 4 full v6e forward 512 x 1024 -> 512 x 512 3633 -> 3090 us
+# (causal), backward 512 x 2048 -> 512 x 512 14847 -> 8877; Qwen3 v7x forward 1024 x 512 -> 512 x 512 3239 -> 2484,
+# backward 7244 -> 5795; 256 x 512 loses to 512 x 512 (Qwen3 v6e forward 4150 against 3525).
 PACKED_SHARE = {"forward": 4, "backward": 8}
 PACKED_MIN_BLOCK = 512
 # Never ask for more than this share of the core's VMEM.
@@ -199,14 +198,27 @@ def _table_kv_heads_per_step(generation: str, head_dim: int, *, kv_heads: int, g
     return max((n for n in counts if fits(n)), default=fewest)
 
 
+def _lane_power_within(rows: int) -> int:
+    """The largest 128 * 2^k within `rows` (128 below it)."""
+    cap = LANES
+    while cap * 2 <= rows:
+        cap *= 2
+    return cap
+
+
 def packed_block_cap(longest_sequence: int, direction: str) -> int:
     """The most rows a table block of `direction` takes in a packed batch whose longest sequence has
     `longest_sequence` rows (PACKED_SHARE, PACKED_MIN_BLOCK)."""
-    share = longest_sequence // PACKED_SHARE[direction]
-    cap = LANES
-    while cap * 2 <= share:
-        cap *= 2
-    return max(cap, PACKED_MIN_BLOCK)
+    return max(_lane_power_within(longest_sequence // PACKED_SHARE[direction]), PACKED_MIN_BLOCK)
+
+
+def sequence_block_cap(sequence_rows: int) -> int:
+    """The most rows a table block takes in a batch of equal-length sequences of `sequence_rows` rows each: the
+    largest 128 * 2^k within one sequence, so that where a sequence holds a whole block no block spans two sequences
+    (each of its visits would be masked, half of it outside the query's sequence). Modeled v6e, seq 1024 (32
+    sequences), whole backward programs: Qwen3 on the table's 1024 x 2048 5598 / 7798 us causal / unmasked, on
+    1024 x 1024 3400 / 4492."""
+    return _lane_power_within(sequence_rows)
 
 
 def _block_pair(blocks, fields, table_entry, *, q_rows, kv_rows):
@@ -237,11 +249,13 @@ def resolve_blocks(
     itemsize: int,
     info: pltpu.TpuInfo | None = None,
     longest_sequence: int | None = None,
+    sequence_rows: tuple[int, int] | None = None,
 ) -> FlashAttentionBlocks:
     """The blocks the kernels run with, every field set: the table's for None and for fields left None, else the
     caller's, checked (TypeError/ValueError naming the field). longest_sequence: for a packed batch (varlen), the
-    rows of its longest sequence (query or key), which caps the table's blocks (packed_block_cap); None for batches
-    of equal-length sequences."""
+    rows of its longest sequence (query or key), which caps the table's blocks (packed_block_cap). sequence_rows: for
+    a batch of equal-length sequences, the (query, key) rows of each, which cap the table's query and key blocks
+    (sequence_block_cap)."""
     check_blocks_type(blocks)
     info = info or chip.current_tpu_info()
     blocks = blocks or FlashAttentionBlocks()
@@ -250,10 +264,12 @@ def resolve_blocks(
 
     def table_pair(direction, table):
         pair = _table_entry(generation, widest, table)
-        if longest_sequence is None:
-            return pair
-        cap = packed_block_cap(longest_sequence, direction)
-        return tuple(min(block, cap) for block in pair)
+        if longest_sequence is not None:
+            cap = packed_block_cap(longest_sequence, direction)
+            pair = tuple(min(block, cap) for block in pair)
+        if sequence_rows is not None:
+            pair = tuple(min(block, sequence_block_cap(n)) for block, n in zip(pair, sequence_rows))
+        return pair
 
     block_q, block_kv = _block_pair(blocks, ("block_q", "block_kv"), table_pair("forward", TABLE), **rows)
     backward_q, backward_kv = _block_pair(
