@@ -105,8 +105,9 @@ class FlashAttentionBlocks:
     """Tile sizes of the flash attention kernels: the `blocks=` of flash_attention and flash_attention_varlen.
 
     block_q: query rows per grid step of the forward, a multiple of 128, or at least the query rows (one block).
-        None: the table's (for a packed batch capped by its longest sequence: packed_block_cap).
-    block_kv: key rows per grid step of the forward, a multiple of 128, or at least the key rows. None: the table's.
+        None: the table's, capped by the sequences (packed: packed_block_cap; equal lengths: sequence_block_cap).
+    block_kv: key rows per grid step of the forward, a multiple of 128, or at least the key rows. None: the table's,
+        capped as block_q's.
     backward_block_q, backward_block_kv: the same for the backward's kernels (delta, dk/dv, dq or the dq slots' sum),
         which have their own table (the forward's residuals are per row, so the two may differ). None: block_q /
         block_kv when given (a caller's blocks serve both directions unless the backward's are given too), else the
