@@ -13,6 +13,11 @@ from . import chip
 LANES = 128  # the minor dimension of a vreg and of every VMEM tile
 
 
+def pow2_floor(x: int) -> int:
+    """The largest power of two <= x (1 for x < 2)."""
+    return 1 << (max(1, int(x)).bit_length() - 1)
+
+
 def sublane_multiple(dtype) -> int:
     """Second-minor granularity of a block: 8 rows of 32-bit, 16 of 16-bit (two rows a sublane), 32 of 8-bit."""
     return 8 * (4 // jnp.dtype(dtype).itemsize)

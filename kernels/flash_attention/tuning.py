@@ -14,7 +14,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common import chip
-from ..common.blocks import LANES, check_block_dim, check_tile, check_vmem_fit
+from ..common.blocks import LANES, check_block_dim, check_tile, check_vmem_fit, pow2_floor
 from .geometry import min_kv_heads_per_step
 
 # (block_q, block_kv) by generation and head dim (the widest of Q/K's and V's), chosen with the performance model
@@ -201,10 +201,7 @@ def _table_kv_heads_per_step(generation: str, head_dim: int, *, kv_heads: int, g
 
 def _lane_power_within(rows: int) -> int:
     """The largest 128 * 2^k within `rows` (128 below it)."""
-    cap = LANES
-    while cap * 2 <= rows:
-        cap *= 2
-    return cap
+    return max(LANES, pow2_floor(rows))
 
 
 def packed_block_cap(longest_sequence: int, direction: str) -> int:

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common import chip
-from ..common.blocks import LANES, check_block_dim, check_vmem_fit, sublane_multiple
+from ..common.blocks import LANES, check_block_dim, check_vmem_fit, pow2_floor, sublane_multiple
 
 # Upper bounds per generation. v5e's MXUs are 128 wide and its HBM half as fast, so its blocks are smaller.
 TM_MAX = {"v5e": 256, "v6e": 512, "v7x": 512}
@@ -132,10 +132,6 @@ def _dtype_names(*dtypes) -> str:
     return " / ".join(dict.fromkeys(str(jnp.dtype(d)) for d in dtypes))
 
 
-def _pow2_floor(x: int) -> int:
-    return 1 << (max(1, int(x)).bit_length() - 1)
-
-
 def _tile_options(dim: int, cap: int, multiple: int, *, prefer_divisors: bool) -> list[int]:
     """Legal tile sizes for a dimension, best first: the full dim if <= cap, then (unless prefer_divisors) the
     balanced split (equal tiles rounded up to `multiple`, the last one partial), then divisors that are multiples of
@@ -178,7 +174,7 @@ def stored_minor_to_major_swapped(rows: int, cols: int) -> bool:
 
 def choose_tm(m: int, num_groups: int, dtype, generation: str, rhs_transposed: bool = False) -> int:
     sub = sublane_multiple(dtype)
-    tm = _pow2_floor(max(1, m // max(1, 2 * num_groups)))
+    tm = pow2_floor(max(1, m // max(1, 2 * num_groups)))
     # At least TM_MIN rows: every visit pushes its group's whole weight block through the MXU, which costs the same
     # for 16 rows as for 128, so small tiles multiply that cost by the visits (tiles + groups - 1) while the masked
     # rows they save are nearly free. Modeled v6e (random top-8 of 128 experts), with the floor against the M / (2 *
@@ -364,7 +360,7 @@ def choose_transposed_blocks(
     tp = _given_tile(owner, "tp", fixed.tp, p, LANES, "lanes", "P")
     tq = _given_tile(owner, "tq", fixed.tq, q, LANES, "lanes", "Q")
     if tm is None:
-        tm = _pow2_floor(max(1, m // max(1, 2 * num_groups)))
+        tm = pow2_floor(max(1, m // max(1, 2 * num_groups)))
         tm = max(128 if m >= 128 else sub, min(TM_MAX[gen], tm))
         tm = m if m <= tm else tm
     budget = int(info.vmem_capacity_bytes * VMEM_SHARE[gen])
