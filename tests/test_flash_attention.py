@@ -5,6 +5,7 @@ v5e / v6e / v7x at the benchmark shapes. Small blocks (128) are forced so that e
 blocks with ragged last blocks."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import ladder
 import numpy as np
 import pytest
 
+from benchmarks.ops.flash_attention import varlen_lengths
 from benchmarks.shapes import FLASH_ATTENTION, FLASH_ATTENTION_MODELS
 from tpu_kernels_jax import api as tk
 from tpu_kernels_jax.common import chip
@@ -836,6 +838,69 @@ def test_table_blocks_capped_by_the_sequences(monkeypatch):
     assert default == within != spanning, (default, within, spanning)
 
 
+def _benchmark_call(shape):
+    """(loss of q, k, v, their specs) of a benchmark shape: the mean of flash attention's output, dense or packed."""
+    hq, hkv, d, window = shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["window"]
+    options = dict(
+        causal=shape["mask"] == "causal",
+        window_size=(window - 1, 0) if window > 0 else (-1, -1),
+        softmax_scale=1.0 if shape["model"].startswith("gemma") else None,
+    )
+    if shape["layout"] == "dense":
+        batch = 32768 // shape.batch
+        specs = [_spec((batch, shape.batch, h, d)) for h in (hq, hkv, hkv)]
+        attend = functools.partial(tk.flash_attention, **options)
+    else:
+        lengths = varlen_lengths(shape.batch)
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+        longest = max(lengths)
+        specs = [_spec((sum(lengths), h, d)) for h in (hq, hkv, hkv)]
+        attend = lambda q, k, v: tk.flash_attention_varlen(q, k, v, cu, cu, longest, longest, **options)  # noqa: E731
+    return (lambda q, k, v: attend(q, k, v).astype(jnp.float32).mean()), specs
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e", "v7x"])
+def test_table_blocks_fit_every_benchmark_shape(generation, monkeypatch):
+    """At every benchmark shape (dense seq 1024 to 32768, packed batches) the default call's forward and backward
+    trace on each generation: the table's blocks, the fused or unfused backward the dq slots choose, and the heads a
+    step all fit the VMEM limit and the visit lists' limits (a kernel's body depends on the model and the blocks, which
+    the sequence lengths pick, so these are the choices the deviceless compiles prove, made at every shape). Where a
+    query block needs more than MAX_DQ_SLOTS key blocks the backward is the unfused one, on its own table's blocks
+    (at seq 32768 on v6e, 1024 x 2048 at head dim 128 would need 97 MiB of VMEM unfused)."""
+    monkeypatch.setenv("TPU_KERNELS_TARGET", generation)
+    unfused = []
+    for shape in FLASH_ATTENTION:
+        loss, specs = _benchmark_call(shape)
+        names = {c.name for c in ladder.pallas_calls(jax.grad(loss, argnums=(0, 1, 2)), *specs)}
+        assert "flash_attention_fwd" in names and "flash_attention_dkv" in names, (shape.id, names)
+        if "flash_attention_dq" in names:
+            unfused.append(shape.id)
+    if generation == "v6e":
+        # a query block of seq 32768 needs 16 key blocks of 2048 (or 32 of 1024; a window of 1024, 3 of 512)
+        long_dense = [s.id for s in FLASH_ATTENTION if s["layout"] == "dense" and s.batch == 32768 and s["window"] < 0]
+        assert set(long_dense) <= set(unfused), (long_dense, unfused)
+        # a packed batch that falls back to the unfused backward sizes its dk/dv list at the unfused blocks: two
+        # sequences of 20000 (cap 2048 keys), fused 1024 x 2048 with 10 slots > 8, so unfused at 1024 x 1024
+        cu = jnp.asarray([0, 20000, 40000], jnp.int32)
+        q, kv = _spec((40000, 8, 128)), _spec((40000, 1, 128))
+
+        def dkv_inputs(blocks):
+            """The dk/dv kernel's input shapes: its visit list's length is the list size the bound gave."""
+
+            def loss(q, k, v):
+                out = tk.flash_attention_varlen(q, k, v, cu, cu, 20000, 20000, causal=True, blocks=blocks)
+                return out.astype(jnp.float32).mean()
+
+            return _kernel_shapes(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)["flash_attention_dkv"][0]
+
+        unfused_table = tk.FlashAttentionBlocks(1024, 1024, fused_backward=False)
+        other = tk.FlashAttentionBlocks(
+            1024, 1024, fused_backward=False, backward_block_kv=2048, vmem_limit_bytes=2**27
+        )
+        default, table, other = dkv_inputs(None), dkv_inputs(unfused_table), dkv_inputs(other)
+        assert default == table != other, (default, table, other)
+
+
 def _kernel_shapes(fn, *args):
     """{kernel name: (input shapes, output shapes)} of the pallas_calls in fn's program (the last of a name)."""
     shapes = {}
@@ -952,6 +1017,30 @@ def test_compiles_for_tpu():
     )
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, generation", [("qwen3-30b-a3b", "v6e"), ("gemma4-full", "v6e"), ("gemma4-full", "v7x")]
+)
+def test_compiles_unfused_backward_at_benchmark_blocks(model, generation):
+    """The unfused backward (a dq kernel beside the dk/dv kernel), which the default call takes where a query block
+    needs more than MAX_DQ_SLOTS key blocks (seq 32768 unmasked and causal), on its table's blocks
+    (tuning.UNFUSED_BACKWARD_TABLE: v6e 1024 x 1024 at head dim 128, 512 x 2048 at 512; v7x 256 x 512, the least VMEM):
+    the same kernel bodies as seq 32768's, compiled at seq 4096 where the visit lists are 64 times shorter."""
+    dims = FLASH_ATTENTION_MODELS[model]
+    q = ((8, 4096, dims["q_heads"], dims["head_dim"]), jnp.bfloat16)
+    k = ((8, 4096, dims["kv_heads"], dims["head_dim"]), jnp.bfloat16)
+    unfused = tk.FlashAttentionBlocks(fused_backward=False)
+    ladder.compile_for_tpu(
+        _grad_fn(causal=True, blocks=unfused),
+        generation,
+        q,
+        k,
+        k,
+        label=f"flash_attention unfused {model}",
+        min_kernels=3,
+    )
+
+
 def _benchmark_cases():
     """(shape, generation): the causal dense benchmark shapes at sequence 4096 of Qwen3 and Gemma 4's full layers on v6e
     (the tables' largest blocks, 8 query heads a step: at head dim 128 the forward's 1024 x 1024 and the backward's 1024
@@ -968,8 +1057,9 @@ def _benchmark_cases():
     suite's time. The v6e compiles prove the sliding layers' code paths (head dim 256 shares the head dim 512's: early
     scores, no row sums on the MXU); a window is the kernels' run-time key ranges and visit list, not their body. A
     kernel's body depends on the model (head dims, GQA group, the tuning table's blocks, which every benchmark sequence
-    length fills), not on the sequence length or the mask (those set the grid and the visit list, which the kernels read
-    at run time), so these prove the lowering and VMEM fit of every benchmark shape's kernels at a fraction of the
+    length fills) and on whether the backward fuses dq (not at seq 32768: test_compiles_unfused_backward_at_benchmark_
+    blocks), not on the sequence length or the mask (those set the grid and the visit list, which the kernels read at
+    run time), so these prove the lowering and VMEM fit of every benchmark shape's kernels at a fraction of the
     longest shape's compile time (its visit lists are constants of the program). On v5e and v7x the program also takes
     every score feature (a causal window, softcap): one compile per generation proves the features' lowering with the
     generation's heaviest working set."""

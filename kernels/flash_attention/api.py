@@ -395,6 +395,8 @@ def flash_attention_varlen(
     backward_size, slot_bound = bounds(setup.backward)
     if setup.fused:
         setup = _choose_backward(blocks, setup_for, slot_bound)
+        if not setup.fused:  # the unfused backward's blocks may differ (tuning.UNFUSED_BACKWARD_TABLE)
+            backward_size, slot_bound = bounds(setup.backward)
     lo, hi = schedule.key_ranges(cu_seqlens_q, cu_seqlens_k, q_rows, causal=causal, window_size=window)
     out, lse = _call(
         q,

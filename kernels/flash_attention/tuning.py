@@ -48,6 +48,17 @@ BACKWARD_TABLE = {
     "v6e": {64: (512, 512), 128: (1024, 2048), 256: (512, 512), 512: (512, 2048)},
     "v7x": {64: (512, 512), 128: (1024, 512), 256: (512, 512), 512: (256, 512)},
 }
+# The unfused backward's (block_q, block_kv) (a dq kernel beside the dk/dv kernel: long sequences and loosely bounded
+# packed batches, MAX_DQ_SLOTS): BACKWARD_TABLE is the fused backward's, and the unfused dq kernel keeps more per query
+# block (q, do, the statistics, an f32 dq accumulator): at head dim 128 on v6e, 1024 x 2048 would need 97 MiB of VMEM,
+# over the 96 MiB limit, so it takes the forward's 1024 x 1024. Head dim 512 on v6e keeps 512 x 2048: Gemma 4 full,
+# seq 32768, whole backward programs (modeled v6e), causal / unmasked 75276 / 139141 us against 512 x 1024's 74616 /
+# 142223 (-1.1 % together). Elsewhere the two tables agree.
+UNFUSED_BACKWARD_TABLE = {
+    "v5e": BACKWARD_TABLE["v5e"],
+    "v6e": {**BACKWARD_TABLE["v6e"], 128: TABLE["v6e"][128]},
+    "v7x": BACKWARD_TABLE["v7x"],
+}
 # Query heads a grid step takes at most, by generation and head dim: kv heads per step is the most that divides the kv
 # heads, keeps its query heads within this (1: the fewest legal) and leaves MIN_HEAD_GROUPS head groups, among those
 # whose working set at the resolved blocks fits the VMEM limit (fewer where a caller's blocks would not fit), never
@@ -111,7 +122,7 @@ class FlashAttentionBlocks:
     backward_block_q, backward_block_kv: the same for the backward's kernels (delta, dk/dv, dq or the dq slots' sum),
         which have their own table (the forward's residuals are per row, so the two may differ). None: block_q /
         block_kv when given (a caller's blocks serve both directions unless the backward's are given too), else the
-        backward table's.
+        backward table's (BACKWARD_TABLE fused, UNFUSED_BACKWARD_TABLE unfused).
     kv_heads_per_step: kv heads per grid step, each with its query heads; must divide the kv heads, and its lane
         blocks must be whole multiples of 128 lanes (at head dim 64: an even count) or cover all heads. None: the
         table's (QUERY_HEADS_PER_STEP: by generation and head dim, the most whose query heads stay within the table's
@@ -269,17 +280,18 @@ def resolve_blocks(
             pair = tuple(min(block, sequence_block_cap(n)) for block, n in zip(pair, sequence_rows))
         return pair
 
-    block_q, block_kv = _block_pair(blocks, ("block_q", "block_kv"), table_pair("forward", TABLE), **rows)
-    backward_q, backward_kv = _block_pair(
-        blocks, ("backward_block_q", "backward_block_kv"), table_pair("backward", BACKWARD_TABLE), **rows
-    )
-    group = q_heads // kv_heads
     fused = blocks.fused_backward
     if fused is None:
         fused = _table_entry(generation, widest, FUSED_DQ)
     elif not isinstance(fused, (bool, np.bool_)):
         raise TypeError(f"blocks.fused_backward: expected a bool or None, got {type(fused).__name__} {fused!r}")
     fused = bool(fused)
+    block_q, block_kv = _block_pair(blocks, ("block_q", "block_kv"), table_pair("forward", TABLE), **rows)
+    backward_table = BACKWARD_TABLE if fused else UNFUSED_BACKWARD_TABLE
+    backward_q, backward_kv = _block_pair(
+        blocks, ("backward_block_q", "backward_block_kv"), table_pair("backward", backward_table), **rows
+    )
+    group = q_heads // kv_heads
     shape = dict(group=group, head_dim=head_dim, v_head_dim=v_head_dim, itemsize=itemsize)
 
     def need(per_step):
