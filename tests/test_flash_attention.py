@@ -838,13 +838,14 @@ def test_table_blocks_capped_by_the_sequences(monkeypatch):
     assert default == within != spanning, (default, within, spanning)
 
 
-def _benchmark_call(shape):
+def _benchmark_call(shape, blocks=None):
     """(loss of q, k, v, their specs) of a benchmark shape: the mean of flash attention's output, dense or packed."""
     hq, hkv, d, window = shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["window"]
     options = dict(
         causal=shape["mask"] == "causal",
         window_size=(window - 1, 0) if window > 0 else (-1, -1),
         softmax_scale=1.0 if shape["model"].startswith("gemma") else None,
+        blocks=blocks,
     )
     if shape["layout"] == "dense":
         batch = 32768 // shape.batch
@@ -862,23 +863,29 @@ def _benchmark_call(shape):
 @pytest.mark.parametrize("generation", ["v5e", "v6e", "v7x"])
 def test_table_blocks_fit_every_benchmark_shape(generation, monkeypatch):
     """At every benchmark shape (dense seq 1024 to 32768, packed batches) the default call's forward and backward
-    trace on each generation: the table's blocks, the fused or unfused backward the dq slots choose, and the heads a
-    step all fit the VMEM limit and the visit lists' limits (a kernel's body depends on the model and the blocks, which
-    the sequence lengths pick, so these are the choices the deviceless compiles prove, made at every shape). Where a
-    query block needs more than MAX_DQ_SLOTS key blocks the backward is the unfused one, on its own table's blocks
-    (at seq 32768 on v6e, 1024 x 2048 at head dim 128 would need 97 MiB of VMEM unfused)."""
+    trace on each generation: the table's blocks, the backward the dq slots choose (fused on BACKWARD_TABLE's
+    blocks, fused on LONG_BACKWARD_TABLE's, or unfused on UNFUSED_BACKWARD_TABLE's) and the heads a step all fit the
+    VMEM limit and the visit lists' limits (a kernel's body depends on the model and the blocks, which the sequence
+    lengths pick, so these are the choices the deviceless compiles prove, made at every shape)."""
     monkeypatch.setenv("TPU_KERNELS_TARGET", generation)
-    unfused = []
+    backward = {}
     for shape in FLASH_ATTENTION:
         loss, specs = _benchmark_call(shape)
         names = {c.name for c in ladder.pallas_calls(jax.grad(loss, argnums=(0, 1, 2)), *specs)}
         assert "flash_attention_fwd" in names and "flash_attention_dkv" in names, (shape.id, names)
-        if "flash_attention_dq" in names:
-            unfused.append(shape.id)
+        backward[shape.id] = "unfused" if "flash_attention_dq" in names else "fused"
     if generation == "v6e":
-        # a query block of seq 32768 needs 16 key blocks of 2048 (or 32 of 1024; a window of 1024, 3 of 512)
-        long_dense = [s.id for s in FLASH_ATTENTION if s["layout"] == "dense" and s.batch == 32768 and s["window"] < 0]
-        assert set(long_dense) <= set(unfused), (long_dense, unfused)
+        # seq 32768: a query block needs 16 key blocks of 2048, over the 8 slots; Qwen3 (head dim 128) takes the fused
+        # backward on 512 x 4096 (8 slots), Gemma 4 full (512) the unfused one (at 1024 x 2048 its fused backward would
+        # need 97 MiB of VMEM unfused; Gemma 4's window needs 3 key blocks of 512)
+        long = {s["model"]: s for s in FLASH_ATTENTION if s["layout"] == "dense" and s.batch == 32768}
+        assert backward[long["qwen3-30b-a3b"].id] == "fused" and backward[long["gemma4-full"].id] == "unfused"
+        assert backward[long["gemma4-sliding"].id] == "fused"
+        wide = tk.FlashAttentionBlocks(fused_backward=True, backward_block_q=512, backward_block_kv=4096)
+        default, specs = _benchmark_call(long["qwen3-30b-a3b"])
+        given, _ = _benchmark_call(long["qwen3-30b-a3b"], wide)
+        grads = (jax.grad(loss, argnums=(0, 1, 2)) for loss in (default, given))
+        assert _kernel_shapes(next(grads), *specs) == _kernel_shapes(next(grads), *specs)
         # a packed batch that falls back to the unfused backward sizes its dk/dv list at the unfused blocks: two
         # sequences of 20000 (cap 2048 keys), fused 1024 x 2048 with 10 slots > 8, so unfused at 1024 x 1024
         cu = jnp.asarray([0, 20000, 40000], jnp.int32)
@@ -1019,26 +1026,26 @@ def test_compiles_for_tpu():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "model, generation", [("qwen3-30b-a3b", "v6e"), ("gemma4-full", "v6e"), ("gemma4-full", "v7x")]
+    "model, generation, fused",
+    [("qwen3-30b-a3b", "v6e", True), ("qwen3-30b-a3b", "v6e", False), ("gemma4-full", "v6e", False)]
+    + [("gemma4-full", "v7x", False)],
 )
-def test_compiles_unfused_backward_at_benchmark_blocks(model, generation):
-    """The unfused backward (a dq kernel beside the dk/dv kernel), which the default call takes where a query block
-    needs more than MAX_DQ_SLOTS key blocks (seq 32768 unmasked and causal), on its table's blocks
-    (tuning.UNFUSED_BACKWARD_TABLE: v6e 1024 x 1024 at head dim 128, 512 x 2048 at 512; v7x 256 x 512, the least VMEM):
-    the same kernel bodies as seq 32768's, compiled at seq 4096 where the visit lists are 64 times shorter."""
+def test_compiles_long_sequence_backward_at_benchmark_blocks(model, generation, fused):
+    """The backwards the default call takes where a query block would need more than MAX_DQ_SLOTS key blocks of
+    BACKWARD_TABLE's (seq 32768 unmasked and causal): fused on LONG_BACKWARD_TABLE's blocks (v6e head dim 128: 512 x
+    4096), else unfused (a dq kernel beside the dk/dv kernel) on UNFUSED_BACKWARD_TABLE's (v6e 1024 x 1024 at head
+    dim 128, 512 x 2048 at 512; v7x 256 x 512, the least VMEM): the same kernel bodies as seq 32768's, compiled at
+    seq 4096 where the visit lists are 64 times shorter."""
     dims = FLASH_ATTENTION_MODELS[model]
     q = ((8, 4096, dims["q_heads"], dims["head_dim"]), jnp.bfloat16)
     k = ((8, 4096, dims["kv_heads"], dims["head_dim"]), jnp.bfloat16)
-    unfused = tk.FlashAttentionBlocks(fused_backward=False)
-    ladder.compile_for_tpu(
-        _grad_fn(causal=True, blocks=unfused),
-        generation,
-        q,
-        k,
-        k,
-        label=f"flash_attention unfused {model}",
-        min_kernels=3,
-    )
+    if fused:
+        pair = tuning.LONG_BACKWARD_TABLE[generation][dims["head_dim"]]
+        blocks = tk.FlashAttentionBlocks(fused_backward=True, backward_block_q=pair[0], backward_block_kv=pair[1])
+    else:
+        blocks = tk.FlashAttentionBlocks(fused_backward=False)
+    label = f"flash_attention {'fused' if fused else 'unfused'} long {model}"
+    ladder.compile_for_tpu(_grad_fn(causal=True, blocks=blocks), generation, q, k, k, label=label, min_kernels=3)
 
 
 def _benchmark_cases():
@@ -1057,12 +1064,12 @@ def _benchmark_cases():
     suite's time. The v6e compiles prove the sliding layers' code paths (head dim 256 shares the head dim 512's: early
     scores, no row sums on the MXU); a window is the kernels' run-time key ranges and visit list, not their body. A
     kernel's body depends on the model (head dims, GQA group, the tuning table's blocks, which every benchmark sequence
-    length fills) and on whether the backward fuses dq (not at seq 32768: test_compiles_unfused_backward_at_benchmark_
-    blocks), not on the sequence length or the mask (those set the grid and the visit list, which the kernels read at
-    run time), so these prove the lowering and VMEM fit of every benchmark shape's kernels at a fraction of the
-    longest shape's compile time (its visit lists are constants of the program). On v5e and v7x the program also takes
-    every score feature (a causal window, softcap): one compile per generation proves the features' lowering with the
-    generation's heaviest working set."""
+    length fills) and on the backward's blocks and fusion (other at seq 32768: test_compiles_long_sequence_backward_
+    at_benchmark_blocks), not on the sequence length or the mask (those set the grid and the visit list, which the
+    kernels read at run time), so these prove the lowering and VMEM fit of every benchmark shape's kernels at a
+    fraction of the longest shape's compile time (its visit lists are constants of the program). On v5e and v7x the
+    program also takes every score feature (a causal window, softcap): one compile per generation proves the features'
+    lowering with the generation's heaviest working set."""
     shapes = [s for s in FLASH_ATTENTION if s["layout"] == "dense" and s["mask"] == "causal" and s.batch == 4096]
     assert {s["model"] for s in shapes} == set(FLASH_ATTENTION_MODELS)
     return (

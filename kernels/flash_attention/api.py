@@ -72,12 +72,17 @@ def _setup(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap, **
     return _Setup(forward_geometry, backward_geometry, blocks.vmem_limit_bytes, blocks.fused_backward)
 
 
-def _choose_backward(blocks, setup_for, slots: int) -> _Setup:
-    """The setup where the tuning table chose the fused backward: unfused unless the caller asked for it when its dq
-    slots (f32 dq blocks of HBM per query block of the backward: the most key blocks one needs, or their bound for
-    traced cu_seqlens) would be more than tuning.MAX_DQ_SLOTS."""
-    if slots <= tuning.MAX_DQ_SLOTS or (blocks is not None and blocks.fused_backward is not None):
-        return setup_for(blocks)
+def _choose_backward(blocks, setup_for, setup: _Setup, slots_of) -> _Setup:
+    """The setup where the tuning table chose the fused backward (`setup`), kept unless its dq slots (f32 dq blocks of
+    HBM per query block of the backward: the most key blocks one needs, or their bound for traced cu_seqlens;
+    slots_of(setup)) would be more than tuning.MAX_DQ_SLOTS and the caller left fused_backward to the table. Then
+    the fused backward on the long-sequence table's blocks (tuning.LONG_BACKWARD_TABLE: wider key blocks, fewer slots)
+    where they differ and their slots are within the limit, else the unfused backward."""
+    if slots_of(setup) <= tuning.MAX_DQ_SLOTS or (blocks is not None and blocks.fused_backward is not None):
+        return setup
+    long = setup_for(blocks, long_sequences=True)
+    if long.backward != setup.backward and slots_of(long) <= tuning.MAX_DQ_SLOTS:
+        return long
     return setup_for(dataclasses.replace(blocks or FlashAttentionBlocks(), fused_backward=False))
 
 
@@ -298,10 +303,14 @@ def flash_attention(
         setup = setup_for(blocks)
         cu_q, cu_k = np.arange(batch + 1) * sq, np.arange(batch + 1) * sk
         lo, hi = schedule.key_ranges(cu_q, cu_k, batch * sq, causal=causal, window_size=window, xp=np)
-        if setup.fused:
+
+        def slots_of(setup):
             g = setup.backward
             needed, _ = schedule.block_pairs(lo, hi, block_q=g.block_q, block_kv=g.block_kv, kv_rows=g.kv_rows, xp=np)
-            setup = _choose_backward(blocks, setup_for, int(needed.sum(axis=1).max()))
+            return int(needed.sum(axis=1).max())
+
+        if setup.fused:
+            setup = _choose_backward(blocks, setup_for, setup, slots_of)
         out, lse = _call(
             q.reshape(batch * sq, hq, d),
             k.reshape(batch * sk, hkv, d),
@@ -394,9 +403,9 @@ def flash_attention_varlen(
     forward_size, _ = bounds(setup.forward)
     backward_size, slot_bound = bounds(setup.backward)
     if setup.fused:
-        setup = _choose_backward(blocks, setup_for, slot_bound)
-        if not setup.fused:  # the unfused backward's blocks may differ (tuning.UNFUSED_BACKWARD_TABLE)
-            backward_size, slot_bound = bounds(setup.backward)
+        setup = _choose_backward(blocks, setup_for, setup, lambda setup: bounds(setup.backward)[1])
+        # the chosen backward's blocks may differ (tuning.LONG_BACKWARD_TABLE, UNFUSED_BACKWARD_TABLE)
+        backward_size, slot_bound = bounds(setup.backward)
     lo, hi = schedule.key_ranges(cu_seqlens_q, cu_seqlens_k, q_rows, causal=causal, window_size=window)
     out, lse = _call(
         q,

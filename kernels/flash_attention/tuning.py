@@ -48,6 +48,13 @@ BACKWARD_TABLE = {
     "v6e": {64: (512, 512), 128: (1024, 2048), 256: (512, 512), 512: (512, 2048)},
     "v7x": {64: (512, 512), 128: (1024, 512), 256: (512, 512), 512: (256, 512)},
 }
+# The fused backward's (block_q, block_kv) for long sequences, where BACKWARD_TABLE's would need more than MAX_DQ_SLOTS
+# dq slots: wider key blocks, fewer slots, and narrower query blocks to keep the score tiles within VMEM; tried before
+# the unfused backward (api), taken where their slots are within MAX_DQ_SLOTS. v6e head dim 128, Qwen3 seq 32768
+# (whole backward programs, modeled v6e): 512 x 4096 fused (8 slots), causal / unmasked 57346 / 101887 us, against the
+# unfused backward's 73919 / 141483 on 1024 x 1024. Head dim 512 has no such pair within VMEM (256 x 4096 would need
+# about 100 MiB); other generations were not modeled.
+LONG_BACKWARD_TABLE = {"v6e": {128: (512, 4096)}}
 # The unfused backward's (block_q, block_kv) (a dq kernel beside the dk/dv kernel: long sequences and loosely bounded
 # packed batches, MAX_DQ_SLOTS): BACKWARD_TABLE is the fused backward's, and the unfused dq kernel keeps more per query
 # block (q, do, the statistics, an f32 dq accumulator): at head dim 128 on v6e, 1024 x 2048 would need 97 MiB of VMEM,
@@ -259,12 +266,14 @@ def resolve_blocks(
     info: pltpu.TpuInfo | None = None,
     longest_sequence: int | None = None,
     sequence_rows: tuple[int, int] | None = None,
+    long_sequences: bool = False,
 ) -> FlashAttentionBlocks:
     """The blocks the kernels run with, every field set: the table's for None and for fields left None, else the
     caller's, checked (TypeError/ValueError naming the field). longest_sequence: for a packed batch (varlen), the
     rows of its longest sequence (query or key), which caps the table's blocks (packed_block_cap). sequence_rows: for
     a batch of equal-length sequences, the (query, key) rows of each, which cap the table's query and key blocks
-    (sequence_block_cap)."""
+    (sequence_block_cap). long_sequences: the fused backward takes LONG_BACKWARD_TABLE's blocks where it has an entry
+    for the generation and head dim (the api's choice when BACKWARD_TABLE's need more than MAX_DQ_SLOTS slots)."""
     check_blocks_type(blocks)
     info = info or chip.current_tpu_info()
     blocks = blocks or FlashAttentionBlocks()
@@ -288,6 +297,8 @@ def resolve_blocks(
     fused = bool(fused)
     block_q, block_kv = _block_pair(blocks, ("block_q", "block_kv"), table_pair("forward", TABLE), **rows)
     backward_table = BACKWARD_TABLE if fused else UNFUSED_BACKWARD_TABLE
+    if fused and long_sequences and widest in LONG_BACKWARD_TABLE.get(generation, {}):
+        backward_table = LONG_BACKWARD_TABLE
     backward_q, backward_kv = _block_pair(
         blocks, ("backward_block_q", "backward_block_kv"), table_pair("backward", backward_table), **rows
     )
