@@ -16,6 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from benchmarks import perf_model
 from benchmarks.perf_model import bundles as perf_bundles
+from benchmarks.perf_model import model as perf_model_module
 
 GENS = ("v5e", "v6e", "v7x")
 
@@ -451,6 +452,14 @@ def test_model_functions_batches_compiles_in_one_subprocess_and_matches_model_fu
     )
     # idx = 0,1,2,3,0,1,2,3: every step fetches a new block (8 in, 8 out), + idx's 512-byte tile into SMEM
     assert gather.kernels[0].hbm_bytes == concrete.kernels[0].hbm_bytes == 16 * 256 * 1024 * 4 + 512
+
+
+def test_a_compile_subprocess_that_times_out_fails_its_items_not_the_caller():
+    """A chunk whose compile subprocess runs past its timeout gives each of its items a TimeoutError (as a failing
+    compile gives its error), so that a long modeling run records them and goes on."""
+    items = [(pallas_copy, (_sds((1024, 384), jnp.float32),)), (pallas_copy, (_sds((2048, 384), jnp.float32),))]
+    results = perf_model_module.compile_deviceless_many(items, "v6e", timeout=0.01)
+    assert all(isinstance(r, TimeoutError) and "timed out" in str(r) for r in results), results
 
 
 # ------------------------------------------------------------------ traffic the BlockSpec pipeline does not move

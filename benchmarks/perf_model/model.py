@@ -244,9 +244,16 @@ def compile_deviceless_many(
             xla_dir = os.path.join(tmp, "xla")
             env["PERF_MODEL_XLA_DUMP"] = xla_dir
             env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={xla_dir} --xla_dump_hlo_as_text".strip()
-        proc = subprocess.run(
-            [sys.executable, _WORKER, payload, out_path], env=env, capture_output=True, text=True, timeout=timeout
-        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, _WORKER, payload, out_path], env=env, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            # every item of the subprocess is lost, not the caller's other chunks (a long run records and goes on)
+            err = TimeoutError(f"deviceless compile for {gen} timed out after {timeout:.0f} s ({len(todo)} programs)")
+            for i, *_ in todo:
+                results[i] = err
+            return results
         if proc.returncode != 0 or not os.path.exists(out_path):
             tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
             err = RuntimeError(f"deviceless compile for {gen} failed (rc={proc.returncode}):\n{tail}")
