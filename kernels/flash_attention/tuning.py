@@ -129,7 +129,8 @@ class FlashAttentionBlocks:
     backward_block_q, backward_block_kv: the same for the backward's kernels (delta, dk/dv, dq or the dq slots' sum),
         which have their own table (the forward's residuals are per row, so the two may differ). None: block_q /
         block_kv when given (a caller's blocks serve both directions unless the backward's are given too), else the
-        backward table's (BACKWARD_TABLE fused, UNFUSED_BACKWARD_TABLE unfused).
+        backward table's (BACKWARD_TABLE fused, LONG_BACKWARD_TABLE fused where BACKWARD_TABLE's would need more than
+        MAX_DQ_SLOTS dq slots, UNFUSED_BACKWARD_TABLE unfused).
     kv_heads_per_step: kv heads per grid step, each with its query heads; must divide the kv heads, and its lane
         blocks must be whole multiples of 128 lanes (at head dim 64: an even count) or cover all heads. None: the
         table's (QUERY_HEADS_PER_STEP: by generation and head dim, the most whose query heads stay within the table's
