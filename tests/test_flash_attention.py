@@ -13,7 +13,7 @@ import ladder
 import numpy as np
 import pytest
 
-from benchmarks.ops.flash_attention import varlen_lengths
+from benchmarks.ops.flash_attention import config as benchmark_config
 from benchmarks.shapes import FLASH_ATTENTION, FLASH_ATTENTION_MODELS
 from tpu_kernels_jax import api as tk
 from tpu_kernels_jax.common import chip
@@ -839,23 +839,18 @@ def test_table_blocks_capped_by_the_sequences(monkeypatch):
 
 
 def _benchmark_call(shape, blocks=None):
-    """(loss of q, k, v, their specs) of a benchmark shape: the mean of flash attention's output, dense or packed."""
-    hq, hkv, d, window = shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["window"]
-    options = dict(
-        causal=shape["mask"] == "causal",
-        window_size=(window - 1, 0) if window > 0 else (-1, -1),
-        softmax_scale=1.0 if shape["model"].startswith("gemma") else None,
-        blocks=blocks,
-    )
-    if shape["layout"] == "dense":
-        batch = 32768 // shape.batch
-        specs = [_spec((batch, shape.batch, h, d)) for h in (hq, hkv, hkv)]
+    """(loss of q, k, v, their specs) of a benchmark shape (its options and lengths: the benchmark's own config): the
+    mean of flash attention's output, dense or packed."""
+    cfg = benchmark_config(shape)
+    hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+    options = dict(causal=cfg.causal, window_size=cfg.window, softmax_scale=cfg.scale, blocks=blocks)
+    if cfg.layout == "dense":
+        specs = [_spec((len(cfg.lengths), shape.batch, h, d)) for h in (hq, hkv, hkv)]
         attend = functools.partial(tk.flash_attention, **options)
     else:
-        lengths = varlen_lengths(shape.batch)
-        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-        longest = max(lengths)
-        specs = [_spec((sum(lengths), h, d)) for h in (hq, hkv, hkv)]
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(cfg.lengths)]), jnp.int32)
+        longest = cfg.max_seqlen
+        specs = [_spec((sum(cfg.lengths), h, d)) for h in (hq, hkv, hkv)]
         attend = lambda q, k, v: tk.flash_attention_varlen(q, k, v, cu, cu, longest, longest, **options)  # noqa: E731
     return (lambda q, k, v: attend(q, k, v).astype(jnp.float32).mean()), specs
 
