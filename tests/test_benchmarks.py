@@ -526,3 +526,24 @@ def test_flash_attention_table_and_chart_count_tflops(monkeypatch, tmp_path):
         expected = [fraction[f"{op} {s.id}"] * peak for s in sliding]
         np.testing.assert_allclose(kernel.get_ydata(), expected, rtol=1e-9)
         assert lines["bf16 MXU peak, v6e"].get_ydata()[0] == pytest.approx(peak)
+
+
+def test_tokamax_configs_past_its_data_head_dims_are_scaled_from_entries_that_fit_v6e():
+    """tokamax's attention baseline takes the config its TPU7x autotuning chose for the nearest entry. Head dim 512 is
+    past its data (256): the config is scaled from an entry no longer than TOKAMAX_SCALED_MAX_SEQ. The longer entries'
+    4096-wide tiles, even halved, ran out of v6e's scoped VMEM (36.7 of 32 MiB, the unmasked forward at seq 8192), so
+    every longer benchmark sequence takes the seq-4096 config, whose compile the seq-4096 table proves. Within the
+    data's head dims the nearest entry stands, long tiles included."""
+    from benchmarks.ops import flash_attention as fa
+
+    names = ("pallas_mosaic_tpu_flash_attention", "pallas_mosaic_tpu_flash_attention_vjp")
+    longest = max(s.batch for s in fa.SUITE.shapes)
+    assert fa.TOKAMAX_SCALED_MAX_SEQ == 4096 and longest > 4096
+    for name in names:
+        for causal in (True, False):
+            at_4096 = fa._tokamax_best(name, 4096, 512, causal)
+            for seq in (8192, longest):
+                assert fa._tokamax_best(name, seq, 512, causal) == at_4096, (name, seq, causal)
+    unmasked = fa._tokamax_best(names[0], 8192, 512, False)
+    assert (unmasked["block_q"], unmasked["block_kv"]) == (1024, 2048)
+    assert fa._tokamax_best(names[0], 8192, 256, False)["block_q"] == 4096  # in the data: its own tiles

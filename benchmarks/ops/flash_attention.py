@@ -71,6 +71,8 @@ SCALE = {"qwen3-30b-a3b": None, "gemma4-sliding": 1.0, "gemma4-full": 1.0}
 # Most scores one chunk of XLA's plain attention materialises (f32): 4 GiB.
 XLA_MAX_SCORES = 1 << 30
 JAX_FLASH_TILE = 512
+# Longest tuned entry tokamax's configs are scaled from past its data's widest head dim (see _tokamax_best).
+TOKAMAX_SCALED_MAX_SEQ = 4096
 SPLASH_TILE, SPLASH_COMPUTE_TILE = 1024, 512
 
 MXU_TARGETS = {128: 0.50, 256: 0.65, 512: 0.65}  # forward, no mask, by head dim
@@ -354,7 +356,11 @@ def _tokamax_table(name: str) -> tuple:
 def _tokamax_best(name: str, seq: int, head_dim: int, causal: bool) -> dict:
     """The config tokamax's autotuning chose for its entry nearest this call (same causality; nearest head dim,
     then nearest sequence length on a log scale; forward entries without residuals), its tiles clipped to the
-    sequence and, past the data's widest head dim (256), shrunk by the head dims' ratio (the same VMEM a step)."""
+    sequence and, past the data's widest head dim (256), shrunk by the head dims' ratio (the same VMEM a step).
+
+    Past the widest head dim only entries up to TOKAMAX_SCALED_MAX_SEQ are taken: the longer ones were tuned to
+    4096-wide tiles, which even shrunk need more scoped VMEM a step than v6e's 32 MiB default (36.7 MiB for the
+    unmasked forward at head dim 512), and tokamax sets no VMEM limit of its own."""
 
     def dims(key):
         batch_seq_heads_dim = key["q"].split("[")[1].rstrip("]").split(",")
@@ -363,6 +369,8 @@ def _tokamax_best(name: str, seq: int, head_dim: int, causal: bool) -> dict:
     entries = [(k, c) for k, c in _tokamax_table(name) if k["mask"]["is_causal"] == causal]
     if name.endswith("attention"):
         entries = [(k, c) for k, c in entries if not k["return_residuals"]]
+    if head_dim > max(dims(k)[1] for k, _ in entries):
+        entries = [(k, c) for k, c in entries if dims(k)[0] <= TOKAMAX_SCALED_MAX_SEQ]
     key, best = min(
         entries, key=lambda e: (abs(math.log2(dims(e[0])[1] / head_dim)), abs(math.log2(dims(e[0])[0] / seq)))
     )
