@@ -1,6 +1,8 @@
 # tpu-kernels developer entry points. Everything creates .venv/ and installs the pinned stack on first use.
 #   make test    the whole verification ladder (rungs 1-4) on this machine, no TPU needed
 #   make bench   benchmark tables (measured on a TPU when present, modeled, roofline); add BENCH_ARGS=--full
+#   make bench-tpu  on a TPU host with jax installed (a TPU VM, no network needed): the measured tables with that
+#                host's own $(PYTHON), installing nothing; BENCH_TPU_ARGS (default --no-model) and BENCH_ARGS pass options
 #   make build   the Hub package: build/torch-tpu/ and build/torch-cpu/
 #   make lint    ruff format --check and ruff check (configured in pyproject.toml); make test runs it first
 PYTHON ?= python3
@@ -14,7 +16,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: venv test bench build lint clean
+.PHONY: venv test bench bench-tpu tpu-host build lint clean
 
 venv: $(STAMP)
 
@@ -50,6 +52,20 @@ test:
 
 bench: venv
 	$(PY) -m benchmarks $(BENCH_ARGS)
+
+# A TPU host's own Python (jax, jaxlib and libtpu preinstalled; perhaps no network, no torch): nothing is installed.
+# The JAX package is found through a folder holding one link, tpu_kernels_jax -> kernels/ (what the editable install
+# maps), appended to the host's PYTHONPATH with the checkout root (benchmarks/); tqdm and matplotlib are used where
+# present (else plain progress lines and no charts).
+TPU_HOST_PATH := $(CURDIR)/build/tpu-host
+TPU_HOST_ENV := PYTHONPATH=$${PYTHONPATH:+$$PYTHONPATH:}$(CURDIR):$(TPU_HOST_PATH) PYTHONUNBUFFERED=1
+BENCH_TPU_ARGS ?= --no-model
+
+tpu-host:
+	@mkdir -p $(TPU_HOST_PATH) && ln -sfn $(CURDIR)/kernels $(TPU_HOST_PATH)/tpu_kernels_jax
+
+bench-tpu: tpu-host
+	$(TPU_HOST_ENV) $(PYTHON) -m benchmarks $(BENCH_TPU_ARGS) $(BENCH_ARGS)
 
 clean:
 	rm -rf build .pytest_cache bench-results

@@ -1,8 +1,11 @@
-"""python -m benchmarks [--gen v5e|v6e|v7x|all] [--full] [--kernel NAME ...] [--out DIR] [--no-measure] [--sweep]
+"""python -m benchmarks [--gen v5e|v6e|v7x|all] [--full] [--kernel NAME ...] [--out DIR] [--no-measure] [--no-model]
+[--sweep]
 
-For each kernel: times it on the device that is present (a TPU, or the CPU in interpret mode for small shapes), models
-it and its default implementation for one TPU generation, prints a table and writes <out>/<kernel>.json and
-<out>/<kernel>.png. `make bench` runs this (BENCH_ARGS=... passes options).
+For each kernel: times it on the device that is present (on a TPU: the device time of the kernel, the default XLA path
+and every baseline, from the profiler; on a CPU: the kernel in interpret mode, small shapes only), models it and its
+default implementation for one TPU generation, prints a table and writes <out>/<kernel>.json and <out>/<kernel>.png.
+`make bench` runs this (BENCH_ARGS=... passes options); on a TPU host with jax installed, `make bench-tpu` runs it with
+that host's own Python and installs nothing.
 
 With --sweep, instead: models every candidate tiling of each kernel's ops (its tuning module's candidate_blocks) at a
 few shapes (--full: every shape), on each --gen given (all: v5e, v6e and v7x, the generations of the tuning tables),
@@ -14,6 +17,7 @@ from benchmarks import device
 device.prepare_environment()  # before jax is imported
 
 import argparse  # noqa: E402
+import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -40,6 +44,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"), help="output directory")
     p.add_argument("--no-measure", action="store_true", help="model only; time nothing")
+    p.add_argument("--no-model", action="store_true", help="measure only; no performance model")
+    p.add_argument("--calls", type=int, default=None, help="on a TPU: timed calls per program (default 20)")
+    p.add_argument("--compile-workers", type=int, default=None, help="on a TPU: compile threads (default 4)")
     p.add_argument("--workers", type=int, default=None, help="parallel model chunks (default 2)")
     p.add_argument(
         "--sweep",
@@ -51,6 +58,10 @@ def parse_args(argv=None):
     args.gens = list(GENERATIONS) if "all" in gens else list(dict.fromkeys(gens))
     if not args.sweep and len(args.gens) > 1:
         p.error("--gen: one generation per benchmark run (several only with --sweep)")
+    if args.no_measure and args.no_model:
+        p.error("--no-measure and --no-model together leave nothing to do")
+    if args.calls is not None and args.calls < 1:
+        p.error(f"--calls: expected a positive number of calls, got {args.calls}")
     args.gen = args.gens[0]
     return args
 
@@ -59,15 +70,13 @@ GENERATIONS = ("v5e", "v6e", "v7x")
 
 
 def sweep(args) -> int:
-    from tqdm import tqdm
-
-    from benchmarks import suite
+    from benchmarks import progress, suite
     from benchmarks import sweep as _sweep
 
     start = time.monotonic()
     kernels = args.kernel or suite.available()
     results = []
-    with tqdm(total=0, unit="model", dynamic_ncols=True, file=sys.stderr) as bar:
+    with progress.bar(total=0, unit="model", dynamic_ncols=True, file=sys.stderr) as bar:
         for kernel in kernels:
             result = _sweep.run_sweep(kernel, args.gens, full=args.full, workers=args.workers, bar=bar)
             result["json"] = str(_sweep.write_sweep_json(result, args.out))
@@ -83,29 +92,41 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.sweep:
         return sweep(args)
-    from tqdm import tqdm
-
-    from benchmarks import harness, report, suite
+    from benchmarks import harness, progress, report, suite
 
     start = time.monotonic()
     config = harness.Config(
-        gen=args.gen, full=args.full, out=args.out, measure=not args.no_measure, workers=args.workers
+        gen=args.gen,
+        full=args.full,
+        out=args.out,
+        measure=not args.no_measure,
+        workers=args.workers,
+        model=not args.no_model,
+        calls=args.calls,
+        compile_workers=args.compile_workers,
     )
     dev = device.detect()
     kernels = args.kernel or suite.available()
     results = []
-    with tqdm(total=0, unit="step", dynamic_ncols=True, file=sys.stderr) as bar:
+    charts = importlib.util.find_spec("matplotlib") is not None
+    with progress.bar(total=0, unit="step", dynamic_ncols=True, file=sys.stderr) as bar:
         for kernel in kernels:
             result = harness.run_kernel(kernel, config, dev=dev, bar=bar)
             report.write_json(result, config.out)
-            report.write_chart(result, config.out)
+            if charts:
+                report.write_chart(result, config.out)
             results.append(result)
+            print(report.format_table(result), flush=True)  # each kernel's table as soon as it is done
     for result in results:
-        print(report.format_table(result))
-        print(f"wrote {config.out / (result['kernel'] + '.json')} and {config.out / (result['kernel'] + '.png')}")
-    print(
-        f"\nbenchmarks done in {time.monotonic() - start:.0f} s (measured on: {dev.kernel_label}; modeled: {args.gen})"
-    )
+        wrote = [config.out / (result["kernel"] + ".json")] + (
+            [config.out / (result["kernel"] + ".png")] if charts else []
+        )
+        print(f"wrote {' and '.join(map(str, wrote))}")
+    if not charts:
+        print("no charts: matplotlib is not installed")
+    measured = dev.kernel_label if config.measure else "nothing"
+    modeled = args.gen if config.model else "nothing"
+    print(f"\nbenchmarks done in {time.monotonic() - start:.0f} s (measured on: {measured}; modeled: {modeled})")
     return 0
 
 

@@ -45,6 +45,8 @@ class Device:
     kind: str  # jax's device_kind
     kernel_label: str  # label of measured kernel rows: "measured <device_kind>" or "cpu interpret"
     default_label: str  # label of measured default-implementation rows
+    generation: str | None = None  # the TPU's generation ("v5e", "v6e", "v7x"; from pltpu.get_tpu_info), for the
+    # roofline of measured figures; None on a CPU
 
     @property
     def is_tpu(self) -> bool:
@@ -67,5 +69,17 @@ def detect() -> Device:
     dev = jax.devices()[0]
     if dev.platform == "tpu":
         label = f"measured {dev.device_kind}"
-        return Device("tpu", dev.device_kind, label, label)
+        return Device("tpu", dev.device_kind, label, label, _generation())
     return Device(dev.platform, dev.device_kind, CPU_INTERPRET, CPU_XLA)
+
+
+def _generation() -> str | None:
+    """The attached TPU's generation name, from jax's own chip facts (None where jax does not know the chip)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from tpu_kernels_jax.common.chip import generation_name
+
+    try:
+        return generation_name(pltpu.get_tpu_info())
+    except (ValueError, RuntimeError):
+        return None

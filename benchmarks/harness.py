@@ -1,8 +1,10 @@
-"""The benchmark of one kernel, end to end: measure (pytest-benchmark), model (perf_model), roofline, targets.
+"""The benchmark of one kernel, end to end: measure (device time on a TPU, pytest-benchmark on a CPU), model
+(perf_model), roofline, targets.
 
 `run_kernel` returns a JSON-ready result; `benchmarks.report` turns it into the table, the JSON file and the chart.
-Every figure carries its label: "measured <device>" (or "cpu interpret" / "cpu XLA", never a TPU figure),
-"modeled <gen>" or "roofline <gen>".
+Every figure carries its label: "measured <device>" (device time from the profiler on a TPU; "cpu interpret" /
+"cpu XLA" on a CPU, never a TPU figure), "modeled <gen>" or "roofline <gen>". Measured TPU rows get their own
+roofline, efficiency and speedups, on the measured chip's generation.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class Config:
     out: pathlib.Path = pathlib.Path("bench-results")
     measure: bool = True
     workers: int | None = None
+    model: bool = True  # False: no performance model (--no-model; on a TPU host the measured figures stand alone)
+    calls: int | None = None  # timed executions per program on a TPU (default: device_timing.CALLS)
+    compile_workers: int | None = None  # compile threads on a TPU (default: device_timing.COMPILE_WORKERS)
 
 
 def _us(seconds):
@@ -42,13 +47,16 @@ def _us(seconds):
 
 
 def _measured_entry(stats: dict, case: _suite.Case, units: int, hbm_bytes: int):
-    """{impl: timing} for every impl timed for this case ("kernel", "default", and any other a suite times, e.g. the
-    torch paths of the MoE suite on a TPU)."""
+    """{impl: timing} for every impl timed for this case ("kernel", "default", each "baseline:<name>" on a TPU, and
+    any other a suite times); an impl that could not run keeps its {"na": why} / {"error": why}."""
     timed = {impl: s for (case_id, impl), s in stats.items() if case_id == case.id}
     if not timed:
         return None
     entry = {}
     for impl, s in timed.items():
+        if "median_s" not in s:
+            entry[impl] = dict(s)
+            continue
         t = s["median_s"]
         entry[impl] = {
             "label": s["label"],
@@ -58,10 +66,36 @@ def _measured_entry(stats: dict, case: _suite.Case, units: int, hbm_bytes: int):
             "units_per_s": units / t,
             "gbps": hbm_bytes / t / 1e9,
         }
+        for key in ("compile_s", "compile_workers", "timing"):
+            if key in s:
+                entry[impl][key] = s[key]
     return entry
 
 
+def _measured_figures(row: dict, measured_chip) -> dict:
+    """Roofline, efficiency, % of MXU peak and speedups of the measured kernel, on the measured chip."""
+    measured = row["measured"] or {}
+    kernel_us = (measured.get("kernel") or {}).get("us")
+    out = {"measured_roofline": None, "measured_efficiency": None, "measured_mxu_fraction": None}
+    if measured_chip is not None:
+        roof_s = roofline.roofline_s(row["hbm_bytes"], row["mxu_flops"], measured_chip)
+        out["measured_roofline"] = {
+            "label": f"roofline {measured_chip.gen}",
+            "us": _us(roof_s),
+            "bound": roofline.bound(row["hbm_bytes"], row["mxu_flops"], measured_chip),
+        }
+        if kernel_us:
+            out["measured_efficiency"] = _us(roof_s) / kernel_us
+            out["measured_mxu_fraction"] = row["mxu_flops"] / measured_chip.bf16_flops_per_s / (kernel_us * 1e-6)
+    out["measured_speedups"] = {
+        impl: e["us"] / kernel_us for impl, e in measured.items() if impl != "kernel" and kernel_us and "us" in e
+    }
+    return out
+
+
 def _modeled_entry(model):
+    if model is None:
+        return {"skipped": "not modeled (--no-model)"}
     if isinstance(model, Exception):
         return {"error": f"{type(model).__name__}: {model}"}
     out = {
@@ -88,17 +122,17 @@ def _modeled_entry(model):
     return out
 
 
-def build_row(case: _suite.Case, chip, models: dict, stats: dict, batch_unit: str) -> dict:
+def build_row(case: _suite.Case, chip, models: dict, stats: dict, batch_unit: str, measured_chip=None) -> dict:
     shape, op = case.shape, case.op
     hbm_bytes, flops = int(op.hbm_bytes(shape)), int(op.mxu_flops(shape))
     roof_s = roofline.roofline_s(hbm_bytes, flops, chip)
-    kernel = _modeled_entry(models[(case.id, "kernel")])
-    default = _modeled_entry(models[(case.id, "default")])
+    kernel = _modeled_entry(models.get((case.id, "kernel")))
+    default = _modeled_entry(models.get((case.id, "default")))
     baselines = {}
     for impl, why_not in op.impls(shape).items():
         if impl.startswith(_suite.BASELINE_PREFIX):
             name = impl[len(_suite.BASELINE_PREFIX) :]
-            baselines[name] = {"na": why_not} if why_not else _modeled_entry(models[(case.id, impl)])
+            baselines[name] = {"na": why_not} if why_not else _modeled_entry(models.get((case.id, impl)))
     row = {
         "op": op.name,
         "case": case.id,
@@ -144,16 +178,22 @@ def build_row(case: _suite.Case, chip, models: dict, stats: dict, batch_unit: st
         if "us" in default:
             row["speedup"] = default["us"] / kernel["us"]
         row["speedups"] = {name: b["us"] / kernel["us"] for name, b in baselines.items() if "us" in b}
+    row.update(_measured_figures(row, measured_chip))
     return row
 
 
-def check_targets(targets: _suite.Targets, rows: list[dict]) -> list[dict]:
-    """Each target: what it asks, whether the modeled figures meet it, and the worst case."""
+def check_targets(targets: _suite.Targets, rows: list[dict], *, measured: bool = False) -> list[dict]:
+    """Each target: what it asks, whether the figures meet it, and the worst case. The modeled figures by default;
+    with `measured`, the measured ones (efficiency on the measured chip's roofline, speedup over the measured
+    default; a suite's custom targets read modeled fields and are checked on the model only)."""
+    efficiency = (lambda r: r.get("measured_efficiency")) if measured else (lambda r: r["efficiency"])
+    speedup_of = (lambda r: (r.get("measured_speedups") or {}).get("default")) if measured else (lambda r: r["speedup"])
+    rows = [r for r in rows if efficiency(r) is not None] if measured else rows
     out = []
     if targets.min_efficiency is not None:
         sel = [r for r in rows if r["batch"] >= targets.min_efficiency_from_batch]
-        worst = min(sel, key=lambda r: r["efficiency"] if r["efficiency"] is not None else -1.0, default=None)
-        eff = None if worst is None else worst["efficiency"]
+        worst = min(sel, key=lambda r: efficiency(r) if efficiency(r) is not None else -1.0, default=None)
+        eff = None if worst is None else efficiency(worst)
         out.append(
             {
                 "target": f"efficiency >= {targets.min_efficiency:.0%} of the roofline at "
@@ -163,8 +203,8 @@ def check_targets(targets: _suite.Targets, rows: list[dict]) -> list[dict]:
             }
         )
     if targets.beats_default:
-        worst = min(rows, key=lambda r: r["speedup"] if r["speedup"] is not None else -1.0, default=None)
-        speedup = None if worst is None else worst["speedup"]
+        worst = min(rows, key=lambda r: speedup_of(r) if speedup_of(r) is not None else -1.0, default=None)
+        speedup = None if worst is None else speedup_of(worst)
         out.append(
             {
                 "target": "faster than the default implementation at every shape",
@@ -172,7 +212,7 @@ def check_targets(targets: _suite.Targets, rows: list[dict]) -> list[dict]:
                 "worst": None if worst is None else {"case": worst["case"], "speedup": speedup},
             }
         )
-    if targets.custom is not None:
+    if targets.custom is not None and not measured:
         out += targets.custom(rows)
     return out
 
@@ -184,11 +224,14 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
         shapes = suite.quick_shapes
     cases = suite.cases(None if shapes is None else tuple(shapes))
     chip = perf_model.get_chip(config.gen)
+    measured_chip = perf_model.get_chip(dev.generation) if dev.is_tpu and dev.generation else None
     config.out.mkdir(parents=True, exist_ok=True)
     timed = [c for c in cases if dev.times(c.op.hbm_bytes(c.shape), config.full)] if config.measure else []
     if bar is not None:
         n_models = sum(why_not is None for c in cases for why_not in c.op.impls(c.shape).values())
-        bar.total = (bar.total or 0) + n_models + 2 * len(timed)
+        # one step per timed case on a TPU (all its implementations at once), per timed test with pytest-benchmark
+        steps = len(timed) if dev.is_tpu else 2 * len(timed)
+        bar.total = (bar.total or 0) + (n_models if config.model else 0) + steps
         bar.refresh()
     stats, measure_error = {}, None
     if timed:
@@ -201,17 +244,25 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
             log_path=config.out / f"{kernel}.pytest.log",
             full=config.full,
             bar=bar,
+            dev=dev,
+            calls=config.calls,
+            compile_workers=config.compile_workers,
         )
-    if bar is not None:
-        bar.set_description(f"{kernel}: modeling ({chip.gen})")
-    models = modeled.run(cases, chip.gen, bar=bar, workers=config.workers)
-    rows = [build_row(c, chip, models, stats, suite.batch_unit) for c in cases]
+    models = {}
+    if config.model:
+        if bar is not None:
+            bar.set_description(f"{kernel}: modeling ({chip.gen})")
+        models = modeled.run(cases, chip.gen, bar=bar, workers=config.workers)
+    rows = [build_row(c, chip, models, stats, suite.batch_unit, measured_chip) for c in cases]
+    measured_tpu = dev.is_tpu and bool(stats)
     return {
         "kernel": kernel,
         "generation": chip.gen,
+        "modeled": config.model,
         "modeled_label": f"modeled {chip.gen}",
         "roofline_label": f"roofline {chip.gen}",
         "chip": chip.as_dict(),
+        "measured_chip": None if measured_chip is None else measured_chip.as_dict(),
         "device": dev.as_dict(),
         "measured_label": dev.kernel_label,
         "measured_default_label": dev.default_label,
@@ -220,7 +271,8 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
         "batch_unit": suite.batch_unit,
         "flops_columns": suite.flops_columns,
         "goal": suite.targets.goal,
-        "targets": check_targets(suite.targets, rows),
-        "notes": list(NOTES),
+        "targets": check_targets(suite.targets, rows) if config.model else [],
+        "measured_targets": check_targets(suite.targets, rows, measured=True) if measured_tpu else [],
+        "notes": list(NOTES) if config.model else [NOTES[1]],
         "rows": rows,
     }

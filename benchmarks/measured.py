@@ -1,9 +1,12 @@
-"""Measured timings, through pytest-benchmark.
+"""Measured timings: by device time on a TPU (benchmarks/device_timing.py), through pytest-benchmark elsewhere.
 
-The suites (`benchmarks/test_<kernel>.py`) time each case twice, the kernel and the default implementation, with
-pytest-benchmark's `benchmark` fixture. `run()` runs a suite in this process through `pytest.main` with
-`--benchmark-json` and reads the timings back from that JSON. Which cases a suite times is decided here (`plan`),
-so `python -m benchmarks` and a direct `pytest benchmarks/test_<kernel>.py` time the same cases.
+On a TPU, `run()` times every implementation of each case (kernel, default and the op's baselines) from the
+profiler's record of the chip. On a CPU the suites (`benchmarks/test_<kernel>.py`) time each case twice, the kernel
+(in TPU interpret mode) and the default implementation, with pytest-benchmark's `benchmark` fixture: `run()` runs a
+suite in this process through `pytest.main` with `--benchmark-json` and reads the timings back from that JSON. Which
+cases a suite times is decided here (`plan`), so `python -m benchmarks` and a direct `pytest
+benchmarks/test_<kernel>.py` time the same cases. (Run directly on a TPU, a pytest-benchmark suite times the host
+around each blocked call, and its rows say so: never device time.)
 """
 
 from __future__ import annotations
@@ -32,16 +35,18 @@ def plan(kernel: str, *, full: bool, dev: _device.Device | None = None) -> list[
     return [c for c in _suite.get(kernel).cases() if dev.times(c.op.hbm_bytes(c.shape), full)]
 
 
-def _arrays(case: _suite.Case, seed: int = 0):
+def case_arrays(case: _suite.Case, seed: int = 0):
+    """The case's concrete inputs, built on the default device: the op's own `arrays`, else random normal values
+    of its specs."""
     import jax
-    import numpy as np
+
+    from . import inputs
 
     if case.op.arrays is not None:
         return case.op.arrays(case.shape, seed)
-    rng = np.random.default_rng(seed)
-    return jax.tree.map(
-        lambda s: jax.numpy.asarray(rng.standard_normal(s.shape, np.float32), s.dtype), case.op.specs(case.shape)
-    )
+    specs = case.op.specs(case.shape)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(specs))))
+    return jax.tree.map(lambda s: inputs.normal(next(keys), s.shape, s.dtype), specs)
 
 
 def time_case(benchmark, case: _suite.Case, impl: str, dev: _device.Device) -> None:
@@ -51,7 +56,7 @@ def time_case(benchmark, case: _suite.Case, impl: str, dev: _device.Device) -> N
     from tpu_kernels_jax.common.interpret import interpret_on_cpu
 
     fn = jax.jit(case.op.function(impl, case.shape))
-    args = _arrays(case)
+    args = case_arrays(case)
     interpret = impl == "kernel" and not dev.is_tpu
     context = interpret_on_cpu if interpret else contextlib.nullcontext
 
@@ -64,7 +69,15 @@ def time_case(benchmark, case: _suite.Case, impl: str, dev: _device.Device) -> N
     benchmark.extra_info.update(
         case_id=case.id,
         impl=impl,
-        label=dev.kernel_label if impl == "kernel" else dev.default_label,
+        # pytest-benchmark times the host: around a blocked call on a TPU that is dispatch plus the wait, never the
+        # chip's time (python -m benchmarks measures device time there).
+        label=(
+            f"host wall-clock, {dev.kind}"
+            if dev.is_tpu
+            else dev.kernel_label
+            if impl == "kernel"
+            else dev.default_label
+        ),
         device_kind=dev.kind,
         batch=case.shape.batch,
         hbm_bytes=case.op.hbm_bytes(case.shape),
@@ -84,16 +97,41 @@ class _Progress:
 
 
 def run(
-    kernel: str, cases: list[_suite.Case], *, json_path: pathlib.Path, log_path: pathlib.Path, full: bool, bar=None
+    kernel: str,
+    cases: list[_suite.Case],
+    *,
+    json_path: pathlib.Path,
+    log_path: pathlib.Path,
+    full: bool,
+    bar=None,
+    dev: _device.Device | None = None,
+    calls: int | None = None,
+    compile_workers: int | None = None,
 ) -> tuple[dict, str | None]:
-    """Time `cases` of `kernel` through its pytest-benchmark suite. Returns ({(case id, impl): stats}, error).
+    """Time `cases` of `kernel`. Returns ({(case id, impl): stats}, error).
 
-    pytest's own output goes to `log_path`; timings in seconds come from pytest-benchmark's JSON at `json_path`.
+    On a TPU: device time of every implementation (kernel, default, baselines), see benchmarks/device_timing.py;
+    `calls` timed executions each. Elsewhere: through the kernel's pytest-benchmark suite (kernel and default), pytest's
+    own output in `log_path`, timings in seconds from pytest-benchmark's JSON at `json_path`.
     """
-    import pytest
-
     if not cases:
         return {}, None
+    dev = dev or _device.detect()
+    if dev.is_tpu:
+        from . import device_timing
+
+        stats = device_timing.run(
+            cases,
+            case_arrays,
+            kernel_label=dev.kernel_label,
+            default_label=dev.default_label,
+            calls=calls or device_timing.CALLS,
+            compile_workers=compile_workers or device_timing.COMPILE_WORKERS,
+            bar=bar,
+        )
+        return stats, None
+    import pytest
+
     test_file = HERE / f"test_{kernel}.py"
     if not test_file.exists():
         return {}, f"no pytest-benchmark suite {test_file.name}"

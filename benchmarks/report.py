@@ -1,7 +1,8 @@
 """A kernel's benchmark result as a table (text), as JSON (`<out>/<kernel>.json`) and as a chart (`<out>/<kernel>.png`).
 
 Column headers and chart labels carry every figure's label: "measured <device>" / "cpu interpret", "modeled <gen>",
-"roofline <gen>".
+"roofline <gen>". Measured on a TPU, the measured table comes first (device time of the kernel, the default and every
+baseline, compile time apart, roofline and speedups on the measured chip); the modeled table follows when modeled.
 """
 
 from __future__ import annotations
@@ -55,14 +56,14 @@ def _baseline_names(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(n for r in rows for n in r.get("modeled_baselines", {})))
 
 
-def _time_cell(entry) -> str:
+def _time_cell(entry, spec: str = ",.2f") -> str:
     if not entry:
         return DASH
     if "na" in entry:
         return "n/a"
     if "error" in entry:
         return "error"
-    return _fmt(_us(entry), ",.2f") + ("*" if entry.get("floored_at_roofline") else "")
+    return _fmt(_us(entry), spec) + ("*" if entry.get("floored_at_roofline") else "")
 
 
 def table_rows(result: dict) -> list[tuple[str, list[list[str]]]]:
@@ -99,20 +100,149 @@ def table_rows(result: dict) -> list[tuple[str, list[list[str]]]]:
     return out
 
 
+def _measured_impls(rows: list[dict]) -> list[str]:
+    """The measured implementations beside the kernel, in order: default, then the baselines."""
+    impls = dict.fromkeys(i for r in rows for i in (r["measured"] or {}) if i != "kernel")
+    return sorted(impls, key=lambda i: (i != "default", list(impls).index(i)))
+
+
+def _impl_name(impl: str, rows: list[dict]) -> str:
+    if impl == "default":
+        return (rows[0].get("default_name") if rows else None) or "XLA default"
+    return impl.split(":", 1)[-1]
+
+
+def measured_columns(result: dict, rows: list[dict]) -> list[str]:
+    chip = result.get("measured_chip") or {}
+    gen = chip.get("gen", "?")
+    head = [
+        "shape",
+        f"{result['measured_label']} µs kernel",
+        "compile s",
+        f"roofline {gen} µs",
+        "% of roofline",
+        *(["TFLOP/s", "% MXU peak"] if result.get("flops_columns") else []),
+    ]
+    for impl in _measured_impls(rows):
+        name = _impl_name(impl, rows)
+        head += [f"µs {name}", f"vs {name}"]
+    return head
+
+
+def _measured_cell(entry) -> str:
+    return _time_cell(entry, ",.1f")
+
+
+def measured_table_rows(result: dict) -> list[tuple[str, list[dict], list[list[str]]]]:
+    """[(op, its rows, rows of cells)] of the measured table (see `measured_columns`), rows that were timed only."""
+    out = []
+    for op in dict.fromkeys(r["op"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["op"] == op and r["measured"]]
+        if not rows:
+            continue
+        impls = _measured_impls(rows)
+        cells_list = []
+        for r in rows:
+            m = r["measured"]
+            kernel = m.get("kernel") or {}
+            us = kernel.get("us")
+            cells = [
+                " ".join(f"{k}={v}" for k, v in r["shape"].items() if k != "dtype"),
+                _measured_cell(kernel),
+                _fmt(kernel.get("compile_s"), ".1f"),
+                _fmt((r.get("measured_roofline") or {}).get("us"), ",.1f"),
+                _fmt(r.get("measured_efficiency"), ".1%"),
+            ]
+            if result.get("flops_columns"):
+                cells += [
+                    _fmt(None if not us else r["mxu_flops"] / (us * 1e-6) / 1e12, ",.1f"),
+                    _fmt(r.get("measured_mxu_fraction"), ".1%"),
+                ]
+            for impl in impls:
+                speedup = (r.get("measured_speedups") or {}).get(impl)
+                cells += [_measured_cell(m.get(impl)), DASH if speedup is None else f"{speedup:.2f}x"]
+            cells_list.append(cells)
+        out.append((op, rows, cells_list))
+    return out
+
+
+def _markdown(head: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
+
+    def fmt_row(cells):
+        aligned = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "| " + " | ".join(aligned) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
+    return [fmt_row(head), sep, *(fmt_row(r) for r in rows)]
+
+
+def format_measured(result: dict) -> list[str]:
+    """The measured (TPU) table of each op, its footnotes (why an implementation did not run) and targets."""
+    dtypes = sorted({r["shape"].get("dtype", "") for r in result["rows"]})
+    lines = []
+    for op, rows, cells in measured_table_rows(result):
+        lines += [f"\n{result['kernel']} / {op} ({', '.join(dtypes)}) — {result['measured_label']}, device time"]
+        lines += _markdown(measured_columns(result, rows), cells)
+    why = {}
+    for r in result["rows"]:
+        for impl, e in (r["measured"] or {}).items():
+            for kind in ("na", "error"):
+                if kind in e:
+                    why.setdefault((kind, _impl_name(impl, [r]), e[kind]), []).append(r["shape_id"])
+    for (kind, name, text), shape_ids in sorted(why.items()):
+        where = "every measured shape" if len(shape_ids) > 3 else "; ".join(shape_ids)
+        lines.append(f"{'n/a' if kind == 'na' else 'error'}: {name} at {where}: {text}")
+    timed = [e for r in result["rows"] for e in (r["measured"] or {}).values() if "us" in e]
+    if timed:
+        rounds = sorted({e["rounds"] for e in timed})
+        workers = sorted({e.get("compile_workers") for e in timed if e.get("compile_workers")})
+        lines.append(
+            f"measured: {result['measured_label']} = median device time of {'/'.join(map(str, rounds))} calls "
+            "(the profiler's XLA Modules events on the chip), every implementation in the same process on inputs "
+            "built on the device; compile s = the first call's trace + lower + compile on the host"
+            + (f" ({workers[-1]} compile threads, overlapping the runs)" if workers else "")
+            + "; % of roofline and % MXU peak on the measured chip's "
+            + f"{(result.get('measured_chip') or {}).get('gen', '?')} figures."
+        )
+    if result.get("goal") and result.get("measured_targets"):
+        lines.append(f"goal ({result['measured_label']}): {result['goal']}")
+    for t in result.get("measured_targets", []):
+        lines.append(_target_line(t, result["measured_label"]))
+    return lines
+
+
+def _target_line(t: dict, label: str) -> str:
+    worst = t["worst"] or {}
+    detail = t.get("detail") or ", ".join(
+        f"{k} {v:.1%}" if k == "efficiency" else f"{k} {v:.2f}x" if k == "speedup" else f"{k}: {v}"
+        for k, v in worst.items()
+        if k != "case"
+    )
+    return (
+        f"target ({label}): {t['target']}: {'MET' if t['met'] else 'NOT MET'} "
+        f"(worst: {worst.get('case', DASH)}, {detail})"
+    )
+
+
 def format_table(result: dict) -> str:
+    if result["device"]["platform"] != "tpu":  # the CPU's timings sit in the modeled table's measured column
+        return "\n".join(format_modeled(result))
+    lines = format_measured(result)
+    if result.get("modeled", True):
+        lines += format_modeled(result)
+    else:
+        lines += [f"measurement: {result['measure_error']}"] if result.get("measure_error") else []
+        lines += [f"note: {n}" for n in result["notes"]]
+    return "\n".join(lines)
+
+
+def format_modeled(result: dict) -> list[str]:
     dtypes = sorted({r["shape"].get("dtype", "") for r in result["rows"]})
     lines = []
     for op, rows in table_rows(result):
         head = columns(result, [r for r in result["rows"] if r["op"] == op])
-        widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
-
-        def fmt_row(cells, widths=widths):
-            aligned = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-            return "| " + " | ".join(aligned) + " |"
-
-        sep = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
-        lines += [f"\n{result['kernel']} / {op} ({', '.join(dtypes)})", fmt_row(head), sep]
-        lines += [fmt_row(r) for r in rows]
+        lines += [f"\n{result['kernel']} / {op} ({', '.join(dtypes)})", *_markdown(head, rows)]
     na = sorted(
         {
             f"{name}: {b['na']}"
@@ -122,7 +252,8 @@ def format_table(result: dict) -> str:
         }
     )
     lines += [f"n/a = {reason}" for reason in na]
-    lines += _extra_measured_lines(result)
+    if result["device"]["platform"] != "tpu":  # on a TPU every measured implementation is in the measured table
+        lines += _extra_measured_lines(result)
     if result.get("flops_columns"):
         lines.append(
             f"TFLOP/s = the op's matmul flops (those the roofline counts) / the modeled kernel time; % MXU peak = that "
@@ -131,16 +262,7 @@ def format_table(result: dict) -> str:
     if result.get("goal"):
         lines.append(f"goal ({result['modeled_label']}): {result['goal']}")
     for t in result["targets"]:
-        worst = t["worst"] or {}
-        detail = t.get("detail") or ", ".join(
-            f"{k} {v:.1%}" if k == "efficiency" else f"{k} {v:.2f}x" if k == "speedup" else f"{k}: {v}"
-            for k, v in worst.items()
-            if k != "case"
-        )
-        lines.append(
-            f"target ({result['modeled_label']}): {t['target']}: "
-            f"{'MET' if t['met'] else 'NOT MET'} (worst: {worst.get('case', DASH)}, {detail})"
-        )
+        lines.append(_target_line(t, result["modeled_label"]))
     if result.get("measure_error"):
         lines.append(f"measurement: {result['measure_error']}")
     if not result["device"]["platform"] == "tpu":
@@ -168,7 +290,7 @@ def format_table(result: dict) -> str:
     )
     lines += [f"model note: {n}" for n in noted]
     lines += [f"note: {n}" for n in result["notes"]]
-    return "\n".join(lines)
+    return lines
 
 
 def _extra_measured_lines(result: dict) -> list[str]:
@@ -205,6 +327,11 @@ def write_chart(result: dict, out: pathlib.Path) -> pathlib.Path:
         return {s: " ".join(x for x in p if x not in common) or s for s, p in zip(series_list, parts)}, common
 
     ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
+    measured_chip = result.get("measured_chip") if result["device"]["platform"] == "tpu" else None
+    roof_label = {
+        "roofline": result["roofline_label"],
+        "measured_roofline": f"roofline {(measured_chip or {}).get('gen')}",
+    }
     unit = result["batch_unit"]
     modeled = result["modeled_label"]
     flops = result.get("flops_columns", False)
@@ -223,32 +350,45 @@ def write_chart(result: dict, out: pathlib.Path) -> pathlib.Path:
             for key, style, name in (("modeled_kernel", "-o", "kernel"), ("modeled_default", "--s", "XLA default")):
                 xy = [(r["batch"], y_of(r, r[key])) for r in pts if "units_per_s" in r[key]]
                 if xy:
-                    ax.plot(*zip(*xy), style, color=color, label=f"{name}, {labels[series]}")
+                    ax.plot(*zip(*xy), style, color=color, label=f"{name}, {labels[series]} ({modeled})")
             if not flops:  # in TFLOP/s the roofline of a matmul-bound row is the peak line drawn once below
-                roof = [(r["batch"], r["batch"] / (r["roofline"]["us"] * 1e-6)) for r in pts]
-                ax.plot(*zip(*roof), ":", color=color, alpha=0.6, label=f"{result['roofline_label']}, {labels[series]}")
-            if result["device"]["platform"] == "tpu":  # measured points only when they are TPU figures
-                xy = [
-                    (r["batch"], y_of(r, r["measured"]["kernel"]))
-                    for r in pts
-                    if r["measured"] and "kernel" in r["measured"]
-                ]
-                if xy:
-                    ax.plot(
-                        *zip(*xy),
-                        "x",
-                        color=color,
-                        markersize=9,
-                        label=f"kernel, {labels[series]} ({result['measured_label']})",
-                    )
+                for key in ("roofline", "measured_roofline") if measured_chip else ("roofline",):
+                    roof = [(r["batch"], r["batch"] / (r[key]["us"] * 1e-6)) for r in pts if r.get(key)]
+                    if roof and (key == "measured_roofline" or result.get("modeled", True)):
+                        ax.plot(*zip(*roof), ":", color=color, alpha=0.6, label=f"{roof_label[key]}, {labels[series]}")
+            if result["device"]["platform"] == "tpu":  # measured lines only when they are TPU figures
+                measured_impls = _measured_impls(pts)
+                for j, impl in enumerate(["kernel", *measured_impls]):
+                    xy = [
+                        (r["batch"], y_of(r, r["measured"][impl]))
+                        for r in pts
+                        if r["measured"] and "us" in r["measured"].get(impl, {})
+                    ]
+                    if xy:
+                        style = "-x" if impl == "kernel" else ("--+" if impl == "default" else ":^")
+                        ax.plot(
+                            *zip(*xy),
+                            style,
+                            color=color,
+                            markersize=8,
+                            alpha=1.0 if impl == "kernel" else 0.5 + 0.4 / (j + 1),
+                            label=f"{'kernel' if impl == 'kernel' else _impl_name(impl, pts)}, {labels[series]} "
+                            f"({result['measured_label']})",
+                        )
         if flops:
-            peak = result["chip"]["bf16_flops_per_s"] / 1e12
-            ax.axhline(peak, color="black", linestyle=":", label=f"bf16 MXU peak, {result['generation']}")
+            for chip, style in ((result["chip"], ":"), (measured_chip, "-.")):
+                if chip and (chip is measured_chip or result.get("modeled", True)):
+                    peak = chip["bf16_flops_per_s"] / 1e12
+                    ax.axhline(peak, color="black", linestyle=style, label=f"bf16 MXU peak, {chip['gen']}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(unit)
-        ax.set_ylabel(f"TFLOP/s ({modeled}; the flops the roofline counts)" if flops else f"{unit}/s ({modeled})")
-        title = f"{result['kernel']}: {op} — {modeled}"
+        sources = ([result["measured_label"]] if result["device"]["platform"] == "tpu" else []) + (
+            [modeled] if result.get("modeled", True) else []
+        )
+        source = ", ".join(sources)
+        ax.set_ylabel(f"TFLOP/s ({source}; the flops the roofline counts)" if flops else f"{unit}/s ({source})")
+        title = f"{result['kernel']}: {op} — {source}"
         if common:
             title += "\n" + " ".join(sorted(common))
         ax.set_title(title, fontsize=9)

@@ -1,0 +1,99 @@
+"""Device time of compiled programs, read from the JAX profiler's trace.
+
+Wall-clock time around a blocked call measures the host (dispatch plus `block_until_ready`: a 0.8 µs kernel reads as
+~550 µs that way). The device's own record is the profiler's: on the plane of the chip (`/device:TPU:0`) the line
+`XLA Modules` holds one event per executed program, its `duration_ns` the program's time on the chip.
+
+`device_times` runs each program `calls` times inside one trace and returns each one's per-call device times. Every
+program is told apart by its module name, which jax takes from the jitted function's name: `named(fn, name)` gives
+a function that name (`program_name(i)`: fixed width, so that no name is a prefix of another).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+
+DEVICE_PLANE = "/device:TPU:0"
+MODULES_LINE = "XLA Modules"
+PREFIX = "tkbench_"
+
+
+def program_name(index: int) -> str:
+    return f"{PREFIX}{index:06d}"
+
+
+def named(fn: Callable, name: str) -> Callable:
+    """fn under `name`: jax.jit(named(fn, name)) compiles a module called jit_<name>."""
+
+    def program(*args):
+        return fn(*args)
+
+    program.__name__ = program.__qualname__ = name
+    return program
+
+
+@dataclasses.dataclass
+class Program:
+    name: str  # the jitted function's name (program_name(i))
+    call: Callable  # the compiled executable
+    args: Sequence
+
+
+# A module event is named after its HLO module, jit_<function name>, with jax's/XLA's decorations around it at times
+# (a "(program id)" suffix, a ".N" clone suffix): the function name is looked for as a whole word.
+def _pattern(name: str) -> re.Pattern:
+    return re.compile(rf"(?<![A-Za-z0-9_]){re.escape('jit_' + name)}(?![A-Za-z0-9_])")
+
+
+def module_durations(profile, names: Sequence[str], *, plane: str = DEVICE_PLANE, line: str = MODULES_LINE) -> dict:
+    """{name: [duration_ns of each execution, in start order]} from a jax.profiler.ProfileData (or any object with
+    the same planes / lines / events). Raises if the plane or its line is missing."""
+    planes = [p for p in profile.planes if p.name == plane]
+    if not planes:
+        raise RuntimeError(f"the profile has no plane {plane!r} (planes: {sorted(p.name for p in profile.planes)})")
+    events = [e for p in planes for ln in p.lines if ln.name == line for e in ln.events]
+    if not events and not any(ln.name == line for p in planes for ln in p.lines):
+        raise RuntimeError(f"the plane {plane!r} has no line {line!r}")
+    patterns = {name: _pattern(name) for name in names}
+    out = {name: [] for name in names}
+    for e in sorted(events, key=lambda e: e.start_ns):
+        for name, pattern in patterns.items():
+            if pattern.search(e.name):
+                out[name].append(float(e.duration_ns))
+                break
+    return out
+
+
+def device_times(programs: Sequence[Program], calls: int) -> dict[str, list[float]]:
+    """{program name: [device seconds of each of its `calls` executions]}, all programs in one profiler trace.
+
+    Each program must already have run once (compiled and warm). A program whose executions the trace does not hold
+    exactly `calls` times (a function that runs several programs, a dropped event) raises rather than guess."""
+    import jax
+
+    with tempfile.TemporaryDirectory(prefix="tpu-kernels-trace-") as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        try:
+            for p in programs:
+                out = None
+                for _ in range(calls):
+                    out = p.call(*p.args)
+                jax.block_until_ready(out)
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+        if len(files) != 1:
+            raise RuntimeError(f"expected one .xplane.pb under the trace directory, found {len(files)}")
+        profile = jax.profiler.ProfileData.from_file(files[0])
+        durations = module_durations(profile, [p.name for p in programs])
+    out = {}
+    for name, ns in durations.items():
+        if len(ns) != calls:
+            raise RuntimeError(f"the trace holds {len(ns)} executions of jit_{name}, expected {calls}")
+        out[name] = [t * 1e-9 for t in ns]
+    return out

@@ -1,0 +1,136 @@
+"""The benchmarks' TPU measuring path without a TPU: the profiler trace's parsing on synthetic planes, and the
+orchestration (inputs, compiles, warm-up, n/a and failing implementations, the measured table) with the profiler's
+device times stood in for by known values, since this machine has no chip to trace."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import device, device_timing, harness, profiler, report, shapes, suite
+
+
+def _event(name, start, duration):
+    return types.SimpleNamespace(name=name, start_ns=start, duration_ns=duration)
+
+
+def _profile(events, plane=profiler.DEVICE_PLANE, line=profiler.MODULES_LINE):
+    lines = [types.SimpleNamespace(name=line, events=events), types.SimpleNamespace(name="XLA Ops", events=events)]
+    host = types.SimpleNamespace(name="/host:CPU", lines=[types.SimpleNamespace(name=line, events=events)])
+    return types.SimpleNamespace(planes=[host, types.SimpleNamespace(name=plane, lines=lines)])
+
+
+def test_module_durations_tell_programs_apart_by_whole_name():
+    a, b = profiler.program_name(1), profiler.program_name(10)
+    assert not b.startswith(a) and len(a) == len(b)
+    events = [
+        _event(f"jit_{b}(7)", 30, 5.0),
+        _event(f"jit_{a}", 10, 1.0),
+        _event(f"jit_{a}(3)", 20, 2.0),
+        _event("jit_tkbench_0000011", 40, 9.0),  # another program whose name merely contains a's digits
+        _event("jit_random_normal", 50, 4.0),
+    ]
+    out = profiler.module_durations(_profile(events), [a, b])
+    assert out == {a: [1.0, 2.0], b: [5.0]}  # in start order, only the device plane's XLA Modules line
+
+
+def test_module_durations_refuse_a_profile_without_the_chip():
+    with pytest.raises(RuntimeError, match="no plane '/device:TPU:0'"):
+        profiler.module_durations(_profile([], plane="/device:TPU:1"), ["x"])
+    with pytest.raises(RuntimeError, match="no line 'XLA Modules'"):
+        profiler.module_durations(_profile([], line="XLA Ops only"), ["x"])
+
+
+def test_named_functions_compile_to_modules_of_that_name():
+    name = profiler.program_name(42)
+    lowered = jax.jit(profiler.named(lambda x: x * 2, name)).lower(jnp.ones(4))
+    assert f"jit_{name}" in lowered.as_text()
+
+
+# A tiny suite of plain-XLA implementations (this machine compiles no Mosaic kernel to run): the kernel, the default,
+# a baseline that fails to trace and one that does not apply.
+def _kernel(x):
+    return x * 2
+
+
+def _default(x):
+    return x + x
+
+
+def _broken(x):
+    raise ValueError("no kernel for this shape")
+
+
+SHAPE = shapes.Shape("tokens", 64, (("hidden", 256),), "bfloat16")
+OP = suite.Op(
+    name="double",
+    kernel=_kernel,
+    default=_default,
+    specs=lambda s: (jax.ShapeDtypeStruct((s["tokens"], s["hidden"]), jnp.bfloat16),),
+    hbm_bytes=lambda s: 2 * s["tokens"] * s["hidden"] * 2,
+    baselines=(
+        suite.Baseline("broken", _broken),
+        suite.Baseline("absent", _kernel, lambda s: "not installed: somepackage"),
+    ),
+)
+SUITE = suite.Suite(kernel="double", ops=(OP,), shapes=(SHAPE,), targets=suite.Targets(beats_default=True))
+TPU = device.Device("tpu", "TPU v5 lite", "measured TPU v5 lite", "measured TPU v5 lite", "v5e")
+
+
+@pytest.fixture
+def fake_chip(monkeypatch):
+    """device_times stood in for: every program runs `calls` times for real, then reads a known device time (the
+    i-th program of a trace i+1 µs, so the kernel is 1 µs and the default 2 µs)."""
+    traced = []
+
+    def device_times(programs, calls):
+        for p in programs:
+            for _ in range(calls):
+                jax.block_until_ready(p.call(*p.args))
+        traced.append([p.name for p in programs])
+        return {p.name: [(i + 1) * 1e-6] * calls for i, p in enumerate(programs)}
+
+    monkeypatch.setattr(profiler, "device_times", device_times)
+    monkeypatch.setattr(suite, "get", lambda kernel: SUITE)
+    return traced
+
+
+def test_every_implementation_is_timed_or_says_why(fake_chip, tmp_path):
+    config = harness.Config(gen="v6e", out=tmp_path, model=False, calls=3, compile_workers=2)
+    result = harness.run_kernel("double", config, dev=TPU)
+    assert len(fake_chip) == 1 and len(fake_chip[0]) == 2  # kernel and default in one trace
+    (row,) = result["rows"]
+    m = row["measured"]
+    assert m["kernel"]["us"] == pytest.approx(1.0) and m["default"]["us"] == pytest.approx(2.0)
+    assert m["kernel"]["rounds"] == 3 and m["kernel"]["compile_s"] > 0
+    assert m["kernel"]["label"] == "measured TPU v5 lite" and m["kernel"]["timing"] == "device time (profiler)"
+    assert m["baseline:absent"] == {"na": "not installed: somepackage"}
+    assert m["baseline:broken"] == {"error": "ValueError: no kernel for this shape"}
+    assert row["measured_speedups"] == {"default": pytest.approx(2.0)}
+    # the roofline of the measured chip (v5e), not of the modeled generation (v6e)
+    v5e_us = row["hbm_bytes"] / result["measured_chip"]["hbm_bytes_per_s"] * 1e6
+    assert (
+        row["measured_roofline"]["us"] == pytest.approx(v5e_us) and row["measured_roofline"]["label"] == "roofline v5e"
+    )
+    assert row["measured_efficiency"] == pytest.approx(v5e_us / 1.0)
+    assert row["modeled_kernel"] == {"skipped": "not modeled (--no-model)"} and result["targets"] == []
+    assert result["measured_targets"][0]["met"] and result["measured_targets"][0]["worst"]["speedup"] == 2.0
+    table = report.format_table(result)
+    assert "measured TPU v5 lite µs kernel" in table and "| vs XLA default |" in table.replace("  ", " ")
+    assert "n/a: absent at tokens=64 hidden=256 bfloat16: not installed: somepackage" in table
+    assert "error: broken at tokens=64 hidden=256 bfloat16: ValueError: no kernel for this shape" in table
+    assert "modeled" not in table and "2.00x" in table
+    assert "target (measured TPU v5 lite): faster than the default implementation at every shape: MET" in table
+    assert report.write_chart(result, tmp_path).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_inputs_that_fail_to_build_fail_every_implementation(fake_chip):
+    def no_inputs(case):
+        raise MemoryError("RESOURCE_EXHAUSTED: 20 GiB")
+
+    stats = device_timing.run(SUITE.cases(), no_inputs, kernel_label="k", default_label="d")
+    case_id = SUITE.cases()[0].id
+    assert stats[(case_id, "kernel")] == {"error": "inputs: MemoryError: RESOURCE_EXHAUSTED: 20 GiB"}
+    assert stats[(case_id, "baseline:absent")] == {"na": "not installed: somepackage"}
+    assert not fake_chip  # nothing was traced
