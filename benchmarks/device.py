@@ -83,3 +83,21 @@ def _generation() -> str | None:
         return generation_name(pltpu.get_tpu_info())
     except (ValueError, RuntimeError):
         return None
+
+
+def provenance() -> dict:
+    """What a measured figure was taken with: jax and jaxlib versions, the backend's platform version (libtpu's
+    build on a TPU) and the UTC date."""
+    import datetime
+
+    import jax
+    import jaxlib
+
+    dev = jax.devices()[0]
+    return {
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "platform_version": str(getattr(dev.client, "platform_version", "")).strip(),
+        "device_kind": dev.device_kind,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+    }

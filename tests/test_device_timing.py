@@ -134,3 +134,26 @@ def test_inputs_that_fail_to_build_fail_every_implementation(fake_chip):
     assert stats[(case_id, "kernel")] == {"error": "inputs: MemoryError: RESOURCE_EXHAUSTED: 20 GiB"}
     assert stats[(case_id, "baseline:absent")] == {"na": "not installed: somepackage"}
     assert not fake_chip  # nothing was traced
+
+
+def test_chip_points_keep_device_times_with_their_provenance(fake_chip, tmp_path):
+    import json
+
+    from benchmarks.calibration import chip_points
+
+    config = harness.Config(gen="v6e", out=tmp_path, model=False, calls=3, compile_workers=1)
+    result = harness.run_kernel("double", config, dev=TPU)
+    points = chip_points.points_of(result)
+    assert sorted(p["impl"] for p in points) == ["default", "kernel"]  # n/a and failed implementations are no points
+    kernel = next(p for p in points if p["impl"] == "kernel")
+    assert kernel["device_us"] == pytest.approx(1.0) and kernel["calls"] == 3 and kernel["generation"] == "v5e"
+    assert kernel["jax"] == jax.__version__ and kernel["date"] and kernel["shape"] == SHAPE.as_dict()
+    newer = dict(kernel, device_us=0.5)
+    merged = chip_points.merge(points, [newer])
+    assert len(merged) == 2 and newer in merged and kernel not in merged
+    (tmp_path / "double.json").write_text(json.dumps(result))
+    out = tmp_path / "points.json"
+    assert chip_points.main([str(tmp_path), "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == sorted(points, key=lambda p: p["impl"])
+    result["device"] = device.Device("cpu", "cpu", device.CPU_INTERPRET, device.CPU_XLA).as_dict()
+    assert chip_points.points_of(result) == []  # a CPU timing is never a chip point
