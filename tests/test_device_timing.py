@@ -157,3 +157,22 @@ def test_chip_points_keep_device_times_with_their_provenance(fake_chip, tmp_path
     assert json.loads(out.read_text()) == sorted(points, key=lambda p: p["impl"])
     result["device"] = device.Device("cpu", "cpu", device.CPU_INTERPRET, device.CPU_XLA).as_dict()
     assert chip_points.points_of(result) == []  # a CPU timing is never a chip point
+
+
+def test_docs_take_the_measured_tables_under_their_title(fake_chip, tmp_path):
+    import json
+
+    from benchmarks import docs_tables
+
+    result = harness.run_kernel("double", harness.Config(out=tmp_path, model=False, calls=2), dev=TPU)
+    (tmp_path / "double.json").write_text(json.dumps(result))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "double.md").write_text("# Double\n\nDesign text.\n")
+    for _ in range(2):  # a second run replaces the block, never adds one
+        assert docs_tables.main([str(tmp_path), "--docs", str(docs)]) == 0
+    text = (docs / "double.md").read_text()
+    assert text.startswith("# Double\n\n" + docs_tables.BEGIN) and text.count(docs_tables.BEGIN) == 1
+    assert text.endswith(docs_tables.END + "\n\nDesign text.\n")
+    assert "| measured TPU v5 lite µs kernel |" in text and "- n/a: absent at" in text
+    assert max(len(line) for line in text.splitlines() if not line.startswith("|")) <= 120

@@ -1,0 +1,87 @@
+"""The measured tables of a TPU run written into the kernels' docs: `python -m benchmarks.docs_tables bench-results/`.
+
+Each docs/<kernel>.md holds one block between `<!-- measured tables begin -->` and `<!-- measured tables end -->`
+(placed right under its title: the measured figures lead); the block is replaced by the run's measured table of each
+op (device time of the kernel, the default and every baseline, from benchmarks/report.py), its footnotes, and the
+run's provenance. A doc without the block gets one under its first heading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import textwrap
+
+from . import report
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FOOTNOTES = ("n/a:", "error:", "measured:", "goal", "target")
+BEGIN, END = "<!-- measured tables begin -->", "<!-- measured tables end -->"
+
+
+def block(result: dict) -> str:
+    prov = result["provenance"]
+    lines = [
+        BEGIN,
+        f"## Measured on {prov['device_kind']} ({result['device'].get('generation')})",
+        "",
+        *textwrap.wrap(
+            f"Device time from the profiler, {prov['date']}, jax {prov['jax']}, "
+            f"{prov['platform_version'] or 'libtpu'}: "
+            f'`make bench-tpu BENCH_ARGS="--kernel {result["kernel"]}"` on one chip (the quick shapes). Every '
+            "implementation ran in the same process on the same inputs; vs X = X's device time / ours (> 1: ours is "
+            "faster).",
+            width=120,
+            break_on_hyphens=False,
+        ),
+    ]
+    lines += [line.replace("\n", "") if line.startswith("\n") else line for line in report.format_measured(result)]
+    # a blank line around each table; the footnotes and targets as a wrapped list
+    out = []
+    for line in lines:
+        if line.startswith(f"{result['kernel']} / "):
+            out += ["", f"**{line}**", ""]
+        elif line.startswith(FOOTNOTES):
+            out += ([""] if not out[-1].startswith(("- ", "  ")) else []) + textwrap.wrap(
+                line, width=120, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False
+            )
+        else:
+            out.append(line)
+    return "\n".join([*out, "", END])
+
+
+def write(doc: pathlib.Path, text: str) -> None:
+    source = doc.read_text()
+    if BEGIN in source and END in source:
+        head, rest = source.split(BEGIN, 1)
+        source = head + text + rest.split(END, 1)[1]
+    else:
+        title, _, rest = source.partition("\n")
+        source = f"{title}\n\n{text}\n{rest}"
+    doc.write_text(source)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.docs_tables", description=__doc__.split("\n\n")[0])
+    p.add_argument("results", type=pathlib.Path, help="a python -m benchmarks output directory of a TPU run")
+    p.add_argument("--docs", type=pathlib.Path, default=ROOT / "docs")
+    args = p.parse_args(argv)
+    written = 0
+    for f in sorted(args.results.glob("*.json")):
+        result = json.loads(f.read_text())
+        if "rows" not in result or result["device"]["platform"] != "tpu" or not result.get("provenance"):
+            continue
+        doc = args.docs / f"{result['kernel']}.md"
+        if doc.exists():
+            write(doc, block(result))
+            written += 1
+            print(f"{doc}: measured tables of {result['kernel']}")
+    if not written:
+        p.error(f"no TPU-measured <kernel>.json in {args.results} with a matching doc in {args.docs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
