@@ -1,5 +1,12 @@
 """Benchmark inputs built on the device: random values from `jax.random`, never host arrays (a large host array
-costs seconds to build and copy on a TPU host) and never zeros."""
+costs seconds to build and copy on a TPU host) and never zeros.
+
+Each helper takes an int seed or a jax.random key and makes its array on the default device with one small jitted
+program per (shape, dtype) (the values are generated in f32 and cast). `keys(seed, n)` splits a seed into n
+independent keys, one per array of a case: the same seed gives the same arrays, another seed other ones. Small
+integer metadata a benchmark must know on the host (group sizes, lengths, page tables) stays numpy where it is made
+and is copied as it is.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +21,43 @@ def key(seed_or_key):
     return jax.random.key(seed_or_key) if isinstance(seed_or_key, int) else seed_or_key
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _normal(k, shape, dtype):
-    return jax.random.normal(k, shape, jnp.float32).astype(dtype)
+def keys(seed_or_key, n: int) -> list:
+    """n independent keys from a seed or a key (one per array of a case)."""
+    return list(jax.random.split(key(seed_or_key), n))
 
 
-def normal(seed_or_key, shape, dtype=jnp.float32):
-    """Standard normal values of `shape`, cast to `dtype`, made on the default device (one compile per shape)."""
-    return _normal(key(seed_or_key), tuple(int(d) for d in shape), jnp.dtype(dtype))
+def _shape(shape) -> tuple[int, ...]:
+    return tuple(int(d) for d in shape)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _normal(k, shape, dtype, scale):
+    x = jax.random.normal(k, shape, jnp.float32)
+    return (x if scale == 1.0 else x * scale).astype(dtype)
+
+
+def normal(seed_or_key, shape, dtype=jnp.float32, scale: float = 1.0):
+    """Standard normal values of `shape` times `scale`, cast to `dtype`, made on the default device (one compile
+    per shape)."""
+    return _normal(key(seed_or_key), _shape(shape), jnp.dtype(dtype), float(scale))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _uniform(k, shape, dtype, low, high):
+    return jax.random.uniform(k, shape, jnp.float32, low, high).astype(dtype)
+
+
+def uniform(seed_or_key, shape, low: float, high: float, dtype=jnp.float32):
+    """Values uniform in [low, high) of `shape`, cast to `dtype`, made on the default device."""
+    return _uniform(key(seed_or_key), _shape(shape), jnp.dtype(dtype), float(low), float(high))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _integers(k, shape, dtype, low, high):
+    return jax.random.randint(k, shape, low, high, jnp.int32).astype(dtype)
+
+
+def integers(seed_or_key, shape, low: int, high: int, dtype=jnp.int32):
+    """Integers uniform in [low, high) of `shape`, stored as `dtype` (e.g. int8 values, uint8 codes), made on the
+    default device."""
+    return _integers(key(seed_or_key), _shape(shape), jnp.dtype(dtype), int(low), int(high))

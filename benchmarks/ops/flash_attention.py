@@ -61,7 +61,7 @@ import numpy as np
 from tpu_kernels_jax.common import chip
 from tpu_kernels_jax.flash_attention import api, tuning
 
-from .. import shapes
+from .. import inputs, shapes
 from ..suite import Baseline, Op, Suite, Targets
 
 BF16 = jnp.bfloat16
@@ -478,18 +478,20 @@ def _specs(op, s):
 
 
 def _arrays(op, s, seed):
-    """Random q, k, v (and do); for the backward each implementation's residuals from its own forward on them."""
-    rng = np.random.default_rng(seed)
-    normal = lambda spec: jnp.asarray(rng.standard_normal(spec.shape, np.float32), spec.dtype)  # noqa: E731
-    inputs = _concrete_cu(s, tuple(normal(x) if x.dtype == BF16 else x for x in _inputs(s)))
+    """Random q, k, v (and do) made on the device; for the backward each implementation's residuals from its own
+    forward on them."""
+    keys = iter(inputs.keys(seed, 4))
+    args = _concrete_cu(
+        s, tuple(inputs.normal(next(keys), x.shape, x.dtype) if x.dtype == BF16 else x for x in _inputs(s))
+    )
     if op == "forward":
-        return inputs
+        return args
     cfg = config(s)
     residuals = {
-        impl: jax.jit(functools.partial(_residuals, functools.partial(FORWARDS[impl], cfg=cfg)))(*inputs)
+        impl: jax.jit(functools.partial(_residuals, functools.partial(FORWARDS[impl], cfg=cfg)))(*args)
         for impl in residual_specs(s)
     }
-    return (*inputs, normal(inputs[0]), residuals)
+    return (*args, inputs.normal(next(keys), args[0].shape, args[0].dtype), residuals)
 
 
 def _candidates(op, s, gen):

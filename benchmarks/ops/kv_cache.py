@@ -40,7 +40,7 @@ from tpu_kernels_jax.kv_cache import api
 from tpu_kernels_jax.rotary import api as rotary_api
 from tpu_kernels_jax.rotary import reference as rotary_reference
 
-from .. import shapes
+from .. import inputs, shapes
 from ..suite import Baseline, Op, Suite, Targets
 from .rotary import ROPE
 
@@ -176,15 +176,16 @@ def _slots_positions(s, seed=0):
     return jnp.asarray(slots.astype(np.int32)), jnp.asarray(positions.astype(np.int32))
 
 
-def _normal(rng, spec):
-    return jnp.asarray(rng.standard_normal(spec.shape, np.float32), spec.dtype)
+def _normals(specs, seed):
+    """Random values of each spec, made on the device (benchmarks/inputs.py)."""
+    return tuple(inputs.normal(k, spec.shape, spec.dtype) for k, spec in zip(inputs.keys(seed, len(specs)), specs))
 
 
 def write_args(s, seed=0):
-    rng = np.random.default_rng(seed)
+    """Random new K/V rows (made on the device); the slots from the host."""
     key, value, _ = write_specs(s)
     slots, _ = _slots_positions(s, seed)
-    return (_normal(rng, key), _normal(rng, value), slots)
+    return (*_normals((key, value), seed), slots)
 
 
 def write_model_args(s):
@@ -193,9 +194,9 @@ def write_model_args(s):
 
 
 def rope_args(s, seed=0):
-    rng = np.random.default_rng(seed)
+    """Random new Q/K/V rows (made on the device); the slots and positions from the host."""
     query, key, value, _, _ = rope_specs(s)
-    return (_normal(rng, query), _normal(rng, key), _normal(rng, value), *_slots_positions(s, seed))
+    return (*_normals((query, key, value), seed), *_slots_positions(s, seed))
 
 
 def rope_model_args(s):

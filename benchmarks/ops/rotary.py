@@ -22,7 +22,7 @@ import numpy as np
 from tpu_kernels_jax.common import chip
 from tpu_kernels_jax.rotary import api, reference, tuning
 
-from .. import shapes
+from .. import inputs, shapes
 from ..suite import Op, Suite, Targets
 
 EPS = 1e-6
@@ -134,15 +134,16 @@ def _positions_specs(s):
 
 
 def _positions_arrays(s, seed):
-    """Random q, k, weights and nonnegative positions (decode: scattered positions in a 32k context)."""
-    rng = np.random.default_rng(seed)
+    """Random q, k, weights and nonnegative positions (decode: scattered positions in a 32k context), made on the
+    device."""
     q, k, w, _, pos = _positions_specs(s)
-    normal = lambda spec: jnp.asarray(rng.standard_normal(spec.shape, np.float32), spec.dtype)  # noqa: E731
+    key_q, key_k, key_qw, key_kw, key_pos = inputs.keys(seed, 5)
     if s["phase"] == "decode":
-        positions = rng.integers(0, 32768, pos.shape).astype(np.int32)
+        positions = inputs.integers(key_pos, pos.shape, 0, 32768, jnp.int32)
     else:
-        positions = np.arange(pos.shape[1], dtype=np.int32)[None]
-    return normal(q), normal(k), normal(w), normal(w), jnp.asarray(positions)
+        positions = jnp.arange(pos.shape[1], dtype=jnp.int32)[None]
+    normal = lambda key, spec: inputs.normal(key, spec.shape, spec.dtype)  # noqa: E731
+    return normal(key_q, q), normal(key_k, k), normal(key_qw, w), normal(key_kw, w), positions
 
 
 def _candidates(op, s, gen):
