@@ -1,4 +1,5 @@
-"""Shared by the ragged dot and MoE suites: random top-k routing, byte/flop counts, baselines, targets.
+"""Shared by the ragged dot and MoE suites: random top-k routing, byte/flop counts, baselines (XLA's ragged dot,
+tokamax's, JAX's megablox gmm), targets.
 
 Routing: each token picks `top_k` distinct experts uniformly at random (numpy, fixed seed) — not balanced by
 construction, so group sizes vary (and at small batches most experts get no rows) as in real decode.
@@ -21,6 +22,7 @@ TRANS_RHS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
 )
 TOKAMAX_MIN_DIM = 128  # tokamax's Mosaic TPU ragged dot needs every non-group dimension >= 128
+MEGABLOX_TILING = (128, 128, 128)  # megablox.gmm's default (tm, tk, tn)
 
 
 # ----------------------------------------------------------------------------------------------------- routing
@@ -89,6 +91,27 @@ def tokamax_ragged_dot(lhs, rhs, group_sizes, *, out_dtype):
     return tokamax.ragged_dot_general(
         lhs, rhs, group_sizes, TRANS_RHS, preferred_element_type=out_dtype, implementation="mosaic"
     )
+
+
+def megablox_ragged_dot(lhs, rhs, group_sizes, *, out_dtype):
+    """JAX's Pallas grouped matmul (jax.experimental.pallas.ops.tpu.megablox.gmm: MaxText's MoE kernel) on rhs
+    [G, N, K] (`transpose_rhs`), at its default tiling (MEGABLOX_TILING), the row tile capped at M (its rows must be a
+    multiple of the row tile; a tile of all M rows is the whole dimension)."""
+    from jax.experimental.pallas.ops.tpu import megablox
+
+    m = lhs.shape[0]
+    tm, tk, tn = MEGABLOX_TILING
+    return megablox.gmm(
+        lhs, rhs, group_sizes, preferred_element_type=out_dtype, tiling=(min(tm, m), tk, tn), transpose_rhs=True
+    )
+
+
+def megablox_unsupported(shape) -> str | None:
+    """Why megablox's gmm does not apply to a shape (None when it does)."""
+    m, tm = rows_of(shape), MEGABLOX_TILING[0]
+    if m > tm and m % tm:
+        return f"megablox.gmm needs M (tokens x top_k = {m}) a multiple of its row tile {tm}"
+    return None
 
 
 def gated_epilogue(h, activation, out_dtype, gate_layout="concatenated"):

@@ -1,10 +1,15 @@
 """The MoE grouped matmuls on the ragged dot kernel: gate/up (act(gate) * up fused into the epilogue) and down,
-against XLA's `jax.lax.ragged_dot` (the default) and tokamax's Pallas ragged dot, with the same random routing.
+against XLA's `jax.lax.ragged_dot` (the default), tokamax's Pallas ragged dot and JAX's Pallas grouped matmul
+(`jax.experimental.pallas.ops.tpu.megablox.gmm`, MaxText's MoE kernel), with the same random routing.
 
 Weights are in transformers' layout, rhs [E, N, K] (`rhs_transposed=True`; every implementation contracts the same
-layout). gate/up: lhs [M, H] bf16 x [E, 2I, H] -> act(gate) * up [M, I] bf16; the baselines run the [M, 2I] product
-in f32 and the epilogue in XLA (neither fuses a gated epilogue). down: [M, I] bf16 x [E, H, I] -> [M, H] f32, as
-experts_forward uses it.
+layout: megablox with `transpose_rhs`). gate/up: lhs [M, H] bf16 x [E, 2I, H] -> act(gate) * up [M, I] bf16; the
+baselines run the [M, 2I] product in f32 and the epilogue in XLA (none fuses a gated epilogue). down: [M, I] bf16 x
+[E, H, I] -> [M, H] f32, as experts_forward uses it. megablox runs at its default tiling (128, 128, 128), the row tile
+capped at M.
+
+Inputs are made on the device (benchmarks/inputs.py); the group sizes come from the routing on the host (numpy,
+fixed seed), as the performance model needs them concrete.
 """
 
 import functools
@@ -15,7 +20,7 @@ import numpy as np
 
 from tpu_kernels_jax.ragged_dot import api as ragged_dot_api
 
-from .. import shapes
+from .. import inputs, shapes
 from ..suite import Baseline, Op, Suite, Targets
 from . import _moe
 
@@ -41,6 +46,10 @@ def tokamax_gate_up(lhs, rhs, group_sizes, *, activation):
     return _moe.gated_epilogue(_moe.tokamax_ragged_dot(lhs, rhs, group_sizes, out_dtype=F32), activation, BF16)
 
 
+def megablox_gate_up(lhs, rhs, group_sizes, *, activation):
+    return _moe.gated_epilogue(_moe.megablox_ragged_dot(lhs, rhs, group_sizes, out_dtype=F32), activation, BF16)
+
+
 def kernel_down(lhs, rhs, group_sizes, *, activation=None, blocks=None):
     return ragged_dot_api.ragged_dot(lhs, rhs, group_sizes, blocks=blocks, **_kernel_options("down", activation))
 
@@ -51,6 +60,10 @@ def xla_down(lhs, rhs, group_sizes, *, activation=None):
 
 def tokamax_down(lhs, rhs, group_sizes, *, activation=None):
     return _moe.tokamax_ragged_dot(lhs, rhs, group_sizes, out_dtype=F32)
+
+
+def megablox_down(lhs, rhs, group_sizes, *, activation=None):
+    return _moe.megablox_ragged_dot(lhs, rhs, group_sizes, out_dtype=F32)
 
 
 # (K, N of rhs [E, N, K], output width, output bytes per element) per op
@@ -75,10 +88,11 @@ def _model_args(op, s):
 
 
 def _arrays(op, s, seed):
+    """Random lhs and rhs (scaled by K^-1/2) made on the device; the routing's group sizes."""
     k, n, _, _ = _dims(op, s)
-    rng = np.random.default_rng(seed)
-    lhs = jnp.asarray(rng.standard_normal((_moe.rows_of(s), k), np.float32), BF16)
-    rhs = jnp.asarray(rng.standard_normal((s["experts"], n, k), np.float32) / np.sqrt(k), BF16)
+    key_lhs, key_rhs = inputs.keys(seed, 2)
+    lhs = inputs.normal(key_lhs, (_moe.rows_of(s), k), BF16)
+    rhs = inputs.normal(key_rhs, (s["experts"], n, k), BF16, scale=1 / np.sqrt(k))
     return lhs, rhs, jnp.asarray(_moe.group_sizes_of(s))
 
 
@@ -104,7 +118,7 @@ def _tokamax_unsupported(s):
     return _moe.tokamax_available() or _moe.tokamax_unsupported(s)
 
 
-def _op(name, kernel, default, tokamax):
+def _op(name, kernel, default, tokamax, megablox):
     return Op(
         name=name,
         kernel=kernel,
@@ -115,7 +129,10 @@ def _op(name, kernel, default, tokamax):
         hbm_bytes=functools.partial(_hbm_bytes, name),
         mxu_flops=functools.partial(_flops, name),
         default_name="XLA ragged_dot",
-        baselines=(Baseline("tokamax", tokamax, _tokamax_unsupported),),
+        baselines=(
+            Baseline("tokamax", tokamax, _tokamax_unsupported),
+            Baseline("megablox", megablox, _moe.megablox_unsupported),
+        ),
         static=lambda s: {"activation": s["activation"]},
         candidates=functools.partial(_candidates, name),
     )
@@ -131,8 +148,8 @@ SWEEP = tuple(
 SUITE = Suite(
     kernel="ragged_dot",
     ops=(
-        _op("gate_up", kernel_gate_up, xla_gate_up, tokamax_gate_up),
-        _op("down", kernel_down, xla_down, tokamax_down),
+        _op("gate_up", kernel_gate_up, xla_gate_up, tokamax_gate_up, megablox_gate_up),
+        _op("down", kernel_down, xla_down, tokamax_down, megablox_down),
     ),
     shapes=shapes.RAGGED_DOT,
     quick_shapes=shapes.RAGGED_DOT_QUICK,
