@@ -30,8 +30,23 @@ Implementations (compiled in the same run, modeled on one TensorCore):
   interleaved as kv heads of one cache [pages, page, 2 Hkv, D]. The conversion from flash-attn's layout is NOT timed:
   the program receives the cache already interleaved. It reads every page of a context even under a window.
 - jax_paged: jax.experimental.pallas.ops.tpu.paged_attention (decode only, no window, no fp8 scales) on its layout
-  [Hkv, pages, page, D] (conversion not timed either), q pre-scaled by XLA (it has no scale argument),
-  pages_per_compute_block the largest divisor of the table width <= 512 keys.
+  [Hkv, pages, page, D] (conversion not timed either; made only for the shapes it applies to), q pre-scaled by XLA (it
+  has no scale argument), pages_per_compute_block the largest divisor of the table width <= 512 keys.
+- vllm_rpa: vLLM's ragged paged attention v3 (tpu-inference's `ragged_paged_attention.v3`, the attention kernel vLLM
+  serves with on TPUs) at its own default blocks, on its cache layout: K and V in one cache
+  [pages, page, 2 Hkv / packing, packing, D] (packing 2 for bf16, 4 for fp8; the bytes of JAX's interleaved layout,
+  `to_vllm_cache`). Its kernel returns the cache as an output aliased to the cache input (it writes the step's new
+  K/V there); a cache that is a program argument without donation is copied whole before every call (the deviceless
+  compile shows it: a copy of the pool ahead of the kernel), which a server, donating its cache, never pays. So its
+  program allocates the cache itself (`jax.lax.empty`, no fill: the in-place program a server runs, as the KV cache
+  suite does for its writes), with the case's page tables and lengths, and reads it uninitialized (the kernel's time
+  does not depend on the values; `vllm_rpa_on_cache` runs the same call on a given cache, which the tests check
+  against the reference). It reads every key from the cache (`update_kv_cache=False`: the case's cache already holds
+  the new tokens, as for the other columns); the step's new K/V it takes as arguments are unused stand-ins.
+  `distribution` marks the leading one-token sequences as decodes (vLLM's order: decodes first).
+
+Inputs are made on the device (benchmarks/inputs.py); page tables and lengths are drawn on the host (numpy), as
+the performance model needs them concrete.
 
 Targets, on the modeled v6e figures: decode >= 85 % of the HBM roofline at context >= 4096 and B >= 8; >= 1.2x JAX's
 ragged paged attention at every shape it supports. A shape the kernel refuses (page table and visit lists beyond
@@ -45,10 +60,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpu_kernels_jax.common import chip
 from tpu_kernels_jax.paged_attention import api
 
-from .. import shapes
+from .. import inputs, shapes
 from ..suite import Baseline, Op, Suite, Targets
+from . import _vllm
 
 BF16 = jnp.bfloat16
 FP8 = jnp.float8_e4m3fn
@@ -60,6 +77,7 @@ XLA_GATHER_BYTES = 1 << 30  # gathered K + V (compute dtype) per chunk of XLA's 
 XLA_MAX_SCORES = 1 << 28  # f32 scores per chunk of XLA's path (1 GiB)
 JAX_SMEM_BYTES = 1 << 20  # v6e SMEM: JAX's kernels keep the page table and lengths there
 JAX_PAGED_KEYS = 512  # keys per compute block of JAX's paged_attention
+VLLM_RPA = "kernels.ragged_paged_attention.v3.kernel"  # tpu-inference's module (benchmarks/ops/_vllm.py)
 
 MIN_EFFICIENCY, TARGET_FROM_CONTEXT, TARGET_FROM_BATCH = 0.85, 4096, 8
 MIN_RPA_SPEEDUP = 1.2
@@ -168,17 +186,17 @@ def mxu_flops(s) -> int:
 
 
 def _cache_specs(cfg: Config) -> dict:
-    """{layout: cache specs}: flash-attn's (kernel, XLA), JAX ragged paged attention's K/V-interleaved one, JAX
-    paged attention's heads-major one. Each program takes only its own (jit drops unused arguments)."""
+    """{layout: cache specs}: flash-attn's (kernel, XLA), JAX ragged paged attention's K/V-interleaved one, and where
+    JAX's paged attention applies its heads-major one. Each program takes only its own (jit drops unused
+    arguments)."""
     dt = jnp.dtype(cfg.cache_dtype)
     p, page, h, d = cfg.num_pages, cfg.page_size, cfg.kv_heads, cfg.head_dim
     flash = jax.ShapeDtypeStruct((p, page, h, d), dt)
-    heads_major = jax.ShapeDtypeStruct((h, p, page, d), dt)
-    return {
-        "flash": (flash, flash),
-        "interleaved": jax.ShapeDtypeStruct((p, page, 2 * h, d), dt),
-        "heads_major": (heads_major, heads_major),
-    }
+    out = {"flash": (flash, flash), "interleaved": jax.ShapeDtypeStruct((p, page, 2 * h, d), dt)}
+    if _paged_problem(cfg) is None:
+        heads_major = jax.ShapeDtypeStruct((h, p, page, d), dt)
+        out["heads_major"] = (heads_major, heads_major)
+    return out
 
 
 def _metadata(cfg: Config, seed: int = 0):
@@ -224,19 +242,17 @@ def model_args(s):
 
 
 def arrays(s, seed):
-    """Every argument concrete (timing on the device that is present): random q and flash-layout caches, the other
-    layouts converted from them (outside the timed call)."""
+    """Every argument concrete (timing on the device that is present): random q and flash-layout caches made on the
+    device, the other layouts converted from them there (outside the timed call); the metadata from the host."""
     cfg = config(s)
-    rng = np.random.default_rng(seed)
-    normal = lambda shape, dt: jnp.asarray(rng.standard_normal(shape, np.float32), dt)  # noqa: E731
-    q = normal(_q_spec(cfg).shape, BF16)
-    flash = _cache_specs(cfg)["flash"][0]
-    k, v = (normal(flash.shape, flash.dtype) for _ in range(2))
-    caches = {
-        "flash": (k, v),
-        "interleaved": to_interleaved(k, v),
-        "heads_major": (k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)),
-    }
+    key_q, key_k, key_v = inputs.keys(seed, 3)
+    q = inputs.normal(key_q, _q_spec(cfg).shape, BF16)
+    specs = _cache_specs(cfg)
+    flash = specs["flash"][0]
+    k, v = (inputs.normal(key, flash.shape, flash.dtype) for key in (key_k, key_v))
+    caches = {"flash": (k, v), "interleaved": _interleave(k, v)}
+    if "heads_major" in specs:
+        caches["heads_major"] = _heads_major(k), _heads_major(v)
     return (q, caches, *_metadata(cfg, seed))
 
 
@@ -244,6 +260,18 @@ def to_interleaved(k, v):
     """flash-attn's two caches as JAX ragged paged attention's one [pages, page, 2 Hkv, D]: K at even kv heads."""
     p, page, h, d = k.shape
     return jnp.stack([k, v], axis=3).reshape(p, page, 2 * h, d)
+
+
+def to_vllm_cache(k, v):
+    """flash-attn's two caches as vLLM's RPA v3 cache [pages, page, 2 Hkv / packing, packing, D]: each kv head's K then
+    V, in groups of the dtype's packing (32 bits: 2 bf16, 4 fp8), the same bytes as `to_interleaved`'s."""
+    p, page, h, d = k.shape
+    packing = _vllm_packing(k.dtype)
+    return to_interleaved(k, v).reshape(p, page, 2 * h // packing, packing, d)
+
+
+_interleave = jax.jit(to_interleaved)
+_heads_major = jax.jit(lambda x: x.transpose(2, 0, 1, 3))
 
 
 # ------------------------------------------------------------------------------------------------ implementations
@@ -366,6 +394,12 @@ def _rpa_blocks(q, kv_pages, page_indices) -> tuple[int, int]:
     return min(pages_per_seq, bkv), min(q.shape[0], bq)
 
 
+def _rpa_options(cfg: Config) -> dict:
+    """The scale, window and fp8 scales as JAX's and vLLM's ragged paged attention both take them."""
+    window = cfg.window if cfg.window > 0 else None
+    return dict(sm_scale=cfg.softmax_scale, sliding_window=window, k_scale=cfg.kv_scale, v_scale=cfg.kv_scale)
+
+
 def jax_rpa_attention(q, caches, kv_lens, page_indices, cu_q_lens, num_seqs, *, cfg: Config):
     from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
 
@@ -377,10 +411,7 @@ def jax_rpa_attention(q, caches, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
         page_indices,
         cu_q_lens,
         num_seqs,
-        sm_scale=cfg.softmax_scale,
-        sliding_window=cfg.window if cfg.window > 0 else None,
-        k_scale=cfg.kv_scale,
-        v_scale=cfg.kv_scale,
+        **_rpa_options(cfg),
         num_kv_pages_per_block=pages_per_block,
         num_queries_per_block=queries_per_block,
     )
@@ -399,6 +430,47 @@ def jax_paged_attention(q, caches, kv_lens, page_indices, cu_q_lens, num_seqs, *
     return paged_attention(q, k_pages, v_pages, kv_lens, page_indices, pages_per_compute_block=_jax_paged_block(cfg))
 
 
+def _vllm_packing(dtype) -> int:
+    return 4 // jnp.dtype(dtype).itemsize
+
+
+def vllm_cache_spec(cfg: Config) -> jax.ShapeDtypeStruct:
+    """vLLM's RPA v3 cache of this config's pool (to_vllm_cache's shape)."""
+    packing = _vllm_packing(cfg.cache_dtype)
+    shape = (cfg.num_pages, cfg.page_size, 2 * cfg.kv_heads // packing, packing, cfg.head_dim)
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.cache_dtype))
+
+
+def vllm_rpa_on_cache(q, kv_cache, kv_lens, page_indices, cu_q_lens, *, cfg: Config):
+    """vLLM's RPA v3 on a cache in its layout (to_vllm_cache), reading every key from the cache; default blocks,
+    the VMEM limit vLLM passes (the core's whole VMEM)."""
+    rpa = _vllm.kernel_module(VLLM_RPA)
+    n = len(cfg.q_lens)
+    decodes = next((i for i, q_len in enumerate(cfg.q_lens) if q_len != 1), n)
+    distribution = jnp.asarray([decodes, decodes, n], jnp.int32)
+    new_kv = jax.lax.empty((q.shape[0], cfg.kv_heads, cfg.head_dim), kv_cache.dtype)  # unused (update_kv_cache off)
+    out, _ = rpa.ragged_paged_attention(
+        q,
+        new_kv,
+        new_kv,
+        kv_cache,
+        kv_lens,
+        page_indices.reshape(-1),
+        cu_q_lens,
+        distribution,
+        **_rpa_options(cfg),
+        update_kv_cache=False,
+        vmem_limit_bytes=chip.current_tpu_info().vmem_capacity_bytes,
+    )
+    return out
+
+
+def vllm_rpa_attention(q, caches, kv_lens, page_indices, cu_q_lens, num_seqs, *, cfg: Config):
+    """vllm_rpa_on_cache on a cache the program allocates and does not fill (see the module docstring)."""
+    spec = vllm_cache_spec(cfg)
+    return vllm_rpa_on_cache(q, jax.lax.empty(spec.shape, spec.dtype), kv_lens, page_indices, cu_q_lens, cfg=cfg)
+
+
 def _smem_table_bytes(cfg: Config) -> int:
     n = len(cfg.q_lens)
     return 4 * (n * cfg.pages_per_seq + 2 * n + 2)
@@ -411,15 +483,35 @@ def _rpa_unsupported(s) -> str | None:
     return None
 
 
-def _paged_unsupported(s) -> str | None:
-    cfg = config(s)
-    if s["phase"] != "decode":
+def _paged_problem(cfg: Config) -> str | None:
+    if any(q_len != 1 for q_len in cfg.q_lens):
         return "JAX's paged_attention is decode only (one query token per sequence)"
     if cfg.window > 0:
         return "JAX's paged_attention has no sliding window"
     if cfg.fp8:
         return "JAX's paged_attention reads bf16 or int8 (QuantizedTensor) pages, not fp8 with a tensor scale"
-    return _rpa_unsupported(s)
+    if _smem_table_bytes(cfg) > JAX_SMEM_BYTES:
+        return "JAX's kernels keep the whole page table in SMEM (1 MiB on v6e): too large at this B x pages"
+    return None
+
+
+def _paged_unsupported(s) -> str | None:
+    return _paged_problem(config(s))
+
+
+def _vllm_unsupported(s) -> str | None:
+    why = _vllm.missing()
+    if why:
+        return why
+    try:
+        rpa = _vllm.kernel_module(VLLM_RPA)
+    except Exception as e:  # noqa: BLE001 - an import that fails here must not stop the other columns
+        return f"tpu-inference's RPA v3 does not import: {type(e).__name__}: {e}"
+    cfg = config(s)
+    smem = rpa.get_smem_estimate_bytes(len(cfg.q_lens), cfg.pages_per_seq)
+    if smem > JAX_SMEM_BYTES:
+        return f"vLLM's RPA v3 keeps the page table in SMEM ({smem // 1024} KiB here, over the 1 MiB of v6e)"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------------ targets
@@ -501,6 +593,7 @@ SUITE = Suite(
             baselines=(
                 Baseline("jax_rpa", jax_rpa_attention, _rpa_unsupported),
                 Baseline("jax_paged", jax_paged_attention, _paged_unsupported),
+                Baseline("vllm_rpa", vllm_rpa_attention, _vllm_unsupported),
             ),
             static=lambda s: {"cfg": config(s)},
         ),
