@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Downloads into .whl-tpu/ (ignored by git) the wheels the benchmarks' baselines need on the TPU test machine, which
+# has no network and, beside jax 0.10.2, jaxlib, libtpu, numpy and pytest, none of them:
+#   - tokamax 0.0.12 and the packages it imports there (the versions the main environment resolves for it);
+#   - tpu-inference 0.32.0 (pure Python), without its dependencies (vllm, torch): the benchmarks import its Pallas
+#     kernels module by module (benchmarks/ops/_vllm.py), which need nothing beyond jax.
+# Every wheel is for CPython 3.11 on x86-64 Linux (the test machine's), downloaded without dependencies.
+#
+# On the test machine, with .whl-tpu carried over with the checkout:
+#   PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --no-compile \
+#       --no-cache-dir --target /tmp/site .whl-tpu/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+#
+# Usage: scripts/tpu_wheels.sh [python]   (default: .venv/bin/python, else python3; any pip that can download)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${1:-}
+if [ -z "$python" ]; then
+    python=.venv/bin/python
+    [ -x "$python" ] || python=python3
+fi
+dest=.whl-tpu
+wheels=(
+    tokamax==0.0.12
+    einshape==1.0
+    qwix==0.1.8
+    pydantic==2.14.4
+    pydantic_core==2.50.5
+    annotated-types==0.8.0
+    typing-inspection==0.4.5
+    typeguard==2.13.3
+    immutabledict==4.3.1
+    tensorboardX==2.6.5
+    jaxtyping==0.3.11
+    wadler_lindig==0.1.8
+    tpu-inference==0.32.0
+)
+mkdir -p "$dest"
+PIP_CONFIG_FILE=/dev/null "$python" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version 3.11 --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$dest" "${wheels[@]}"
+# Only the wheels named above travel (a wheel left from another version would be installed beside them).
+keep=()
+for spec in "${wheels[@]}"; do
+    name=${spec%%==*}
+    version=${spec#*==}
+    stem=$(echo "$name" | tr '-' '_' | tr '[:upper:]' '[:lower:]')
+    match=$(find "$dest" -maxdepth 1 -iname "${stem}-${version}-*.whl" | head -1)
+    [ -n "$match" ] || { echo "tpu_wheels.sh: no wheel of $spec in $dest" >&2; exit 1; }
+    keep+=("$(basename "$match")")
+done
+for f in "$dest"/*; do
+    base=$(basename "$f")
+    printf '%s\n' "${keep[@]}" | grep -qxF "$base" || { echo "removing $base (not in the list)"; rm -f "$f"; }
+done
+ls -1 "$dest"
+echo "total: $(du -sh "$dest" | cut -f1) in ${#keep[@]} wheels ($dest)"
