@@ -6,9 +6,12 @@
 #     kernels module by module (benchmarks/ops/_vllm.py), which need nothing beyond jax.
 # Every wheel is for CPython 3.11 on x86-64 Linux (the test machine's), downloaded without dependencies.
 #
-# On the test machine, with .whl-tpu carried over with the checkout:
+# On the test machine, with .whl-tpu carried over with the checkout (installed into build/, which git ignores; PYTHONPATH
+# appended to, never replaced):
 #   PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --no-compile \
-#       --no-cache-dir --target /tmp/site .whl-tpu/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+#       --no-cache-dir --target build/tpu-site .whl-tpu/*.whl && export PYTHONPATH=$PYTHONPATH:$PWD/build/tpu-site
+# (tpu-inference's wheel also installs top-level `tests` and `tools` packages; appended last on the path, they shadow
+# nothing of the checkout's.)
 #
 # Usage: scripts/tpu_wheels.sh [python]   (default: .venv/bin/python, else python3; any pip that can download)
 set -euo pipefail
