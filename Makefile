@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml scripts/requirements.py
 	$(PY) scripts/requirements.py test bench | $(PY) -m pip install -q --no-compile -r /dev/stdin
 	$(PY) -m pip install -q --no-compile --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
+	$(PY) scripts/requirements.py --no-deps | $(PY) -m pip install -q --no-compile --no-deps -r /dev/stdin
 	touch $@
 
 lint: venv

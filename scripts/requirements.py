@@ -2,6 +2,7 @@
 
 Usage: python scripts/requirements.py [extra ...]   the main stack plus extras (test, bench)
        python scripts/requirements.py --jax-compat  the Python 3.12 / jax 0.12 compatibility environment
+       python scripts/requirements.py --no-deps     packages installed without their dependencies (pip --no-deps)
 """
 
 import pathlib
@@ -12,6 +13,8 @@ pyproject = tomllib.loads((pathlib.Path(__file__).resolve().parent.parent / "pyp
 project = pyproject["project"]
 if sys.argv[1:] == ["--jax-compat"]:
     lines = pyproject["tool"]["tpu-kernels"]["jax-compat"]["requires"]
+elif sys.argv[1:] == ["--no-deps"]:
+    lines = pyproject["tool"]["tpu-kernels"]["no-deps"]["requires"]
 else:
     lines = list(project["dependencies"])
     for extra in sys.argv[1:]:
