@@ -8,7 +8,9 @@ host) is reported apart, never mixed into the device time.
 Compiles overlap the timing: while one case runs on the chip, the next case's inputs are built and its programs
 compiled on a thread pool (XLA and Mosaic compile outside the GIL). Device times are unaffected (a program's device
 time does not depend on what the host does meanwhile); compile times are host seconds under that concurrency, and the
-JSON says with how many compile threads.
+JSON says with how many compile threads. Two cases' inputs then sit in HBM at once, so a case is prepared ahead only
+while both stay within a quarter of the chip's memory each (`_fits_beside`); a larger one is built after the
+previous case's inputs are freed.
 
 An implementation that cannot run at a case shows why: "na" (the op says it does not apply, e.g. a baseline's
 unsupported shape or a package that is not installed) or "error" (its compile or run raised: a VMEM OOM, say).
@@ -114,6 +116,28 @@ def _time(prepared: _Prepared, calls: int, labels: dict) -> dict:
     return results
 
 
+def _input_bytes(args) -> int:
+    import jax
+
+    return sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(args))
+
+
+def _memory_bytes() -> int:
+    """The default device's memory (bytes_limit of its allocator), or 16 GiB where it does not say."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return int(stats.get("bytes_limit", 16 << 30))
+
+
+def _fits_beside(current: _Prepared | None, upcoming: _suite.Case, memory: int) -> bool:
+    """Whether `upcoming`'s inputs may be built while `current`'s are alive: each within a quarter of the memory
+    (current's measured, upcoming's by the bytes its op says one call moves, a lower bound of its inputs)."""
+    if current is None or current.args is None:
+        return True
+    return max(_input_bytes(current.args), upcoming.op.hbm_bytes(upcoming.shape)) <= memory // 4
+
+
 def run(
     cases: list[_suite.Case],
     make_args,
@@ -128,11 +152,14 @@ def run(
     {"error": why}. `make_args(case)` builds the case's inputs on the device."""
     names = _Names()
     stats = {}
+    memory = _memory_bytes() if cases else 0
     with concurrent.futures.ThreadPoolExecutor(max(1, compile_workers)) as pool:
         upcoming = _prepare(cases[0], make_args, pool, names) if cases else None
         for i, case in enumerate(cases):
-            current = upcoming
-            upcoming = _prepare(cases[i + 1], make_args, pool, names) if i + 1 < len(cases) else None
+            current = upcoming or _prepare(case, make_args, pool, names)
+            upcoming = None
+            if i + 1 < len(cases) and _fits_beside(current, cases[i + 1], memory):
+                upcoming = _prepare(cases[i + 1], make_args, pool, names)
             labels = {impl: kernel_label if impl == "kernel" else default_label for impl in case.op.impls(case.shape)}
             for impl, entry in _time(current, calls, labels).items():
                 if "median_s" in entry:

@@ -176,3 +176,22 @@ def test_docs_take_the_measured_tables_under_their_title(fake_chip, tmp_path):
     assert text.endswith(docs_tables.END + "\n\nDesign text.\n")
     assert "| measured TPU v5 lite µs kernel |" in text and "- n/a: absent at" in text
     assert max(len(line) for line in text.splitlines() if not line.startswith("|")) <= 120
+
+
+@pytest.mark.parametrize("memory, traced_before_each_build", [(1 << 40, [0, 0]), (0, [0, 1])])
+def test_next_case_is_built_ahead_only_when_both_fit(fake_chip, monkeypatch, memory, traced_before_each_build):
+    """With room, the second case's inputs are built (and compiled) while the first one runs; without, only after
+    the first case has been timed and its inputs freed."""
+    from benchmarks import measured
+
+    monkeypatch.setattr(device_timing, "_memory_bytes", lambda: memory)
+    cases = [suite.Case(OP, SHAPE), suite.Case(OP, shapes.Shape("tokens", 128, (("hidden", 256),), "bfloat16"))]
+    built = []
+
+    def make_args(case):
+        built.append(len(fake_chip))
+        return measured.case_arrays(case)
+
+    stats = device_timing.run(cases, make_args, kernel_label="k", default_label="d", calls=2)
+    assert built == traced_before_each_build
+    assert all(stats[(c.id, impl)]["median_s"] > 0 for c in cases for impl in ("kernel", "default"))

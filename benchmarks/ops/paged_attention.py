@@ -72,7 +72,10 @@ FP8 = jnp.float8_e4m3fn
 FP8_SCALE = 0.5  # k_scale = v_scale for the float8 caches
 # Scale of each model's attention (None: D^-0.5).
 SCALE = {"qwen3-30b-a3b": None, "gemma4-sliding": 1.0, "gemma4-full": 1.0}
-CACHE_POOL_BYTES = 4 << 30  # K + V of one layout at most; beyond, page tables share a pool of pages
+# K + V of one layout at most; beyond, page tables share a pool of pages. A case holds up to three layouts of it (ours,
+# JAX's interleaved one, JAX's heads-major one) and vLLM's in-program cache beside them: 4 x 3 GiB within a v5e's
+# 15.7 GiB with room for XLA's temporaries.
+CACHE_POOL_BYTES = 3 << 30
 XLA_GATHER_BYTES = 1 << 30  # gathered K + V (compute dtype) per chunk of XLA's path
 XLA_MAX_SCORES = 1 << 28  # f32 scores per chunk of XLA's path (1 GiB)
 JAX_SMEM_BYTES = 1 << 20  # v6e SMEM: JAX's kernels keep the page table and lengths there
