@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Downloads into .whl-tpu/ (ignored by git) the wheels the benchmarks' baselines need on the TPU test machine, which
 # has no network and, beside jax 0.10.2, jaxlib, libtpu, numpy and pytest, none of them:
-#   - tokamax 0.0.12 and the packages it imports there (the versions the main environment resolves for it);
+#   - tokamax 0.0.12 and the packages it imports there (the versions the main environment resolves for it; qwix
+#     brings flax, optax, rich, treescope, msgpack and PyYAML in);
 #   - tpu-inference 0.32.0 (pure Python), without its dependencies (vllm, torch): the benchmarks import its Pallas
 #     kernels module by module (benchmarks/ops/_vllm.py), which need nothing beyond jax.
 # Every wheel is for CPython 3.11 on x86-64 Linux (the test machine's), downloaded without dependencies.
@@ -35,6 +36,15 @@ wheels=(
     tensorboardX==2.6.5
     jaxtyping==0.3.11
     wadler_lindig==0.1.8
+    absl-py==2.5.1
+    tqdm==4.70.1
+    flax==0.12.8
+    optax==0.2.8
+    rich==15.0.0
+    treescope==0.1.10
+    msgpack==1.2.4
+    PyYAML==6.0.4
+    typing_extensions==4.16.0
     tpu-inference==0.32.0
 )
 mkdir -p "$dest"
