@@ -1,25 +1,26 @@
 """Measured timings on a TPU: every implementation of every case by its device time (benchmarks/profiler.py).
 
-For each case the inputs are built on the device once, then every implementation that applies (the kernel, the
-default XLA path and each baseline of the op) is compiled, run once, and run `calls` times inside one profiler trace;
-its figure is the median device time of those calls. The first call's compile time (trace, lower and compile, on the
-host) is reported apart, never mixed into the device time.
+For each case the inputs are built on the device, then every implementation that applies (the kernel, the default
+XLA path and each baseline of the op) is run once and then `calls` times inside one profiler trace; its figure is the
+median device time of those calls. The first call's compile time (trace, lower and compile, on the host) is reported
+apart, never mixed into the device time.
 
-Compiles overlap the timing: while one case runs on the chip, the next case's inputs are built and its programs
-compiled on a thread pool (XLA and Mosaic compile outside the GIL). Device times are unaffected (a program's device
-time does not depend on what the host does meanwhile); compile times are host seconds under that concurrency, and the
-JSON says with how many compile threads. Two cases' inputs then sit in HBM at once, so a case is prepared ahead only
-while both stay within a quarter of the chip's memory each (`_fits_beside`); a larger one is built after the
-previous case's inputs are freed.
+Compiling is most of a run's host time (a flash attention backward or a baseline's kernel takes seconds), so every
+program of the run is compiled ahead, on a pool of threads (XLA and Mosaic compile outside the GIL), from its inputs'
+shapes alone (`jax.eval_shape` of the case's input builder): while one case runs on the chip the later ones compile.
+Device times are unaffected (a program's device time does not depend on what the host does meanwhile); compile times
+are host seconds under that concurrency, and the JSON says with how many threads. A case's inputs are built just
+before it runs and freed after it, so one case's inputs at a time sit in HBM.
 
 An implementation that cannot run at a case shows why: "na" (the op says it does not apply, e.g. a baseline's
 unsupported shape or a package that is not installed) or "error" (its compile or run raised: a VMEM OOM, say).
+Where the host's time went (inputs, waiting on compiles, first runs, profiler traces) is returned per case as well.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
+import os
 import statistics
 import time
 
@@ -27,7 +28,8 @@ from . import profiler
 from . import suite as _suite
 
 CALLS = 20  # timed executions per program (the median is stable to ~1 % from 20)
-COMPILE_WORKERS = 4
+COMPILE_WORKERS = max(1, min(12, (os.cpu_count() or 2) - 1))  # leave a core to the thread that runs the chip
+PHASES = ("inputs_s", "compile_wait_s", "first_run_s", "trace_s")
 
 
 def reason(e: BaseException, limit: int = 300) -> str:
@@ -37,24 +39,8 @@ def reason(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-@dataclasses.dataclass
-class _Prepared:
-    case: _suite.Case
-    args: tuple | None
-    compiles: dict  # impl -> Future of (compiled, compile seconds)
-    results: dict  # impl -> finished entry ({"na": ...} or {"error": ...})
-
-
-class _Names:
-    def __init__(self):
-        self.next = 0
-
-    def __call__(self) -> str:
-        self.next += 1
-        return profiler.program_name(self.next)
-
-
 def _compile(fn, name: str, args):
+    """(compiled, name, host seconds) of jax.jit(fn) under `name` for `args` (arrays or their ShapeDtypeStructs)."""
     import jax
 
     start = time.perf_counter()
@@ -62,45 +48,79 @@ def _compile(fn, name: str, args):
     return compiled, name, time.perf_counter() - start
 
 
-def _prepare(case: _suite.Case, make_args, pool, names: _Names) -> _Prepared:
-    impls = case.op.impls(case.shape)
-    results = {impl: {"na": why_not} for impl, why_not in impls.items() if why_not is not None}
-    runnable = [impl for impl, why_not in impls.items() if why_not is None]
-    try:
-        args = make_args(case)
-    except Exception as e:  # noqa: BLE001 - the case's inputs did not build: every impl shows why
-        return _Prepared(case, None, {}, {**results, **{i: {"error": f"inputs: {reason(e)}"} for i in runnable}})
-    compiles = {}
-    for impl in runnable:
-        try:
-            fn = case.op.function(impl, case.shape)
-        except Exception as e:  # noqa: BLE001
-            results[impl] = {"error": reason(e)}
-            continue
-        compiles[impl] = pool.submit(_compile, fn, names(), args)
-    return _Prepared(case, args, compiles, results)
+class _Plan:
+    """The compiles of every runnable implementation of every case, submitted up front."""
+
+    def __init__(self, cases, make_args, pool):
+        import jax
+
+        self.compiles: dict[tuple[str, str], concurrent.futures.Future] = {}
+        self.results: dict[tuple[str, str], dict] = {}
+        self.functions: dict[tuple[str, str], object] = {}
+        index = 0
+        for case in cases:
+            impls = case.op.impls(case.shape)
+            runnable = []
+            for impl, why_not in impls.items():
+                if why_not is not None:
+                    self.results[(case.id, impl)] = {"na": why_not}
+                    continue
+                try:
+                    self.functions[(case.id, impl)] = case.op.function(impl, case.shape)
+                    runnable.append(impl)
+                except Exception as e:  # noqa: BLE001
+                    self.results[(case.id, impl)] = {"error": reason(e)}
+            try:  # the inputs' shapes only: nothing is built on the device here
+                specs = jax.eval_shape(lambda case=case: make_args(case))
+            except Exception:  # noqa: BLE001 - this case compiles on its concrete inputs when it runs
+                continue
+            for impl in runnable:
+                index += 1
+                fn = self.functions[(case.id, impl)]
+                self.compiles[(case.id, impl)] = pool.submit(_compile, fn, profiler.program_name(index), specs)
+        self.next_index = index
 
 
-def _time(prepared: _Prepared, calls: int, labels: dict) -> dict:
-    """{impl: entry} for one prepared case: compile, warm up, then every warm program in one trace."""
+def _time_case(case, plan: _Plan, make_args, pool, calls: int, labels: dict) -> tuple[dict, dict]:
+    """({impl: entry}, host seconds by phase) for one case: inputs, compiles, first runs, then one trace."""
     import jax
 
-    results = dict(prepared.results)
+    phases = dict.fromkeys(PHASES, 0.0)
+    results = {impl: entry for (case_id, impl), entry in plan.results.items() if case_id == case.id}
+    runnable = [impl for (case_id, impl) in plan.functions if case_id == case.id]
+    start = time.perf_counter()
+    try:
+        args = make_args(case)
+        jax.block_until_ready(args)
+    except Exception as e:  # noqa: BLE001 - the case's inputs did not build: every impl shows why
+        return {**results, **{i: {"error": f"inputs: {reason(e)}"} for i in runnable}}, phases
+    phases["inputs_s"] = time.perf_counter() - start
     programs, compile_s = {}, {}
-    for impl, future in prepared.compiles.items():
+    for impl in runnable:
+        key = (case.id, impl)
         try:
+            start = time.perf_counter()
+            future = plan.compiles.get(key)
+            if future is None:  # its inputs' shapes could not be taken abstractly: compile on the concrete ones
+                plan.next_index += 1
+                future = pool.submit(_compile, plan.functions[key], profiler.program_name(plan.next_index), args)
             compiled, name, seconds = future.result()
-            jax.block_until_ready(compiled(*prepared.args))  # the first run, outside the trace
+            phases["compile_wait_s"] += time.perf_counter() - start
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))  # the first run, outside the trace
+            phases["first_run_s"] += time.perf_counter() - start
         except Exception as e:  # noqa: BLE001 - one implementation failing must not lose the others
             results[impl] = {"error": reason(e)}
             continue
-        programs[impl] = profiler.Program(name, compiled, prepared.args)
+        programs[impl] = profiler.Program(name, compiled, args)
         compile_s[impl] = seconds
     if programs:
+        start = time.perf_counter()
         try:
             times = profiler.device_times(list(programs.values()), calls)
         except Exception as e:  # noqa: BLE001
-            return {**results, **{impl: {"error": f"trace: {reason(e)}"} for impl in programs}}
+            return {**results, **{impl: {"error": f"trace: {reason(e)}"} for impl in programs}}, phases
+        phases["trace_s"] = time.perf_counter() - start
         for impl, p in programs.items():
             t = times[p.name]
             results[impl] = {
@@ -113,29 +133,7 @@ def _time(prepared: _Prepared, calls: int, labels: dict) -> dict:
                 "compile_s": compile_s[impl],
                 "timing": "device time (profiler)",
             }
-    return results
-
-
-def _input_bytes(args) -> int:
-    import jax
-
-    return sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(args))
-
-
-def _memory_bytes() -> int:
-    """The default device's memory (bytes_limit of its allocator), or 16 GiB where it does not say."""
-    import jax
-
-    stats = jax.devices()[0].memory_stats() or {}
-    return int(stats.get("bytes_limit", 16 << 30))
-
-
-def _fits_beside(current: _Prepared | None, upcoming: _suite.Case, memory: int) -> bool:
-    """Whether `upcoming`'s inputs may be built while `current`'s are alive: each within a quarter of the memory
-    (current's measured, upcoming's by the bytes its op says one call moves, a lower bound of its inputs)."""
-    if current is None or current.args is None:
-        return True
-    return max(_input_bytes(current.args), upcoming.op.hbm_bytes(upcoming.shape)) <= memory // 4
+    return results, phases
 
 
 def run(
@@ -147,25 +145,25 @@ def run(
     calls: int = CALLS,
     compile_workers: int = COMPILE_WORKERS,
     bar=None,
+    phases: dict | None = None,
 ) -> dict:
     """{(case id, impl): entry} for every impl of every case: a timing (median_s, compile_s, ...), or {"na": why} /
-    {"error": why}. `make_args(case)` builds the case's inputs on the device."""
-    names = _Names()
+    {"error": why}. `make_args(case)` builds the case's inputs on the device. `phases`, if given, receives
+    {case id: host seconds by phase}."""
     stats = {}
-    memory = _memory_bytes() if cases else 0
     with concurrent.futures.ThreadPoolExecutor(max(1, compile_workers)) as pool:
-        upcoming = _prepare(cases[0], make_args, pool, names) if cases else None
-        for i, case in enumerate(cases):
-            current = upcoming or _prepare(case, make_args, pool, names)
-            upcoming = None
-            if i + 1 < len(cases) and _fits_beside(current, cases[i + 1], memory):
-                upcoming = _prepare(cases[i + 1], make_args, pool, names)
+        plan = _Plan(cases, make_args, pool)
+        for case in cases:
             labels = {impl: kernel_label if impl == "kernel" else default_label for impl in case.op.impls(case.shape)}
-            for impl, entry in _time(current, calls, labels).items():
+            results, case_phases = _time_case(case, plan, make_args, pool, calls, labels)
+            for impl, entry in results.items():
                 if "median_s" in entry:
                     entry["compile_workers"] = compile_workers
                 stats[(case.id, impl)] = entry
-            current.args = None  # free the case's device buffers before the next one is built
+            if phases is not None:
+                phases[case.id] = case_phases
+            for impl in case.op.impls(case.shape):  # drop the case's executables: their memory is the host's
+                plan.compiles.pop((case.id, impl), None)
             if bar is not None:
                 bar.update(1)
     return stats

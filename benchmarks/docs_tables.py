@@ -17,7 +17,7 @@ import textwrap
 from . import report
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FOOTNOTES = ("n/a:", "error:", "measured:", "goal", "target")
+FOOTNOTES = ("n/a:", "error:", "measured:", "host time", "goal", "target")
 BEGIN, END = "<!-- measured tables begin -->", "<!-- measured tables end -->"
 
 

@@ -233,7 +233,7 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
         steps = len(timed) if dev.is_tpu else 2 * len(timed)
         bar.total = (bar.total or 0) + (n_models if config.model else 0) + steps
         bar.refresh()
-    stats, measure_error = {}, None
+    stats, measure_error, phases = {}, None, {}
     if timed:
         if bar is not None:
             bar.set_description(f"{kernel}: measuring ({dev.kernel_label})")
@@ -247,6 +247,7 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
             dev=dev,
             calls=config.calls,
             compile_workers=config.compile_workers,
+            phases=phases,
         )
     models = {}
     if config.model:
@@ -268,6 +269,7 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
         "measured_label": dev.kernel_label,
         "measured_default_label": dev.default_label,
         "measure_error": measure_error,
+        "host_phases": phases,  # on a TPU: {case id: host seconds by phase} (benchmarks/device_timing.py)
         "full": config.full,
         "batch_unit": suite.batch_unit,
         "flops_columns": suite.flops_columns,

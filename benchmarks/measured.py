@@ -107,12 +107,14 @@ def run(
     dev: _device.Device | None = None,
     calls: int | None = None,
     compile_workers: int | None = None,
+    phases: dict | None = None,
 ) -> tuple[dict, str | None]:
     """Time `cases` of `kernel`. Returns ({(case id, impl): stats}, error).
 
     On a TPU: device time of every implementation (kernel, default, baselines), see benchmarks/device_timing.py;
-    `calls` timed executions each. Elsewhere: through the kernel's pytest-benchmark suite (kernel and default), pytest's
-    own output in `log_path`, timings in seconds from pytest-benchmark's JSON at `json_path`.
+    `calls` timed executions each; `phases` receives where the host's time went, per case. Elsewhere: through the
+    kernel's pytest-benchmark suite (kernel and default), pytest's own output in `log_path`, timings in seconds from
+    pytest-benchmark's JSON at `json_path`.
     """
     if not cases:
         return {}, None
@@ -128,6 +130,7 @@ def run(
             calls=calls or device_timing.CALLS,
             compile_workers=compile_workers or device_timing.COMPILE_WORKERS,
             bar=bar,
+            phases=phases,
         )
         return stats, None
     import pytest

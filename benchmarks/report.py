@@ -205,6 +205,14 @@ def format_measured(result: dict) -> list[str]:
             + "; % of roofline and % MXU peak on the measured chip's "
             + f"{(result.get('measured_chip') or {}).get('gen', '?')} figures."
         )
+    phases = result.get("host_phases") or {}
+    if phases:
+        total = {k: sum(p.get(k, 0.0) for p in phases.values()) for k in next(iter(phases.values()))}
+        lines.append(
+            f"host time of the {len(phases)} cases: "
+            + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.0f} s" for k, v in total.items())
+            + " (compiles run ahead on threads: only the wait for them counts here)"
+        )
     if result.get("goal") and result.get("measured_targets"):
         lines.append(f"goal ({result['measured_label']}): {result['goal']}")
     for t in result.get("measured_targets", []):

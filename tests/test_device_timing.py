@@ -178,20 +178,30 @@ def test_docs_take_the_measured_tables_under_their_title(fake_chip, tmp_path):
     assert max(len(line) for line in text.splitlines() if not line.startswith("|")) <= 120
 
 
-@pytest.mark.parametrize("memory, traced_before_each_build", [(1 << 40, [0, 0]), (0, [0, 1])])
-def test_next_case_is_built_ahead_only_when_both_fit(fake_chip, monkeypatch, memory, traced_before_each_build):
-    """With room, the second case's inputs are built (and compiled) while the first one runs; without, only after
-    the first case has been timed and its inputs freed."""
+def test_every_program_compiles_ahead_and_the_host_time_is_accounted(fake_chip, monkeypatch):
+    """All programs are compiled (from the inputs' shapes) before the first case's inputs exist; each case's inputs
+    are built just before it runs; the host's time is returned by phase."""
     from benchmarks import measured
 
-    monkeypatch.setattr(device_timing, "_memory_bytes", lambda: memory)
     cases = [suite.Case(OP, SHAPE), suite.Case(OP, shapes.Shape("tokens", 128, (("hidden", 256),), "bfloat16"))]
-    built = []
+    compiled, built = [], []
+    compile_ = device_timing._compile
+
+    def counting_compile(fn, name, args):
+        assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(args)), "compiled from shapes"
+        compiled.append(name)
+        return compile_(fn, name, args)
 
     def make_args(case):
-        built.append(len(fake_chip))
+        if not isinstance(jnp.zeros(()), jax.core.Tracer):  # a real build, not eval_shape's abstract one
+            built.append((len(fake_chip), len(compiled)))
         return measured.case_arrays(case)
 
-    stats = device_timing.run(cases, make_args, kernel_label="k", default_label="d", calls=2)
-    assert built == traced_before_each_build
+    monkeypatch.setattr(device_timing, "_compile", counting_compile)
+    phases = {}
+    stats = device_timing.run(cases, make_args, kernel_label="k", default_label="d", calls=2, phases=phases)
+    assert len(compiled) == len(set(compiled)) == 6  # kernel, default and the broken baseline of both cases
+    assert [traced for traced, _ in built] == [0, 1]  # case 2's inputs only after case 1 was traced
     assert all(stats[(c.id, impl)]["median_s"] > 0 for c in cases for impl in ("kernel", "default"))
+    assert set(phases) == {c.id for c in cases}
+    assert all(set(p) == set(device_timing.PHASES) and p["trace_s"] >= 0 for p in phases.values())
