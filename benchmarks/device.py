@@ -97,7 +97,7 @@ def provenance() -> dict:
     return {
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
-        "platform_version": str(getattr(dev.client, "platform_version", "")).strip(),
+        "platform_version": " ".join(str(getattr(dev.client, "platform_version", "")).split()),  # one line
         "device_kind": dev.device_kind,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
     }

@@ -41,7 +41,10 @@ def points_of(result: dict) -> list[dict]:
                     "hbm_bytes": row["hbm_bytes"],
                     "mxu_flops": row["mxu_flops"],
                     "generation": result["device"].get("generation"),
-                    **{k: prov[k] for k in ("device_kind", "jax", "jaxlib", "platform_version", "date")},
+                    **{
+                        k: " ".join(str(prov[k]).split())
+                        for k in ("device_kind", "jax", "jaxlib", "platform_version", "date")
+                    },
                 }
             )
     return out
