@@ -1,15 +1,23 @@
 """The verification ladder as helpers shared by every kernel's tests.
 
-Rung 1  run_interpreted / check_against_reference: the kernel in Pallas' TPU interpret mode with race detection,
+Rung 1  run_kernel / check_against_reference: the kernel in Pallas' TPU interpret mode with race detection,
         out-of-bounds reads raising and uninitialized memory reading as NaN, against a plain-jnp reference on fresh
         random inputs. Output buffers start as NaN in that mode (uninitialized_memory="nan"), so any element a kernel
         fails to write shows up as NaN, and NaN never passes assert_close.
+        On the chip (the on-chip tier, environment.ON_CHIP) the same helpers compile the kernel with Mosaic and run it
+        on the TPU against the same references and tolerances; the check helpers then repeat each comparison on
+        inputs drawn afresh (redrawn), so that an output element left unwritten, holding a stale value, fails there too.
 Rung 2  export_for_tpu: jax.export for the TPU platform, what TorchTPU's jax_op does at call time.
 Rung 3  compile_for_tpu: deviceless compile for v5e / v6e / v7x through libtpu: Mosaic lowering, layouts, VMEM fit.
 Torch   check_torch_op: torch.library.opcheck, FakeTensorMode and meta shapes, torch.compile(fullgraph=True).
 Shared  check_gradients (kernel vs reference gradients with fixed random cotangents), BadInput + bad_input_params +
         assert_clear_error (tables of bad inputs and the error each must raise), pallas_calls (the kernels a traced
         program launches, with their grids, scratch and VMEM limits: which tiling and path a `blocks=` reached).
+
+A test of a kernel test module that calls a rung-1 helper runs on the chip too; one that compiles for a deviceless TPU
+(rungs 2 and 3, tpu_device) or only inspects traced programs, tuning tables or argument checks is marked
+`@pytest.mark.cpu_only`, which the on-chip tier deselects. The helpers check the marker against what they are called
+for (CURRENT_TEST), in `make test` as on the chip.
 """
 
 import functools
@@ -23,9 +31,11 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from environment import ON_CHIP
 from jax.experimental import topologies
 from jax.experimental.pallas import tpu as pltpu
 
+from tpu_kernels_jax.common import chip
 from tpu_kernels_jax.common.interpret import STRICT_INTERPRET_PARAMS, interpreter_in_shard_map
 
 try:  # where jax keeps the race detector's verdict (jax 0.10 - 0.12)
@@ -198,13 +208,54 @@ def moe_path(request):
 
 
 # ---------------------------------------------------------------------------------------------------------- rung 1
+# The running test when its module belongs to the on-chip tier (conftest sets it), for the marker checks below.
+CURRENT_TEST = None
+
+
+def _runs_a_kernel(helper: str):
+    """A rung-1 helper was called: the test belongs to the on-chip tier, so it must not be marked cpu_only."""
+    if CURRENT_TEST is not None and CURRENT_TEST.get_closest_marker("cpu_only"):
+        pytest.fail(
+            f"{CURRENT_TEST.nodeid} is marked cpu_only but runs a kernel against its reference ({helper}): the "
+            "on-chip tier must run it; drop the marker, or split off the part that needs the CPU host",
+            pytrace=False,
+        )
+
+
+def _needs_the_cpu_host(helper: str):
+    """A deviceless TPU (rungs 2 and 3) was asked for: the on-chip tier cannot run the test, which must say so."""
+    if CURRENT_TEST is not None and not CURRENT_TEST.get_closest_marker("cpu_only"):
+        pytest.fail(
+            f"{CURRENT_TEST.nodeid} uses a deviceless TPU ({helper}), which the on-chip tier does not have: mark it "
+            "@pytest.mark.cpu_only, or split off the part that runs a kernel against its reference",
+            pytrace=False,
+        )
+
+
+def chip_generation() -> str:
+    """The generation the kernels are traced for: the chip's on the on-chip tier; on the CPU host the one
+    TPU_KERNELS_TARGET names (v6e by default)."""
+    return chip.generation_name(chip.current_tpu_info())
+
+
+def traced_generations(generations) -> list[str]:
+    """The generations a test traces its kernels for through TPU_KERNELS_TARGET: each of them on the CPU host; on the
+    chip only its own (the variable does not apply where a TPU is the default device)."""
+    return [chip_generation()] if ON_CHIP else list(generations)
+
+
 def races_found() -> bool:
     state = getattr(_interpret_state, "races", None)
     return bool(state is not None and state.races_found)
 
 
-def run_interpreted(fn, *args, params: pltpu.InterpretParams = STRICT_INTERPRET_PARAMS, **kwargs):
-    """Run fn under strict TPU interpret mode; fail on a data race. Returns fn's outputs as numpy-backed arrays."""
+def run_kernel(fn, *args, params: pltpu.InterpretParams = STRICT_INTERPRET_PARAMS, **kwargs):
+    """fn(*args, **kwargs), ready, for a rung-1 check. On the CPU host under strict TPU interpret mode (`params`),
+    failing on a data race; on the chip as the caller wrote it (jitted or eager): Mosaic compiles the kernels and
+    nothing is forced. Returns fn's outputs."""
+    _runs_a_kernel("run_kernel")
+    if ON_CHIP:
+        return jax.block_until_ready(fn(*args, **kwargs))
     pltpu.reset_tpu_interpret_mode_state()
     try:
         with pltpu.force_tpu_interpret_mode(params), interpreter_in_shard_map():
@@ -214,6 +265,38 @@ def run_interpreted(fn, *args, params: pltpu.InterpretParams = STRICT_INTERPRET_
         raise
     assert not races_found(), f"the race detector found a data race in {getattr(fn, '__name__', fn)}"
     return out
+
+
+def redrawn(args, rng: np.random.Generator):
+    """args with every floating array wider than 8 bits drawn afresh with its own mean and standard deviation,
+    clipped to its own range (a positive scale stays positive); non-finite elements (NaN poison, +-inf) and every
+    other leaf (integer metadata, 8-bit weights, Python numbers) kept. Converted on the host: no compile."""
+
+    def redraw(leaf):
+        dtype = getattr(leaf, "dtype", None)
+        if not isinstance(leaf, (jax.Array, np.ndarray)) or not jnp.issubdtype(dtype, jnp.floating):
+            return leaf
+        if jnp.dtype(dtype).itemsize < 2:
+            return leaf
+        values = _as_f32_numpy(leaf)
+        finite = np.isfinite(values)
+        if not finite.any():
+            return leaf
+        kept = values[finite]
+        fresh = np.clip(rng.normal(kept.mean(), kept.std(), values.shape), kept.min(), kept.max())
+        return jnp.asarray(np.where(finite, fresh, values).astype(np.float32).astype(dtype))
+
+    return jax.tree_util.tree_map(redraw, args)
+
+
+def _on_every_draw(compare, args, rand):
+    """compare(args), returning its result; on the chip once more on redrawn(args). Outputs on the chip are not
+    NaN-poisoned: an element the kernel leaves unwritten holds what the buffer held before, maybe the right value
+    of an earlier run; on inputs drawn afresh it is wrong. The second run reuses the compiled programs."""
+    result = compare(args)
+    if ON_CHIP:
+        compare(redrawn(args, rand.rng if rand is not None else np.random.default_rng(0)), " (inputs redrawn)")
+    return result
 
 
 def _as_f32_numpy(a):
@@ -234,6 +317,12 @@ def assert_close(actual, expected, *, dtype=None, rtol=None, atol=None, what="ou
         f"{what}: {int(np.isnan(actual_np).sum())} NaN element(s) (unwritten or poisoned) {context}"
     )
     np.testing.assert_allclose(actual_np, expected_np, rtol=rtol, atol=atol, err_msg=f"{what} {context}")
+
+
+def _resolved(tolerance: dict, expected) -> dict:
+    """{"atol": ..., "rtol": ...} with each value given as a number, None (the dtype's), or a function of the
+    expected array (a bound relative to the size of the summed terms), evaluated."""
+    return {key: value(expected) if callable(value) else value for key, value in tolerance.items()}
 
 
 # What stops a reference from being jitted: it reads values on the host (a loop over concrete sequence lengths).
@@ -259,19 +348,27 @@ def run_reference(reference_fn, *args):
 def check_against_reference(
     kernel_fn, reference_fn, args, *, dtype, rand=None, rtol=None, atol=None, names=None, jit_kernel=False
 ):
-    """Rung 1: kernel (strict interpret mode) vs reference on the same inputs; compares every output leaf.
+    """Rung 1: kernel (run_kernel) vs reference on the same inputs; compares every output leaf (on the chip on redrawn
+    inputs too) and returns the kernel's outputs on `args`. `atol` / `rtol` may be a function of the expected output
+    (a bound relative to the size of the summed terms).
     jit_kernel: the kernel call runs as one jitted program, one XLA:CPU compile instead of one per op around the
     kernel (its argument checks then see tracers: only for valid inputs whose call does not branch on their values)."""
-    actual = run_interpreted(jax.jit(kernel_fn) if jit_kernel else kernel_fn, *args)
-    expected = run_reference(reference_fn, *args)
-    actual_leaves = jax.tree_util.tree_leaves(actual)
-    expected_leaves = jax.tree_util.tree_leaves(expected)
-    assert len(actual_leaves) == len(expected_leaves), "kernel and reference return different structures"
-    for i, (a, e) in enumerate(zip(actual_leaves, expected_leaves)):
-        what = names[i] if names else f"output {i}"
-        assert jnp.asarray(a).dtype == jnp.asarray(e).dtype, f"{what}: dtype {a.dtype} != reference {e.dtype}"
-        assert_close(a, e, dtype=dtype, rtol=rtol, atol=atol, what=what, context=repr(rand) if rand else "")
-    return actual
+    kernel = jax.jit(kernel_fn) if jit_kernel else kernel_fn
+
+    def compare(inputs, drawn=""):
+        actual = run_kernel(kernel, *inputs)
+        expected = run_reference(reference_fn, *inputs)
+        actual_leaves = jax.tree_util.tree_leaves(actual)
+        expected_leaves = jax.tree_util.tree_leaves(expected)
+        assert len(actual_leaves) == len(expected_leaves), "kernel and reference return different structures"
+        for i, (a, e) in enumerate(zip(actual_leaves, expected_leaves)):
+            what = (names[i] if names else f"output {i}") + drawn
+            assert jnp.asarray(a).dtype == jnp.asarray(e).dtype, f"{what}: dtype {a.dtype} != reference {e.dtype}"
+            tolerance = _resolved(dict(atol=atol, rtol=rtol), e)
+            assert_close(a, e, dtype=dtype, what=what, context=repr(rand) if rand else "", **tolerance)
+        return actual
+
+    return _on_every_draw(compare, args, rand)
 
 
 def vjp_loss(outs, cotangents=None):
@@ -287,47 +384,46 @@ def vjp_loss(outs, cotangents=None):
     return sum(jnp.sum(leaf.astype(jnp.float32) * c) for leaf, c in zip(leaves, cotangent_leaves))
 
 
+def _fixed_cotangent_gradients(fn, cotangents, argnums):
+    """a -> (fn(*a), gradients of <fn(*a), cotangents> w.r.t. a[argnums])."""
+    grad = jax.grad(lambda *a: vjp_loss(fn(*a), cotangents), argnums=argnums)
+    return lambda *a: (fn(*a), grad(*a))
+
+
 def check_forward_and_gradients(
     kernel, reference, args, *, argnums, names, rand, dtype, out_tolerance, grad_tolerance, return_gradients=False
 ):
     """The output and its gradients w.r.t. args[argnums] under one fixed random cotangent (vjp_loss), kernel
-    (strict interpret mode) against reference: forward and backward in one program each (one compile instead of
-    two). Returns the kernel's output (and its gradients, with return_gradients)."""
+    (run_kernel) against reference: forward and backward in one program each (one compile instead of two), on the
+    chip on redrawn inputs too. The tolerances' values may be functions of the expected array (as check_gradients').
+    Returns the kernel's output on `args` (and its gradients, with return_gradients)."""
     cotangents = rand.cotangents(reference, *args)
+    kernel_program = jax.jit(_fixed_cotangent_gradients(kernel, cotangents, argnums))
+    reference_program = _fixed_cotangent_gradients(reference, cotangents, argnums)
 
-    def forward_and_gradients(fn):
-        grad = jax.grad(lambda *a: vjp_loss(fn(*a), cotangents), argnums=argnums)
-        return lambda *a: (fn(*a), grad(*a))
+    def compare(inputs, drawn=""):
+        out, grads = run_kernel(kernel_program, *inputs)
+        expected_out, expected_grads = run_reference(reference_program, *inputs)
+        assert out.dtype == expected_out.dtype, f"output: dtype {out.dtype} != reference {expected_out.dtype}"
+        tolerance = _resolved(out_tolerance, expected_out)
+        assert_close(out, expected_out, dtype=dtype, what="output" + drawn, context=repr(rand), **tolerance)
+        for name, actual, expected in zip(names, grads, expected_grads, strict=True):
+            assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != reference {expected.dtype}"
+            tolerance = _resolved(grad_tolerance, expected)
+            assert_close(actual, expected, dtype=dtype, what=name + drawn, context=repr(rand), **tolerance)
+        return out, grads
 
-    out, grads = run_interpreted(jax.jit(forward_and_gradients(kernel)), *args)
-    expected_out, expected_grads = run_reference(forward_and_gradients(reference), *args)
-    assert out.dtype == expected_out.dtype, f"output: dtype {out.dtype} != reference {expected_out.dtype}"
-    assert_close(out, expected_out, dtype=dtype, context=repr(rand), **out_tolerance)
-    for name, actual, expected in zip(names, grads, expected_grads, strict=True):
-        assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != reference {expected.dtype}"
-        assert_close(actual, expected, dtype=dtype, what=name, context=repr(rand), **grad_tolerance)
+    out, grads = _on_every_draw(compare, args, rand)
     return (out, grads) if return_gradients else out
 
 
-def check_gradients(
-    kernel_fn,
-    reference_fn,
-    args,
-    *,
-    argnums,
-    rand,
-    dtype,
-    names=None,
-    atol=None,
-    rtol=None,
-    interpret=True,
-):
+def check_gradients(kernel_fn, reference_fn, args, *, argnums, rand, dtype, names=None, atol=None, rtol=None):
     """Gradients of kernel_fn and reference_fn w.r.t. args[argnums] under one fixed random cotangent (vjp_loss).
 
-    The kernel's gradient runs jitted in strict interpret mode (rung 1), the reference's through run_reference.
-    `atol` / `rtol` may be a number or a dict keyed by gradient name (sums over many rows carry bf16 rounding
-    further); a value may also be a function of the expected gradient (a bound relative to the size of the summed
-    terms).
+    The kernel's gradient runs jitted through run_kernel (rung 1), the reference's through run_reference; on the chip
+    on redrawn inputs too. `atol` / `rtol` may be a number or a dict keyed by gradient name (sums over many rows
+    carry bf16 rounding further); a value may also be a function of the expected gradient (a bound relative to the
+    size of the summed terms). Returns the kernel's gradients on `args`.
     """
     argnums = tuple(argnums)
     cotangents = rand.cotangents(reference_fn, *args)
@@ -335,18 +431,22 @@ def check_gradients(
     def loss_of(fn):
         return jax.grad(lambda *a: vjp_loss(fn(*a), cotangents), argnums=argnums)
 
-    kernel_grad = jax.jit(loss_of(kernel_fn))
-    actual = run_interpreted(kernel_grad, *args) if interpret else kernel_grad(*args)
-    expected = run_reference(loss_of(reference_fn), *args)
+    kernel_grad, reference_grad = jax.jit(loss_of(kernel_fn)), loss_of(reference_fn)
     names = names or [f"d arg {i}" for i in argnums]
     assert len(names) == len(argnums), "one name per differentiated argument"
-    for name, a, e in zip(names, actual, expected):
-        assert a.dtype == e.dtype, f"{name}: dtype {a.dtype} != reference {e.dtype}"
-        tol_a = atol.get(name) if isinstance(atol, dict) else atol
-        tol_r = rtol.get(name) if isinstance(rtol, dict) else rtol
-        tol_a, tol_r = (tol(e) if callable(tol) else tol for tol in (tol_a, tol_r))
-        assert_close(a, e, dtype=dtype, atol=tol_a, rtol=tol_r, what=name, context=repr(rand))
-    return actual
+
+    def compare(inputs, drawn=""):
+        actual = run_kernel(kernel_grad, *inputs)
+        expected = run_reference(reference_grad, *inputs)
+        for name, a, e in zip(names, actual, expected):
+            assert a.dtype == e.dtype, f"{name}: dtype {a.dtype} != reference {e.dtype}"
+            tol_a = atol.get(name) if isinstance(atol, dict) else atol
+            tol_r = rtol.get(name) if isinstance(rtol, dict) else rtol
+            tolerance = _resolved(dict(atol=tol_a, rtol=tol_r), e)
+            assert_close(a, e, dtype=dtype, what=name + drawn, context=repr(rand), **tolerance)
+        return actual
+
+    return _on_every_draw(compare, args, rand)
 
 
 class KernelCall(NamedTuple):
@@ -421,6 +521,7 @@ def assert_clear_error(case: BadInput, call: Callable[[dict], Any], good: dict, 
 # ---------------------------------------------------------------------------------------------------------- rung 2
 def export_for_tpu(fn, *specs, **static_kwargs):
     """Rung 2: export for the TPU platform on this CPU host; asserts the module holds a Mosaic kernel."""
+    _needs_the_cpu_host("export_for_tpu")
     exported = jax.export.export(jax.jit(functools.partial(fn, **static_kwargs)), platforms=["tpu"])(*specs)
     text = exported.mlir_module()
     assert "tpu_custom_call" in text, "the TPU export holds no Mosaic kernel (tpu_custom_call)"
@@ -428,9 +529,14 @@ def export_for_tpu(fn, *specs, **static_kwargs):
 
 
 # ---------------------------------------------------------------------------------------------------------- rung 3
-@functools.cache
 def tpu_device(generation: str):
     """A compile-only device of the given generation (no TPU needed)."""
+    _needs_the_cpu_host("tpu_device")
+    return _topology_device(generation)
+
+
+@functools.cache
+def _topology_device(generation: str):
     return topologies.get_topology_desc(TOPOLOGIES[generation], "tpu").devices[0]
 
 
@@ -450,6 +556,7 @@ def compile_for_tpu(fn, generation: str, *shapes_and_dtypes, label: str = "", mi
     the lowered module (`compiled.as_text()` of some programs with sorts and scatters fails in XLA on v6e/v7x
     although the compile itself succeeded).
     """
+    _needs_the_cpu_host("compile_for_tpu")
     specs = [None if sd is None else tpu_spec(generation, *sd) for sd in shapes_and_dtypes]
     with jax.default_device(tpu_device(generation)):
         lowered = jax.jit(functools.partial(fn, **static_kwargs)).lower(*specs)
@@ -469,9 +576,14 @@ def compile_for_tpu(fn, generation: str, *shapes_and_dtypes, label: str = "", mi
     return stats
 
 
-@functools.cache
 def tpu_mesh(topology: str, axis_names: tuple):
     """A one-axis mesh over every chip of a compile-only TPU topology (e.g. "v6e:2x4"): sharded programs for rung 3."""
+    _needs_the_cpu_host("tpu_mesh")
+    return _topology_mesh(topology, axis_names)
+
+
+@functools.cache
+def _topology_mesh(topology: str, axis_names: tuple):
     devices = topologies.get_topology_desc(topology, "tpu").devices
     return jax.sharding.Mesh(np.array(devices), axis_names)
 
@@ -479,6 +591,7 @@ def tpu_mesh(topology: str, axis_names: tuple):
 def compile_sharded_for_tpu(fn, mesh, shapes_dtypes_specs, *, label: str, min_kernels: int = 1):
     """Rung 3 for a program over a whole slice: deviceless compile of jit(fn) with each input (shape, dtype,
     PartitionSpec) sharded over `mesh` (tpu_mesh); records the memory stats (per device) as compile_for_tpu does."""
+    _needs_the_cpu_host("compile_sharded_for_tpu")
     specs = [
         jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=jax.sharding.NamedSharding(mesh, spec))
         for shape, dtype, spec in shapes_dtypes_specs

@@ -84,7 +84,7 @@ def test_write_changes_exactly_the_named_slots(rand, case):
 
     # 8-token blocks: several steps and a ragged last one. Jitted: one program around the kernel (the api's checks of
     # concrete slot values run on the eager calls of test_block_sizes_agree and the split-call test).
-    out = ladder.run_interpreted(
+    out = ladder.run_kernel(
         jax.jit(lambda *a: api.write_kv_cache(*a, blocks=SMALL)), k_cache, v_cache, key, value, slots
     )
     expected = _reference_write(k_cache, v_cache, key, value, slots)
@@ -101,7 +101,7 @@ def test_block_sizes_agree(rand, block_tokens):
     key, value = rand.normal((48, 4, 128), jnp.bfloat16), rand.normal((48, 4, 128), jnp.bfloat16)
     slots = _slots(rand, 48, 8, 16, skip=4)
     blocks = KVCacheBlocks(block_tokens=block_tokens)
-    out = ladder.run_interpreted(lambda *a: api.write_kv_cache(*a, blocks=blocks), k_cache, k_cache, key, value, slots)
+    out = ladder.run_kernel(lambda *a: api.write_kv_cache(*a, blocks=blocks), k_cache, k_cache, key, value, slots)
     expected = _reference_write(k_cache, k_cache, key, value, slots)
     for before, after, exp in zip((k_cache, k_cache), out, expected):
         _assert_only_slots_changed(before, after, exp, slots, f"block_tokens={block_tokens}", rand)
@@ -116,7 +116,7 @@ def test_traced_slots_out_of_range_are_skipped(rand):
     slots = np.array(_slots(rand, 16, pages, page_size))
     slots[[1, 5, 9, 12]] = [-1, -7, pages * page_size, 10**6]
     fn = jax.jit(lambda *a: api.write_kv_cache(*a, blocks=SMALL))
-    out = ladder.run_interpreted(fn, k_cache, k_cache, key, value, jnp.asarray(slots))
+    out = ladder.run_kernel(fn, k_cache, k_cache, key, value, jnp.asarray(slots))
     expected = _reference_write(k_cache, k_cache, key, value, jnp.asarray(slots))
     for after, exp in zip(out, expected):
         _assert_only_slots_changed(k_cache, after, exp, slots, "traced out-of-range slots", rand)
@@ -130,7 +130,7 @@ def test_long_calls_are_split_through_the_aliased_caches(rand, monkeypatch):
     slots = _slots(rand, 37, 3, 16, skip=4)  # calls of 16, 16 and 5 tokens
     fn = lambda *a: api.write_kv_cache(*a, blocks=SMALL)  # noqa: E731
     assert len(ladder.pallas_calls(fn, k_cache, k_cache, key, value, slots)) == 3
-    out = ladder.run_interpreted(fn, k_cache, k_cache, key, value, slots)
+    out = ladder.run_kernel(fn, k_cache, k_cache, key, value, slots)
     expected = _reference_write(k_cache, k_cache, key, value, slots)
     for after, exp in zip(out, expected):
         _assert_only_slots_changed(k_cache, after, exp, slots, "split calls", rand)
@@ -170,10 +170,10 @@ def test_fp8_round_trip(rand, in_dtype, scale_kind):
 
     if scale_kind == "float":
         fn = jax.jit(lambda *a: api.write_kv_cache(*a, k_scale=k_scale, v_scale=v_scale, blocks=SMALL))
-        out = ladder.run_interpreted(fn, k_cache, v_cache, key, value, slots)
+        out = ladder.run_kernel(fn, k_cache, v_cache, key, value, slots)
     else:
         fn = jax.jit(lambda kc, vc, k, v, s, ks, vs: api.write_kv_cache(kc, vc, k, v, s, k_scale=ks, v_scale=vs))
-        out = ladder.run_interpreted(fn, k_cache, v_cache, key, value, slots, k_scale, v_scale)
+        out = ladder.run_kernel(fn, k_cache, v_cache, key, value, slots, k_scale, v_scale)
     expected = _reference_write(k_cache, v_cache, key, value, slots, k_scale=k_scale, v_scale=v_scale)
     live = np.asarray(slots) >= 0
     for name, before, after, exp, x, scale in zip(
@@ -219,7 +219,7 @@ def test_head_major_fp8_caches_are_written_by_word_groups(rand):
     slots[rand.rng.choice(tokens, 4, replace=False)] = [-1, -5, pages * page_size, 10**6]
     assert api.kernel.head_major_cache(hkv=heads, page_size=page_size, cache_itemsize=1)
     fn = jax.jit(lambda *a: api.write_kv_cache(*a, k_scale=0.5, v_scale=0.25, blocks=SMALL))
-    out = ladder.run_interpreted(fn, k_cache, v_cache, key, value, jnp.asarray(slots))
+    out = ladder.run_kernel(fn, k_cache, v_cache, key, value, jnp.asarray(slots))
     live = slots[(slots >= 0) & (slots < pages * page_size)]
     expected = _reference_write(
         k_cache, v_cache, key, value, jnp.asarray(np.where(np.isin(slots, live), slots, -1)), k_scale=0.5, v_scale=0.25
@@ -272,7 +272,7 @@ def test_rope_and_write_matches_rotary_reference(rand, case, dtype):
         return api.rope_and_write_kv_cache(q, k, v, kc, vc, s, p, blocks=SMALL, **options)
 
     args = (query, key, value, k_cache, v_cache, slots, positions)
-    q_rot, k_out, v_out = ladder.run_interpreted(fused, *args)
+    q_rot, k_out, v_out = ladder.run_kernel(fused, *args)
     q_ref, k_ref, v_ref = ladder.run_reference(
         lambda *a: reference.rope_and_write_kv_cache_reference(*a, **options), *args
     )
@@ -304,7 +304,7 @@ def test_rope_and_write_matches_rotary_reference(rand, case, dtype):
                 q if with_query else None, k, v, kc, vc, s, c, si, interleaved=options.get("interleaved", False)
             )
 
-        q_tab, k_tab, v_tab = ladder.run_interpreted(from_tables, query, key, value, k_cache, v_cache, slots, cos, sin)
+        q_tab, k_tab, v_tab = ladder.run_kernel(from_tables, query, key, value, k_cache, v_cache, slots, cos, sin)
         assert (q_tab is None) == (not with_query)
         if with_query:
             ladder.assert_close(q_tab, q_ref, dtype=dtype, what="query (tables)", context=repr(rand), **tol)
@@ -333,7 +333,7 @@ def test_rope_and_write_fp8_with_traced_scales_and_long_decode_rows(rand, heads,
     def fused(q, k, v, kc, vc, s, p, ks, vs):
         return api.rope_and_write_kv_cache(q, k, v, kc, vc, s, p, theta=1e4, k_scale=ks, v_scale=vs)
 
-    out = ladder.run_interpreted(jax.jit(fused), query, key, value, k_cache, k_cache, slots, positions, *scales)
+    out = ladder.run_kernel(jax.jit(fused), query, key, value, k_cache, k_cache, slots, positions, *scales)
     expected = ladder.run_reference(
         lambda *a: reference.rope_and_write_kv_cache_reference(*a, theta=1e4, k_scale=scales[0], v_scale=scales[1]),
         *(query, key, value, k_cache, k_cache, slots, positions),
@@ -367,7 +367,7 @@ def test_block_table_slots_and_write(rand):
             assert host_slots[b * new + j] == bt[b, p // page_size] * page_size + p % page_size
     k_cache = _poisoned_cache(rand, (num_pages, page_size, 2, 128), jnp.bfloat16, "nan")
     key = rand.normal((batch * new, 2, 128), jnp.bfloat16)
-    out = ladder.run_interpreted(lambda *a: api.write_kv_cache(*a), k_cache, k_cache, key, key, slots)
+    out = ladder.run_kernel(lambda *a: api.write_kv_cache(*a), k_cache, k_cache, key, key, slots)
     for after in out:
         after, host_key = np.asarray(after), np.asarray(key)
         for b in range(batch):
@@ -378,6 +378,7 @@ def test_block_table_slots_and_write(rand):
                 )
 
 
+@pytest.mark.cpu_only
 def test_block_table_slots_traced_past_the_table_are_skipped():
     block_table = jnp.asarray([[3, 1], [0, 2]], jnp.int32)
     slots = jax.jit(lambda t, s: api.block_table_slots(t, s, 4, 16))(block_table, jnp.asarray([30, 5], jnp.int32))
@@ -471,6 +472,7 @@ BAD_WRITES = [
 ]
 
 
+@pytest.mark.cpu_only
 @ladder.bad_input_params(BAD_WRITES)
 def test_bad_write_input_is_a_clear_error(rand, case):
     def call(a):
@@ -510,6 +512,7 @@ BAD_ROPE = [
 ]
 
 
+@pytest.mark.cpu_only
 @ladder.bad_input_params(BAD_ROPE)
 def test_bad_rope_input_is_a_clear_error(rand, case):
     good = _good(rand) | dict(
@@ -549,6 +552,7 @@ BAD_TABLES = [
 ]
 
 
+@pytest.mark.cpu_only
 @ladder.bad_input_params(BAD_TABLES)
 def test_bad_block_table_input_is_a_clear_error(rand, case):
     good = dict(
@@ -582,6 +586,7 @@ def _scales(dtype):
     return dict(k_scale=0.5, v_scale=0.25) if jnp.dtype(dtype) == FP8 else {}
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=lambda d: jnp.dtype(d).name)
 def test_export_for_tpu(dtype):
     specs = [jax.ShapeDtypeStruct(s, d) for s, d in _specs("qwen3", dtype, 33, 16)]
@@ -614,6 +619,7 @@ COMPILE_CASES = {
 }
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 def test_compiles_for_tpu(generation):
     for model, dtype, page_size, rope_page_size, tokens in COMPILE_CASES[generation]:
@@ -696,6 +702,7 @@ IN_PLACE_CASES = [
 ]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("case", IN_PLACE_CASES, ids=lambda c: f"{c[0]}_{jnp.dtype(c[1]).name}_page{c[2]}")
 def test_donated_caches_are_written_in_place(case):
     """The compiled program of a jit that donates the caches aliases them to its outputs and holds no copy, scatter or
@@ -723,6 +730,7 @@ def test_donated_caches_are_written_in_place(case):
     assert not _cache_copies(fused_text, specs)
 
 
+@pytest.mark.cpu_only
 def test_row_major_caches_are_written_in_place_where_xla_prefers_another_layout():
     """An fp8 cache of 2 kv heads (Gemma 4 full) defaults to a head-major layout in XLA, which the kernel cannot write
     row by row: up to HEAD_MAJOR_MAX_TOKENS tokens it writes it in place by word groups (no copy, the caches aliased);

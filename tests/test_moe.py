@@ -190,7 +190,7 @@ def test_touched_experts(rand, tokens, experts, top_k, sentinels):
     last case makes every id a sentinel: count 0). One token (1, 128), fewer experts than a lane tile (8 and 6,
     every expert chosen in the first), a lane-ragged count (160), the largest decode batch."""
     index, _ = routing(rand, tokens, experts, top_k, sentinels=sentinels)
-    listed, count = ladder.run_interpreted(functools.partial(touched.touched_experts, num_experts=experts), index)
+    listed, count = ladder.run_kernel(functools.partial(touched.touched_experts, num_experts=experts), index)
     expected = touched.touched_experts_reference(index, experts)
     listed, count = np.asarray(listed), int(count)
     assert listed.shape == (experts,) and count == len(expected), (count, expected)
@@ -198,6 +198,7 @@ def test_touched_experts(rand, tokens, experts, top_k, sentinels):
     assert (listed[count:] == 0).all()
 
 
+@pytest.mark.cpu_only
 def test_path_choice():
     """Decode batches take the small-batch kernel; larger batches, and more experts than its touched-expert list
     handles, the grouped matmuls (traced only)."""
@@ -219,6 +220,7 @@ def test_path_choice():
     ladder.assert_moe_path(api.experts_forward, args(4, moe_tuning.SMALL_BATCH_MAX_EXPERTS + 1), "grouped")
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 def test_touched_experts_compiles_for_tpu(generation):
     """The gridless touched-experts kernel: on v6e one token, a lane-ragged expert count (160) and the VMEM-heaviest
@@ -267,11 +269,11 @@ def test_sentinels_contribute_nothing(rand, path):
     drop = jnp.asarray(rand.rng.random(index.shape) < 0.4)
     with_sentinels = jnp.where(drop, experts + 5, index)
     without = jnp.where(drop, 0.0, w)  # same expert ids, the dropped slots weighted zero
-    out_sentinel = ladder.run_interpreted(fn, x, with_sentinels, w, gate_up, down, gate_up_bias, down_bias)
-    out_zero_weight = ladder.run_interpreted(fn, x, index, without, gate_up, down, gate_up_bias, down_bias)
+    out_sentinel = ladder.run_kernel(fn, x, with_sentinels, w, gate_up, down, gate_up_bias, down_bias)
+    out_zero_weight = ladder.run_kernel(fn, x, index, without, gate_up, down, gate_up_bias, down_bias)
     ladder.assert_close(out_sentinel, out_zero_weight, dtype=F32, **F32_TOL, context=repr(rand))
     sentinels = jnp.full_like(index, experts) + jnp.asarray(rand.rng.integers(0, 5, index.shape), jnp.int32)
-    out = ladder.run_interpreted(fn, x, sentinels, w, gate_up, down, gate_up_bias, down_bias)
+    out = ladder.run_kernel(fn, x, sentinels, w, gate_up, down, gate_up_bias, down_bias)
     assert out.shape == x.shape and bool(jnp.all(out == 0)), "sentinel-only routing produced nonzero output"
 
 
@@ -279,7 +281,7 @@ def test_no_tokens(rand):
     x = rand.normal((0, 128), BF16)
     index, w = jnp.zeros((0, 2), jnp.int32), jnp.zeros((0, 2), BF16)
     gate_up, down, _, _ = weights(rand, 4, 128, 128, gated=True, transposed=False, bias=False, dtype=BF16)
-    out = ladder.run_interpreted(tk.experts_forward, x, index, w, gate_up, down)
+    out = ladder.run_kernel(tk.experts_forward, x, index, w, gate_up, down)
     assert out.shape == (0, 128) and out.dtype == BF16
 
 
@@ -326,6 +328,7 @@ def _qwen3_decode_specs(tokens):
     return [jax.ShapeDtypeStruct(*sd) for sd in _decode_specs("qwen3-30b-a3b", tokens)]
 
 
+@pytest.mark.cpu_only
 def test_blocks_reach_every_kernel():
     """The small-batch chunk and VMEM limit reach its kernel; gate_up and down reach the grouped matmuls, forward
     (grouped path) and backward (both paths: the small-batch gradient is the grouped path's). Each part carries a
@@ -365,6 +368,7 @@ def test_blocks_reach_every_kernel():
 
 # 64 tokens: the small-batch path on every generation (v7x's limit); 256: v6e's limit, the grouped path on v5e and
 # v7x; 1024: past every limit. One token takes the path 64 does (test_path_choice).
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 @pytest.mark.parametrize("tokens", [64, 256, 1024])
 def test_choose_and_candidate_blocks(generation, tokens):
@@ -418,6 +422,7 @@ def _gpt_oss_mxfp4_shapes(tokens):
     ]
 
 
+@pytest.mark.cpu_only
 def test_mxfp4_candidate_blocks_are_both_paths():
     """For MXFP4 weights (prepared, gpt-oss-20b's shapes at 8 tokens, v6e) candidate_blocks lists the table's
     choice first (the small-batch kernel, chunks of 960), then the other path, grouped tilings of the output width a
@@ -741,11 +746,13 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.cpu_only
 @ladder.bad_input_params(BAD_INPUTS)
 def test_bad_input_is_a_clear_error(rand, case):
     ladder.assert_clear_error(case, lambda arguments: tk.experts_forward(**arguments), _good(rand), rand)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize(
     "fields,message",
     [
@@ -881,15 +888,16 @@ def _widened_codes(codes_ref, bf16_ref, f32_ref):
         )
 
 
-@pytest.mark.parametrize("generation", ["v6e", "v7x"])  # e4m3fn read as e4m3b11 (v5e / v6e), cast as it is (v7x)
+# e4m3fn read as e4m3b11 (v5e / v6e), cast as it is (v7x); on the chip its own generation's way
+@pytest.mark.parametrize("generation", ladder.traced_generations(["v6e", "v7x"]))
 def test_fp8_widening_is_exact_for_every_code(generation, monkeypatch):
     """Every one of the 256 float8_e4m3fn codes (subnormals, both zeros, both NaNs) widened in a kernel to bf16 and
     to f32, times widen_factor: XLA's conversion of the same codes, NaN exactly where it gives NaN."""
     monkeypatch.setenv("TPU_KERNELS_TARGET", generation)
-    assert quantization.widen_factor(jnp.float8_e4m3fn) == (16.0 if generation == "v6e" else 1.0)
+    assert quantization.widen_factor(jnp.float8_e4m3fn) == (16.0 if generation in ("v5e", "v6e") else 1.0)
     codes = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8).reshape(8, 32), jnp.float8_e4m3fn)
     out = jax.ShapeDtypeStruct(codes.shape, F32)
-    widened = ladder.run_interpreted(jax.jit(lambda c: pl.pallas_call(_widened_codes, out_shape=(out, out))(c)), codes)
+    widened = ladder.run_kernel(jax.jit(lambda c: pl.pallas_call(_widened_codes, out_shape=(out, out))(c)), codes)
     expected = np.asarray(codes.astype(F32))
     assert int(np.isnan(expected).sum()) == 2 and int((expected == 0).sum()) == 2
     for got in widened:
@@ -913,6 +921,7 @@ def _quantized_specs(model, weights, tokens):
     return specs + [((MOE_EXPERTS, 2 * dims["intermediate"]), F32), ((MOE_EXPERTS, dims["hidden"]), F32)]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation,weights,model", QUANT_COMPILES, ids=[f"{g}-{w}-{m}" for g, w, m in QUANT_COMPILES])
 def test_quantized_experts_compile_for_tpu(generation, weights, model):
     activation = MOE_MODELS[model]["activation"]
@@ -937,6 +946,7 @@ def _grouped_matmuls(x, int8_gate_up, gate_up_scale, fp8_down, down_scale, sizes
     return tk.ragged_dot(h, fp8_down, sizes, rhs_transposed=True, rhs_scale=down_scale, row_scale=x[:, 0])
 
 
+@pytest.mark.cpu_only
 def test_quantized_grouped_matmuls_compile_for_tpu():
     """The grouped path's two matmuls at Qwen3-30B-A3B's 512 tokens x top-8 rows on v6e, int8 gate/up with the fused
     SiLU gating and fp8 down with the row scale (the whole grouped experts_forward compiles as the bf16 one does)."""
@@ -1016,7 +1026,7 @@ def test_mxfp4_experts_match_dequantized_reference(rand):
     h = jnp.einsum("th,eih->eti", x.astype(jnp.float32), up_f32) + biases[0].astype(jnp.float32)[:, None]
     act = gating_reference(*gate_and_up(h, "interleaved"), kw["activation"])
     flip = 2.0**-7 * float(jnp.max(jnp.abs(act))) * float(jnp.max(jnp.abs(down_f32)))
-    actual = ladder.run_interpreted(jax.jit(both), *args)
+    actual = ladder.run_kernel(jax.jit(both), *args)
     expected = ladder.run_reference(jax.jit(reference), *args)[0]
     for path, out in zip(paths, actual):
         ladder.assert_close(out, expected, dtype=BF16, atol=0.016 + flip, what=path, context=repr(rand))
@@ -1025,6 +1035,7 @@ def test_mxfp4_experts_match_dequantized_reference(rand):
         assert outside <= 0.01, (path, f"{outside:.2%} of outputs outside bf16's tolerance", rand)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 def test_mxfp4_experts_compile_for_tpu(generation):
     """gpt-oss-20b's experts (H = I = 2880, 32 experts, top-4) on MXFP4 weights as prepare_mxfp4_experts lays them
@@ -1075,6 +1086,7 @@ def _decode_specs(model, tokens, dtype=BF16):
     ]
 
 
+@pytest.mark.cpu_only
 def test_export_for_tpu():
     spec = jax.ShapeDtypeStruct
     args = [spec(*sd) for sd in _decode_specs("qwen3-30b-a3b", 64)]
@@ -1107,6 +1119,7 @@ def _gpt_oss_specs(tokens):
 GPT_OSS_KW = dict(activation=ClampedSwiGLU(limit=7.0, alpha=1.702), gate_layout="interleaved", weights_transposed=True)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("tokens,path", [(8, "small_batch"), (512, "grouped")])
 def test_gpt_oss_experts_compile_for_tpu(tokens, path):
     """gpt-oss-20b's experts on v6e, the table's path at a decode batch (the small-batch kernel) and at 512 tokens
@@ -1124,6 +1137,7 @@ def test_gpt_oss_experts_compile_for_tpu(tokens, path):
     )
 
 
+@pytest.mark.cpu_only
 def test_gpt_oss_experts_backward_exports_for_tpu():
     """The gradient of gpt-oss's experts (the grouped kernels' backward through the clamped SwiGLU) for the TPU."""
     grad = jax.grad(lambda *a: ladder.vjp_loss(api.experts_forward(*a, **GPT_OSS_KW)), argnums=(0, 2, 3, 4, 5, 6))
@@ -1147,6 +1161,7 @@ DECODE = [
 ]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation,model,tokens", DECODE, ids=[f"{g}-{m}-B={t}" for g, m, t in DECODE])
 def test_experts_forward_compiles_for_tpu(generation, model, tokens):
     """The whole experts_forward (route, gate/up with the fused activation, down, combine: one program holding both

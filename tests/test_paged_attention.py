@@ -91,11 +91,13 @@ def _jit(fn):
 
 
 def _check(rand, batch, *, dtype=jnp.float32, tol=None, blocks=None, **options):
-    kernel = functools.partial(tk.ragged_paged_attention, blocks=blocks, **options)
-    out = ladder.run_interpreted(_jit(kernel), *batch.args)
-    expected = ragged_paged_attention_reference(*batch.args, **options)
-    ladder.assert_close(out, expected, dtype=dtype, what="out", context=repr(rand), **(tol or {}))
-    return out
+    """The kernel against the reference over the batch (on the chip over redrawn queries and caches too, their NaN
+    poison kept)."""
+    kernel = _jit(functools.partial(tk.ragged_paged_attention, blocks=blocks, **options))
+    reference = functools.partial(ragged_paged_attention_reference, **options)
+    return ladder.check_against_reference(
+        kernel, reference, batch.args, dtype=dtype, rand=rand, names=["out"], **(tol or {})
+    )
 
 
 # A mixed batch: decodes, prefill chunks longer than a query block, a query block shared by several sequences, a
@@ -206,7 +208,7 @@ def test_float8_cache_with_scales(rand, page, hkv):
     batch = Batch(rand, Q_LENS, KV_LENS, hq=8, hkv=hkv, d=128, page=page, dtype=jnp.bfloat16, cache_dtype=FP8)
     blocks = PAIRED if page == 32 or hkv == 4 else BLOCKS
     attention = functools.partial(tk.ragged_paged_attention, blocks=blocks, k_scale=0.5, v_scale=0.25)
-    out = ladder.run_interpreted(_jit(attention), *batch.args)
+    out = ladder.run_kernel(_jit(attention), *batch.args)
     expected = ragged_paged_attention_reference(*batch.args, k_scale=0.5, v_scale=0.25)
     ladder.assert_close(out, expected, dtype=jnp.bfloat16, what="out", context=repr(rand))
 
@@ -218,20 +220,24 @@ def _widened_codes(codes_ref, bf16_ref, f32_ref):
 
 def test_float8_widening_is_exact_for_every_code(monkeypatch):
     """All 256 float8_e4m3fn codes through the kernel's widening as v6e traces it (the bytes read as e4m3b11, the -0
-    and NaN codes put right), in a kernel, to bf16 and to f32, times widen_factor: XLA's conversion bit for bit (-0
-    included, subnormals too), NaN exactly where it gives NaN. v7x (and v5e) cast the block as it is."""
-    monkeypatch.setenv("TPU_KERNELS_TARGET", "v7x")
-    assert kernel.widen_factor(FP8) == 1.0
-    monkeypatch.setenv("TPU_KERNELS_TARGET", "v6e")
-    assert kernel.widen_factor(FP8) == 16.0 and kernel.widen_factor(jnp.bfloat16) == 1.0
+    and NaN codes put right; on the chip as the chip's generation does), in a kernel, to bf16 and to f32, times
+    widen_factor: XLA's conversion bit for bit (-0 included, subnormals too), NaN exactly where it gives NaN. v7x
+    and v5e cast the block as it is."""
+    if not ladder.ON_CHIP:  # the generation comes from TPU_KERNELS_TARGET only where no TPU is the default device
+        monkeypatch.setenv("TPU_KERNELS_TARGET", "v7x")
+        assert kernel.widen_factor(FP8) == 1.0
+        monkeypatch.setenv("TPU_KERNELS_TARGET", "v6e")
+        assert kernel.widen_factor(FP8) == 16.0
+    assert kernel.widen_factor(jnp.bfloat16) == 1.0
+    factor = np.float32(kernel.widen_factor(FP8))
     codes = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8).reshape(8, 32), FP8)
     out = [jax.ShapeDtypeStruct(codes.shape, dt) for dt in (jnp.bfloat16, jnp.float32)]
-    widened = ladder.run_interpreted(jax.jit(lambda c: pl.pallas_call(_widened_codes, out_shape=out)(c)), codes)
+    widened = ladder.run_kernel(jax.jit(lambda c: pl.pallas_call(_widened_codes, out_shape=out)(c)), codes)
     expected = np.asarray(codes.astype(jnp.float32))
     nan = np.isnan(expected)
     assert int(nan.sum()) == 2 and int((expected == 0).sum()) == 2 and int(np.signbit(expected[expected == 0]).sum())
     for got in widened:
-        got = np.asarray(got.astype(jnp.float32)) * np.float32(16.0)  # a power of two: exact, -0 stays -0
+        got = np.asarray(got.astype(jnp.float32)) * factor  # a power of two: exact, -0 stays -0
         np.testing.assert_array_equal(np.isnan(got), nan)
         np.testing.assert_array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
 
@@ -244,7 +250,7 @@ def test_run_time_num_seqs_ignores_the_rest(rand):
     kv_bad = kv_lens.at[2:].set(10**6)
     pages_bad = pages.at[2:].set(-7)
     kernel = _jit(functools.partial(tk.ragged_paged_attention, blocks=BLOCKS))
-    out = ladder.run_interpreted(kernel, q, k, v, kv_bad, pages_bad, cu, jnp.asarray([2], jnp.int32))
+    out = ladder.run_kernel(kernel, q, k, v, kv_bad, pages_bad, cu, jnp.asarray([2], jnp.int32))
     expected = ragged_paged_attention_reference(q, k, v, kv_lens, pages, cu, 2)
     ladder.assert_close(out, expected, dtype=jnp.float32, what="out", context=repr(rand), **F32_TOL)
     assert not np.asarray(out[3:]).any(), "rows of ignored sequences must be zeros"
@@ -261,7 +267,7 @@ def test_broken_device_metadata_stays_in_bounds(rand):
     kv_bad = kv_lens.at[1].set(10**6)
     blocks = tk.PagedAttentionBlocks(queries_per_block=4, pages_per_block=2)  # rows 0-3 (broken), 4-7 (sound)
     kernel = _jit(functools.partial(tk.ragged_paged_attention, blocks=blocks))
-    out = ladder.run_interpreted(kernel, q, k, v, kv_bad, pages_bad, cu)
+    out = ladder.run_kernel(kernel, q, k, v, kv_bad, pages_bad, cu)
     expected = ragged_paged_attention_reference(q, k, v, kv_lens, pages, cu)
     ladder.assert_close(out[4:6], expected[4:6], dtype=jnp.float32, what="sound rows", context=repr(rand), **F32_TOL)
 
@@ -332,9 +338,7 @@ def test_visit_lists_match_brute_force(rand, window, causal, parts):
         size=size,
         parts=parts,
     )
-    out = ladder.run_interpreted(
-        _jit(build), jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu), jnp.asarray([9], jnp.int32)
-    )
+    out = ladder.run_kernel(_jit(build), jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu), jnp.asarray([9], jnp.int32))
     words, kv_blocks, rows, status = (np.asarray(a) for a in out[:4])
     count = int(status[0]) * parts  # grid steps of `parts` visits
     assert status[1] == 0, "the visit lists overflowed their bound"
@@ -368,6 +372,7 @@ def test_visit_lists_match_brute_force(rand, window, causal, parts):
     assert not rows[:count][(words[:count] & schedule.COMPUTE) == 0].any()
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("window,pages", [((127, 0), 8), ((1023, 0), 64), ((-1, 0), 64), ((9, 4), 1)])
 def test_decode_blocks_span_the_window(window, pages):
     """At decode a visit takes 1024 keys, or the power of two that holds a token's window (gpt-oss's 128), in pages
@@ -472,6 +477,7 @@ BAD = [
 ]
 
 
+@pytest.mark.cpu_only
 @ladder.bad_input_params(BAD)
 def test_bad_input_is_a_clear_error(rand, case):
     ladder.assert_clear_error(case, lambda a: tk.ragged_paged_attention(**a), _good(rand), rand)
@@ -497,6 +503,7 @@ def _attention(q, k, v, kv_lens, pages, cu, num_seqs, sinks=None, k_scale=None, 
     )
 
 
+@pytest.mark.cpu_only
 def test_exports_for_tpu():
     specs = [jax.ShapeDtypeStruct(*sd) for sd in _specs(40, 8, 16, 2, 128, 16, 8, jnp.bfloat16)]
     ladder.export_for_tpu(_attention, *specs, window_size=(63, 0), softcap=10.0)
@@ -532,6 +539,7 @@ COMPILE_ELSEWHERE = {"qwen3_mixed_p64_fp8": "v5e", "gemma4_full_mixed_p256": "v7
 COMPILES = [(case, COMPILE_ELSEWHERE.get(case[0], "v6e")) for case in COMPILE_CASES]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("case,generation", COMPILES, ids=lambda c: c if isinstance(c, str) else c[0])
 def test_compiles_for_tpu(case, generation):
     label, tokens, seqs, hq, hkv, d, page, pps, cache_dtype, options = case

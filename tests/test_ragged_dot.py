@@ -173,10 +173,10 @@ def test_special_group_layouts_and_static_grid(rand):
     grids = {static: kernel_fn(rhs_transposed=True, static_grid=static, blocks=blocks) for static in (False, True)}
     reference = reference_fn(rhs_transposed=True)
     random_sizes = group_sizes(rand, groups, m - 5)
-    dynamic = ladder.run_interpreted(grids[False], lhs, rhs, random_sizes)
+    dynamic = ladder.run_kernel(grids[False], lhs, rhs, random_sizes)
     layouts = [(kind, static, _special_sizes(kind, groups, m)) for kind, static in SPECIAL]
     for kind, static, sizes in layouts + [("random", True, random_sizes)]:
-        out = ladder.run_interpreted(grids[static], lhs, rhs, sizes)
+        out = ladder.run_kernel(grids[static], lhs, rhs, sizes)
         context = f"{kind} {sizes} {rand}"
         ladder.assert_close(out, reference(lhs, rhs, sizes), dtype=F32, context=context, **F32_TOL)
         ladder.assert_close(
@@ -197,7 +197,7 @@ def test_special_group_layouts_and_static_grid(rand):
 def test_k_zero_gives_bias_or_zero(rand):
     lhs, rhs, sizes = rand.normal((10, 0)), rand.normal((3, 0, 128)), jnp.asarray([4, 0, 5], jnp.int32)
     bias = rand.normal((3, 128))
-    out = ladder.run_interpreted(kernel_fn(bias=bias), lhs, rhs, sizes)
+    out = ladder.run_kernel(kernel_fn(bias=bias), lhs, rhs, sizes)
     assert (
         bool(np.all(np.asarray(out)[:4] == np.asarray(bias)[0]))
         and bool(np.all(np.asarray(out)[4:9] == np.asarray(bias)[2]))
@@ -223,9 +223,9 @@ def test_local_group_window(rand, rhs_holds, offset_kind):
     # A traced offset (as inside shard_map) reaches the kernel as a jit argument, not a constant.
     kernel = jax.jit(lambda l, r, s, o: tk.ragged_dot(l, r, s, group_offset=o, **kw))
     out = (
-        ladder.run_interpreted(kernel, lhs, rhs, sizes, group_offset)
+        ladder.run_kernel(kernel, lhs, rhs, sizes, group_offset)
         if offset_kind == "traced"
-        else (ladder.run_interpreted(kernel_fn(group_offset=offset, **kw), lhs, rhs, sizes))
+        else (ladder.run_kernel(kernel_fn(group_offset=offset, **kw), lhs, rhs, sizes))
     )
     expected = reference_fn(group_offset=offset, **kw)(lhs, rhs, sizes)
     ladder.assert_close(out, expected, dtype=BF16, context=f"{sizes} {rand}")
@@ -443,7 +443,7 @@ def test_quantized_rhs_matches_dequantized_reference(rand):
 
 
 def test_mxfp4_widen_is_the_reference_bit_for_bit(rand):
-    """mxfp4.widen, in a Pallas kernel (interpret mode), on blocks as mxfp4.prepare lays them out: every one of the 16
+    """mxfp4.widen, in a Pallas kernel (run_kernel), on blocks as mxfp4.prepare lays them out: every one of the 16
     e2m1 codes under every e8m0 scale 0..255 (each (column, 32-block) holds each code twice, at random positions;
     each scale 4 times) is the reference dequantization's value as bf16, bit for bit (zeros up to their sign; NaN
     exactly where the reference's is: scale 255), in the planes' order; and dequantize_prepared reads the prepared
@@ -460,7 +460,8 @@ def test_mxfp4_widen_is_the_reference_bit_for_bit(rand):
         for o, plane in zip(out_refs, mxfp4.widen(b_ref[...], s_ref[...], BF16)):
             o[...] = plane
 
-    planes = pl.pallas_call(widen, out_shape=[jax.ShapeDtypeStruct((k // 4, n), BF16)] * 4, interpret=True)(*prepared)
+    out_shape = [jax.ShapeDtypeStruct((k // 4, n), BF16)] * 4
+    planes = ladder.run_kernel(jax.jit(lambda *p: pl.pallas_call(widen, out_shape=out_shape)(*p)), *prepared)
     got = np.asarray(jnp.concatenate(planes, axis=0).astype(F32))
     want = np.asarray(mxfp4.plane_order(reference)).T
     nan = np.isnan(want)
@@ -497,6 +498,7 @@ def test_mxfp4_rhs_matches_dequantized_reference(rand):
 
 
 # ------------------------------------------------------------------------------------------------ activation
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("activation", kernel_activation.ACTIVATIONS)
 def test_kernel_activation_matches_the_reference(rand, activation, dtype):
@@ -536,6 +538,7 @@ def _window_epilogue_specs(dtype=BF16):
     return spec((96, 256), dtype), spec((6, 512, 256), dtype), spec((6,), jnp.int32), spec((96,), F32)
 
 
+@pytest.mark.cpu_only
 def test_blocks_reach_every_kernel():
     """Each part of blocks= goes to its kernel, forward and backward: with a distinct vmem_limit_bytes per part, the
     traced gradient (gated epilogue and row scale: every one of the four kernels runs) holds each part's limit."""
@@ -592,6 +595,7 @@ def _resolved(lhs, rhs, kwargs, blocks):
     return cfg.kernels
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 def test_blocks_none_is_the_table_and_candidates_are_legal(generation):
     """blocks=None and RaggedDotBlocks() resolve to the same kernels' blocks; the table's blocks passed back as
@@ -620,6 +624,7 @@ def test_blocks_none_is_the_table_and_candidates_are_legal(generation):
                 assert _resolved(lhs, rhs, kwargs, candidate).forward == candidate.forward
 
 
+@pytest.mark.cpu_only
 def test_mxfp4_candidates_are_the_blocks_the_kernel_takes():
     """candidate_blocks for MXFP4 rhs tiles the forward kernel as it reads the weights (the prepared [G, K / 2, N],
     tk = K) whichever orientation the call gives them in: the table's choice first (tn = MXFP4_TN, or the gated
@@ -661,6 +666,7 @@ SMALL_BLOCK_COMPILES = [
 ]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 @pytest.mark.parametrize("case", SMALL_BLOCK_COMPILES, ids=[c[0] for c in SMALL_BLOCK_COMPILES])
 def test_small_blocks_compile_for_tpu(generation, case):
@@ -914,11 +920,13 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.cpu_only
 @ladder.bad_input_params(BAD_INPUTS)
 def test_bad_input_is_a_clear_error(rand, case):
     ladder.assert_clear_error(case, lambda arguments: tk.ragged_dot(**arguments), _good_args(rand), rand)
 
 
+@pytest.mark.cpu_only
 def test_bad_input_is_caught_before_tracing():
     """Shape and dtype errors come from placeholders too (what TorchTPU's export and the torch fake kernels pass)."""
     spec = jax.ShapeDtypeStruct
@@ -929,6 +937,7 @@ def test_bad_input_is_caught_before_tracing():
 
 
 # ------------------------------------------------------------------------------------------------ rung 2
+@pytest.mark.cpu_only
 def test_export_for_tpu():
     spec = jax.ShapeDtypeStruct
     lhs, sizes = spec((512, 2048), BF16), spec((128,), jnp.int32)
@@ -996,6 +1005,7 @@ PREFILL = [
 ]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation,model,rows", PREFILL, ids=[f"{m}-rows={r}-{g}" for g, m, r in PREFILL])
 def test_prefill_grouped_matmuls_compile_for_tpu(generation, model, rows):
     """Both grouped matmuls of the MoE at every prefill benchmark shape (the decode shapes compile within the whole
@@ -1050,7 +1060,7 @@ def test_metadata_kernel_equals_the_jax_visit_list(rand):
         )
         sizes = jnp.asarray(sizes, jnp.int32)
         expected, expected_count, _ = metadata.forward_metadata_reference(sizes, **kwargs)
-        actual, count = ladder.run_interpreted(lambda s: metadata.forward_metadata(s, **kwargs)[:2], sizes)
+        actual, count = ladder.run_kernel(lambda s: metadata.forward_metadata(s, **kwargs)[:2], sizes)
         np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected), err_msg=f"{kwargs} sizes={sizes}")
         assert int(count) == int(expected_count)
 
@@ -1064,6 +1074,7 @@ def _entry_layout(compiled) -> str:
     return re.search(r"entry_computation_layout=\{\(\w+\[[\d,]*\]\{([\d,]+)", compiled.as_text()).group(1)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
 def test_stored_orientation_rule_matches_the_compiler(generation):
     """tuning.stored_minor_to_major_swapped predicts the layout XLA gives a weight array (its default layout)."""
@@ -1074,6 +1085,7 @@ def test_stored_orientation_rule_matches_the_compiler(generation):
         assert swapped == tuning.stored_minor_to_major_swapped(shape[1], shape[2]), (shape, _entry_layout(compiled))
 
 
+@pytest.mark.cpu_only
 def test_weights_stored_swapped_are_not_copied():
     """A transposed rhs [E, N, K] that XLA stores as [E, K, N] (K = 200 pads more on the lanes) reaches the kernel
     as a bitcast: no relayout copy of the weights in the compiled program (Gemma 4's down_proj cost 3 ms a call)."""
@@ -1109,6 +1121,7 @@ def test_weights_stored_swapped_give_the_same_result(rand):
 BACKWARD = [("v6e", "qwen3-30b-a3b", "gate_up", 512), ("v7x", "gemma4-26b-a4b", "down", RAGGED_DOT_PREFILL_ROWS[0])]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation,model,op,rows", BACKWARD, ids=[f"{g}-{m}-{o}-rows={r}" for g, m, o, r in BACKWARD])
 def test_backward_compiles_for_tpu(generation, model, op, rows):
     dims = MOE_MODELS[model]
@@ -1129,6 +1142,7 @@ def test_backward_compiles_for_tpu(generation, model, op, rows):
     )
 
 
+@pytest.mark.cpu_only
 def test_mxfp4_rhs_gradient_is_refused():
     """MXFP4 rhs is for inference: a gradient through the ragged dot (here the lhs', which would need the widened
     rhs in the transposed matmul) raises NotImplementedError saying so, when the backward is traced (abstract

@@ -114,9 +114,9 @@ def test_zero_rows_give_an_empty_result(rand, fn):
     x = rand.normal((0, 256), jnp.bfloat16)
     weight = rand.normal((256,), jnp.bfloat16)
     if fn == "rms_norm":
-        outs = [ladder.run_interpreted(tk.rms_norm, x, weight)]
+        outs = [ladder.run_kernel(tk.rms_norm, x, weight)]
     else:
-        outs = ladder.run_interpreted(tk.fused_add_rms_norm, x, x, weight)
+        outs = ladder.run_kernel(tk.fused_add_rms_norm, x, x, weight)
     for out in outs:
         assert out.shape == (0, 256) and out.dtype == jnp.bfloat16
 
@@ -175,6 +175,7 @@ def test_fused_add_rms_norm_gradients(rand, blocks_for, dtype):
     )
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("fn", ["rms_norm", "fused_add_rms_norm"])
 def test_blocks_reach_the_forward_and_backward_kernels(fn):
     """A gradient runs the backward kernel with the blocks its forward was given (the custom_vjp's static blocks);
@@ -299,12 +300,14 @@ def _call_rms_norm(args):
         return tk.fused_add_rms_norm(x, residual, weight, eps, **args)
 
 
+@pytest.mark.cpu_only
 @ladder.bad_input_params(BAD_INPUTS)
 def test_bad_input_is_a_clear_error(rand, case):
     good = dict(x=rand.normal((4, 128)), weight=rand.normal((128,)), eps=1e-6, weight_offset=0.0)
     ladder.assert_clear_error(case, _call_rms_norm, good, rand)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("fn", ["rms_norm_backward", "fused_add_rms_norm_gradient"])
 def test_bad_blocks_of_the_backward_are_a_clear_error(rand, fn):
     x = rand.normal((40, 128), jnp.bfloat16)
@@ -316,6 +319,7 @@ def test_bad_blocks_of_the_backward_are_a_clear_error(rand, fn):
             jax.grad(lambda x: ladder.vjp_loss(tk.fused_add_rms_norm(x, x, blocks=bad)))(x)
 
 
+@pytest.mark.cpu_only
 def test_blocks_fit_is_judged_per_generation():
     """The blocks too large for a v7x core fit a v6e one: the VMEM check reads the generation being traced for."""
     blocks = tk.RmsNormBlocks(block_rows=256)
@@ -325,12 +329,14 @@ def test_blocks_fit_is_judged_per_generation():
     assert 88 << 20 < calls[0].vmem_limit_bytes <= 96 << 20, calls  # derived: the working set fits under it
 
 
+@pytest.mark.cpu_only
 def test_hidden_too_large_for_vmem_is_a_clear_error(rand):
     with pytest.raises(ValueError, match="x: hidden size .* too large"):
         jax.eval_shape(tk.rms_norm, jax.ShapeDtypeStruct((64, 1 << 24), jnp.float32))
 
 
 # ------------------------------------------------------------------------------------------------ rungs 2 and 3
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 def test_export_for_tpu(dtype):
     x = jax.ShapeDtypeStruct((64, 2048), dtype)
@@ -365,6 +371,7 @@ CANDIDATE_GENERATIONS = ("v6e", "v7x")
 CANDIDATE_SHAPE = (BENCH_TOKENS[-1], 4096)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation,tokens,hidden", BENCH_COMPILES)
 def test_compiles_for_tpu_at_benchmark_shapes(generation, tokens, hidden):
     x = ((tokens, hidden), jnp.bfloat16)
@@ -374,6 +381,7 @@ def test_compiles_for_tpu_at_benchmark_shapes(generation, tokens, hidden):
         ladder.compile_for_tpu(api.fused_add_rms_norm, generation, x, x, w, label="fused_add_rms_norm")
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize(
     "shape,dtype,generation",
     [pytest.param((4096, 16384), jnp.float32, g, id=f"16384xf32-{g}") for g in ladder.GENERATIONS]
@@ -404,6 +412,7 @@ def test_compiles_for_tpu_across_sizes_and_backward(generation, shape, dtype):
     )
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", CANDIDATE_GENERATIONS)
 def test_candidate_blocks_compile_for_tpu(generation):
     """The sweep's candidates (the table's choice first) are legal tilings at the largest benchmark shape. They differ
@@ -431,6 +440,7 @@ def test_candidate_blocks_compile_for_tpu(generation):
         )
 
 
+@pytest.mark.cpu_only
 def test_tuning_follows_the_traced_generation():
     """The block choice reads the chip being compiled for: v5e gets smaller slabs than v6e."""
     blocks = {}

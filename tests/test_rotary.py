@@ -83,7 +83,7 @@ def test_transformers_tables_rotate_as_the_formula(rand):
     q = rand.normal((1, 2, 8, 128))
     cos, sin = api.rope_cos_sin(rand.integers(0, 5000, (1, 8)), head_dim=128, theta=1e6)
     # Jitted, kernel and reference: one XLA compile each instead of one per eager op.
-    out, out_k = ladder.run_interpreted(jax.jit(lambda q, c, s: tk.apply_rotary(q, None, c, s)), q, cos, sin)
+    out, out_k = ladder.run_kernel(jax.jit(lambda q, c, s: tk.apply_rotary(q, None, c, s)), q, cos, sin)
     assert out_k is None
     ladder.assert_close(out, ladder.run_reference(reference.rotate_reference, q, cos, sin), dtype=F32)
     pairs = lambda x: x[..., :64] ** 2 + x[..., 64:] ** 2  # noqa: E731
@@ -129,7 +129,7 @@ def test_backward_is_the_rotation_by_minus_sin(rand, interleaved):
     -sin. apply_rotary_backward computes grad * cos - R(grad * sin), which is that."""
     gq, gk = rand.normal((1, 4, 24, 128)), rand.normal((1, 2, 24, 128))
     cos, sin = api.rope_cos_sin(rand.integers(0, 100000, (1, 24)), head_dim=128, theta=1e4, interleaved=interleaved)
-    actual = ladder.run_interpreted(
+    actual = ladder.run_kernel(
         jax.jit(lambda *a: tk.apply_rotary_backward(*a, interleaved=interleaved)), gq, gk, cos, sin
     )
     expected = ladder.run_reference(
@@ -198,6 +198,7 @@ def test_rms_norm_rope_gradients(rand, dtype):
     )
 
 
+@pytest.mark.cpu_only
 def test_blocks_reach_the_forward_and_backward_kernels():
     """A gradient runs the transpose-rotation kernel with the blocks its forward was given (static in the
     custom_vjp); the per-head norm's gradient is an RMSNorm backward with the RMSNorm table's blocks."""
@@ -312,9 +313,13 @@ def test_proportional_zero_frequencies_skip_transcendentals(rand, monkeypatch, f
     )
     jax.clear_caches()
     assert seen and set(seen) == {("lanes", angle_lanes, 512)}, f"(packing, angle lanes, table width): {seen}"
-    if factor != 0.25:
-        return
-    # rung 3 on v6e, Gemma 4 full's decode batch (the other generations compile the same kernel at the benchmark shapes)
+
+
+@pytest.mark.cpu_only
+def test_proportional_zero_frequency_tail_compiles_for_tpu():
+    """Rung 3 of the fused norm's proportional zero-frequency tail on v6e, Gemma 4 full's decode batch (the other
+    generations compile the same kernel at the benchmark shapes)."""
+    opts = dict(theta=1e6, scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25})
     ladder.compile_for_tpu(
         lambda q, k, w, p: api.rms_norm_rope_from_positions(q, k, w, w, p, **opts),
         "v6e",
@@ -449,6 +454,7 @@ def test_token_major_factor_rows(rand, case, factor_rows):
         assert calls[0].grid == (1, seq // 8), calls
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 def test_token_major_factor_rows_compile_for_tpu(generation):
     """Rung 3 for both factor-row paths: Qwen3's fused norm + rope from positions in bshd at prefill (128-token
@@ -569,6 +575,7 @@ def test_positions_layouts_and_cos_sin_packing(rand, monkeypatch, case):
     assert seen and {(s.mode, s.packing) for s in seen} == {(mode, packing)}, f"layouts reached: {seen}"
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ["v6e"])
 def test_positions_layouts_compile_for_tpu(monkeypatch, generation):
     """Rung 3 for every positions layout and cos/sin packing (row transposes, lane selects, packed rows), each at
@@ -749,11 +756,13 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.cpu_only
 @ladder.bad_input_params(BAD_INPUTS)
 def test_bad_input_is_a_clear_error(rand, case):
     ladder.assert_clear_error(case, _call_apply_rotary, _base(rand), rand)
 
 
+@pytest.mark.cpu_only
 def test_blocks_fit_is_judged_per_generation():
     """The blocks too large for a v7x core fit a v6e one: the VMEM check reads the generation being traced for."""
     blocks = RotaryBlocks(1, 384)
@@ -782,6 +791,7 @@ BAD_NORM_INPUTS = [
 ]
 
 
+@pytest.mark.cpu_only
 @ladder.bad_input_params(BAD_NORM_INPUTS)
 def test_bad_norm_input_is_a_clear_error(rand, case):
     good = dict(_base(rand), q_weight=rand.normal((128,)), k_weight=rand.normal((128,)), eps=1e-6)
@@ -847,6 +857,7 @@ BAD_POSITION_INPUTS = [
 ]
 
 
+@pytest.mark.cpu_only
 @ladder.bad_input_params(BAD_POSITION_INPUTS)
 def test_bad_position_input_is_a_clear_error(rand, case):
     base = _base(rand)
@@ -854,6 +865,7 @@ def test_bad_position_input_is_a_clear_error(rand, case):
     ladder.assert_clear_error(case, _call_from_positions, good, rand)
 
 
+@pytest.mark.cpu_only
 def test_head_too_large_for_vmem_is_a_clear_error():
     q = jax.ShapeDtypeStruct((1, 4096, 8, 8192), F32)
     cos = jax.ShapeDtypeStruct((1, 8, 8192), F32)
@@ -862,6 +874,7 @@ def test_head_too_large_for_vmem_is_a_clear_error():
 
 
 # ------------------------------------------------------------------------------------------------ rungs 2 and 3
+@pytest.mark.cpu_only
 def test_export_for_tpu():
     q, k = jax.ShapeDtypeStruct((2, 32, 64, 128), BF16), jax.ShapeDtypeStruct((2, 4, 64, 128), BF16)
     cos, w = jax.ShapeDtypeStruct((1, 64, 128), BF16), jax.ShapeDtypeStruct((128,), BF16)
@@ -898,6 +911,7 @@ BENCH_SHAPES = [(b, 1) for b in BENCH_DECODE] + [(1, s) for s in ROTARY_PREFILL_
 SHAPES_BY_GENERATION = {"v6e": BENCH_SHAPES, "v5e": [(256, 1), (1, 32768)], "v7x": [(256, 1), (1, 32768)]}
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 @pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
 def test_compiles_for_tpu_at_benchmark_shapes(generation, model):
@@ -925,6 +939,7 @@ def test_compiles_for_tpu_at_benchmark_shapes(generation, model):
             )
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ["v6e"])
 def test_compiles_for_tpu_other_variants(generation):
     """Layouts, dtypes and conventions beyond the benchmark's: bshd, f32, interleaved, padded partial rotary,
@@ -971,6 +986,7 @@ def functools_partial(fn, **kw):
     return lambda *a: fn(*a, **kw)
 
 
+@pytest.mark.cpu_only
 def test_tuning_follows_the_traced_generation():
     """The block choice reads the chip being compiled for: v5e gets fewer tokens per step than v6e."""
     blocks = {}
@@ -991,6 +1007,7 @@ def test_tuning_follows_the_traced_generation():
     assert blocks["v5e"] < blocks["v6e"], blocks
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("case", SCALINGS, ids=[c[0] for c in SCALINGS])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rope_cos_sin_matches_reference(rand, case, interleaved):
@@ -1007,6 +1024,7 @@ def test_rope_cos_sin_matches_reference(rand, case, interleaved):
 CANDIDATE_SHAPES = [("apply_rotary-prefill", 1, 2048), ("rms_norm_rope_from_positions-decode", 256, 1)]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("case", CANDIDATE_SHAPES, ids=[c[0] for c in CANDIDATE_SHAPES])
 def test_candidate_blocks_compile_for_tpu(case):
     """The sweep's candidates are legal tilings, the table's choice first, and the choice is what the op runs with by
@@ -1054,6 +1072,7 @@ def test_candidate_blocks_compile_for_tpu(case):
         )
 
 
+@pytest.mark.cpu_only
 def test_inverse_frequencies_default_formula():
     inv, scale, r = frequencies.inverse_frequencies(128, 1e6, 128)
     np.testing.assert_allclose(inv, 1.0 / (1e6 ** (np.arange(0, 128, 2) / 128)), rtol=1e-6)

@@ -54,7 +54,7 @@ def place(args, specs):
 def run_sharded(fn, args, in_specs, out_specs):
     """jit(shard_map(fn)) with the default check_vma=True, in strict interpret mode."""
     mapped = jax.jit(jax.shard_map(fn, mesh=mesh(), in_specs=in_specs, out_specs=out_specs))
-    return ladder.run_interpreted(mapped, *place(args, in_specs))
+    return ladder.run_kernel(mapped, *place(args, in_specs))
 
 
 def grads_sharded(fn, args, argnums, cotangents, in_specs, cotangent_specs):
@@ -146,14 +146,14 @@ def test_expert_parallel_experts_forward(rand):
     small-batch limit (over 256 tokens) runs the same code at several times the interpret-mode cost."""
     args = list(_moe_inputs(rand, tokens=12).values())
     specs = (P(), P(), P(), P(AXIS), P(AXIS))
-    one_device = ladder.run_interpreted(jax.jit(tk.experts_forward), *args)
+    one_device = ladder.run_kernel(jax.jit(tk.experts_forward), *args)
     expected = experts_forward_reference(*args)
     for path in ladder.MOE_PATHS:
         fn = jax.jit(
             functools.partial(tk.expert_parallel_experts_forward, mesh(), AXIS, blocks=tk.ExpertsBlocks(path=path))
         )
         ladder.assert_moe_path(fn, place(args, specs), path)
-        out = ladder.run_interpreted(fn, *place(args, specs))
+        out = ladder.run_kernel(fn, *place(args, specs))
         ladder.assert_close(out, one_device, what=f"expert parallel ({path}) vs one device", context=repr(rand))
         ladder.assert_close(out, expected, what=f"expert parallel ({path})", context=repr(rand))
 
