@@ -102,6 +102,14 @@ def _count_compile(event, duration_secs, **_):
         _ON_CHIP_SESSION["compile_seconds"] += duration_secs
 
 
+def _random_draws_last(item):
+    """The on-chip order: the feature tests, then the random draws round by round over the kernel families, so that a
+    time budget running out cuts the sweep evenly rather than a module's feature tests."""
+    if getattr(item, "originalname", None) != "test_random_draw":
+        return (0, 0)
+    return (1, item.callspec.params["draw"])
+
+
 def _in_chip_tier(path) -> bool:
     return pathlib.Path(str(path)).name in ON_CHIP_MODULES
 
@@ -190,7 +198,7 @@ def pytest_collection_modifyitems(config, items):
             (host if item.get_closest_marker("cpu_only") else chip).append(item)
         if host:
             config.hook.pytest_deselected(items=host)
-        items[:] = chip
+        items[:] = sorted(chip, key=_random_draws_last)
     if not SMOKE_SELECTIONS or config.args_source != pytest.Config.ArgsSource.TESTPATHS:
         return
     from _pytest.mark import KeywordMatcher

@@ -66,6 +66,13 @@ class RandomInputs:
             seed = int(replay)
         self.seed = secrets.randbits(32) if seed is None else seed
         self.rng = np.random.default_rng(self.seed)
+        self.drawn = {}  # what draw() picked, by name: shown with the seed
+
+    def draw(self, name: str, options):
+        """One of `options` (a sequence or a range), picked at random and recorded under `name`."""
+        value = options[int(self.rng.integers(len(options)))]
+        self.drawn[name] = value
+        return value
 
     def normal(self, shape, dtype=jnp.float32, scale=1.0, offset=0.0):
         values = self.rng.standard_normal(shape, dtype=np.float32) * scale + offset
@@ -83,12 +90,26 @@ class RandomInputs:
         return jax.tree_util.tree_map(lambda s: self.normal(s.shape), shapes)
 
     def __repr__(self):
-        return f"RandomInputs(seed={self.seed})"
+        drawn = ", ".join(f"{name}={_shown(value)}" for name, value in self.drawn.items())
+        return f"RandomInputs(seed={self.seed}{'; drew ' + drawn if drawn else ''})"
+
+
+def _shown(value):
+    """A drawn value as a failure message shows it: a dtype by its name."""
+    return jnp.dtype(value).name if isinstance(value, (type, np.dtype)) else repr(value)
 
 
 @pytest.fixture
 def rand():
     return RandomInputs()
+
+
+# The seeded random-shape sweep: each kernel module's test_random_draw, parametrized by random_draws, draws its sizes,
+# layouts and features with rand.draw and checks the kernel against its reference (rung 1). Draws per family:
+# TPU_KERNELS_SWEEP_DRAWS; by default one on the CPU host (the feature tests hold the coverage; every run draws anew)
+# and eight on the chip, where a draw costs its compiles.
+SWEEP_DRAWS = int(os.environ.get("TPU_KERNELS_SWEEP_DRAWS") or (8 if ON_CHIP else 1))
+random_draws = pytest.mark.parametrize("draw", range(SWEEP_DRAWS))
 
 
 # experts_forward's two paths, forced through blocks= (the JAX tests pass moe_blocks(path, ...) themselves).
@@ -319,6 +340,13 @@ def assert_close(actual, expected, *, dtype=None, rtol=None, atol=None, what="ou
     np.testing.assert_allclose(actual_np, expected_np, rtol=rtol, atol=atol, err_msg=f"{what} {context}")
 
 
+def relative_to_largest(atol: float, fraction: float):
+    """A tolerance for assert_close's atol through the check helpers: `atol` plus `fraction` of the expected array's
+    largest magnitude. For results whose rounding scales with their largest terms rather than with each element (long
+    f32 sums with cancellation, a bf16 intermediate rounded once and summed again)."""
+    return lambda expected: atol + fraction * float(np.max(np.abs(_as_f32_numpy(expected)), initial=0.0))
+
+
 def _resolved(tolerance: dict, expected) -> dict:
     """{"atol": ..., "rtol": ...} with each value given as a number, None (the dtype's), or a function of the
     expected array (a bound relative to the size of the summed terms), evaluated."""
@@ -415,6 +443,13 @@ def check_forward_and_gradients(
 
     out, grads = _on_every_draw(compare, args, rand)
     return (out, grads) if return_gradients else out
+
+
+def differentiated(args, names: dict) -> tuple[tuple, list]:
+    """(argnums, names) for the gradient checks: the positions of `names` ({argument position: gradient name}) whose
+    argument is given (not None)."""
+    given = {i: name for i, name in names.items() if args[i] is not None}
+    return tuple(given), list(given.values())
 
 
 def check_gradients(kernel_fn, reference_fn, args, *, argnums, rand, dtype, names=None, atol=None, rtol=None):

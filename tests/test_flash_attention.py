@@ -350,6 +350,90 @@ def test_varlen_understated_max_seqlen_is_nan_not_wrong(rand):
     assert np.isnan(np.asarray(out)).all()
 
 
+# ---------------------------------------------------------------------------------------------------- random draws
+RANDOM_BLOCKS = {
+    "small": SMALL,
+    "unfused": UNFUSED,
+    "own_backward": OWN_BACKWARD,
+    "wide_keys": tk.FlashAttentionBlocks(block_q=128, block_kv=256),
+    "table": None,
+}
+RANDOM_LENGTHS = [1, 7, 100, 130, 200, 300]
+
+
+@ladder.random_draws
+def test_random_draw(rand, draw):
+    """Dense or packed sequences, lengths (one token, unaligned, empty packed sequences), heads (GQA 1 to 8), head
+    dims, V's head dim, dtype, mask (causal, windows one- and two-sided, longer than the sequences), softcap, sinks,
+    scale and tiling drawn at random; the forward, or the gradients (float32 and bfloat16), against the reference."""
+    varlen, dtype = rand.draw("varlen", [False, True]), rand.draw("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+    gradients = dtype != jnp.float16 and rand.draw("gradients", [False, True])
+    lengths = [n for n in RANDOM_LENGTHS if n <= 200] if gradients else RANDOM_LENGTHS
+    hkv, group = rand.draw("kv_heads", [1, 2, 4]), rand.draw("gqa_group", [1, 2, 4, 8])
+    d = rand.draw("head_dim", [64, 128, 256])
+    dv = rand.draw("v_head_dim", [d, 128, 256])
+    if d == 256 or dv == 256:  # the interpreter's time grows with the heads a step
+        hkv, group = min(hkv, 2), min(group, 4)
+    hq = hkv * group
+    # bfloat16 at the default scale only: the forward rounds q times the scale to bfloat16 before its matmul, so the
+    # scores' error grows with the scale (at 1.0 and head dim 256 outputs move by up to 3 % of |v|)
+    scales = [None] if dtype == jnp.bfloat16 else [None, 0.3, 1.0]
+    options = dict(
+        causal=rand.draw("causal", [False, True]),
+        window_size=rand.draw("window_size", [(-1, -1), (70, 20), (90, 0), (0, -1), (5, 5), (1000, 1000)]),
+        softcap=rand.draw("softcap", [0.0, 4.0]),
+        softmax_scale=rand.draw("softmax_scale", scales),
+    )
+    blocks = RANDOM_BLOCKS[rand.draw("blocks", list(RANDOM_BLOCKS))]
+    sinks = rand.normal((hq,), scale=2.0) if rand.draw("sinks", [False, True]) else None
+    if varlen:
+        seqs = rand.draw("sequences", [1, 2, 3, 4])
+        lens_q = [rand.draw(f"q_len_{s}", [0] + lengths) for s in range(seqs)]
+        lens_k = [rand.draw(f"k_len_{s}", [0] + lengths) for s in range(seqs)]
+        lens_q[0], lens_k[0] = lens_q[0] or 1, lens_k[0] or 1  # some rows and keys
+        cu_q, cu_k = (jnp.asarray(np.concatenate([[0], np.cumsum(n)]), jnp.int32) for n in (lens_q, lens_k))
+        q = rand.normal((sum(lens_q), hq, d), dtype)
+        k, v = rand.normal((sum(lens_k), hkv, d), dtype), rand.normal((sum(lens_k), hkv, dv), dtype)
+        max_q, max_k = max(lens_q), max(lens_k)
+
+        def kernel(q, k, v, s):
+            return tk.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, sinks=s, blocks=blocks, **options)
+
+        def reference(q, k, v, s):
+            return varlen_attention_reference(q, k, v, cu_q, cu_k, sinks=s, **options)
+    else:
+        batch, sq, sk = rand.draw("batch", [1, 2]), rand.draw("q_len", lengths), rand.draw("k_len", lengths)
+        q, k, v = _inputs(rand, batch, sq, sk, hq, hkv, d, dv, dtype=dtype)
+
+        def kernel(q, k, v, s):
+            return tk.flash_attention(q, k, v, sinks=s, blocks=blocks, **options)
+
+        def reference(q, k, v, s):
+            return attention_reference(q, k, v, sinks=s, **options)
+
+    sharp = 8 if options["softmax_scale"] == 1.0 else 1  # logits sqrt(D) times the default scale's: exp rounding grows
+    args = (q, k, v, sinks)
+    if not gradients:
+        tol = dict(F32_TOL, atol=sharp * F32_TOL["atol"]) if dtype == jnp.float32 else {}
+        ladder.check_against_reference(kernel, reference, args, dtype=dtype, rand=rand, jit_kernel=True, **tol)
+        return
+    argnums = (0, 1, 2) if sinks is None else (0, 1, 2, 3)
+    # dk / dv sum over every query row that sees the key (all of them, for a one-key sequence): the bfloat16
+    # cotangent's rounding adds up with the rows, so the bound grows with the largest gradient
+    bf16_tol = dict(atol=ladder.relative_to_largest(5e-2, 2**-8), rtol=5e-2)
+    tol = dict(atol=sharp * 1e-4, rtol=1e-4) if dtype == jnp.float32 else bf16_tol
+    ladder.check_gradients(
+        kernel,
+        reference,
+        args,
+        argnums=argnums,
+        rand=rand,
+        dtype=dtype,
+        names=["dq", "dk", "dv", "dsinks"][: len(argnums)],
+        **tol,
+    )
+
+
 # -------------------------------------------------------------------------------------------------------- schedule
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("seed", range(6))

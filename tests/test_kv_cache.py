@@ -348,6 +348,71 @@ def test_rope_and_write_fp8_with_traced_scales_and_long_decode_rows(rand, heads,
         )
 
 
+# ---------------------------------------------------------------------------------------------------- random draws
+@ladder.random_draws
+def test_random_draw(rand, draw):
+    """The plain write or the fused RoPE (each rope type), the cache dtype (float8 with scales: one or two kv heads
+    are head-major, written by word groups), page size, pages, heads, head dims, tokens, skipped and out-of-range
+    traced slots, NaN or random caches and the tiling drawn at random; against the reference write: the named slots
+    hold it (to one fp8 step), every other slot keeps its bits."""
+    rope = rand.draw("rope", [None, *ROPE_CASES])
+    options = dict(ROPE_CASES[rope]) if rope else {}
+    cache_dtype = rand.draw("cache_dtype", [jnp.float32, jnp.bfloat16, FP8])
+    in_dtype = rand.draw("input_dtype", [jnp.float32, jnp.bfloat16]) if cache_dtype == FP8 else cache_dtype
+    page_size, pages = rand.draw("page_size", [16, 32, 64, 256]), rand.draw("pages", [1, 2, 3, 6])
+    heads = options.pop("heads", None) or rand.draw("kv_heads", [1, 2, 4, 8])
+    head_dim = options.pop("head_dim", None) or rand.draw("head_dim", [64, 128, 256, 512])
+    v_head_dim = head_dim if rope else rand.draw("v_head_dim", [head_dim, 64, 128, 256])
+    tokens = min(rand.draw("tokens", [1, 7, 19, 40]), pages * page_size)
+    slots = np.array(_slots(rand, tokens, pages, page_size, skip=rand.draw("skipped", [0, 1, tokens // 3])))
+    if tokens >= 3 and rand.draw("out_of_range_slots", [False, True]):
+        slots[rand.rng.choice(tokens, 3, replace=False)] = [-7, pages * page_size, 10**6]
+    poison = "random" if cache_dtype == FP8 else rand.draw("poison", ["nan", "random"])
+    k_cache = _poisoned_cache(rand, (pages, page_size, heads, head_dim), cache_dtype, poison)
+    v_cache = _poisoned_cache(rand, (pages, page_size, heads, v_head_dim), cache_dtype, poison)
+    key, value = rand.normal((tokens, heads, head_dim), in_dtype), rand.normal((tokens, heads, v_head_dim), in_dtype)
+    scales = dict(k_scale=_scale(rand, "float"), v_scale=_scale(rand, "float")) if cache_dtype == FP8 else {}
+    blocks = rand.draw("blocks", [SMALL, None])
+    slots = jnp.asarray(slots)
+    tol = dict(rtol=1e-5, atol=3e-5) if in_dtype == jnp.float32 else {}  # a rotation's f32 rounding
+    if rope:
+        query = rand.normal((tokens, 4 * heads, head_dim), in_dtype)
+        positions = rand.integers(0, 40000, (tokens,))
+        args = (query, key, value, k_cache, v_cache, slots, positions)
+        fused = jax.jit(lambda *a: api.rope_and_write_kv_cache(*a, blocks=blocks, **options, **scales))
+        q_rot, *out = ladder.run_kernel(fused, *args)
+        q_ref, *expected = ladder.run_reference(
+            lambda *a: reference.rope_and_write_kv_cache_reference(*a, **options, **scales), *args
+        )
+        ladder.assert_close(q_rot, q_ref, dtype=in_dtype, what="query_rotated", context=repr(rand), **tol)
+    else:
+        write = jax.jit(lambda *a: api.write_kv_cache(*a, blocks=blocks, **scales))
+        out = ladder.run_kernel(write, k_cache, v_cache, key, value, slots)
+        expected = _reference_write(k_cache, v_cache, key, value, slots, **scales)
+    rotated = {"k_cache": bool(rope), "v_cache": False}
+    for name, before, after, exp in zip(("k_cache", "v_cache"), (k_cache, v_cache), out, expected):
+        assert after.shape == before.shape and after.dtype == before.dtype
+        if cache_dtype == FP8 or rotated[name]:
+            _assert_written_rows_close(before, after, exp, slots, name, rand, dtype=in_dtype, **tol)
+        else:
+            _assert_only_slots_changed(before, after, exp, slots, name, rand)
+
+
+def _assert_written_rows_close(before, after, expected, slots, what, rand, *, dtype, rtol=None, atol=None):
+    """The rows the live slots name are the reference's (to one fp8 step in a float8 cache: the kernel multiplies by
+    1 / scale where the reference divides; else to `dtype`'s rounding of a rotation), every other row keeps its bits."""
+    rows = (-1,) + before.shape[2:]
+    slots = np.asarray(slots)
+    live = slots[(slots >= 0) & (slots < np.prod(before.shape[:2]))]
+    got, want = (np.asarray(x).astype(np.float32).reshape(rows)[live] for x in (after, expected))
+    if jnp.dtype(after.dtype) == FP8:
+        ladder.assert_close(got, want, rtol=2**-3, atol=2**-9, what=what, context=repr(rand))
+    else:
+        ladder.assert_close(got, want, dtype=dtype, rtol=rtol, atol=atol, what=what, context=repr(rand))
+    untouched = np.setdiff1d(np.arange(_bits(before).reshape(rows).shape[0]), live)
+    np.testing.assert_array_equal(_bits(after).reshape(rows)[untouched], _bits(before).reshape(rows)[untouched])
+
+
 # ----------------------------------------------------------------------------------------------- block tables
 def test_block_table_slots_and_write(rand):
     """flash-attn's addressing: shuffled, non-contiguous pages; lengths not multiples of the page; an empty

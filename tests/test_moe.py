@@ -323,6 +323,70 @@ def test_experts_forward_gradients(rand, case, path):
     assert out.shape == args[0].shape and out.dtype == dtype
 
 
+# ------------------------------------------------------------------------------------------------ random draws
+@ladder.random_draws
+def test_random_draw(rand, draw):
+    """Tokens (one token, several sublane tiles), experts (most of them empty at few tokens), top-k, sizes, dtype,
+    quantized weights (int8 / fp8 with per-channel scales), the gate layout, activation, weight layout, biases,
+    expert-parallel sentinels and the path drawn at random; the forward, or forward and gradients, against the dense
+    reference (on the dequantized weights)."""
+    dtype = rand.draw("dtype", [F32, BF16])
+    quantized = rand.draw("weight_dtype", [None, None, jnp.int8, jnp.float8_e4m3fn])
+    gradients = quantized is None and rand.draw("gradients", [False, True])
+    tokens = rand.draw("tokens", [1, 2, 7, 16, 33, 64])
+    experts = rand.draw("experts", [1, 4, 6, 8, 16])
+    top_k = rand.draw("top_k", range(1, min(experts, 4) + 1))
+    hidden, inter = rand.draw("hidden", [128, 256]), rand.draw("intermediate", [64, 96, 128, 192, 256])
+    layout = rand.draw("gate_layout", ["concatenated", "interleaved"] + ([] if quantized else [None]))
+    clamped = [GPT_OSS_GATE, CLAMPED_SILU_GATE] if layout else []
+    activation = rand.draw("activation", ["silu", "gelu_tanh", "relu2"] + clamped)
+    transposed, bias = rand.draw("weights_transposed", [False, True]), rand.draw("biases", [False, True])
+    sentinels = rand.draw("sentinel_slots", [0, 0, 2, tokens * top_k // 2])
+    path = rand.draw("path", ladder.MOE_PATHS)
+    kw = dict(activation=activation, gate_layout=layout, weights_transposed=transposed)
+
+    x = rand.normal((tokens, hidden), dtype)
+    index, w = routing(rand, tokens, experts, top_k, sentinels=sentinels)
+    gate_up, down, gate_up_bias, down_bias = weights(
+        rand, experts, hidden, inter, gated=layout is not None, transposed=transposed, bias=bias, dtype=dtype
+    )
+    scales = ()
+    if quantized:
+        out_axis = 2 if transposed else 1
+        (gate_up, gate_up_scale), (down, down_scale) = (quantize(a, quantized, out_axis) for a in (gate_up, down))
+        scales = (gate_up_scale, down_scale)
+    blocks = ladder.moe_blocks(
+        path, gate_up, down, gate_up_bias, gate_layout=layout, weights_transposed=transposed, fallback=True
+    )
+    args = (x, index, w.astype(dtype), gate_up, down, *scales, gate_up_bias, down_bias)
+    if quantized:
+        fn, reference = functools.partial(quantized_experts, blocks=blocks, **kw), _quantized_reference(kw)
+    else:
+        fn = functools.partial(tk.experts_forward, blocks=blocks, **kw)
+        reference = functools.partial(experts_forward_reference, **kw)
+    ladder.assert_moe_path(fn, args, blocks.path)
+    # the intermediate (relu2 squares it) is rounded to the dtype once and summed again through down_proj: one
+    # rounding step of it moves an output by its share of the largest intermediate's
+    atol, largest = (F32_TOL["atol"], 1e-5) if dtype == F32 else (ladder.TOLERANCES[jnp.dtype(dtype)][1], 2**-8)
+    tol = dict(F32_TOL if dtype == F32 else {}, atol=ladder.relative_to_largest(atol, largest))
+    if not gradients:
+        out = ladder.check_against_reference(jax.jit(fn), jax.jit(reference), args, dtype=dtype, rand=rand, **tol)
+        assert out.shape == x.shape and out.dtype == dtype
+        return
+    argnums, names = ladder.differentiated(args, dict(zip((0, 2, 3, 4, 5, 6), GRAD_NAMES)))
+    ladder.check_forward_and_gradients(
+        fn,
+        reference,
+        args,
+        argnums=argnums,
+        names=names,
+        rand=rand,
+        dtype=dtype,
+        out_tolerance=tol,
+        grad_tolerance=dict(rtol=3e-2, atol=5e-2) if dtype == BF16 else dict(rtol=1e-4, atol=1e-4),
+    )
+
+
 # ------------------------------------------------------------------------------------------------ blocks=
 def _qwen3_decode_specs(tokens):
     return [jax.ShapeDtypeStruct(*sd) for sd in _decode_specs("qwen3-30b-a3b", tokens)]

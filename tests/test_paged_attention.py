@@ -272,6 +272,58 @@ def test_broken_device_metadata_stays_in_bounds(rand):
     ladder.assert_close(out[4:6], expected[4:6], dtype=jnp.float32, what="sound rows", context=repr(rand), **F32_TOL)
 
 
+@ladder.random_draws
+def test_random_draw(rand, draw):
+    """A ragged batch (decodes, prefill chunks, sequences with no new token, empty ones, padding rows) over a page
+    size, heads (GQA 1 to 8), head dims, dtype (a float8 cache with scales), mask (causal, windows one- and
+    two-sided, longer than the contexts), softcap, sinks, scale and tiling drawn at random, against the reference."""
+    dtype = rand.draw("dtype", [jnp.float32, jnp.bfloat16])
+    fp8 = dtype == jnp.bfloat16 and rand.draw("float8_cache", [False, True])
+    seqs = rand.draw("sequences", [1, 2, 4, 8])
+    q_lens = [rand.draw(f"q_len_{s}", [0, 1, 1, 3, 12, 21]) for s in range(seqs)]
+    kv_lens = [q + rand.draw(f"context_{s}", [0, 1, 9, 40, 75]) for s, q in enumerate(q_lens)]
+    hkv, group = rand.draw("kv_heads", [1, 2, 4, 8]), rand.draw("gqa_group", [1, 2, 4, 8])
+    d = rand.draw("head_dim", [64, 128, 256])
+    dv = rand.draw("v_head_dim", [d, 128])
+    if d == 256:  # the interpreter's time grows with the heads a visit
+        hkv, group = min(hkv, 2), min(group, 4)
+    batch = Batch(
+        rand,
+        q_lens,
+        kv_lens,
+        hq=hkv * group,
+        hkv=hkv,
+        d=d,
+        dv=dv,
+        page=rand.draw("page_size", [16, 32, 64]),
+        padding=rand.draw("padding_rows", [0, 3]),
+        dtype=dtype,
+        cache_dtype=FP8 if fp8 else None,
+    )
+    # bfloat16 at the default scale only: the kernel rounds q times the scale to bfloat16 before its matmul, so the
+    # scores' error grows with the scale (as flash attention's forward)
+    options = dict(
+        causal=rand.draw("causal", [True, False]),
+        window_size=rand.draw("window_size", [(-1, -1), (33, 0), (9, 4), (1000, 0)]),
+        softcap=rand.draw("softcap", [0.0, 5.0]),
+        softmax_scale=rand.draw("softmax_scale", [None] if dtype == jnp.bfloat16 else [None, 0.2, 1.0]),
+    )
+    if rand.draw("sinks", [False, True]):
+        options["sinks"] = rand.normal((hkv * group,), scale=2.0)
+    if fp8:
+        options.update(k_scale=0.5, v_scale=0.25)
+    blocks = None
+    if rand.draw("blocks", ["table", "drawn"]) == "drawn":
+        sublane = 8 if dtype == jnp.float32 else 16  # a block's rows (queries x group) fill whole sublane tiles
+        blocks = tk.PagedAttentionBlocks(
+            queries_per_block=rand.draw("queries_per_block", [q for q in (4, 8, 16) if q * group % sublane == 0]),
+            pages_per_block=rand.draw("pages_per_block", [1, 2, 3]),
+            visits_per_step=rand.draw("visits_per_step", [1, 2]),
+        )
+    tol = dict(F32_TOL, atol=1e-4 if options["softmax_scale"] == 1.0 else F32_TOL["atol"])
+    _check(rand, batch, dtype=dtype, tol=tol if dtype == jnp.float32 else None, blocks=blocks, **options)
+
+
 def _brute_force_visits(kv_lens, cu_q, *, tokens, block_q, block_kv, page, max_context, causal, window):
     """The (query block, sequence, key block) triples with a kept score -> (every key of the block kept for every row
     of the sequence?, first key row to fetch, end of the rows to fetch), from the dense mask of every (row, key): the

@@ -90,6 +90,10 @@ def tolerance(out_dtype):
     return F32_TOL if jnp.dtype(out_dtype) == F32 else {}
 
 
+def _itemsize(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
 # ------------------------------------------------------------------------------------------- forward, plain
 # (id, M, K, N, groups, filled rows, input dtype, rhs_transposed, preferred_element_type)
 CASES = [
@@ -495,6 +499,84 @@ def test_mxfp4_rhs_matches_dequantized_reference(rand):
     start = int(np.sum(np.asarray(sizes)[:1]))
     outside[start : start + int(np.sum(np.asarray(sizes)[1:3]))] = False
     assert out.dtype == F32 and all_zero(out, outside), "rows outside the window are not exactly zero"
+
+
+# ------------------------------------------------------------------------------------------------ random draws
+@ladder.random_draws
+def test_random_draw(rand, draw):
+    """Sizes (unaligned K and N, fewer rows than a sublane tile, tail rows past the groups, empty groups), dtypes,
+    the rhs layout and dtype (int8 / fp8 with column scales), a group window, the epilogue (bias, activation,
+    gating), a row scale, the grid and the tiling drawn at random; the forward, or forward and gradients, against the
+    reference on the dequantized weights."""
+    dtype = rand.draw("dtype", [F32, BF16])
+    quantized = rand.draw("rhs_dtype", [None, None, jnp.int8, jnp.float8_e4m3fn])
+    gradients = quantized is None and rand.draw("gradients", [False, True])
+    m = rand.draw("m", [7, 24, 48, 64] if gradients else [1, 7, 8, 24, 64, 129, 200])
+    k, n = rand.draw("k", [128, 200, 256]), rand.draw("n", [128, 200, 256, 384])
+    groups = rand.draw("groups", [1, 2, 5, 8])
+    fill = rand.draw("filled_rows", range(m + 1))
+    transposed = rand.draw("rhs_transposed", [False, True])
+    preferred = None if gradients else rand.draw("preferred_element_type", [None, F32, BF16])
+    gated = rand.draw("gated", [None, "concatenated", "interleaved"])
+    activation = rand.draw("activation", list(kernel_activation.ACTIVATIONS) + ([] if gated else [None]))
+    kw = dict(rhs_transposed=transposed, activation=activation, gated=gated, preferred_element_type=preferred)
+    window = rand.draw("window", [None, "every_group", "window_only"]) if groups > 1 else None
+    rhs_groups = groups
+    if window:
+        offset = rand.draw("group_offset", range(groups))
+        n_local = rand.draw("num_local_groups", range(1, groups - offset + 1))
+        kw.update(group_offset=offset, num_local_groups=n_local)
+        rhs_groups = groups if window == "every_group" else n_local
+    out_dtype = jnp.dtype(preferred or dtype)
+    # tiny tiles: a sublane tile of the narrower of the inputs' and the output's dtype, 128-wide n tiles (which must
+    # divide the up half's width where the gate is concatenated)
+    regimes = ["tuned_blocks"] if gated == "concatenated" and n // 2 % 128 else list(BLOCK_REGIMES)
+    blocks = BLOCK_REGIMES[rand.draw("blocks", regimes)](min(dtype, out_dtype, key=_itemsize))
+    static_grid = rand.draw("static_grid", [False, True])
+
+    lhs = rand.normal((m, k), dtype)
+    if quantized is None:
+        rhs, rhs_scale = rand.normal(rhs_shape(rhs_groups, k, n, transposed), dtype, scale=0.2), None
+    elif quantized == jnp.int8:
+        rhs, rhs_scale = rand.integers(-127, 128, rhs_shape(rhs_groups, k, n, transposed), quantized), None
+    else:
+        rhs, rhs_scale = rand.normal(rhs_shape(rhs_groups, k, n, transposed), quantized, scale=4.0), None
+    if quantized is not None:
+        rhs_scale = rand.uniform((rhs_groups, n), 0.001, 0.01)
+    bias = rand.normal((rhs_groups, n), dtype) if rand.draw("bias", [False, True]) else None
+    row_scale = rand.normal((m,), F32) if rand.draw("row_scale", [False, True]) else None
+    sizes = group_sizes(rand, groups, fill)
+    args = (lhs, rhs, sizes, bias, row_scale, rhs_scale)
+    # sums of K products, squared by relu2, rounded to bf16 and scaled by a row: rounding relative to the largest output
+    atol, largest = (F32_TOL["atol"], 1e-5) if out_dtype == F32 else (ladder.TOLERANCES[out_dtype][1], 2**-8)
+    out_tolerance = dict(tolerance(out_dtype), atol=ladder.relative_to_largest(atol, largest))
+
+    def kernel(l, r, s, b, rs, sc):
+        return tk.ragged_dot(l, r, s, bias=b, row_scale=rs, rhs_scale=sc, blocks=blocks, static_grid=static_grid, **kw)
+
+    def reference(l, r, s, b, rs, sc):
+        if sc is not None:  # the exact weights: each output column's scale
+            r = r.astype(F32) * (sc[:, :, None] if transposed else sc[:, None, :])
+        return ragged_dot_reference(l, r, s, bias=b, row_scale=rs, **dict(kw, preferred_element_type=out_dtype))
+
+    if gradients:
+        argnums, names = ladder.differentiated(args, {0: "d lhs", 1: "d rhs", 3: "d bias", 4: "d row_scale"})
+        out = ladder.check_forward_and_gradients(
+            kernel,
+            reference,
+            args,
+            argnums=argnums,
+            names=names,
+            rand=rand,
+            dtype=dtype,
+            out_tolerance=out_tolerance,
+            grad_tolerance=GRAD_TOLERANCE[jnp.dtype(dtype)],
+        )
+    else:
+        out = ladder.check_against_reference(
+            jax.jit(kernel), jax.jit(reference), args, dtype=out_dtype, rand=rand, **out_tolerance
+        )
+    assert all_zero(out, slice(fill, None)), f"rows past sum(group_sizes) = {fill} are not exactly zero ({rand})"
 
 
 # ------------------------------------------------------------------------------------------------ activation

@@ -175,6 +175,42 @@ def test_fused_add_rms_norm_gradients(rand, blocks_for, dtype):
     )
 
 
+# ------------------------------------------------------------------------------------------------- random draws
+@ladder.random_draws
+def test_random_draw(rand, draw):
+    """Sizes (a single row, lanes under a tile, ragged lanes, many row blocks), dtype, weight kind, the residual and
+    the tiling drawn at random; the forward, or the gradients (float32 and bfloat16, up to 33 rows), against the
+    reference."""
+    dtype = rand.draw("dtype", DTYPES)
+    gradients = dtype != jnp.float16 and rand.draw("gradients", [False, True])
+    hidden = rand.draw("hidden", [1, 64, 100, 128, 200, 384, 1000, 2048, 2816])
+    leading = rand.draw("leading", [(1,), (7,), (3, 5), (33,)] + ([] if gradients else [(130,), (2, 1, 9)]))
+    weight_kind = rand.draw("weight", WEIGHT_KINDS)
+    fused = rand.draw("fused_add", [False, True])
+    blocks = rand.draw("blocks", ["tuned_blocks", "small_blocks"])
+    blocks = small_blocks(hidden, dtype) if blocks == "small_blocks" else None
+    x = rand.normal(leading + (hidden,), dtype, scale=3.0, offset=0.5)
+    residual = rand.normal(leading + (hidden,), dtype, scale=2.0)
+    weight = (
+        None if weight_kind == "no_weight" else rand.normal((hidden,), rand.draw("weight_dtype", [dtype, jnp.float32]))
+    )
+    offset = 1.0 if weight_kind == "offset_weight" else 0.0
+    if fused:
+        kernel = lambda x, r, w: tk.fused_add_rms_norm(x, r, w, 1e-5, weight_offset=offset, blocks=blocks)  # noqa: E731
+        reference = lambda x, r, w: fused_add_rms_norm_reference(x, r, w, 1e-5, weight_offset=offset)  # noqa: E731
+        args, names = (x, residual, weight), {0: "d x", 1: "d residual", 2: "d weight"}
+    else:
+        kernel = lambda x, w: tk.rms_norm(x, w, 1e-5, weight_offset=offset, blocks=blocks)  # noqa: E731
+        reference = lambda x, w: rms_norm_reference(x, w, 1e-5, weight_offset=offset)  # noqa: E731
+        args, names = (x, weight), {0: "d x", 1: "d weight"}
+    if not gradients:
+        ladder.check_against_reference(kernel, reference, args, dtype=dtype, rand=rand, jit_kernel=True)
+        return
+    argnums, names = ladder.differentiated(args, names)
+    atol = 5e-2 if dtype == jnp.bfloat16 else 1e-4
+    ladder.check_gradients(kernel, reference, args, argnums=argnums, names=names, rand=rand, dtype=dtype, atol=atol)
+
+
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("fn", ["rms_norm", "fused_add_rms_norm"])
 def test_blocks_reach_the_forward_and_backward_kernels(fn):

@@ -611,6 +611,90 @@ def test_positions_layouts_compile_for_tpu(monkeypatch, generation):
         monkeypatch.undo()
 
 
+# ------------------------------------------------------------------------------------------------- random draws
+RANDOM_SCALINGS = [None] + [c[1] for c in SCALINGS if c[1] is not None]
+ROTARY_OPS = {
+    # (from positions, with the per-head norm): the op
+    (False, False): tk.apply_rotary,
+    (False, True): tk.rms_norm_rope,
+    (True, False): tk.apply_rotary_from_positions,
+    (True, True): tk.rms_norm_rope_from_positions,
+}
+
+
+@ladder.random_draws
+def test_random_draw(rand, draw):
+    """The op (on cos/sin tables or from positions, with or without the per-head norm), layout, sizes (decode's one
+    token, ragged token blocks, GQA and MQA heads, head dims 64 to 512, partial rotary prefixes), dtypes, pairs,
+    scaling, weight offset and tiling drawn at random; the forward, or the gradients, against the reference."""
+    from_positions = rand.draw("from_positions", [False, True])
+    norm = rand.draw("rms_norm", [False, True])
+    dtype = rand.draw("dtype", [F32, BF16])
+    gradients = (dtype == F32 or not norm) and rand.draw("gradients", [False, True])
+    layout, batch = rand.draw("layout", ["bhsd", "bshd"]), rand.draw("batch", [1, 2, 3])
+    seq = rand.draw("seq", [1, 5, 16] + ([] if gradients else [40]))
+    hq, hk = rand.draw("q_heads", [1, 2, 4, 8]), rand.draw("k_heads", [1, 2, 4])
+    head_dim = rand.draw("head_dim", [64, 128, 256, 512])
+    scaling = rand.draw("scaling", RANDOM_SCALINGS) if from_positions else None
+    proportional = scaling is not None and scaling["rope_type"] == "proportional"
+    interleaved = not proportional and rand.draw("interleaved", [False, True])
+    rotary_dim = None if proportional else rand.draw("rotary_dim", [head_dim, head_dim // 2, 32])
+    table_dtype = F32 if from_positions else rand.draw("table_dtype", [dtype, F32])
+    q_shape, k_shape = _shapes(layout, batch, seq, hq, hk, head_dim)
+    q, k = rand.normal(q_shape, dtype, scale=2.0, offset=0.5), rand.normal(k_shape, dtype)
+    qw, kw_ = rand.normal((head_dim,), dtype), rand.normal((head_dim,), F32)
+    sublane = 16 if BF16 in (dtype, table_dtype) else 8  # whole sublane tiles of every blocked array
+    small = seq >= sublane and rand.draw("blocks", ["tuned", "small"]) == "small"
+    blocks = RotaryBlocks(block_batch=1, block_seq=sublane) if small else None
+    norm_kw = dict(eps=1e-6, weight_offset=rand.draw("weight_offset", [0.0, 1.0])) if norm else {}
+    ref_kw = dict(interleaved=interleaved, layout=layout)
+    if from_positions:
+        positions = rand.integers(0, 40000, (rand.draw("position_rows", [1, batch]), seq))
+        options = dict(theta=1e4, rotary_dim=rotary_dim, scaling=scaling, **ref_kw)
+        cos, sin = _reference_tables(
+            positions, head_dim=head_dim, theta=1e4, rotary_dim=rotary_dim, scaling=scaling, interleaved=interleaved
+        )
+        tables = (positions,)
+        # f32 angles up to 4e4 rad: the kernel's cos/sin and XLA's differ in the last bits
+        tol = dict(rtol=1e-4, atol=1e-3) if dtype == F32 else {}
+    else:
+        table_rows = rand.draw("table_batch", [1, batch])
+        cos, sin = (rand.normal((table_rows, seq, rotary_dim), table_dtype) for _ in range(2))
+        options, tables, tol = ref_kw, (cos, sin), {}
+
+    def kernel_op(q, k, qw, kw_, *tables):
+        weights = (qw, kw_) if norm else ()
+        return ROTARY_OPS[from_positions, norm](q, k, *weights, *tables, **options, **norm_kw, blocks=blocks)
+
+    def reference_op(q, k, qw, kw_, *tables):
+        c, s = (cos, sin) if from_positions else tables
+        if norm:
+            return reference.rms_norm_rope_reference(q, k, qw, kw_, c, s, **norm_kw, **ref_kw)
+        return reference.apply_rotary_reference(q, k, c, s, **ref_kw)
+
+    args = (q, k, qw, kw_, *tables)
+    if not gradients:
+        ladder.check_against_reference(
+            kernel_op, reference_op, args, dtype=dtype, rand=rand, names=["q", "k"], jit_kernel=True, **tol
+        )
+        return
+    names = {0: "d q", 1: "d k"} | ({2: "d q_weight", 3: "d k_weight"} if norm else {})
+    argnums, names = ladder.differentiated(args, names | ({} if from_positions else {4: "d cos", 5: "d sin"}))
+    # the weights' and the tables' gradients sum over tokens and heads: bounded relative to the summed terms
+    atol = 6e-2 if dtype == BF16 else 2e-4
+    ladder.check_gradients(
+        kernel_op,
+        reference_op,
+        args,
+        argnums=argnums,
+        names=names,
+        rand=rand,
+        dtype=dtype,
+        atol=ladder.relative_to_largest(atol, 2e-5),
+        rtol=1e-4 if dtype == F32 else None,
+    )
+
+
 # ------------------------------------------------------------------------------------------------------ bad input
 BadInput = ladder.BadInput
 # bhsd f32, 32 + 32 heads x 128, cos/sin f32: 194 KiB of VMEM a token (blocks double-buffered, f32 temporaries), so
