@@ -3,6 +3,8 @@
 #   make bench   benchmark tables (measured on a TPU when present, modeled, roofline); add BENCH_ARGS=--full
 #   make bench-tpu  on a TPU host with jax installed (a TPU VM, no network needed): the measured tables with that
 #                host's own $(PYTHON), installing nothing; BENCH_TPU_ARGS (default --no-model) and BENCH_ARGS pass options
+#   make tpu-check  on a TPU host with jax installed: the on-chip correctness tier, every JAX kernel test compiled
+#                with Mosaic and run on the chip against its reference (docs/verification.md), installing nothing
 #   make build   the Hub package: build/torch-tpu/ and build/torch-cpu/
 #   make lint    ruff format --check and ruff check (configured in pyproject.toml); make test runs it first
 PYTHON ?= python3
@@ -16,7 +18,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: venv test bench bench-tpu tpu-host build lint clean
+.PHONY: venv test bench bench-tpu tpu-host tpu-check build lint clean
 
 venv: $(STAMP)
 
@@ -67,6 +69,23 @@ tpu-host:
 
 bench-tpu: tpu-host
 	$(TPU_HOST_ENV) $(PYTHON) -m benchmarks $(BENCH_TPU_ARGS) $(BENCH_ARGS)
+
+# The on-chip tier on a TPU host's own Python, as bench-tpu: TPU_KERNELS_ON_CHIP=1 makes tests/conftest.py collect the
+# JAX kernel tests only, deselect those marked cpu_only and refuse a host whose jax finds no TPU. One process holds the
+# chip (no xdist). Tests still to start after TPU_CHECK_BUDGET_S seconds are skipped, so that a run under a time limit
+# ends with its summary ("on-chip tier: N cases, F failures"); the log and a JUnit XML go to TPU_CHECK_OUT; every
+# compiled program is cached in build/tpu-check-cache for the next run. TPU_CHECK_ARGS: pytest options (-k, -x, paths);
+# TPU_KERNELS_SWEEP_DRAWS: the random draws per kernel family (default 8 on the chip).
+TPU_CHECK_BUDGET_S ?= 480
+TPU_CHECK_OUT ?= build/tpu-check
+tpu-check: SHELL := /bin/bash
+tpu-check: .SHELLFLAGS := -o pipefail -c
+tpu-check: tpu-host
+	@mkdir -p $(TPU_CHECK_OUT)
+	$(TPU_HOST_ENV) TPU_KERNELS_ON_CHIP=1 TPU_KERNELS_TIME_BUDGET_S=$(TPU_CHECK_BUDGET_S) \
+		JAX_COMPILATION_CACHE_DIR=$(CURDIR)/build/tpu-check-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+		$(PYTHON) -m pytest -p no:xdist -p no:cacheprovider --durations=20 --junitxml=$(TPU_CHECK_OUT)/tpu-check.xml \
+		$(TPU_CHECK_ARGS) 2>&1 | tee $(TPU_CHECK_OUT)/tpu-check.log
 
 clean:
 	rm -rf build .pytest_cache bench-results
