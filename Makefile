@@ -25,9 +25,9 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml scripts/requirements.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) scripts/requirements.py test bench | $(PY) -m pip install -q --no-compile -r /dev/stdin
+	$(PY) scripts/requirements.py --no-deps | $(PY) -m pip install -q --no-compile --no-deps -r /dev/stdin
 	$(PY) -m pip install -q --no-compile --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
-	$(PY) scripts/requirements.py --no-deps | $(PY) -m pip install -q --no-compile --no-deps -r /dev/stdin
 	touch $@
 
 lint: venv

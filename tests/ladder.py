@@ -20,6 +20,7 @@ A test of a kernel test module that calls a rung-1 helper runs on the chip too; 
 for (CURRENT_TEST), in `make test` as on the chip.
 """
 
+import contextlib
 import functools
 import os
 import secrets
@@ -365,12 +366,16 @@ _NEEDS_CONCRETE_VALUES = (
 def run_reference(reference_fn, *args):
     """reference_fn(*args), jitted: one XLA compile for the whole reference instead of one per jnp op, which is what
     an eager reference costs on each new shape (most of a reference check's time). Non-array arguments are static.
-    A reference that needs concrete values runs eagerly."""
+    A reference that needs concrete values runs eagerly. On the chip its matmuls run at full float32 precision: XLA's
+    default there is one bfloat16 pass for float32 operands, about 1e-3 off, which no float32 tolerance would take
+    (the first chip run's float32 attention checks failed by 3e-3 against a 1e-5 bound); on a CPU they are float32
+    already."""
     static = tuple(i for i, a in enumerate(args) if isinstance(a, (bool, int, float, str, tuple)))
-    try:
-        return jax.jit(reference_fn, static_argnums=static)(*args)
-    except _NEEDS_CONCRETE_VALUES:
-        return reference_fn(*args)
+    with jax.default_matmul_precision("highest") if ON_CHIP else contextlib.nullcontext():
+        try:
+            return jax.jit(reference_fn, static_argnums=static)(*args)
+        except _NEEDS_CONCRETE_VALUES:
+            return reference_fn(*args)
 
 
 def check_against_reference(
