@@ -196,7 +196,6 @@ def test_vllm_rpa_wrapper_reads_our_cache_in_its_layout(rand, monkeypatch, optio
     them. The stand-in writes the step's new K/V (from our caches) into its cache as the kernel would with
     update_kv_cache; the wrapper asks for none, and reading the same values back is a no-op."""
     from benchmarks.ops import paged_attention
-    from tpu_kernels_jax.paged_attention.reference import ragged_paged_attention_reference
 
     rpa = _vllm.kernel_module(paged_attention.VLLM_RPA)
     base = dict(q_lens=(1, 1, 1, 7, 16), contexts=(40, 17, 33, 64, 30), page_size=16, pages_per_seq=4, num_pages=24)
@@ -238,18 +237,7 @@ def test_vllm_rpa_wrapper_reads_our_cache_in_its_layout(rand, monkeypatch, optio
     monkeypatch.setattr(rpa, "ragged_paged_attention", kernel_stand_in)
     got = paged_attention.vllm_rpa_on_cache(q, paged_attention.to_vllm_cache(k, v), kv_lens, pages, cu, cfg=cfg)
     assert len(calls) == 1
-    want = ragged_paged_attention_reference(
-        q,
-        k,
-        v,
-        kv_lens,
-        pages,
-        cu,
-        softmax_scale=cfg.softmax_scale,
-        window_size=cfg.window_size,
-        k_scale=cfg.kv_scale,
-        v_scale=cfg.kv_scale,
-    )
+    want = paged_attention.reference_attention(q, k, v, kv_lens, pages, cu, cfg=cfg)
     assert got.shape == want.shape and bool(jnp.isfinite(got.astype(jnp.float32)).all())
     # tpu-inference's reference rounds the scores to bf16 and the probabilities to the cache dtype (fp8: 3 mantissa
     # bits), ours keeps them in f32: ~0.007 apart on average with an fp8 cache (outputs ~0.3); K and V swapped, 0.46

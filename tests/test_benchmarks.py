@@ -368,7 +368,6 @@ def test_paged_xla_path_equals_the_reference(rand, options):
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa_kernel
 
     from benchmarks.ops import paged_attention
-    from tpu_kernels_jax.paged_attention.reference import ragged_paged_attention_reference
 
     cfg = _paged_config(**options)
     n = len(cfg.q_lens)
@@ -384,19 +383,7 @@ def test_paged_xla_path_equals_the_reference(rand, options):
     # jitted as the suite compiles it: one XLA:CPU program instead of every op of it compiled on its own
     xla_attention = jax.jit(functools.partial(paged_attention.xla_attention, cfg=cfg))
     got = xla_attention(q, caches, kv_lens, pages, cu, num_seqs)
-    scale = cfg.kv_scale
-    want = ragged_paged_attention_reference(
-        q,
-        k,
-        v,
-        kv_lens,
-        pages,
-        cu,
-        softmax_scale=cfg.softmax_scale,
-        window_size=cfg.window_size,
-        k_scale=scale,
-        v_scale=scale,
-    )
+    want = paged_attention.reference_attention(q, k, v, kv_lens, pages, cu, cfg=cfg)
     assert got.shape == want.shape and bool(jnp.isfinite(got.astype(jnp.float32)).all())
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
     if not options:
@@ -412,8 +399,8 @@ def test_paged_xla_path_equals_the_reference(rand, options):
         num_seqs,
         sm_scale=cfg.softmax_scale,
         sliding_window=cfg.window if cfg.window > 0 else None,
-        k_scale=scale,
-        v_scale=scale,
+        k_scale=cfg.kv_scale,
+        v_scale=cfg.kv_scale,
     )
     np.testing.assert_allclose(np.asarray(jax_ref, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
 

@@ -353,6 +353,25 @@ def _xla_chunks(cfg: Config):
     return out
 
 
+def reference_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, *, cfg: Config):
+    """The kernels' own f32 reference at a case's options (scale, window, fp8 scales): what the tests hold every
+    implementation of the suite to."""
+    from tpu_kernels_jax.paged_attention.reference import ragged_paged_attention_reference
+
+    return ragged_paged_attention_reference(
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        softmax_scale=cfg.softmax_scale,
+        window_size=cfg.window_size,
+        k_scale=cfg.kv_scale,
+        v_scale=cfg.kv_scale,
+    )
+
+
 def xla_attention(q, caches, kv_lens, page_indices, cu_q_lens, num_seqs, *, cfg: Config):
     """Gather, then attention, per static chunk of sequences (query offsets from cfg.q_lens, known at trace time)."""
     k_cache, v_cache = caches["flash"]
