@@ -107,16 +107,37 @@ def _chunk_rows(ref, c, chunks: int, rows: int):
     return out
 
 
+SCALE_ROW_TILE = 8  # sublanes of an f32 tile: the scales' expert row is read from the aligned tile holding it
+
+
+def _expert_row(ref, e, lanes: slice):
+    """Expert e's row of the f32 scales `ref` [E8, N] (in VMEM, E8 a multiple of SCALE_ROW_TILE) at static lanes:
+    the aligned 8-row tile holding row e is loaded and row e % 8 selected out of it (Mosaic on the v5e's libtpu
+    rejects a one-row load at a dynamic, unaligned sublane index: "dynamic load with unaligned indices"). The select
+    adds only zeros, so the row comes out exact."""
+    base = pl.multiple_of((e // SCALE_ROW_TILE) * SCALE_ROW_TILE, SCALE_ROW_TILE)
+    tile = ref[pl.ds(base, SCALE_ROW_TILE), lanes]
+    sublane = jax.lax.broadcasted_iota(jnp.int32, tile.shape, 0)
+    return jnp.sum(jnp.where(sublane == e % SCALE_ROW_TILE, tile, 0.0), axis=0, keepdims=True)
+
+
 def _chunk_columns(ref, e, c, stream: WeightStream, chunks: int, width: int):
-    """Columns [(c + offset) * width, ...) of expert e's row of the scales `ref` [E, N] (all in VMEM), for chunk c:
+    """Columns [(c + offset) * width, ...) of expert e's row of the scales `ref` [E8, N] (all in VMEM), for chunk c:
     a chain of selects over static lane slices (Mosaic slices lanes at static offsets only, and a (1, width) block of
     its own would need width to be whole lane tiles, which would rule out chunks such as Gemma 4's 352 of I = 704)."""
     start = stream.block_offset * width
-    out = ref[pl.ds(e, 1), start : start + width]
+    out = _expert_row(ref, e, slice(start, start + width))
     for ci in range(1, chunks):
         lo = start + ci * width
-        out = jnp.where(c == ci, ref[pl.ds(e, 1), lo : lo + width], out)
+        out = jnp.where(c == ci, _expert_row(ref, e, slice(lo, lo + width)), out)
     return out
+
+
+def _rows_to_tile(scale):
+    """[E, N] scales padded with rows up to a multiple of SCALE_ROW_TILE (a copy only where E is not one already:
+    no model with such an expert count is known, but the kernel must read whole aligned tiles)."""
+    pad = -scale.shape[0] % SCALE_ROW_TILE
+    return scale if pad == 0 else jnp.pad(scale, ((0, pad), (0, 0)))
 
 
 def _scaled(scale_row, weight_dtype):
@@ -229,7 +250,7 @@ def _fused_kernel(
     else:
         y = _contract(h, down_ref[...], 1, down_i_axis - 1, down_dtype)  # [T, H] f32
     if has_down_scale and not is_mxfp4:
-        y = y * _scaled(down_scale_ref[pl.ds(e, 1), :], down_ref.dtype)
+        y = y * _scaled(_expert_row(down_scale_ref, e, slice(None)), down_ref.dtype)
     if has_down_bias:
         y = y + jnp.where(c == 0, 1.0, 0.0) * down_bias_ref[...].astype(jnp.float32)  # once per expert
     acc_ref[...] += jnp.where(routed, coefficient * y, 0.0)
@@ -264,13 +285,13 @@ def experts_forward_small_batch(
 ):
     """out [T, H] in hidden_states' dtype. gate_up / down are in their stored orientation, described by up_streams
     (one WeightStream per gate/up operand: two for a concatenated gate, one interleaved or without a gate) and
-    down_i_axis; tc
-    divides `intermediate`. Biases (or None): gate_up_bias [E, 1, N], down_bias [E, 1, H]. Validated by api.py and
-    chosen by tuning.py. Quantized (int8 / float8_e4m3fn) weights come with f32 per-column scales gate_up_scale
-    [E, N] and down_scale [E, H], each whole in VMEM (read once a call: a per-expert [E, 1, N] view would cost XLA a
-    relayout copy of each, ~7 us modeled v6e at Qwen3's sizes); their blocks are cast to the activations' dtype.
-    MXFP4 (uint8) weights: both, in mxfp4.prepare's layout (up_streams on lanes, down_i_axis 1, tc a multiple of 64
-    or I), with their e8m0 scales gate_up_scale [E, S(H), N] and down_scale [E, S(I), H] (see the module docstring)."""
+    down_i_axis; tc divides `intermediate`. Biases (or None): gate_up_bias [E, 1, N], down_bias [E, 1, H]. Validated
+    by api.py and chosen by tuning.py. Quantized (int8 / float8_e4m3fn) weights come with f32 per-column scales
+    gate_up_scale [E, N] and down_scale [E, H], each whole in VMEM (rows padded to a multiple of 8; read once a call:
+    a per-expert [E, 1, N] view would cost XLA a relayout copy of each, ~7 us modeled v6e at Qwen3's sizes); their
+    blocks are cast to the activations' dtype. MXFP4 (uint8) weights: both, in mxfp4.prepare's layout (up_streams on
+    lanes, down_i_axis 1, tc a multiple of 64 or I), with their e8m0 scales gate_up_scale [E, S(H), N] and down_scale
+    [E, S(I), H] (see the module docstring)."""
     tokens, hidden = hidden_states.shape
     num_experts = gate_up.shape[0]
     experts, count = touched.touched_experts(top_k_index, num_experts)
@@ -291,6 +312,7 @@ def experts_forward_small_batch(
             in_specs.append(_weight_spec(gate_up_scale.shape, s, tc))
             operands.append(gate_up_scale)
     elif gate_up_scale is not None:  # whole, fetched once; each step selects its expert's row and chunk's columns
+        gate_up_scale = _rows_to_tile(gate_up_scale)
         in_specs.append(whole(gate_up_scale.shape))
         operands.append(gate_up_scale)
     if gate_up_bias is not None:
@@ -320,6 +342,7 @@ def experts_forward_small_batch(
         in_specs.append(_weight_spec(down.shape, WeightStream(down_i_axis), tc))
         operands.append(down)
         if down_scale is not None:
+            down_scale = _rows_to_tile(down_scale)
             in_specs.append(whole(down_scale.shape))
             operands.append(down_scale)
     if down_bias is not None:
