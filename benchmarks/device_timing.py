@@ -136,6 +136,16 @@ def _time_case(case, plan: _Plan, make_args, pool, calls: int, labels: dict) -> 
     return results, phases
 
 
+def case_line(case_id: str, phases: dict, results: dict) -> str:
+    """One log line for a timed case: its host seconds by phase and how many implementations ran, failed or did
+    not apply."""
+    ran = sum("median_s" in r for r in results.values())
+    failed = sum("error" in r for r in results.values())
+    na = sum("na" in r for r in results.values())
+    spent = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.1f} s" for k, v in phases.items())
+    return f"  {case_id}: {ran} timed, {failed} failed, {na} n/a; host {spent}"
+
+
 def run(
     cases: list[_suite.Case],
     make_args,
@@ -162,6 +172,8 @@ def run(
                 stats[(case.id, impl)] = entry
             if phases is not None:
                 phases[case.id] = case_phases
+            if bar is not None and hasattr(bar, "write"):  # where a slow run's host time goes, as it goes
+                bar.write(case_line(case.id, case_phases, results))
             for impl in case.op.impls(case.shape):  # drop the case's executables: their memory is the host's
                 plan.compiles.pop((case.id, impl), None)
             if bar is not None:

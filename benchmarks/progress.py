@@ -1,5 +1,5 @@
 """The progress bar of long benchmark runs: tqdm's, or where tqdm is not installed (a TPU host used as it is), a
-plain line per step on stderr with the same interface (total, update, set_description, refresh)."""
+plain line per step on stderr with the same interface (total, update, set_description, refresh, write)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ class PlainBar:
 
     def refresh(self) -> None:
         pass
+
+    def write(self, text: str) -> None:
+        print(text, file=self.file, flush=True)
 
     def update(self, n: int = 1) -> None:
         self.n += n

@@ -48,6 +48,37 @@ def test_named_functions_compile_to_modules_of_that_name():
     assert f"jit_{name}" in lowered.as_text()
 
 
+def test_device_times_trace_the_device_alone_and_fall_back_to_the_defaults(monkeypatch):
+    """The trace asks for no host or Python tracer (they would record every compile thread's calls); a profiler that
+    gives no device plane under those options is traced again with jax's defaults, for the rest of the process."""
+    options = profiler.lean_options()
+    assert (options.host_tracer_level, options.python_tracer_level) == (0, 0)
+    seen = []
+
+    def trace(programs, calls, opts):
+        seen.append(opts)
+        if opts is not None:
+            raise RuntimeError(f"the profile has no plane {profiler.DEVICE_PLANE!r} (planes: ['/host:CPU'])")
+        return {p.name: [1000.0 * (i + 1)] * calls for i, p in enumerate(programs)}
+
+    monkeypatch.setattr(profiler, "_trace", trace)
+    monkeypatch.setattr(profiler, "_LEAN", {"works": True})
+    programs = [profiler.Program(profiler.program_name(i), None, ()) for i in (1, 2)]
+    times = profiler.device_times(programs, 3)
+    assert list(times) == [p.name for p in programs]
+    assert times[programs[0].name] == pytest.approx([1e-6] * 3) and times[programs[1].name] == pytest.approx([2e-6] * 3)
+    assert profiler.device_times(programs, 3)[programs[1].name] == pytest.approx([2e-6] * 3)
+    assert [o is None for o in seen] == [False, True, True]  # the lean trace tried once, then the defaults
+
+    def broken(programs, calls, opts):
+        raise RuntimeError("the trace holds 0 executions")
+
+    monkeypatch.setattr(profiler, "_trace", broken)
+    monkeypatch.setattr(profiler, "_LEAN", {"works": True})
+    with pytest.raises(RuntimeError, match="0 executions"):  # any other failure is not taken for a missing plane
+        profiler.device_times(programs, 3)
+
+
 # A tiny suite of plain-XLA implementations (this machine compiles no Mosaic kernel to run): the kernel, the default,
 # a baseline that fails to trace and one that does not apply.
 def _kernel(x):
@@ -205,3 +236,13 @@ def test_every_program_compiles_ahead_and_the_host_time_is_accounted(fake_chip, 
     assert all(stats[(c.id, impl)]["median_s"] > 0 for c in cases for impl in ("kernel", "default"))
     assert set(phases) == {c.id for c in cases}
     assert all(set(p) == set(device_timing.PHASES) and p["trace_s"] >= 0 for p in phases.values())
+
+
+def test_each_timed_case_logs_where_its_host_time_went():
+    results = {"kernel": {"median_s": 1e-6}, "default": {"median_s": 2e-6}, "x": {"error": "oom"}, "y": {"na": "no"}}
+    phases = {"inputs_s": 0.25, "compile_wait_s": 3.0, "first_run_s": 0.5, "trace_s": 1.25}
+    line = device_timing.case_line("rms_norm tokens=8", phases, results)
+    assert line == (
+        "  rms_norm tokens=8: 2 timed, 1 failed, 1 n/a; host inputs 0.2 s, compile wait 3.0 s, first run 0.5 s, "
+        "trace 1.2 s"
+    )
