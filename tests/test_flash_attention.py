@@ -207,6 +207,48 @@ def test_gradients_match_reference(rand, feature):
     )
 
 
+# (Sq, Sk): fewer query or key rows than a sublane tile, against a wider other side (the api pads them: MIN_ROWS).
+FEW_ROWS = [(7, 1), (1, 5), (130, 1)]
+
+
+@pytest.mark.parametrize("sq,sk", FEW_ROWS, ids=[f"sq{a}_sk{b}" for a, b in FEW_ROWS])
+def test_few_rows_on_either_side(rand, sq, sk):
+    """One key under seven (or 130) query rows, one query row over five keys, bfloat16 with a window and sinks:
+    forward and gradients against the reference, packed (varlen) too."""
+    q, k, v = _inputs(rand, 1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16)
+    sinks = rand.normal((4,), scale=2.0)
+    options = dict(window_size=(90, 0))
+    bf16_tol = dict(atol=ladder.relative_to_largest(5e-2, 2**-8), rtol=5e-2)
+    ladder.check_gradients(
+        lambda q, k, v, s: tk.flash_attention(q, k, v, sinks=s, **options),
+        lambda q, k, v, s: attention_reference(q, k, v, sinks=s, **options),
+        (q, k, v, sinks),
+        argnums=(0, 1, 2, 3),
+        rand=rand,
+        dtype=jnp.bfloat16,
+        names=["dq", "dk", "dv", "dsinks"],
+        **bf16_tol,
+    )
+    cu_q, cu_k = jnp.asarray([0, sq], jnp.int32), jnp.asarray([0, sk], jnp.int32)
+    ladder.check_against_reference(
+        lambda q, k, v, s: tk.flash_attention_varlen(q, k, v, cu_q, cu_k, sq, sk, sinks=s, **options),
+        lambda q, k, v, s: varlen_attention_reference(q, k, v, cu_q, cu_k, sinks=s, **options),
+        (q[0], k[0], v[0], sinks),
+        dtype=jnp.bfloat16,
+        rand=rand,
+        jit_kernel=True,
+    )
+
+
+@pytest.mark.cpu_only
+def test_few_rows_compile_for_tpu():
+    """A one-row block against a wider one fails Pallas's matmul lowering (the api pads such sides to MIN_ROWS):
+    the forward and the backward at one key under seven query rows, and one query row over five keys, on v5e."""
+    for sq, sk in [(7, 1), (1, 5)]:
+        q, kv = ((1, sq, 4, 64), jnp.bfloat16), ((1, sk, 2, 64), jnp.bfloat16)
+        ladder.compile_for_tpu(_grad_fn(window_size=(90, 0)), "v5e", q, kv, kv, label=f"few rows {sq}x{sk}")
+
+
 # (D, Dv, Hq, Hkv, options, blocks): GQA 8 with a narrower V head dim under a causal mask, the backward on blocks of
 # its own (OWN_BACKWARD: one query block of 256 against the forward's two of 128, its heads as they lie); head dim
 # 256 (Gemma 4 sliding's) with all 8 kv heads a step, as Gemma 4 sliding takes them (q, K, V, dq, dk and dv as they

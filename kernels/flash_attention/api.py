@@ -21,6 +21,18 @@ from .tuning import FlashAttentionBlocks
 # visit); beyond this, larger blocks are needed.
 MAX_VISITS = 32768
 
+# Query and key rows below this are padded up to it (padded query rows see no key, padded keys no query: the key
+# ranges of schedule.key_ranges end at the last sequence). A one-row block against a wider one trips Pallas's
+# matmul lowering (jax 0.10.2: "'vector.broadcast' op failed to verify that source operand and result have same
+# element type"), e.g. one key row under seven query rows; a sublane tile of rows is the smallest block either takes.
+MIN_ROWS = 8
+
+
+def _rows_at_least(x, rows: int):
+    """x [R, ...] with zero rows appended up to `rows` (x itself when it has as many)."""
+    pad = rows - x.shape[0]
+    return x if pad <= 0 else jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
+
 
 # ---------------------------------------------------------------------------------------------------- the kernels
 @dataclasses.dataclass(frozen=True)
@@ -289,8 +301,8 @@ def flash_attention(
     else:
         setup_for = functools.partial(
             _setup,
-            q_rows=batch * sq,
-            kv_rows=batch * sk,
+            q_rows=max(batch * sq, MIN_ROWS),
+            kv_rows=max(batch * sk, MIN_ROWS),
             hq=hq,
             hkv=hkv,
             d=d,
@@ -302,7 +314,8 @@ def flash_attention(
         )
         setup = setup_for(blocks)
         cu_q, cu_k = np.arange(batch + 1) * sq, np.arange(batch + 1) * sk
-        lo, hi = schedule.key_ranges(cu_q, cu_k, batch * sq, causal=causal, window_size=window, xp=np)
+        rows = max(batch * sq, MIN_ROWS)  # rows past batch * sq (MIN_ROWS' padding) see no key
+        lo, hi = schedule.key_ranges(cu_q, cu_k, rows, causal=causal, window_size=window, xp=np)
 
         def slots_of(setup):
             g = setup.backward
@@ -312,9 +325,9 @@ def flash_attention(
         if setup.fused:
             setup = _choose_backward(blocks, setup_for, setup, slots_of)
         out, lse = _call(
-            q.reshape(batch * sq, hq, d),
-            k.reshape(batch * sk, hkv, d),
-            v.reshape(batch * sk, hkv, dv),
+            _rows_at_least(q.reshape(batch * sq, hq, d), MIN_ROWS),
+            _rows_at_least(k.reshape(batch * sk, hkv, d), MIN_ROWS),
+            _rows_at_least(v.reshape(batch * sk, hkv, dv), MIN_ROWS),
             sinks,
             lo,
             hi,
@@ -323,6 +336,7 @@ def flash_attention(
             setup=setup,
             with_lse=return_lse,
         )
+        out, lse = out[: batch * sq], None if lse is None else lse[:, : batch * sq]
     out = out.reshape(batch, sq, hq, dv)
     if not return_lse:
         return out
@@ -372,6 +386,7 @@ def flash_attention_varlen(
     max_k = checks.check_max_seqlen("max_seqlen_k", max_seqlen_k, actual_k)
     if q_rows == 0 or kv_rows == 0:
         return _finish_varlen(*_empty_result(q_rows, hq, dv, dtype, sinks, return_lse, q.dtype), return_lse)
+    given_q_rows, q_rows, kv_rows = q_rows, max(q_rows, MIN_ROWS), max(kv_rows, MIN_ROWS)
     # a packed batch: the table's blocks are capped by its longest sequence (tuning.packed_block_cap)
     setup_for = functools.partial(
         _setup, q_rows=q_rows, kv_rows=kv_rows, hq=hq, hkv=hkv, d=d, dv=dv, dtype=dtype, scale=scale, softcap=softcap
@@ -408,9 +423,9 @@ def flash_attention_varlen(
         backward_size, slot_bound = bounds(setup.backward)
     lo, hi = schedule.key_ranges(cu_seqlens_q, cu_seqlens_k, q_rows, causal=causal, window_size=window)
     out, lse = _call(
-        q,
-        k,
-        v,
+        _rows_at_least(q, MIN_ROWS),
+        _rows_at_least(k, MIN_ROWS),
+        _rows_at_least(v, MIN_ROWS),
         sinks,
         lo,
         hi,
@@ -420,6 +435,7 @@ def flash_attention_varlen(
         with_lse=return_lse,
         slot_bound=slot_bound,
     )
+    out, lse = out[:given_q_rows], None if lse is None else lse[:, :given_q_rows]
     return _finish_varlen(out, lse, return_lse)
 
 
