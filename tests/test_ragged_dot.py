@@ -75,9 +75,12 @@ def reference_fn(**kw):
 @functools.partial(jax.jit, static_argnames=("rhs_transposed", "out_dtype"))
 def lax_ragged_dot(lhs, rhs, sizes, *, rhs_transposed, out_dtype):
     """XLA's ragged dot, f32 accumulation, rounded once to out_dtype (what the kernel does); one jitted program, not
-    an XLA compile per eager op."""
+    an XLA compile per eager op. Full precision for float32 operands only: bfloat16 products are exact in f32, and on
+    the v5e chip XLA's own ragged-dot kernel fails to compile bfloat16 operands at HIGHEST ("Bad lhs type"). Its rows
+    past sum(sizes) are unspecified (the v5e chip leaves values there): compare rows below it only."""
     w = jnp.swapaxes(rhs, 1, 2) if rhs_transposed else rhs
-    out = jax.lax.ragged_dot(lhs, w, sizes, preferred_element_type=F32, precision=jax.lax.Precision.HIGHEST)
+    precision = jax.lax.Precision.HIGHEST if jnp.promote_types(lhs.dtype, rhs.dtype) == F32 else None
+    out = jax.lax.ragged_dot(lhs, w, sizes, preferred_element_type=F32, precision=precision)
     return out.astype(out_dtype)
 
 
@@ -135,7 +138,12 @@ def test_ragged_dot_matches_reference_and_lax(rand, regime, case):
     assert out.shape == (m, n) and out.dtype == out_dtype
     expected = lax_ragged_dot(lhs, rhs, sizes, rhs_transposed=transposed, out_dtype=out_dtype)
     ladder.assert_close(
-        out, expected, dtype=out_dtype, what="vs lax.ragged_dot", context=f"{sizes} {rand}", **tolerance(out_dtype)
+        out[:fill],
+        expected[:fill],
+        dtype=out_dtype,
+        what="vs lax.ragged_dot",
+        context=f"{sizes} {rand}",
+        **tolerance(out_dtype),
     )
     assert all_zero(out, slice(fill, None)), f"rows past sum(group_sizes) = {fill} are not exactly zero ({rand})"
 
@@ -183,15 +191,15 @@ def test_special_group_layouts_and_static_grid(rand):
         out = ladder.run_kernel(grids[static], lhs, rhs, sizes)
         context = f"{kind} {sizes} {rand}"
         ladder.assert_close(out, reference(lhs, rhs, sizes), dtype=F32, context=context, **F32_TOL)
+        fill = int(sizes.sum())
         ladder.assert_close(
-            out,
-            lax_ragged_dot(lhs, rhs, sizes, rhs_transposed=True, out_dtype=F32),
+            out[:fill],
+            lax_ragged_dot(lhs, rhs, sizes, rhs_transposed=True, out_dtype=F32)[:fill],
             dtype=F32,
             what="vs lax.ragged_dot",
             context=context,
             **F32_TOL,
         )
-        fill = int(sizes.sum())
         assert all_zero(out, slice(fill, None)), f"{kind}: rows past the groups are not exactly zero"
     assert bool(np.all(np.asarray(dynamic) == np.asarray(out))), (
         f"static and dynamic grids differ ({random_sizes}, {rand})"
@@ -745,6 +753,8 @@ SMALL_BLOCK_COMPILES = [
         BF16,
         dict(rhs_transposed=True, gated="concatenated"),
     ),
+    # a float16 result (and so a float16 cotangent in the backward): Mosaic packs no float16 on v5e or v6e
+    ("bf16-t-to-f16", (7, 128), (5, 256, 128), BF16, dict(rhs_transposed=True, preferred_element_type=F16)),
 ]
 
 

@@ -74,6 +74,21 @@ def transposed_metadata(group_sizes, *, m, tm, group_offset, num_local_groups):
     return meta, nv.astype(jnp.int32), V
 
 
+def float16_through_float32(fn):
+    """fn (a kernel wrapper taking arrays positionally and `out_dtype`) with no float16 reaching Mosaic, which neither
+    packs nor unpacks it on v5e or v6e ("failed to legalize operation 'tpu.pack_subelements'"): float16 operands
+    enter as float32, and a float16 result is written as float32 and rounded by XLA (one more pass over it)."""
+
+    @functools.wraps(fn)
+    def wrapper(*arrays, out_dtype, **kwargs):
+        arrays = [a.astype(jnp.float32) if a.dtype == jnp.float16 else a for a in arrays]
+        if jnp.dtype(out_dtype) != jnp.float16:
+            return fn(*arrays, out_dtype=out_dtype, **kwargs)
+        return fn(*arrays, out_dtype=jnp.float32, **kwargs).astype(jnp.float16)
+
+    return wrapper
+
+
 def matmul_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
@@ -240,6 +255,7 @@ def _forward_kernel(
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
 
+@float16_through_float32
 def ragged_dot_forward(
     lhs,
     rhs,
@@ -422,6 +438,7 @@ def _transposed_kernel(meta_ref, a_ref, b_ref, out_ref, acc_ref, *, V, tm, compu
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
+@float16_through_float32
 def transposed_ragged_dot(a, b, group_sizes, *, out_dtype, blocks, group_offset, num_local_groups, static_grid=False):
     """out [n_local, P, Q]: out[j] = a[rows of local group j]^T @ b[rows of local group j]; zero for empty groups.
 
