@@ -348,6 +348,13 @@ def relative_to_largest(atol: float, fraction: float):
     return lambda expected: atol + fraction * float(np.max(np.abs(_as_f32_numpy(expected)), initial=0.0))
 
 
+# On the chip, float32 gradient bounds are this many times wider. Mosaic's float32 matmuls there are multi-pass
+# bfloat16 (about 1e-5 relative a product) and a gradient sums hundreds of rows' products: the first clean on-chip run
+# put 1 to 12 elements in 1e5 of four float32 attention gradients (dk / dv) at 1.4-1.7e-4 from the reference, against
+# a 1e-4 bound; the forward's float32 checks hold their interpret-mode bounds.
+CHIP_F32_GRADIENT_SLACK = 3.0
+
+
 def _resolved(tolerance: dict, expected) -> dict:
     """{"atol": ..., "rtol": ...} with each value given as a number, None (the dtype's), or a function of the
     expected array (a bound relative to the size of the summed terms), evaluated."""
@@ -483,6 +490,8 @@ def check_gradients(kernel_fn, reference_fn, args, *, argnums, rand, dtype, name
             tol_a = atol.get(name) if isinstance(atol, dict) else atol
             tol_r = rtol.get(name) if isinstance(rtol, dict) else rtol
             tolerance = _resolved(dict(atol=tol_a, rtol=tol_r), e)
+            if ON_CHIP and jnp.dtype(dtype) == jnp.float32:
+                tolerance = {k: None if v is None else v * CHIP_F32_GRADIENT_SLACK for k, v in tolerance.items()}
             assert_close(a, e, dtype=dtype, what=name + drawn, context=repr(rand), **tolerance)
         return actual
 

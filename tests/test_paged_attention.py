@@ -251,7 +251,7 @@ def test_run_time_num_seqs_ignores_the_rest(rand):
     pages_bad = pages.at[2:].set(-7)
     kernel = _jit(functools.partial(tk.ragged_paged_attention, blocks=BLOCKS))
     out = ladder.run_kernel(kernel, q, k, v, kv_bad, pages_bad, cu, jnp.asarray([2], jnp.int32))
-    expected = ragged_paged_attention_reference(q, k, v, kv_lens, pages, cu, 2)
+    expected = ladder.run_reference(ragged_paged_attention_reference, q, k, v, kv_lens, pages, cu, 2)
     ladder.assert_close(out, expected, dtype=jnp.float32, what="out", context=repr(rand), **F32_TOL)
     assert not np.asarray(out[3:]).any(), "rows of ignored sequences must be zeros"
 
@@ -268,7 +268,7 @@ def test_broken_device_metadata_stays_in_bounds(rand):
     blocks = tk.PagedAttentionBlocks(queries_per_block=4, pages_per_block=2)  # rows 0-3 (broken), 4-7 (sound)
     kernel = _jit(functools.partial(tk.ragged_paged_attention, blocks=blocks))
     out = ladder.run_kernel(kernel, q, k, v, kv_bad, pages_bad, cu)
-    expected = ragged_paged_attention_reference(q, k, v, kv_lens, pages, cu)
+    expected = ladder.run_reference(ragged_paged_attention_reference, q, k, v, kv_lens, pages, cu)
     ladder.assert_close(out[4:6], expected[4:6], dtype=jnp.float32, what="sound rows", context=repr(rand), **F32_TOL)
 
 
