@@ -8,13 +8,15 @@ apart, never mixed into the device time.
 Compiling is most of a run's host time (a flash attention backward or a baseline's kernel takes seconds), so every
 program of the run is compiled ahead, on a pool of threads (XLA and Mosaic compile outside the GIL), from its inputs'
 shapes alone (`jax.eval_shape` of the case's input builder): while one case runs on the chip the later ones compile.
+Their tracing and lowering (Python, under the GIL) stay on the thread that runs the chip (_Plan).
 Device times are unaffected (a program's device time does not depend on what the host does meanwhile); compile times
 are host seconds under that concurrency, and the JSON says with how many threads. A case's inputs are built just
 before it runs and freed after it, so one case's inputs at a time sit in HBM.
 
 An implementation that cannot run at a case shows why: "na" (the op says it does not apply, e.g. a baseline's
 unsupported shape or a package that is not installed) or "error" (its compile or run raised: a VMEM OOM, say).
-Where the host's time went (inputs, waiting on compiles, first runs, profiler traces) is returned per case as well.
+Where the host's time went (lowering, inputs, waiting on compiles, first runs, profiler traces) is returned per case
+as well.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from . import suite as _suite
 
 CALLS = 20  # timed executions per program (the median is stable to ~1 % from 20)
 COMPILE_WORKERS = max(1, min(12, (os.cpu_count() or 2) - 1))  # leave a core to the thread that runs the chip
-PHASES = ("inputs_s", "compile_wait_s", "first_run_s", "trace_s")
+PHASES = ("lower_s", "inputs_s", "compile_wait_s", "first_run_s", "trace_s")
 
 
 def reason(e: BaseException, limit: int = 300) -> str:
@@ -39,26 +41,40 @@ def reason(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _compile(fn, name: str, args):
-    """(compiled, name, host seconds) of jax.jit(fn) under `name` for `args` (arrays or their ShapeDtypeStructs)."""
+def _lower(fn, name: str, args):
+    """(lowered, host seconds) of jax.jit(fn) under `name` for `args` (arrays or their ShapeDtypeStructs): the
+    tracing and lowering, Python that holds the GIL, done on the thread that runs the chip."""
     import jax
 
     start = time.perf_counter()
-    compiled = jax.jit(profiler.named(fn, name)).lower(*args).compile()
-    return compiled, name, time.perf_counter() - start
+    lowered = jax.jit(profiler.named(fn, name)).lower(*args)
+    return lowered, time.perf_counter() - start
+
+
+def _compile(lowered, name: str, lower_s: float):
+    """(compiled, name, lower seconds, compile seconds): XLA's and Mosaic's compile, which releases the GIL."""
+    start = time.perf_counter()
+    return lowered.compile(), name, lower_s, time.perf_counter() - start
 
 
 class _Plan:
-    """The compiles of every runnable implementation of every case, submitted up front."""
+    """The programs of every runnable implementation of every case, lowered in case order on the calling thread and
+    compiled on the pool: those of the case about to run first, then enough of the later cases' to keep every
+    compile thread busy (`ahead` compiles in flight). Lowering stays off the compile threads: a thread tracing
+    Python there would take the GIL from the one building inputs and running the chip at every switch interval, which
+    made a case's inputs take 15-50 s instead of a fraction of one."""
 
-    def __init__(self, cases, make_args, pool):
+    def __init__(self, cases, make_args, pool, ahead: int):
         import jax
 
+        self.pool, self.ahead = pool, max(1, ahead)
         self.compiles: dict[tuple[str, str], concurrent.futures.Future] = {}
         self.results: dict[tuple[str, str], dict] = {}
         self.functions: dict[tuple[str, str], object] = {}
-        index = 0
-        for case in cases:
+        self.queue: list[tuple[int, tuple[str, str], object]] = []  # (case index, key, input specs) to lower
+        self.lower_s = 0.0  # lowering seconds since the last take_lower_s()
+        self.next_index = 0
+        for position, case in enumerate(cases):
             impls = case.op.impls(case.shape)
             runnable = []
             for impl, why_not in impls.items():
@@ -74,20 +90,46 @@ class _Plan:
                 specs = jax.eval_shape(lambda case=case: make_args(case))
             except Exception:  # noqa: BLE001 - this case compiles on its concrete inputs when it runs
                 continue
-            for impl in runnable:
-                index += 1
-                fn = self.functions[(case.id, impl)]
-                self.compiles[(case.id, impl)] = pool.submit(_compile, fn, profiler.program_name(index), specs)
-        self.next_index = index
+            self.queue += [(position, (case.id, impl), specs) for impl in runnable]
+
+    def submit(self, key, args) -> None:
+        """Lower one program here and hand its compile to the pool (a failure is kept as the future's)."""
+        self.next_index += 1
+        name = profiler.program_name(self.next_index)
+        try:
+            lowered, seconds = _lower(self.functions[key], name, args)
+        except Exception as e:  # noqa: BLE001 - reported with the implementation, as a compile failure is
+            future = concurrent.futures.Future()
+            future.set_exception(e)
+            self.compiles[key] = future
+            return
+        self.lower_s += seconds
+        self.compiles[key] = self.pool.submit(_compile, lowered, name, seconds)
+
+    def submit_through(self, position: int) -> None:
+        """Submit every program of the cases up to `position`, then later ones while fewer than `ahead` compiles
+        are in flight."""
+        in_flight = sum(not f.done() for f in self.compiles.values())
+        while self.queue and (self.queue[0][0] <= position or in_flight < self.ahead):
+            _, key, specs = self.queue.pop(0)
+            self.submit(key, specs)
+            in_flight += 1
+
+    def take_lower_s(self) -> float:
+        seconds, self.lower_s = self.lower_s, 0.0
+        return seconds
 
 
-def _time_case(case, plan: _Plan, make_args, pool, calls: int, labels: dict) -> tuple[dict, dict]:
-    """({impl: entry}, host seconds by phase) for one case: inputs, compiles, first runs, then one trace."""
+def _time_case(position, case, plan: _Plan, make_args, calls: int, labels: dict) -> tuple[dict, dict]:
+    """({impl: entry}, host seconds by phase) for one case: its programs (and the next ones') lowered, its inputs,
+    the compiles waited on, first runs, then one trace."""
     import jax
 
     phases = dict.fromkeys(PHASES, 0.0)
     results = {impl: entry for (case_id, impl), entry in plan.results.items() if case_id == case.id}
     runnable = [impl for (case_id, impl) in plan.functions if case_id == case.id]
+    plan.submit_through(position)
+    phases["lower_s"] = plan.take_lower_s()
     start = time.perf_counter()
     try:
         args = make_args(case)
@@ -95,16 +137,15 @@ def _time_case(case, plan: _Plan, make_args, pool, calls: int, labels: dict) -> 
     except Exception as e:  # noqa: BLE001 - the case's inputs did not build: every impl shows why
         return {**results, **{i: {"error": f"inputs: {reason(e)}"} for i in runnable}}, phases
     phases["inputs_s"] = time.perf_counter() - start
-    programs, compile_s = {}, {}
+    programs, compile_s, lower_s = {}, {}, {}
     for impl in runnable:
         key = (case.id, impl)
         try:
+            if key not in plan.compiles:  # its inputs' shapes could not be taken abstractly: the concrete ones
+                plan.submit(key, args)
+                phases["lower_s"] += plan.take_lower_s()
             start = time.perf_counter()
-            future = plan.compiles.get(key)
-            if future is None:  # its inputs' shapes could not be taken abstractly: compile on the concrete ones
-                plan.next_index += 1
-                future = pool.submit(_compile, plan.functions[key], profiler.program_name(plan.next_index), args)
-            compiled, name, seconds = future.result()
+            compiled, name, lowering, compiling = plan.compiles[key].result()
             phases["compile_wait_s"] += time.perf_counter() - start
             start = time.perf_counter()
             jax.block_until_ready(compiled(*args))  # the first run, outside the trace
@@ -113,7 +154,7 @@ def _time_case(case, plan: _Plan, make_args, pool, calls: int, labels: dict) -> 
             results[impl] = {"error": reason(e)}
             continue
         programs[impl] = profiler.Program(name, compiled, args)
-        compile_s[impl] = seconds
+        compile_s[impl], lower_s[impl] = lowering + compiling, lowering
     if programs:
         start = time.perf_counter()
         try:
@@ -131,6 +172,7 @@ def _time_case(case, plan: _Plan, make_args, pool, calls: int, labels: dict) -> 
                 "stddev_s": statistics.pstdev(t),
                 "rounds": len(t),
                 "compile_s": compile_s[impl],
+                "lower_s": lower_s[impl],
                 "timing": "device time (profiler)",
             }
     return results, phases
@@ -162,10 +204,10 @@ def run(
     {case id: host seconds by phase}."""
     stats = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, compile_workers)) as pool:
-        plan = _Plan(cases, make_args, pool)
-        for case in cases:
+        plan = _Plan(cases, make_args, pool, ahead=2 * max(1, compile_workers))
+        for position, case in enumerate(cases):
             labels = {impl: kernel_label if impl == "kernel" else default_label for impl in case.op.impls(case.shape)}
-            results, case_phases = _time_case(case, plan, make_args, pool, calls, labels)
+            results, case_phases = _time_case(position, case, plan, make_args, calls, labels)
             for impl, entry in results.items():
                 if "median_s" in entry:
                     entry["compile_workers"] = compile_workers

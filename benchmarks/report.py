@@ -75,11 +75,12 @@ def table_rows(result: dict) -> list[tuple[str, list[list[str]]]]:
     out = []
     for op, rows in by_op.items():
         names = _baseline_names(rows)
+        mixed = len({r["shape"].get("dtype") for r in rows}) > 1
         cells_list = []
         for r in rows:
             kernel, default = r["modeled_kernel"], r["modeled_default"]
             measured = (r["measured"] or {}).get("kernel")
-            shape = " ".join(f"{k}={v}" for k, v in r["shape"].items() if k != "dtype")
+            shape = " ".join(f"{k}={v}" for k, v in r["shape"].items() if mixed or k != "dtype")
             cells = [
                 shape,
                 _fmt(_us(measured), ",.1f"),
@@ -141,13 +142,14 @@ def measured_table_rows(result: dict) -> list[tuple[str, list[dict], list[list[s
         if not rows:
             continue
         impls = _measured_impls(rows)
+        mixed = len({r["shape"].get("dtype") for r in rows}) > 1  # a table of several dtypes: each row names its own
         cells_list = []
         for r in rows:
             m = r["measured"]
             kernel = m.get("kernel") or {}
             us = kernel.get("us")
             cells = [
-                " ".join(f"{k}={v}" for k, v in r["shape"].items() if k != "dtype"),
+                " ".join(f"{k}={v}" for k, v in r["shape"].items() if mixed or k != "dtype"),
                 _measured_cell(kernel),
                 _fmt(kernel.get("compile_s"), ".1f"),
                 _fmt((r.get("measured_roofline") or {}).get("us"), ",.1f"),
@@ -201,7 +203,7 @@ def format_measured(result: dict) -> list[str]:
             f"measured: {result['measured_label']} = median device time of {'/'.join(map(str, rounds))} calls "
             "(the profiler's XLA Modules events on the chip), every implementation in the same process on inputs "
             "built on the device; compile s = the first call's trace + lower + compile on the host"
-            + (f" ({workers[-1]} compile threads, overlapping the runs)" if workers else "")
+            + (f" (compiled on {workers[-1]} threads, overlapping the runs)" if workers else "")
             + "; % of roofline and % MXU peak on the measured chip's "
             + f"{(result.get('measured_chip') or {}).get('gen', '?')} figures."
         )
@@ -211,7 +213,7 @@ def format_measured(result: dict) -> list[str]:
         lines.append(
             f"host time of the {len(phases)} cases: "
             + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.0f} s" for k, v in total.items())
-            + " (compiles run ahead on threads: only the wait for them counts here)"
+            + " (compiles run ahead on threads: only the wait for them counts here; lower = tracing and lowering)"
         )
     if result.get("goal") and result.get("measured_targets"):
         lines.append(f"goal ({result['measured_label']}): {result['goal']}")

@@ -2,6 +2,7 @@
 orchestration (inputs, compiles, warm-up, n/a and failing implementations, the measured table) with the profiler's
 device times stood in for by known values, since this machine has no chip to trace."""
 
+import threading
 import types
 
 import jax
@@ -210,25 +211,28 @@ def test_docs_take_the_measured_tables_under_their_title(fake_chip, tmp_path):
 
 
 def test_every_program_compiles_ahead_and_the_host_time_is_accounted(fake_chip, monkeypatch):
-    """All programs are compiled (from the inputs' shapes) before the first case's inputs exist; each case's inputs
-    are built just before it runs; the host's time is returned by phase."""
+    """Programs are lowered on the calling thread (from the inputs' shapes), the run's first ones before the first
+    case's inputs exist, and compiled on the pool; each case's inputs are built just before it runs; the host's
+    time is returned by phase."""
     from benchmarks import measured
 
     cases = [suite.Case(OP, SHAPE), suite.Case(OP, shapes.Shape("tokens", 128, (("hidden", 256),), "bfloat16"))]
     compiled, built = [], []
-    compile_ = device_timing._compile
+    lower = device_timing._lower
+    caller = threading.get_ident()
 
-    def counting_compile(fn, name, args):
+    def counting_lower(fn, name, args):
         assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(args)), "compiled from shapes"
+        assert threading.get_ident() == caller, "lowered on the thread that runs the chip"
         compiled.append(name)
-        return compile_(fn, name, args)
+        return lower(fn, name, args)
 
     def make_args(case):
         if not isinstance(jnp.zeros(()), jax.core.Tracer):  # a real build, not eval_shape's abstract one
             built.append((len(fake_chip), len(compiled)))
         return measured.case_arrays(case)
 
-    monkeypatch.setattr(device_timing, "_compile", counting_compile)
+    monkeypatch.setattr(device_timing, "_lower", counting_lower)
     phases = {}
     stats = device_timing.run(cases, make_args, kernel_label="k", default_label="d", calls=2, phases=phases)
     assert len(compiled) == len(set(compiled)) == 6  # kernel, default and the broken baseline of both cases
@@ -246,3 +250,15 @@ def test_each_timed_case_logs_where_its_host_time_went():
         "  rms_norm tokens=8: 2 timed, 1 failed, 1 n/a; host inputs 0.2 s, compile wait 3.0 s, first run 0.5 s, "
         "trace 1.2 s"
     )
+
+
+def test_a_table_of_several_dtypes_names_each_rows_dtype(fake_chip, tmp_path):
+    """Rows of one op in two dtypes would read as the same shape twice: then each shape cell names its dtype."""
+    wide = shapes.Shape("tokens", 64, (("hidden", 256),), "float32")
+    config = harness.Config(out=tmp_path, model=False, calls=2)
+    mixed = harness.run_kernel("double", config, dev=TPU, shapes=[SHAPE, wide])
+    ((_, _, cells),) = report.measured_table_rows(mixed)
+    assert [row[0] for row in cells] == ["tokens=64 hidden=256 dtype=bfloat16", "tokens=64 hidden=256 dtype=float32"]
+    single = harness.run_kernel("double", config, dev=TPU, shapes=[SHAPE])
+    ((_, _, cells),) = report.measured_table_rows(single)
+    assert [row[0] for row in cells] == ["tokens=64 hidden=256"]
