@@ -46,7 +46,12 @@ def parse_args(argv=None):
     p.add_argument("--no-measure", action="store_true", help="model only; time nothing")
     p.add_argument("--no-model", action="store_true", help="measure only; no performance model")
     p.add_argument("--calls", type=int, default=None, help="on a TPU: timed calls per program (default 20)")
-    p.add_argument("--compile-workers", type=int, default=None, help="on a TPU: compile threads (default 4)")
+    p.add_argument(
+        "--compile-workers",
+        type=int,
+        default=None,
+        help="on a TPU: compile threads (default: half the cores, at most 8)",
+    )
     p.add_argument("--workers", type=int, default=None, help="parallel model chunks (default 2)")
     p.add_argument(
         "--sweep",

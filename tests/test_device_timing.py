@@ -2,6 +2,7 @@
 orchestration (inputs, compiles, warm-up, n/a and failing implementations, the measured table) with the profiler's
 device times stood in for by known values, since this machine has no chip to trace."""
 
+import concurrent.futures
 import threading
 import types
 
@@ -262,3 +263,15 @@ def test_a_table_of_several_dtypes_names_each_rows_dtype(fake_chip, tmp_path):
     single = harness.run_kernel("double", config, dev=TPU, shapes=[SHAPE])
     ((_, _, cells),) = report.measured_table_rows(single)
     assert [row[0] for row in cells] == ["tokens=64 hidden=256"]
+
+
+def test_compile_threads_run_below_the_thread_that_runs_the_chip():
+    """The pool's initializer raises its thread's niceness and leaves the calling thread's alone."""
+    import os
+
+    me = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with concurrent.futures.ThreadPoolExecutor(1, initializer=device_timing._lower_priority) as pool:
+        theirs = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    assert theirs == min(me + device_timing.COMPILE_NICE, 19)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == me
+    assert 1 <= device_timing.COMPILE_WORKERS <= 8
