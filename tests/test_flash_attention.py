@@ -392,6 +392,38 @@ def test_varlen_understated_max_seqlen_is_nan_not_wrong(rand):
     assert np.isnan(np.asarray(out)).all()
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("max_seqlen", [8, 200])
+def test_varlen_understated_max_seqlen_gradients_are_nan_or_right_in_bounds(rand, fused, max_seqlen):
+    """The backward under the same contract: one traced 512-row sequence against max_seqlen 8 or 200 (causal,
+    blocks 128 x 128). No kernel indexes outside a buffer (strict interpret mode raises on an out-of-bounds block:
+    the fused dk/dv kernel's dq slots did, past the last slot), and the gradients are every one NaN where a list
+    overflowed (the fused backward's dq slots, sized by max_seqlen, always do here), else right: the unfused lists
+    are bounded by the blocks too and may still hold every visit."""
+    q, k, v = (rand.normal((512, 1, 64)) for _ in range(3))
+    cu = jnp.asarray([0, 512], jnp.int32)
+    blocks = dataclasses.replace(SMALL, fused_backward=fused)
+
+    def loss(q, k, v, cu):
+        out = tk.flash_attention_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, blocks=blocks)
+        return jnp.sum(out)
+
+    grads = ladder.run_kernel(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, cu)
+    nan = [bool(np.isnan(np.asarray(g)).all()) for g in grads]
+    assert nan in ([True] * 3, [False] * 3), f"some gradients NaN, some not: {nan} ({rand})"
+    if fused:
+        assert nan[0], f"the fused backward's dq slots overflowed, but the gradients are not NaN ({rand})"
+    if not nan[0]:
+        expected = ladder.run_reference(
+            jax.grad(lambda q, k, v: jnp.sum(attention_reference(q[None], k[None], v[None], causal=True)), (0, 1, 2)),
+            q,
+            k,
+            v,
+        )
+        for name, g, e in zip(["dq", "dk", "dv"], grads, expected):
+            ladder.assert_close(g, e, dtype=jnp.float32, what=name, context=repr(rand), atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------------- random draws
 RANDOM_BLOCKS = {
     "small": SMALL,
@@ -1235,3 +1267,14 @@ def test_compiles_at_benchmark_shapes(case):
     ladder.compile_for_tpu(
         _grad_fn(**options), generation, q, k, k, label=f"flash_attention grad {shape.id}", min_kernels=3
     )
+
+
+@pytest.mark.cpu_only
+def test_eager_calls_on_host_arrays_run_on_a_cpu(rand):
+    """numpy q / k / v (and jax arrays on the CPU), called eagerly on a CPU host, run the kernels in interpret mode
+    (numpy arrays go to the default device, here a CPU) and match the reference."""
+    q, k, v = (np.asarray(x) for x in _inputs(rand, 1, 40, 40, 4, 2, 64))
+    expected = attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True)
+    for args in [(q, k, v), tuple(jnp.asarray(x) for x in (q, k, v))]:
+        out = tk.flash_attention(*args, causal=True)
+        ladder.assert_close(out, expected, dtype=jnp.float32, context=repr(rand), **F32_TOL)

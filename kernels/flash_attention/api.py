@@ -138,6 +138,7 @@ def _plan(geometry, lo, hi, xp, size=None, *, fused: bool, slot_bound: int | Non
         overflow = (q_count > size) | (kv_count > size)
         if fused:
             overflow |= filled.max() > dq_slots
+            filled = jnp.minimum(filled, dq_slots)  # the sum of the slots reads none past the buffer (NaN follows)
         status = overflow.astype(jnp.int32).reshape(1)
     arrays = (
         xp.stack([lo, hi], axis=1),
@@ -209,6 +210,13 @@ def _attention_bwd(setup, with_lse, static_counts, dq_slots, residuals, cotangen
         dq_slots=dq_slots,
     )
     plans_cotangents = (tuple(None for _ in plan),) * 2  # the forward's plan has the backward's structure
+    if static_counts[1] is None:
+        # Lists built at run time may overflow (cu_seqlens past max_seqlen): the kernels then stay inside their
+        # buffers, but a query block whose last visit was cut is never finalized, so every gradient is made NaN here
+        # (status is the overflow flag, plan's 7th array; one select a gradient, on traced metadata only).
+        overflow = plan[6][0] != 0
+        dq, dk, dv = (jnp.where(overflow, jnp.nan, x) for x in (dq, dk, dv))
+        dsinks = None if dsinks is None else jnp.where(overflow, jnp.nan, dsinks)
     dq = dq.reshape(g.q_rows, g.q_heads, g.head_dim)
     dk = dk.reshape(g.kv_rows, g.kv_heads, g.head_dim)
     dv = dv.reshape(g.kv_rows, g.kv_heads, g.v_head_dim)
@@ -366,8 +374,10 @@ def flash_attention_varlen(
     q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv]; sequence s is query rows cu_seqlens_q[s]:cu_seqlens_q[s + 1]
     and key rows cu_seqlens_k[s]:cu_seqlens_k[s + 1] (int32 [N + 1], from 0 to the token count, non-decreasing;
     empty sequences allowed). max_seqlen_q / max_seqlen_k: Python ints, at least every sequence's length (they size
-    the visit list; concrete cu_seqlens are checked against them, and if traced ones exceed them every output is
-    NaN rather than wrong). Other arguments as flash_attention. -> out [Tq, Hq, Dv] (and lse [Hq, Tq] float32).
+    the visit list; concrete cu_seqlens are checked against them; traced ones that exceed them give, forward and
+    backward, every output NaN where a visit list overflows its static size, else the right result: never a wrong
+    one, and no kernel reads or writes outside its buffers). Other arguments as flash_attention. -> out [Tq, Hq, Dv]
+    (and lse [Hq, Tq] float32).
     """
     dtype, hq, hkv, d, dv = checks.check_qkv(q, k, v, 3)
     scale, causal, window, softcap = checks.check_options(softmax_scale, causal, window_size, softcap, d)

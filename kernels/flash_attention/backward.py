@@ -336,11 +336,15 @@ def backward(
     prefetch = [kv_visits, status]
     parts_bytes = 0
     if fused:
+        unread = dq_slots * g.num_q_blocks
 
         def slot_map(group, v, visits_ref, status_ref, slots_ref):
-            return slots_ref[v] * g.num_q_blocks + schedule.unpack(visits_ref[v])[0], 0, group
+            slot = slots_ref[v]
+            block = slot * g.num_q_blocks + schedule.unpack(visits_ref[v])[0]
+            return jnp.where(slot < dq_slots, block, unread), 0, group
 
         # slot r of query block i is block r * (query blocks) + i; the last block takes the visits that compute nothing
+        # (slot dq_slots, whatever their query block: schedule.dq_slots)
         parts_shape = (dq_slots * g.num_q_blocks + 1, g.block_q, q2d.shape[1])
         out_shape.append(out_struct(parts_shape, jnp.float32, operands, visit_slots))
         out_specs.append(pl.BlockSpec((None, g.block_q, hs * g.head_dim), slot_map))

@@ -151,11 +151,17 @@ def dq_slots(needed, kv_words, *, slots: int, xp=jnp):
     contribution to its own (slot, query block) block and sums the slots afterwards. A computing visit of (query
     block i, key block j) takes slot r = how many key blocks before j block i needs, so that block i fills slots
     0 .. n_i - 1 (n_i = the key blocks it needs); a visit that computes nothing takes slot `slots`, which is never
-    read. kv_words: the dk/dv list (padding included) -> ([len(kv_words)] int32, [num query blocks] int32)."""
+    read. kv_words: the dk/dv list (padding included) -> ([len(kv_words)] int32, [num query blocks] int32).
+
+    Traced metadata may need more slots than `slots` (cu_seqlens holding a sequence longer than max_seqlen): a visit
+    past the last slot goes to the unread one too, and the filled count is capped at `slots`, so that nothing is
+    written or read outside the dq buffer; the caller flags the overflow (filled > slots, before the cap), which makes
+    every output NaN."""
     needed = needed.astype(xp.int32)
     rank = xp.cumsum(needed, axis=1) - needed
     q_block, kv_block = unpack(kv_words)
-    slot = xp.where((kv_words & COMPUTE) != 0, rank[q_block, kv_block], slots)
+    visit_rank = rank[q_block, kv_block]
+    slot = xp.where(((kv_words & COMPUTE) != 0) & (visit_rank < slots), visit_rank, slots)
     return slot.astype(xp.int32), needed.sum(axis=1).astype(xp.int32)
 
 
