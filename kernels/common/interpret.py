@@ -9,6 +9,7 @@ import contextlib
 import functools
 
 import jax
+import numpy as np
 from jax._src import config as _jax_config
 from jax.experimental.pallas import tpu as pltpu
 
@@ -66,6 +67,12 @@ def interpret_on_cpu(params: pltpu.InterpretParams = CPU_INTERPRET_PARAMS):
 
 
 def _on_cpu(x) -> bool:
+    """A concrete array the call will compute on a CPU: a jax.Array on CPU devices, or a host (numpy) array, which
+    jax puts on the default device, when that is a CPU."""
+    if isinstance(x, np.ndarray):
+        default = jax.config.jax_default_device  # a Device, a platform name, or None (the default backend's)
+        platform = getattr(default, "platform", default) or jax.default_backend()
+        return platform == "cpu"
     return (
         isinstance(x, jax.Array)
         and not isinstance(x, jax.core.Tracer)
