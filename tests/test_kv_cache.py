@@ -448,6 +448,10 @@ def test_block_table_slots_traced_past_the_table_are_skipped():
     block_table = jnp.asarray([[3, 1], [0, 2]], jnp.int32)
     slots = jax.jit(lambda t, s: api.block_table_slots(t, s, 4, 16))(block_table, jnp.asarray([30, 5], jnp.int32))
     np.testing.assert_array_equal(np.asarray(slots), [30, 31, -1, -1, 5, 6, 7, 8])
+    # a missing page (-1 in the table): its tokens are skipped, never given a negative slot
+    missing = jnp.asarray([[2, 0], [3, -1]], jnp.int32)
+    slots = jax.jit(lambda t, s: api.block_table_slots(t, s, 3, 16))(missing, jnp.asarray([5, 16], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(slots), [37, 38, 39, -1, -1, -1])
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
@@ -614,6 +618,8 @@ BAD_TABLES = [
     ladder.BadInput("past_the_table", {"cache_seqlens": jnp.asarray([0, 46], jnp.int32)}, ValueError, "3 pages x 16"),
     ladder.BadInput("new_tokens_float", {"new_tokens": 2.0}, TypeError, "new_tokens"),
     ladder.BadInput("page_size_zero", {"page_size": 0}, ValueError, "page_size"),
+    # sequence 1 at 40 tokens: its new tokens 40-42 land in page 2, whose entry says no page
+    ladder.BadInput("missing_page", {"block_table": jnp.asarray([[0, 1, 2], [3, 4, -1]], jnp.int32)}, ValueError, "-1"),
 ]
 
 

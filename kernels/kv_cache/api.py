@@ -422,7 +422,8 @@ def block_table_slots(block_table: jax.Array, cache_seqlens: jax.Array, new_toke
     block_table[b, p // page_size] at offset p % page_size.
 
     block_table [B, pages] int32, cache_seqlens [B] int32. On concrete arrays a position past the table
-    (p >= pages * page_size) or a negative seqlen is an error; traced, such tokens get slot -1 (skipped)."""
+    (p >= pages * page_size), a negative seqlen or a new token landing in a negative table entry (no page) is an
+    error; traced, such tokens get slot -1 (skipped)."""
     page_size = _check_int("page_size", page_size, minimum=1)
     new_tokens = _check_int("new_tokens", new_tokens, minimum=0)
     check_array("block_table", block_table, ndim=2, dtypes=(INT32,))
@@ -446,9 +447,21 @@ def block_table_slots(block_table: jax.Array, cache_seqlens: jax.Array, new_toke
             )
     if batch == 0 or new_tokens == 0:
         return jnp.zeros((0,), jnp.int32)
+    if is_concrete(cache_seqlens) and is_concrete(block_table):
+        table = np.asarray(block_table)
+        position = np.asarray(cache_seqlens)[:, None] + np.arange(new_tokens)[None, :]
+        entries = np.take_along_axis(table, position // page_size, axis=1)
+        if entries.min() < 0:
+            b, j = (int(i) for i in np.argwhere(entries < 0)[0])
+            raise ValueError(
+                f"block_table: sequence {b}'s new token {j} goes to position {int(position[b, j])}, in its page "
+                f"{int(position[b, j]) // page_size}, whose entry is {int(entries[b, j])} (no page): expected a page "
+                "index >= 0 for every page a new token lands in"
+            )
     position = cache_seqlens[:, None] + jnp.arange(new_tokens, dtype=jnp.int32)[None, :]
     page_index = position // page_size
     inside = (page_index < pages) & (position >= 0)
     page = jnp.take_along_axis(block_table, jnp.clip(page_index, 0, pages - 1), axis=1)
+    inside &= page >= 0  # traced: a token in a missing page is skipped, never written at a negative slot
     slots = jnp.where(inside, page * page_size + position % page_size, -1)
     return slots.reshape(batch * new_tokens).astype(jnp.int32)
