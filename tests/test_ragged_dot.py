@@ -173,6 +173,24 @@ SPECIAL = [
 ]
 
 
+@pytest.mark.parametrize("sizes", [[40, 40, 40, 40], [-5, 30, 30, 9]], ids=["sum_past_m", "negative"])
+def test_traced_group_sizes_that_break_the_contract_stay_in_bounds(rand, sizes):
+    """Traced group sizes cannot be checked on the host: sizes summing past M, or a negative one, must still keep
+    every kernel inside its buffers (strict interpret mode raises on an out-of-bounds block), forward and backward,
+    with finite results (the rows are then split among the groups in some order; no value is promised)."""
+    lhs, rhs = rand.normal((64, 128)), rand.normal((4, 128, 128))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    out = ladder.run_kernel(kernel_fn(), lhs, rhs, group_sizes)
+    grads = ladder.run_kernel(
+        jax.jit(jax.grad(lambda l, r, s: ladder.vjp_loss(api.ragged_dot(l, r, s)), argnums=(0, 1))),
+        lhs,
+        rhs,
+        group_sizes,
+    )
+    for name, x in zip(["out", "d lhs", "d rhs"], [out, *grads]):
+        assert np.isfinite(np.asarray(x)).all(), f"{name}: not finite ({sizes}, {rand})"
+
+
 def test_special_group_layouts_and_static_grid(rand):
     """Each special layout on one of the two grids (sized by the real visit count, or by the worst case with the
     surplus steps skipped), and a random layout (an empty group, 5 tail rows) on both, which give bit-identical
