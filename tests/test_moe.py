@@ -912,6 +912,21 @@ def _quantized_reference(kw):
     return reference
 
 
+@pytest.mark.parametrize("path", ladder.MOE_PATHS)
+def test_traced_expert_ids_out_of_range_stay_in_bounds(rand, path):
+    """Traced top_k_index cannot be checked on the host: negative ids and ids far past the experts (beyond the
+    expert-parallel sentinels' range too) must keep both paths' kernels inside every buffer (strict interpret mode
+    raises on an out-of-bounds block), with a finite result."""
+    x = rand.normal((7, 128), BF16)
+    gate_up, down, _, _ = weights(rand, 6, 128, 256, gated=True, transposed=False, bias=False, dtype=BF16)
+    _, w = routing(rand, 7, 6, 2)
+    fn = jax.jit(functools.partial(tk.experts_forward, blocks=ExpertsBlocks(path=path)))
+    for ids in ([-3, 1], [0, 100], [2**30, -(2**30)]):
+        index = jnp.asarray([ids] * 7, jnp.int32)
+        out = ladder.run_kernel(fn, x, index, w.astype(BF16), gate_up, down)
+        assert np.isfinite(np.asarray(out, np.float32)).all(), f"{path} {ids}: not finite ({rand})"
+
+
 @pytest.mark.parametrize("case,path", QUANT_PATH_CASES, ids=[f"{c[0]}-{p}" for c, p in QUANT_PATH_CASES])
 def test_quantized_experts_match_dequantized_reference(rand, case, path):
     """int8 / fp8 weights with per-output-channel scales, dequantized in VMEM by both paths' kernels, against the
