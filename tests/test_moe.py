@@ -339,7 +339,7 @@ def test_random_draw(rand, draw):
     hidden, inter = rand.draw("hidden", [128, 256]), rand.draw("intermediate", [64, 96, 128, 192, 256])
     layout = rand.draw("gate_layout", ["concatenated", "interleaved"] + ([] if quantized else [None]))
     clamped = [GPT_OSS_GATE, CLAMPED_SILU_GATE] if layout else []
-    activation = rand.draw("activation", ["silu", "gelu_tanh", "relu2"] + clamped)
+    activation = rand.draw("activation", ["silu", "gelu", "gelu_tanh", "relu2"] + clamped)
     transposed, bias = rand.draw("weights_transposed", [False, True]), rand.draw("biases", [False, True])
     sentinels = rand.draw("sentinel_slots", [0, 0, 2, tokens * top_k // 2])
     path = rand.draw("path", ladder.MOE_PATHS)
@@ -628,9 +628,18 @@ BAD_INPUTS = [
         "down_bias shape", dict(down_bias=jnp.zeros((5, 128))), ValueError, "down_bias: expected shape (4, 128)"
     ),
     ladder.BadInput(
-        "activation", dict(activation="relu"), ValueError, "activation: expected one of ('silu', 'gelu_tanh', 'relu2')"
+        "activation",
+        dict(activation="relu"),
+        ValueError,
+        "activation: expected one of ('silu', 'gelu', 'gelu_tanh', 'relu2')",
     ),
     ladder.BadInput("gate_layout", dict(gate_layout="stacked"), ValueError, "gate_layout: expected one of"),
+    ladder.BadInput(
+        "weights_transposed not a bool",
+        dict(weights_transposed="no"),
+        TypeError,
+        "weights_transposed: expected a bool, got str 'no'",
+    ),
     ladder.BadInput(
         "clamped swiglu without a gate",
         dict(activation=GPT_OSS_GATE, gate_layout=None),

@@ -318,6 +318,7 @@ MODELS = {
     "qwen3_moe": tiny_models.qwen3_moe,
     "gemma4_moe": lambda seed: tiny_models.gemma4(seed, moe=True),
     "gpt_oss": tiny_models.gpt_oss_moe,
+    "granitemoe_gelu": tiny_models.granitemoe_gelu,
 }
 
 
@@ -368,7 +369,7 @@ def _logits_and_routing(model, tokens, implementation):
 # Qwen3-MoE's experts in float32 on both paths: test_experts_forward_autograd_matches_eager (the same Qwen3MoeExperts
 # module, against transformers' eager semantics); its whole float32 model through the experts interface:
 # test_every_layer_we_provide_in_one_compiled_model; in half precision on both paths below.
-@pytest.mark.parametrize("model_name", ["gemma4_moe", "gpt_oss"])
+@pytest.mark.parametrize("model_name", ["gemma4_moe", "gpt_oss", "granitemoe_gelu"])
 def test_model_logits_match_eager_f32(rand, model_name, moe_path):
     model = MODELS[model_name](rand.seed)
     tokens = torch.from_numpy(rand.rng.integers(0, tiny_models.VOCAB, (2, 13)))
@@ -683,7 +684,8 @@ BAD_EXPERTS_INPUTS = [
         "relu experts",
         _experts_with(act_fn=torch.nn.ReLU()),
         ValueError,
-        "self.act_fn: experts_forward supports SiLU, tanh-approximated GELU and ReLU-squared activations, got ReLU",
+        "self.act_fn: experts_forward supports SiLU, GELU (exact or tanh-approximated) and ReLU-squared activations, "
+        "got ReLU",
     ),
     ladder.BadInput(
         "relu function experts",  # a plain function (Lfm2-MoE's act_fn is torch.nn.functional.silu) is named

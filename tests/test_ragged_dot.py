@@ -811,6 +811,20 @@ def test_small_blocks_compile_for_tpu(generation, case):
     )
 
 
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+def test_exact_gelu_epilogue_compiles_for_tpu(generation):
+    """The exact (erf) GELU in the fused epilogue lowers with Mosaic on every generation (gated, the MoE gate/up)."""
+    ladder.compile_for_tpu(
+        lambda l, r, s: api.ragged_dot(l, r, s, activation="gelu", gated="concatenated"),
+        generation,
+        ((64, 128), BF16),
+        ((4, 128, 512), BF16),
+        ((4,), jnp.int32),
+        label="ragged_dot gelu epilogue",
+    )
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 def _good_args(rand):
     return dict(
@@ -819,6 +833,10 @@ def _good_args(rand):
 
 
 BAD_INPUTS = [
+    ladder.BadInput(
+        "rhs_transposed not a bool", dict(rhs_transposed="no"), TypeError, "rhs_transposed: expected a bool"
+    ),
+    ladder.BadInput("static_grid not a bool", dict(static_grid="no"), TypeError, "static_grid: expected a bool"),
     ladder.BadInput(
         "row_scale length",
         dict(row_scale=jnp.ones((15,))),

@@ -126,6 +126,31 @@ def gpt_oss(seed, **overrides):
     return model
 
 
+def granitemoe_gelu(seed, **overrides):
+    """GraniteMoe with exact (erf) GELU experts, `hidden_act="gelu"`: what transformers' own MoE model testers
+    configure (their default hidden_act), 8 experts, top-2."""
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    config = GraniteMoeConfig(
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": 128,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "hidden_act": "gelu",
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": False,
+            **overrides,
+        }
+    )
+    torch.manual_seed(seed)
+    return randomize_norm_weights(GraniteMoeForCausalLM(config).eval(), seed)
+
+
 def gpt_oss_moe(seed, **overrides):
     """gpt-oss for its experts (interleaved gate/up with biases, the clamped SwiGLU): the tiny gpt_oss with a clamp
     limit its pre-activations cross (0.4 against values of ~0.2-1 here, where 7.0 against the 0.02 init never would)

@@ -2,7 +2,8 @@
 written once for the Pallas kernel bodies and the XLA epilogue of the unfused paths, so every path computes the same
 function.
 
-An activation is None, "silu", "gelu_tanh", "relu2" (ReLU squared, Nemotron-H's experts; gated: act(gate) * up) or a
+An activation is None, "silu", "gelu" (exact, erf: transformers' "gelu", the default `hidden_act` of many MoE
+configs), "gelu_tanh", "relu2" (ReLU squared, Nemotron-H's experts; gated: act(gate) * up) or a
 `ClampedSwiGLU` (gpt-oss's gating, which needs a gate: it acts on gate and up together). Each reference writes its
 own (plain `jax.nn`); tests/test_ragged_dot.py ties the two together for every activation.
 """
@@ -14,9 +15,10 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-ACTIVATIONS = ("silu", "gelu_tanh", "relu2")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")
 
 _SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_HALF = 0.7071067811865476
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +63,15 @@ def check_activation(activation, *, gated: bool, allow_none: bool = True):
 
 
 def apply_activation(x, activation):
-    """act(x) for activation in (None, "silu", "gelu_tanh", "relu2"); None is the identity. Elementwise, so it lowers
-    inside a Mosaic kernel body and in XLA alike (tanh and the sigmoid's exp go to the EUP)."""
+    """act(x) for activation in (None, "silu", "gelu", "gelu_tanh", "relu2"); None is the identity. Elementwise, so
+    it lowers inside a Mosaic kernel body and in XLA alike (tanh and the sigmoid's exp go to the EUP; Mosaic lowers
+    erf on every generation)."""
     if activation is None:
         return x
     if activation == "silu":
         return x * jax.nn.sigmoid(x)
+    if activation == "gelu":
+        return 0.5 * x * (1.0 + jax.lax.erf(x * _SQRT_HALF))
     if activation == "gelu_tanh":
         return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
     if activation == "relu2":

@@ -28,6 +28,13 @@ def check_array(name: str, value, *, min_ndim: int = 0, ndim: int | None = None,
     return dtype
 
 
+def check_bool(name: str, value) -> bool:
+    """A flag must be a bool (a string such as "no" would otherwise be taken as True)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def is_concrete(x) -> bool:
     """Values known now: a concrete jax or numpy array (not a tracer, not a ShapeDtypeStruct placeholder).
 

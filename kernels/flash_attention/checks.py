@@ -6,15 +6,9 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from ..common.validation import check_array, is_concrete
+from ..common.validation import check_array, check_bool, is_concrete
 
 MAX_HEAD_DIM = 512
-
-
-def check_bool(name, value):
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
-    return bool(value)
 
 
 def check_options(softmax_scale, causal, window_size, softcap, head_dim):

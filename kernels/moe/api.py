@@ -27,7 +27,7 @@ import numpy as np
 from ..common import mxfp4, quantization
 from ..common.activation import ClampedSwiGLU, check_activation
 from ..common.interpret import interpret_eager_cpu_calls
-from ..common.validation import FLOAT_DTYPES, check_array, is_concrete
+from ..common.validation import FLOAT_DTYPES, check_array, check_bool, is_concrete
 from ..ragged_dot import api as ragged_dot_api
 from ..ragged_dot import tuning as ragged_dot_tuning
 from . import small_batch, tuning
@@ -64,6 +64,7 @@ def _validate(
     if gate_layout not in GATE_LAYOUTS:
         raise ValueError(f"gate_layout: expected one of {GATE_LAYOUTS}, got {gate_layout!r}")
     check_activation(activation, gated=gate_layout is not None, allow_none=False)
+    weights_transposed = check_bool("weights_transposed", weights_transposed)
     tokens, hidden = hidden_states.shape
     if tuple(top_k_index.shape) != tuple(top_k_weights.shape) or top_k_index.shape[0] != tokens:
         raise ValueError(
@@ -299,9 +300,9 @@ def experts_forward(
     [E, H, I] as transformers stores them (applied as x @ W[e].T), or [E, H, 2I] / [E, I, H] with
     weights_transposed. gate_layout: "concatenated" (gate rows first), "interleaved" (gate, up alternate), or None for
     experts without a gate (gate_up_proj is then the up projection [E, I, H] and the activation applies to it).
-    activation: "silu" or "gelu_tanh", or with a gate a ClampedSwiGLU(limit, alpha, up_offset) (gpt-oss's gating,
-    which replaces act(gate) * up; common/activation.py). Biases [E, 2I] and [E, H] are optional. Returns [T, H] in
-    hidden_states' dtype; f32 accumulation throughout.
+    activation: "silu", "gelu" (exact), "gelu_tanh" or "relu2", or with a gate a ClampedSwiGLU(limit, alpha,
+    up_offset) (gpt-oss's gating, which replaces act(gate) * up; common/activation.py). Biases [E, 2I] and [E, H] are
+    optional. Returns [T, H] in hidden_states' dtype; f32 accumulation throughout.
     Quantized weights: gate_up_proj / down_proj in int8 or float8_e4m3fn need gate_up_scale [E, 2I] / down_scale
     [E, H] float32, one scale per output channel (w = q * scale); the kernels dequantize in VMEM (forward; the
     gradient reaches the hidden states, routing weights and biases, the quantized weights are constants).

@@ -34,8 +34,8 @@ Row scale (for the MoE down projection): `row_scale` [M] multiplies each output 
 (the routing weight of each sorted (token, expert) row), so the weighted rows are written once.
 
 Fused epilogue (for the MoE gate/up projection): `bias` [rhs groups, N] is added per group; `activation` in
-{None, "silu", "gelu_tanh"} or, gated only, a `ClampedSwiGLU(limit, alpha, up_offset)` (gpt-oss's gating:
-(clip(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g = min(gate, limit)); with
+{None, "silu", "gelu", "gelu_tanh", "relu2"} or, gated only, a `ClampedSwiGLU(limit, alpha, up_offset)` (gpt-oss's
+gating: (clip(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g = min(gate, limit)); with
 `gated="concatenated"` (gate = columns [0, N/2), up = [N/2, N)) or `gated="interleaved"` (gate = even columns,
 up = odd) the output is act(gate) * up (or the ClampedSwiGLU), of width N/2, written once. A concatenated layout
 whose halves the kernel cannot read as aligned blocks (see `_fusable`) is computed unfused (the grouped matmul in
@@ -67,7 +67,7 @@ from ..common.activation import apply_activation, apply_gating, check_activation
 from ..common.blocks import sublane_multiple
 from ..common.interpret import interpret_eager_cpu_calls
 from ..common.manual_axes import cotangents_like
-from ..common.validation import check_array, is_concrete
+from ..common.validation import check_array, check_bool, is_concrete
 from . import kernel, metadata, tuning
 from .tuning import MatmulBlocks, RaggedDotBlocks, TransposedMatmulBlocks
 
@@ -144,8 +144,7 @@ def check_inputs(
     lhs_dtype = check_array("lhs", lhs, ndim=2, dtypes=MATMUL_DTYPES)
     rhs_dtype = check_array("rhs", rhs, ndim=3, dtypes=RHS_DTYPES)
     check_array("group_sizes", group_sizes, ndim=1, dtypes=(jnp.dtype(jnp.int32),))
-    if not isinstance(rhs_transposed, (bool, np.bool_)):
-        raise TypeError(f"rhs_transposed: expected a bool, got {type(rhs_transposed).__name__}")
+    check_bool("rhs_transposed", rhs_transposed)
     blocks = tuning.check_ragged_dot_blocks(blocks, owner)
     m, k = lhs.shape
     num_groups = group_sizes.shape[0]
@@ -666,7 +665,7 @@ def ragged_dot(
         cfg, group_offset, n_out = check_inputs(
             lhs, rhs, group_sizes, group_offset=group_offset, rhs_scale=rhs_scale, **checks
         )
-    cfg = dataclasses.replace(cfg, static_grid=bool(static_grid))
+    cfg = dataclasses.replace(cfg, static_grid=check_bool("static_grid", static_grid))
     m, k = lhs.shape
     if m == 0 or n_out == 0:
         return jnp.zeros((m, n_out), cfg.out_dtype)

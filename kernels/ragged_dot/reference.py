@@ -20,11 +20,13 @@ def activation_reference(x, activation):
         return x
     if activation == "silu":
         return x * jax.nn.sigmoid(x)
+    if activation == "gelu":
+        return jax.nn.gelu(x, approximate=False)
     if activation == "gelu_tanh":
         return jax.nn.gelu(x, approximate=True)
     if activation == "relu2":
         return jnp.square(jax.nn.relu(x))
-    raise ValueError(f"activation: expected None, 'silu', 'gelu_tanh' or 'relu2', got {activation!r}")
+    raise ValueError(f"activation: expected None, 'silu', 'gelu', 'gelu_tanh' or 'relu2', got {activation!r}")
 
 
 def gating_reference(gate, up, activation):

@@ -139,6 +139,7 @@ def ragged_dot(
 
 
 _SILU = {"SiLU", "SiLUActivation"}
+_GELU = {"GELUActivation"}  # transformers' "gelu" and "gelu_python": the exact (erf) GELU
 _GELU_TANH = {"GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation"}
 _RELU2 = {"ReLUSquaredActivation"}
 
@@ -153,13 +154,20 @@ def activation_name(act_fn) -> str:
         return "silu"
     if name in _GELU_TANH or (isinstance(act_fn, torch.nn.GELU) and act_fn.approximate == "tanh"):
         return "gelu_tanh"
+    if (
+        act_fn is torch.nn.functional.gelu
+        or name in _GELU
+        or (isinstance(act_fn, torch.nn.GELU) and act_fn.approximate == "none")
+    ):
+        return "gelu"  # GELUActivation's python form computes the same erf GELU
     if name in _RELU2:
         return "relu2"
     got = (
         getattr(act_fn, "__qualname__", name) if callable(act_fn) and not isinstance(act_fn, torch.nn.Module) else name
     )
     raise ValueError(
-        f"self.act_fn: experts_forward supports SiLU, tanh-approximated GELU and ReLU-squared activations, got {got}; "
+        f"self.act_fn: experts_forward supports SiLU, GELU (exact or tanh-approximated) and ReLU-squared activations, "
+        f"got {got}; "
         "use another experts implementation for this model"
     )
 
