@@ -3,6 +3,7 @@
 #   make bench   benchmark tables (measured on a TPU when present, modeled, roofline); add BENCH_ARGS=--full
 #   make bench-tpu  on a TPU host with jax installed (a TPU VM, no network needed): the measured tables with that
 #                host's own $(PYTHON), installing nothing; BENCH_TPU_ARGS (default --no-model) and BENCH_ARGS pass options
+#   make decode-tpu on a TPU host with jax installed: a whole MoE decode step on one chip, ours against XLA's path
 #   make tpu-check  on a TPU host with jax installed: the on-chip correctness tier, every JAX kernel test compiled
 #                with Mosaic and run on the chip against its reference (docs/verification.md), installing nothing
 #   make build   the Hub package: build/torch-tpu/ and build/torch-cpu/
@@ -18,7 +19,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: venv test bench bench-tpu tpu-host tpu-check build lint clean
+.PHONY: venv test bench bench-tpu decode-tpu tpu-host tpu-check build lint clean
 
 venv: $(STAMP)
 
@@ -69,6 +70,11 @@ tpu-host:
 
 bench-tpu: tpu-host
 	$(TPU_HOST_ENV) $(PYTHON) -m benchmarks $(BENCH_TPU_ARGS) $(BENCH_ARGS)
+
+# A whole MoE decode step on one chip (benchmarks/decode/chip_step.py), measured by device time, on the host's own
+# Python as bench-tpu: DECODE_ARGS passes options (--model, --batch, --context, --steps, --layers, --out).
+decode-tpu: tpu-host
+	$(TPU_HOST_ENV) $(PYTHON) -m benchmarks.decode.chip_step $(DECODE_ARGS)
 
 # The on-chip tier on a TPU host's own Python, as bench-tpu: TPU_KERNELS_ON_CHIP=1 makes tests/conftest.py collect the
 # JAX kernel tests only, deselect those marked cpu_only and refuse a host whose jax finds no TPU. One process holds the

@@ -4,6 +4,7 @@ composition's pieces that need no compile (the ring model, the busiest chip's ro
 attention's visit builder charged once a step), the deviceless compile that rule stands on (two layers, one builder),
 and the performance model's whole-slice compile the composition is checked with (a sharded program for v6e:2x4)."""
 
+import dataclasses
 import importlib
 import json
 import os
@@ -52,6 +53,49 @@ def test_cpu_smoke_end_to_end(tmp_path):
                 assert np.isfinite(impls[impl]["ms"]) and impls[impl]["ms"] > 0
     assert markdown.count("| yes |") == 2 * len(decode_main.SMOKE_BATCHES)
     assert result["versions"]["transformers"] and result["versions"]["kernels"]
+
+
+def test_chip_step_smoke_gives_every_implementation_the_same_tokens(tmp_path):
+    """The one-chip JAX decode step (benchmarks/decode/chip_step.py) at tiny dimensions of Gemma 4's layout (a sliding
+    layer whose window the cache wraps around, a full layer with K = V, the dense MLP beside the experts), the kernels
+    in interpret mode: the three implementations decode the same greedy tokens, and the table says so. No TPU here:
+    nothing is timed."""
+    from benchmarks.decode import chip_step
+    from tpu_kernels_jax.common.interpret import interpret_on_cpu
+
+    tiny = dataclasses.replace(
+        models.GEMMA4,
+        hidden=256,
+        vocab=512,
+        experts=8,
+        expert_intermediate=128,
+        dense_intermediate=128,
+        kinds=(
+            models.LayerKind("gemma4-sliding", 1, 4, 2, 128, 256, False),
+            models.LayerKind("gemma4-full", 1, 4, 1, 128, -1, True),
+        ),
+    )
+    kinds = [k.name for k in chip_step.layer_kinds(models.GEMMA4, 7)]
+    assert kinds == ["gemma4-sliding"] * 5 + ["gemma4-full", "gemma4-sliding"]  # five sliding, one full, again
+    with interpret_on_cpu():
+        result = chip_step.measure(tiny, batch=2, context=300, steps=1, warmup=1, layers=2)
+    assert result["timing"].startswith("not timed") and result["layers"] == 2
+    for impl in ("ours", "experts"):  # 300 + 2 positions: the sliding layer's 256-slot cache has wrapped
+        assert result["tokens"][impl] == {"equal_steps": 2, "steps": 2, "equal_tokens_first_differing_step": None}
+    table = "\n".join(chip_step.markdown([result]))
+    assert "all ours 2/2" in table and "| gemma4-26b-a4b | 2 | 300 | 2 of 2 |" in table
+
+
+def test_chip_step_fits_layers_to_the_budget():
+    """As many layers as fit beside their caches: Qwen3-30B-A3B's 1.24 GB layers at batch 64, context 4096."""
+    from benchmarks.decode import chip_step
+
+    layers = chip_step.fitting_layers(models.QWEN3, 64, 4096, 34)
+    assert 1 <= layers < models.QWEN3.layers
+    used = chip_step._embedding_bytes(models.QWEN3) + layers * (
+        chip_step._layer_weight_bytes(models.QWEN3, models.QWEN3.kinds[0]) + 2 * 64 * (4096 + 256) * 4 * 128 * 2
+    )
+    assert used <= chip_step.HBM_BUDGET_BYTES
 
 
 def test_device_mode_without_a_tpu_says_so(tmp_path, monkeypatch):

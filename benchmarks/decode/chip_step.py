@@ -1,0 +1,419 @@
+"""A whole decode step of a MoE model on one chip, in JAX, measured by device time: `python -m benchmarks.decode
+--chip`.
+
+One step is: the next tokens' embedding rows, then per decoder layer the input RMSNorm, q/k/v projections, per-head
+q/k RMSNorm + RoPE, the new K/V written into the layer's cache, attention over it, the output projection, residual
+add + RMSNorm, the router and the experts (programs.py's glue, at the model's real dimensions), then the final norm,
+lm_head and the greedy next tokens. The weights are random (nothing can be downloaded on a test chip), and the chip
+holds as many layers as fit beside their caches (`fitting_layers`): a whole model's step is then the measured
+per-layer time times its layer count, labeled so.
+
+Three implementations of the same function, on the same weights:
+
+- "default": what a user has without us: XLA's norms and RoPE, the new K/V written into a static cache
+  [B, Hkv, L, D] in place and transformers' sdpa attention over every slot of it (masked by length), and the experts
+  as transformers' grouped experts lower (XLA's sort + ragged dot, ops/moe.py's xla_experts);
+- "ours": our RMSNorm, fused add + RMSNorm and q/k RMSNorm + RoPE kernels, the new K/V written by our cache write
+  kernel into a paged cache [pages, page, Hkv, D] and our ragged paged attention over it, our experts_forward;
+- "experts": the default with our experts_forward alone (the published comparison's setup).
+
+Both caches hold L = the keys a query sees (a sliding layer's window, else the context and the steps to come), the
+new token written at slot position mod L: attention is over a set of keys, so the order a ring buffer leaves them in
+does not change it, and each implementation reads exactly the keys the layer attends to. The greedy tokens of the
+implementations are compared step by step (random weights leave close logits: where they differ, the gap between
+the top two logits says whether rounding explains it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import math
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpu_kernels_jax import api as tk
+
+from .. import inputs, profiler
+from ..ops import moe as moe_ops
+from ..ops import paged_attention
+from . import programs
+from .models import PAGE, LayerKind, Model
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+IMPLS = ("default", "ours", "experts")
+ROPE_THETA = 1e6
+HBM_BUDGET_BYTES = 11 << 30  # of the v5e's 15.7 GiB: the rest for XLA's temporaries (the default experts path
+# relays out a layer's expert weights on every call) and the runtime
+
+
+def glue_impl(impl: str) -> str:
+    return "ours" if impl == "ours" else "default"
+
+
+def layer_kinds(model: Model, layers: int) -> list[LayerKind]:
+    """The model's interleaving of its layer kinds (Gemma 4: five sliding layers, then a full one), cut to `layers`."""
+    unit = math.gcd(*(k.count for k in model.kinds))
+    pattern = [k for k in model.kinds for _ in range(k.count // unit)]
+    return [pattern[i % len(pattern)] for i in range(layers)]
+
+
+def cache_keys(kind: LayerKind, context: int, steps: int) -> int:
+    """L: the cache slots of a layer (whole pages): its window, else the context and the steps to come."""
+    keys = kind.keys(context + steps)
+    return -(-keys // PAGE) * PAGE if kind.window <= 0 else kind.window
+
+
+def _layer_weight_bytes(model: Model, kind: LayerKind) -> int:
+    return model.dense_bytes_per_layer(kind) + model.experts * model.expert_bytes()
+
+
+def _embedding_bytes(model: Model) -> int:
+    return model.vocab * model.hidden * 2 * (1 if model.tied_embeddings else 2)
+
+
+def fitting_layers(model: Model, batch: int, context: int, steps: int, budget: int = HBM_BUDGET_BYTES) -> int:
+    """The most layers (at least 1, at most the model's) whose weights and one implementation's caches fit `budget`
+    beside the embeddings."""
+    used, layers = _embedding_bytes(model), 0
+    for kind in layer_kinds(model, model.layers):
+        cache = 2 * batch * cache_keys(kind, context, steps) * kind.kv_heads * kind.head_dim * 2
+        used += _layer_weight_bytes(model, kind) + cache
+        if used > budget:
+            break
+        layers += 1
+    return max(layers, 1)
+
+
+# ------------------------------------------------------------------------------------------------------ weights
+def _random(key, spec, fan_in: int | None):
+    """Random bf16 values for a weight: norms ~ 1 + 0.1 N(0, 1), matrices N(0, 1 / fan_in)."""
+    if fan_in is None:
+        return (1.0 + inputs.normal(key, spec.shape, F32, scale=0.1)).astype(spec.dtype)
+    return inputs.normal(key, spec.shape, spec.dtype, scale=fan_in**-0.5)
+
+
+def init_params(model: Model, kinds: list[LayerKind], seed: int = 0) -> dict:
+    """Random weights on the default device: per layer the glue's (programs.glue_args), the experts' in transformers'
+    layout (gate_up [E, 2I, H], down [E, H, I]); the embeddings, the final norm and lm_head (tied where the model
+    ties them)."""
+    key = inputs.key(seed)
+    layers = []
+    for kind in kinds:
+        key, sub = jax.random.split(key)
+        specs = programs.glue_args(model, kind, 1)[2]
+        keys = iter(jax.random.split(sub, len(specs) + 2))
+        w = {name: _random(next(keys), s, s.shape[0] if len(s.shape) == 2 else None) for name, s in specs.items()}
+        e, h, i = model.experts, model.hidden, model.expert_intermediate
+        w["gate_up"] = inputs.normal(next(keys), (e, 2 * i, h), BF16, scale=h**-0.5)
+        w["down"] = inputs.normal(next(keys), (e, h, i), BF16, scale=i**-0.5)
+        layers.append(w)
+    k_embed, k_head, k_norm = jax.random.split(key, 3)
+    embed = inputs.normal(k_embed, (model.vocab, model.hidden), BF16)
+    lm_head = embed if model.tied_embeddings else inputs.normal(k_head, (model.vocab, model.hidden), BF16)
+    final_norm = _random(k_norm, jax.ShapeDtypeStruct((model.hidden,), BF16), None)
+    return {"layers": layers, "embed": embed, "lm_head": lm_head, "final_norm": final_norm}
+
+
+# ------------------------------------------------------------------------------------------------------- caches
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What one step is traced for (static)."""
+
+    model: Model
+    kinds: tuple[LayerKind, ...]
+    batch: int
+    context: int  # the keys a full layer's first measured step sees (the new token included)
+    steps: int  # the steps the caches are sized for
+    impl: str
+
+
+def init_caches(setup: Setup, seed: int = 1) -> list:
+    """Per layer, random history: "ours" (k_cache, v_cache) [B * L / page, page, Hkv, D] with the page table
+    [B, L / page] of sequence b's pages in order; the others (k_cache, v_cache) [B, Hkv, L, D]."""
+    keys = iter(jax.random.split(inputs.key(seed), 2 * len(setup.kinds)))
+    caches = []
+    for kind in setup.kinds:
+        slots = cache_keys(kind, setup.context, setup.steps)
+        b, h, d = setup.batch, kind.kv_heads, kind.head_dim
+        if setup.impl == "ours":
+            pages = -(-slots // PAGE)
+            shape = (b * pages, PAGE, h, d)
+            table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+            caches.append((inputs.normal(next(keys), shape, BF16), inputs.normal(next(keys), shape, BF16), table))
+        else:
+            shape = (b, h, slots, d)
+            caches.append((inputs.normal(next(keys), shape, BF16), inputs.normal(next(keys), shape, BF16)))
+    return caches
+
+
+# --------------------------------------------------------------------------------------------------------- step
+def _rope_tables(position, batch: int, head_dim: int):
+    """cos, sin [B, 1, D] at `position` (rotate-half layout, theta ROPE_THETA)."""
+    inv = ROPE_THETA ** (-jnp.arange(0, head_dim, 2, dtype=F32) / head_dim)
+    angles = position.astype(F32) * inv
+    angles = jnp.concatenate([angles, angles])
+    table = jnp.broadcast_to(angles, (batch, 1, head_dim))
+    return jnp.cos(table).astype(BF16), jnp.sin(table).astype(BF16)
+
+
+def _attention(setup: Setup, kind: LayerKind, q, k, v, cache, position):
+    """The new K/V into the layer's cache at slot position mod L, and attention over the keys it holds:
+    -> (attention output [B, Hq * D], the cache)."""
+    slots = cache_keys(kind, setup.context, setup.steps)
+    slot = position % slots
+    seen = jnp.minimum(position + 1, slots)
+    b = setup.batch
+    if setup.impl != "ours":
+        k_cache, v_cache = cache
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3), (0, 0, slot, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3), (0, 0, slot, 0))
+        out = programs.static_cache_attention(q[:, 0], k_cache, v_cache, jnp.full((b,), seen, jnp.int32), kind=kind)
+        return out, (k_cache, v_cache)
+    k_cache, v_cache, table = cache
+    write_at = table[:, slot // PAGE] * PAGE + slot % PAGE
+    k_cache, v_cache = tk.write_kv_cache(k_cache, v_cache, k[:, 0], v[:, 0], write_at)
+    scale = paged_attention.config(programs.paged_shape(kind, 1, 1)).softmax_scale
+    out = tk.ragged_paged_attention(
+        q[:, 0],
+        k_cache,
+        v_cache,
+        jnp.full((b,), seen, jnp.int32),
+        table,
+        jnp.arange(b + 1, dtype=jnp.int32),
+        jnp.asarray([b], jnp.int32),
+        softmax_scale=scale,
+        causal=True,
+    )
+    return out.reshape(b, -1), (k_cache, v_cache, table)
+
+
+def step(params, caches, embed_rows, position, *, setup: Setup):
+    """One decode step: (next tokens [B], their embedding rows [B, H], the caches). position: int32 scalar, the new
+    token's position in every sequence."""
+    model, impl = setup.model, setup.impl
+    glue = glue_impl(impl)
+    x = embed_rows
+    new_caches = []
+    for w, kind, cache in zip(params["layers"], setup.kinds, caches):
+        cos, sin = _rope_tables(position, setup.batch, kind.head_dim)
+        q, k, v = programs.attention_in(x, w, cos, sin, kind=kind, impl=glue)
+        attn, cache = _attention(setup, kind, q, k, v, cache, position)
+        new_caches.append(cache)
+        moe_in, out, top_i, top_w = programs.attention_out(x, attn, w, model=model, impl=glue)
+        experts = moe_ops.xla_experts if impl == "default" else moe_ops.kernel_experts
+        x = out + experts(moe_in, top_i, top_w, w["gate_up"], w["down"], activation=model.activation).astype(BF16)
+    tokens, rows = programs.head(x, params["final_norm"], params["lm_head"], params["embed"], model=model, impl=glue)
+    return tokens, rows, new_caches
+
+
+def compiled_step(setup: Setup, name: str):
+    """jit(step) under `name` (the profiler's module name), the caches donated: each step writes them in place."""
+    fn = profiler.named(functools.partial(step, setup=setup), name)
+    return jax.jit(fn, donate_argnums=(1,))
+
+
+# ------------------------------------------------------------------------------------------------------ measure
+def _device_times(name: str, run) -> list[float]:
+    """Device seconds of each execution of module jit_<name> while `run()` runs, from one profiler trace."""
+    with tempfile.TemporaryDirectory(prefix="tpu-kernels-decode-") as trace_dir:
+        jax.profiler.start_trace(trace_dir, profiler_options=profiler.lean_options())
+        try:
+            run()
+        finally:
+            jax.profiler.stop_trace()
+        (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+        durations = profiler.module_durations(jax.profiler.ProfileData.from_file(path), [name])[name]
+    return [d * 1e-9 for d in durations]
+
+
+def run_impl(setup: Setup, params, first_tokens, *, steps: int, warmup: int, timed: bool, name: str) -> dict:
+    """Decode warmup + steps steps from first_tokens [B]: the greedy tokens [warmup + steps, B], the host compile
+    seconds, and with `timed` each timed step's device seconds."""
+    caches = init_caches(setup)
+    fn = compiled_step(setup, name)
+    rows = params["embed"][first_tokens]
+    start = time.perf_counter()
+    compiled = fn.lower(params, caches, rows, jnp.int32(0)).compile()
+    compile_s = time.perf_counter() - start
+    tokens = []
+    position = setup.context - 1  # the first step's token sees `context` keys in a full layer
+
+    def decode(n):
+        nonlocal caches, rows, position
+        for _ in range(n):
+            out, rows, caches = compiled(params, caches, rows, jnp.int32(position))
+            tokens.append(out)
+            position += 1
+        jax.block_until_ready(rows)
+
+    decode(warmup)
+    times = _device_times(name, lambda: decode(steps)) if timed else []
+    if not timed:
+        decode(steps)
+    return {"tokens": np.asarray(jnp.stack(tokens)), "compile_s": compile_s, "step_s": times}
+
+
+def head_times(model: Model, impl: str, params, batch: int, *, calls: int, name: str) -> list[float]:
+    """Device seconds of the step's head alone (final norm, lm_head, greedy tokens, their rows), `calls` times: what
+    a whole model's step counts once, not once a layer."""
+    fn = jax.jit(profiler.named(functools.partial(programs.head, model=model, impl=glue_impl(impl)), name))
+    x = inputs.normal(3, (batch, model.hidden), BF16)
+    args = (x, params["final_norm"], params["lm_head"], params["embed"])
+    jax.block_until_ready(fn(*args))
+
+    def run():
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+
+    return _device_times(name, run)
+
+
+def compare_tokens(tokens: dict[str, np.ndarray]) -> dict:
+    """Greedy tokens of each implementation against the default's: steps until the first difference, and the share
+    of equal tokens up to there (every later step decodes from different tokens)."""
+    ref = tokens["default"]
+    out = {}
+    for impl, t in tokens.items():
+        if impl == "default":
+            continue
+        differs = np.nonzero((t != ref).any(axis=1))[0]
+        first = int(differs[0]) if differs.size else len(ref)
+        out[impl] = {
+            "equal_steps": first,
+            "steps": len(ref),
+            "equal_tokens_first_differing_step": None if not differs.size else float((t[first] == ref[first]).mean()),
+        }
+    return out
+
+
+def measure(
+    model: Model,
+    *,
+    batch: int,
+    context: int,
+    steps: int = 32,
+    warmup: int = 2,
+    layers: int | None = None,
+    impls=IMPLS,
+    seed: int = 0,
+) -> dict:
+    """Each implementation's decode step at (batch, context) on the default device, `layers` layers (default: as
+    many as fit): median device time of `steps` steps after `warmup`, tokens/s, the whole model's step scaled by
+    its layer count, and the greedy tokens compared."""
+    layers = layers or fitting_layers(model, batch, context, warmup + steps)
+    kinds = tuple(layer_kinds(model, layers))
+    params = init_params(model, list(kinds), seed)
+    first = inputs.integers(seed + 7, (batch,), 0, model.vocab)
+    timed = jax.devices()[0].platform == "tpu"
+    results, tokens = {}, {}
+    for index, impl in enumerate(impls):
+        setup = Setup(model, kinds, batch, context, warmup + steps, impl)
+        r = run_impl(setup, params, first, steps=steps, warmup=warmup, timed=timed, name=profiler.program_name(index))
+        tokens[impl] = r.pop("tokens")
+        if r["step_s"]:
+            median = statistics.median(r["step_s"])
+            name = profiler.program_name(len(impls) + index)
+            head = statistics.median(head_times(model, impl, params, batch, calls=steps, name=name))
+            whole = head + (median - head) / layers * model.layers  # the layers scaled, the head once
+            r |= {
+                "step_us": median * 1e6,
+                "head_us": head * 1e6,
+                "tokens_per_s": batch / median,
+                "model_step_us_scaled": whole * 1e6,
+                "model_tokens_per_s_scaled": batch / whole,
+            }
+        results[impl] = r
+    return {
+        "model": model.name,
+        "batch": batch,
+        "context": context,
+        "layers": layers,
+        "model_layers": model.layers,
+        "steps": steps,
+        "device": jax.devices()[0].device_kind,
+        "timing": "device time (profiler), median step" if timed else "not timed (no TPU): tokens only",
+        "impls": results,
+        "tokens": compare_tokens(tokens),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------- cli
+BATCHES = (1, 8, 32, 64, 128, 256)
+CONTEXTS = (1024, 4096)
+NAMES = {"default": "XLA (transformers' default)", "ours": "all ours", "experts": "our experts_forward only"}
+
+
+def markdown(results: list[dict]) -> list[str]:
+    """One table row per (model, batch, context): each implementation's measured step and tokens/s, the whole
+    model's step scaled from the measured layers, our speedups, and whether the greedy tokens agreed."""
+    head = ["model", "batch", "context", "layers measured"]
+    for impl in IMPLS:
+        head += [f"{NAMES[impl]} µs/step", f"{NAMES[impl]} tokens/s (whole model, scaled)"]
+    head += ["all ours vs XLA", "experts only vs XLA", "greedy tokens equal (steps)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        cells = [r["model"], str(r["batch"]), str(r["context"]), f"{r['layers']} of {r['model_layers']}"]
+        impls = r["impls"]
+        for impl in IMPLS:
+            m = impls.get(impl, {})
+            cells += [
+                f"{m['step_us']:,.1f}" if "step_us" in m else "—",
+                f"{m['model_tokens_per_s_scaled']:,.0f}" if "step_us" in m else "—",
+            ]
+        for impl in ("ours", "experts"):
+            a, b = impls.get("default", {}), impls.get(impl, {})
+            ok = "model_step_us_scaled" in a and "model_step_us_scaled" in b
+            cells.append(f"{a['model_step_us_scaled'] / b['model_step_us_scaled']:.2f}x" if ok else "—")
+        agree = r["tokens"]
+        cells.append(", ".join(f"{NAMES[i]} {v['equal_steps']}/{v['steps']}" for i, v in agree.items()))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+    import pathlib
+
+    from .models import MODELS
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode.chip_step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", action="append", choices=sorted(MODELS), help="repeatable (default: every model)")
+    p.add_argument("--batch", action="append", type=int, help=f"repeatable (default: {BATCHES})")
+    p.add_argument("--context", action="append", type=int, help=f"repeatable (default: {CONTEXTS})")
+    p.add_argument("--steps", type=int, default=32, help="timed steps (the median is reported)")
+    p.add_argument("--layers", type=int, default=None, help="layers on the chip (default: as many as fit)")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
+    args = p.parse_args(argv)
+    results = []
+    for name in args.model or sorted(MODELS):
+        for context in args.context or CONTEXTS:
+            for batch in args.batch or BATCHES:
+                r = measure(MODELS[name], batch=batch, context=context, steps=args.steps, layers=args.layers)
+                results.append(r)
+                print("\n".join(markdown([r])[2:]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode_chip.json").write_text(json.dumps(results, indent=1, default=str))
+    timing = results[0]["timing"] if results else ""
+    label = f"measured {results[0]['device']}, {timing}" if results else ""
+    text = [f"Decode step on one chip ({label}); whole-model figures scale the measured layers, the head once", ""]
+    text += markdown(results)
+    (args.out / "decode_chip.md").write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
