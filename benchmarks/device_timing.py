@@ -57,13 +57,14 @@ def reason(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _lower(fn, name: str, args):
-    """(lowered, host seconds) of jax.jit(fn) under `name` for `args` (arrays or their ShapeDtypeStructs): the
-    tracing and lowering, Python that holds the GIL, done on the thread that runs the chip."""
+def _lower(fn, name: str, args, donate: int = 0):
+    """(lowered, host seconds) of jax.jit(fn) under `name` for `args` (arrays or their ShapeDtypeStructs), its first
+    `donate` arguments donated: the tracing and lowering, Python that holds the GIL, done on the thread that runs the
+    chip."""
     import jax
 
     start = time.perf_counter()
-    lowered = jax.jit(profiler.named(fn, name)).lower(*args)
+    lowered = jax.jit(profiler.named(fn, name), donate_argnums=tuple(range(donate))).lower(*args)
     return lowered, time.perf_counter() - start
 
 
@@ -87,6 +88,7 @@ class _Plan:
         self.compiles: dict[tuple[str, str], concurrent.futures.Future] = {}
         self.results: dict[tuple[str, str], dict] = {}
         self.functions: dict[tuple[str, str], object] = {}
+        self.state: dict[tuple[str, str], int] = {}  # in-place implementations: their donated state arguments
         self.queue: list[tuple[int, tuple[str, str], object]] = []  # (case index, key, input specs) to lower
         self.lower_s = 0.0  # lowering seconds since the last take_lower_s()
         self.next_index = 0
@@ -98,22 +100,31 @@ class _Plan:
                     self.results[(case.id, impl)] = {"na": why_not}
                     continue
                 try:
-                    self.functions[(case.id, impl)] = case.op.function(impl, case.shape)
+                    in_place = case.op.in_place
+                    if in_place is not None and impl in in_place.functions:
+                        self.functions[(case.id, impl)] = case.op.in_place_function(impl, case.shape)
+                        self.state[(case.id, impl)] = in_place.n_state
+                    else:
+                        self.functions[(case.id, impl)] = case.op.function(impl, case.shape)
                     runnable.append(impl)
                 except Exception as e:  # noqa: BLE001
                     self.results[(case.id, impl)] = {"error": reason(e)}
             try:  # the inputs' shapes only: nothing is built on the device here
                 specs = jax.eval_shape(lambda case=case: make_args(case))
+                if any((case.id, impl) in self.state for impl in runnable):
+                    state = jax.eval_shape(lambda case=case: case.op.in_place.state(case.shape, 0))
             except Exception:  # noqa: BLE001 - this case compiles on its concrete inputs when it runs
                 continue
-            self.queue += [(position, (case.id, impl), specs) for impl in runnable]
+            for impl in runnable:
+                key = (case.id, impl)
+                self.queue.append((position, key, (*state, *specs) if key in self.state else specs))
 
     def submit(self, key, args) -> None:
         """Lower one program here and hand its compile to the pool (a failure is kept as the future's)."""
         self.next_index += 1
         name = profiler.program_name(self.next_index)
         try:
-            lowered, seconds = _lower(self.functions[key], name, args)
+            lowered, seconds = _lower(self.functions[key], name, args, self.state.get(key, 0))
         except Exception as e:  # noqa: BLE001 - reported with the implementation, as a compile failure is
             future = concurrent.futures.Future()
             future.set_exception(e)
@@ -156,20 +167,24 @@ def _time_case(position, case, plan: _Plan, make_args, calls: int, labels: dict)
     programs, compile_s, lower_s = {}, {}, {}
     for impl in runnable:
         key = (case.id, impl)
+        n_state = plan.state.get(key, 0)
         try:
+            # an in-place implementation gets state of its own (it is donated, call to call)
+            call_args = (*case.op.in_place.state(case.shape, 0), *args) if n_state else args
             if key not in plan.compiles:  # its inputs' shapes could not be taken abstractly: the concrete ones
-                plan.submit(key, args)
+                plan.submit(key, call_args)
                 phases["lower_s"] += plan.take_lower_s()
             start = time.perf_counter()
             compiled, name, lowering, compiling = plan.compiles[key].result()
             phases["compile_wait_s"] += time.perf_counter() - start
             start = time.perf_counter()
-            jax.block_until_ready(compiled(*args))  # the first run, outside the trace
+            program = profiler.Program(name, compiled, call_args, state=n_state)
+            jax.block_until_ready(profiler.run_calls(program, 1))  # the first run, outside the trace
             phases["first_run_s"] += time.perf_counter() - start
         except Exception as e:  # noqa: BLE001 - one implementation failing must not lose the others
             results[impl] = {"error": reason(e)}
             continue
-        programs[impl] = profiler.Program(name, compiled, args)
+        programs[impl] = program
         compile_s[impl], lower_s[impl] = lowering + compiling, lowering
     if programs:
         start = time.perf_counter()
@@ -190,6 +205,7 @@ def _time_case(position, case, plan: _Plan, make_args, calls: int, labels: dict)
                 "compile_s": compile_s[impl],
                 "lower_s": lower_s[impl],
                 "timing": "device time (profiler)",
+                **({"in_place": "state donated, carried from call to call"} if p.state else {}),
             }
     return results, phases
 

@@ -66,7 +66,7 @@ def _measured_entry(stats: dict, case: _suite.Case, units: int, hbm_bytes: int):
             "units_per_s": units / t,
             "gbps": hbm_bytes / t / 1e9,
         }
-        for key in ("compile_s", "compile_workers", "timing"):
+        for key in ("compile_s", "compile_workers", "timing", "in_place"):
             if key in s:
                 entry[impl][key] = s[key]
     return entry

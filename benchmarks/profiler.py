@@ -47,6 +47,18 @@ class Program:
     name: str  # the jitted function's name (program_name(i))
     call: Callable  # the compiled executable
     args: Sequence
+    state: int = 0  # the first `state` arguments are donated state: each call's first outputs are the next call's
+
+
+def run_calls(p: Program, calls: int):
+    """p called `calls` times, its state (if any) carried from each call to the next; the last outputs. p.args keeps
+    the state the last call returned (the donated buffers it was given are gone)."""
+    out = None
+    for _ in range(calls):
+        out = p.call(*p.args)
+        if p.state:
+            p.args = (*out[: p.state], *p.args[p.state :])
+    return out
 
 
 # A module event is named after its HLO module, jit_<function name>, with jax's/XLA's decorations around it at times
@@ -96,10 +108,7 @@ def _trace(programs: Sequence[Program], calls: int, options) -> dict[str, list[f
         jax.profiler.start_trace(trace_dir, profiler_options=options)
         try:
             for p in programs:
-                out = None
-                for _ in range(calls):
-                    out = p.call(*p.args)
-                jax.block_until_ready(out)
+                jax.block_until_ready(run_calls(p, calls))
         finally:
             jax.profiler.stop_trace()
         files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)

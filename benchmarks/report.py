@@ -207,6 +207,11 @@ def format_measured(result: dict) -> list[str]:
             + "; % of roofline and % MXU peak on the measured chip's "
             + f"{(result.get('measured_chip') or {}).get('gen', '?')} figures."
         )
+    if any(e.get("in_place") for e in timed):
+        lines.append(
+            "in place: the state the op updates (the caches) given to each implementation, donated, each call's "
+            "returned state the next call's, as a server runs it"
+        )
     phases = result.get("host_phases") or {}
     if phases:
         total = {k: sum(p.get(k, 0.0) for p in phases.values()) for k in next(iter(phases.values()))}

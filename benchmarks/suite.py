@@ -41,6 +41,19 @@ class Baseline:
 
 
 @dataclasses.dataclass(frozen=True)
+class InPlace:
+    """How a TPU measures an op that updates state in place (the KV cache write), as a server runs it: each
+    implementation's function takes `n_state` state arrays first, then the op's arguments, and returns the new state
+    first; the state is donated, and each call's returned state is the next call's (benchmarks/device_timing.py).
+    The op's own `kernel` / `default` / baselines allocate the state in the program instead (the performance model
+    cannot donate, and a non-donated state is copied whole before an in-place write)."""
+
+    functions: dict[str, Callable]  # impl ("kernel", "default", "baseline:<name>") -> module-level function
+    state: Callable[[Shape, int], tuple]  # (shape, seed) -> the initial state arrays, made on the device
+    n_state: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Op:
     name: str  # e.g. "rms_norm", "fused_add_rms_norm"
     kernel: Callable  # the Pallas path (module-level function)
@@ -57,6 +70,7 @@ class Op:
     # to kernel, default and baselines (e.g. the activation)
     candidates: Callable[[Shape, str], list] | None = None  # (shape, generation) -> the tilings `--sweep` models:
     # the kernel's `blocks=` values from its tuning module's candidate_blocks, the table's choice first
+    in_place: InPlace | None = None  # measured on a TPU with donated state (see InPlace)
 
     def impls(self, shape: Shape) -> dict[str, str | None]:
         """{impl: None if it applies to `shape`, else the reason it does not}: kernel, default, then baselines."""
@@ -64,6 +78,11 @@ class Op:
         for b in self.baselines:
             out[BASELINE_PREFIX + b.name] = b.unsupported(shape)
         return out
+
+    def in_place_function(self, impl: str, shape: Shape) -> Callable:
+        """The in-place function of `impl` for `shape` (see InPlace), its static arguments bound."""
+        fn = self.in_place.functions[impl]
+        return functools.partial(fn, **self.static(shape)) if self.static else fn
 
     def function(self, impl: str, shape: Shape, blocks=None) -> Callable:
         """The function of `impl` for `shape` (picklable by reference, for the model's subprocess); `blocks`: the

@@ -447,6 +447,45 @@ def test_kv_cache_xla_paths_write_the_named_slots(rand):
     np.testing.assert_allclose(flat(k1), flat(k2), atol=0.6, rtol=0.13)  # one fp8 step apart at most
 
 
+def test_kv_cache_in_place_writes_keep_the_rest_of_the_given_caches(rand):
+    """What a TPU measures in place (kv_cache.IN_PLACE: the caches given, donated call to call): XLA's write into
+    random caches changes the named slots alone and agrees with the allocating path there; the kernel's does the
+    same (interpret mode) and the rope paths return their q last. The state is random, never zeros."""
+    import jax
+    import jax.numpy as jnp
+    import ladder
+
+    from benchmarks.ops import kv_cache
+
+    s = next(s for s in shapes.KV_CACHE if s["model"] == "qwen3-30b-a3b" and s.batch == 8 and s.dtype == "bfloat16")
+    cfg = kv_cache.config(s)
+    state = kv_cache.cache_state(s, seed=rand.seed)
+    assert all(
+        bool(jnp.all(jnp.isfinite(c.astype(jnp.float32)))) and float(jnp.std(c.astype(jnp.float32))) > 0.5
+        for c in state
+    )
+    key, value, slots = kv_cache.write_args(s, seed=rand.seed)
+    before = [np.asarray(c.astype(jnp.float32)) for c in state]
+    written = {}
+    for impl, fn in kv_cache.WRITE_IN_PLACE.functions.items():
+        run = jax.jit(functools.partial(fn, cfg=cfg))
+        written[impl] = (
+            ladder.run_kernel(run, *state, key, value, slots) if impl == "kernel" else run(*state, key, value, slots)
+        )
+    flat = lambda c: np.asarray(c.astype(jnp.float32)).reshape((-1,) + c.shape[2:])  # noqa: E731
+    untouched = np.ones(kv_cache.SLOTS, bool)
+    untouched[np.asarray(slots)] = False
+    for impl, caches in written.items():
+        for cache, old, rows in zip(caches, before, (key, value)):
+            np.testing.assert_array_equal(flat(cache)[untouched], old.reshape(flat(cache).shape)[untouched], impl)
+            np.testing.assert_array_equal(flat(cache)[np.asarray(slots)], np.asarray(rows.astype(jnp.float32)), impl)
+    query, key, value, slots, positions = kv_cache.rope_args(s, seed=rand.seed)
+    k_cache, v_cache, q = kv_cache.xla_rope_then_scatter_into(*state, query, key, value, slots, positions, cfg=cfg)
+    q_alloc, _, _ = kv_cache.xla_rope_then_scatter(query, key, value, slots, positions, cfg=cfg)
+    np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(q_alloc, np.float32))
+    assert set(kv_cache.ROPE_IN_PLACE.functions) == {"kernel", "default", "baseline:" + kv_cache.OUR_ROPE}
+
+
 def test_flash_attention_table_and_chart_count_tflops(monkeypatch, tmp_path):
     """The flash attention suite's table adds TFLOP/s and % of MXU peak (the kept scores' flops, as the roofline
     counts them, over the modeled kernel time) and its chart plots TFLOP/s against the sequence length, the bf16 MXU

@@ -3,11 +3,13 @@ orchestration (inputs, compiles, warm-up, n/a and failing implementations, the m
 device times stood in for by known values, since this machine has no chip to trace."""
 
 import concurrent.futures
+import dataclasses
 import threading
 import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from benchmarks import device, device_timing, harness, profiler, report, shapes, suite
@@ -119,8 +121,7 @@ def fake_chip(monkeypatch):
 
     def device_times(programs, calls):
         for p in programs:
-            for _ in range(calls):
-                jax.block_until_ready(p.call(*p.args))
+            jax.block_until_ready(profiler.run_calls(p, calls))
         traced.append([p.name for p in programs])
         return {p.name: [(i + 1) * 1e-6] * calls for i, p in enumerate(programs)}
 
@@ -222,11 +223,11 @@ def test_every_program_compiles_ahead_and_the_host_time_is_accounted(fake_chip, 
     lower = device_timing._lower
     caller = threading.get_ident()
 
-    def counting_lower(fn, name, args):
+    def counting_lower(fn, name, args, donate=0):
         assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(args)), "compiled from shapes"
         assert threading.get_ident() == caller, "lowered on the thread that runs the chip"
         compiled.append(name)
-        return lower(fn, name, args)
+        return lower(fn, name, args, donate)
 
     def make_args(case):
         if not isinstance(jnp.zeros(()), jax.core.Tracer):  # a real build, not eval_shape's abstract one
@@ -275,3 +276,38 @@ def test_compile_threads_run_below_the_thread_that_runs_the_chip():
     assert theirs == min(me + device_timing.COMPILE_NICE, 19)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == me
     assert 1 <= device_timing.COMPILE_WORKERS <= 8
+
+
+def test_donated_state_is_carried_from_call_to_call():
+    """An in-place program's state is donated: each call's returned state is the next call's (the buffers it was
+    given are gone), and the program keeps the last one."""
+    step = jax.jit(lambda state, x: (state + x, jnp.sum(state)), donate_argnums=0)
+    program = profiler.Program("p", step, (jnp.zeros(4), jnp.ones(4)), state=1)
+    _, total = profiler.run_calls(program, 3)
+    np.testing.assert_array_equal(np.asarray(program.args[0]), np.full(4, 3.0))
+    assert float(total) == 8.0  # the third call saw the state the second one returned
+
+
+def _write_into(state, x):
+    return state.at[: x.shape[0]].set(x * 2), x
+
+
+IN_PLACE_OP = dataclasses.replace(
+    OP,
+    name="double_in_place",
+    baselines=(),
+    in_place=suite.InPlace(
+        {"kernel": _write_into, "default": _write_into}, lambda shape, seed: (jnp.ones((512, 256), jnp.bfloat16),), 1
+    ),
+)
+
+
+def test_in_place_implementations_run_on_state_of_their_own(fake_chip, monkeypatch, tmp_path):
+    """An op with in-place implementations is measured on donated state made for each implementation, its entry
+    says so; the others run as they are."""
+    monkeypatch.setattr(suite, "get", lambda kernel: dataclasses.replace(SUITE, ops=(IN_PLACE_OP,)))
+    result = harness.run_kernel("double", harness.Config(out=tmp_path, model=False, calls=3), dev=TPU)
+    (row,) = result["rows"]
+    for impl in ("kernel", "default"):
+        assert row["measured"][impl]["in_place"] == "state donated, carried from call to call", impl
+    assert any(line.startswith("in place: ") for line in report.format_measured(result))

@@ -9,10 +9,13 @@ float8_e4m3fn (k_scale = v_scale = 0.5) with KV_CACHE_SLOTS rows. decode: `token
 at distinct random slots and random positions < 32768; prefill: one chunk of 2048 tokens filling 128 shuffled pages
 in order (positions 0..2047).
 
-In place, as a server runs it: the caches are donated. The performance model compiles without donation (a
-non-donated cache is copied whole before an in-place write, by the kernel's aliasing and by XLA's scatter alike),
-so each program allocates its caches itself (`jax.lax.empty`: XLA's AllocateBuffer, no fill) and writes into them:
-the same in-place program as with donated caches, with no cache copy in either path.
+In place, as a server runs it: on a TPU every implementation is measured on caches it is given, donated, each call's
+caches the next call's (`IN_PLACE`, suite.InPlace). The performance model cannot donate (a non-donated cache is
+copied whole before an in-place write, by the kernel's aliasing and by XLA's scatter alike), so the programs it
+compiles allocate their caches themselves (`jax.lax.empty`: XLA's AllocateBuffer, no fill) and write into them. On
+the v5e those programs cost a whole-cache copy the donated ones do not: XLA moved the kernel's result cache to
+another memory space (copy-start / copy-done of the 16 MiB cache, in the compiled program), which made the kernel's
+decode writes measure 0.03-1.07x XLA's scatter there.
 
 Roofline: the new rows read (K, V and for RoPE Q, bf16) + the rows written to the cache (cache dtype) + Q written
 back + slots / positions (int32), at the table HBM bandwidth.
@@ -41,7 +44,7 @@ from tpu_kernels_jax.rotary import api as rotary_api
 from tpu_kernels_jax.rotary import reference as rotary_reference
 
 from .. import inputs, shapes
-from ..suite import Baseline, Op, Suite, Targets
+from ..suite import BASELINE_PREFIX, Baseline, InPlace, Op, Suite, Targets
 from .rotary import ROPE
 
 BF16 = jnp.bfloat16
@@ -85,9 +88,15 @@ def _caches(cfg: Config):
 
 
 # ------------------------------------------------------------------------------------------------ implementations
-def kernel_write(key, value, slots, *, cfg: Config, blocks=None):
-    k_cache, v_cache = _caches(cfg)
+# Each implementation is written once over the caches it is given (`..._into`: the caches first, returned first, what
+# a TPU measures in place with the caches donated, `IN_PLACE`), and once over caches the program allocates (what the
+# performance model compiles).
+def kernel_write_into(k_cache, v_cache, key, value, slots, *, cfg: Config, blocks=None):
     return api.write_kv_cache(k_cache, v_cache, key, value, slots, k_scale=cfg.scale, v_scale=cfg.scale, blocks=blocks)
+
+
+def kernel_write(key, value, slots, *, cfg: Config, blocks=None):
+    return kernel_write_into(*_caches(cfg), key, value, slots, cfg=cfg, blocks=blocks)
 
 
 def _stored(rows, cfg: Config):
@@ -96,22 +105,24 @@ def _stored(rows, cfg: Config):
     return jnp.clip(rows.astype(jnp.float32) * (1.0 / cfg.scale), -FP8_MAX, FP8_MAX).astype(FP8)
 
 
-def _scatter(key, value, slots, cfg: Config):
+def _scatter(k_cache, v_cache, key, value, slots, cfg: Config):
     """XLA's scatter of the rows into the flat caches (slot = row), in place."""
-    k_cache, v_cache = _caches(cfg)
     flat = lambda c: c.reshape((SLOTS,) + c.shape[2:])  # noqa: E731
     k = flat(k_cache).at[slots].set(_stored(key, cfg), mode="drop")
     v = flat(v_cache).at[slots].set(_stored(value, cfg), mode="drop")
     return k.reshape(k_cache.shape), v.reshape(v_cache.shape)
 
 
+def xla_write_into(k_cache, v_cache, key, value, slots, *, cfg: Config):
+    return _scatter(k_cache, v_cache, key, value, slots, cfg)
+
+
 def xla_write(key, value, slots, *, cfg: Config):
-    return _scatter(key, value, slots, cfg)
+    return xla_write_into(*_caches(cfg), key, value, slots, cfg=cfg)
 
 
-def kernel_rope_write(query, key, value, slots, positions, *, cfg: Config, blocks=None):
-    k_cache, v_cache = _caches(cfg)
-    return api.rope_and_write_kv_cache(
+def kernel_rope_write_into(k_cache, v_cache, query, key, value, slots, positions, *, cfg: Config, blocks=None):
+    q, k_cache, v_cache = api.rope_and_write_kv_cache(
         query,
         key,
         value,
@@ -124,25 +135,64 @@ def kernel_rope_write(query, key, value, slots, positions, *, cfg: Config, block
         blocks=blocks,
         **ROPE[cfg.model],
     )
+    return k_cache, v_cache, q
 
 
-def our_rope_then_scatter(query, key, value, slots, positions, *, cfg: Config):
+def kernel_rope_write(query, key, value, slots, positions, *, cfg: Config, blocks=None):
+    k_cache, v_cache, q = kernel_rope_write_into(
+        *_caches(cfg), query, key, value, slots, positions, cfg=cfg, blocks=blocks
+    )
+    return q, k_cache, v_cache
+
+
+def our_rope_then_scatter_into(k_cache, v_cache, query, key, value, slots, positions, *, cfg: Config):
     """Our standalone rotary kernel on q and k (layout bshd, one sequence of T tokens), then XLA's scatter."""
     q, k = rotary_api.apply_rotary_from_positions(
         query[None], key[None], positions[None], layout="bshd", **ROPE[cfg.model]
     )
-    k_cache, v_cache = _scatter(k[0], value, slots, cfg)
-    return q[0], k_cache, v_cache
+    k_cache, v_cache = _scatter(k_cache, v_cache, k[0], value, slots, cfg)
+    return k_cache, v_cache, q[0]
 
 
-def xla_rope_then_scatter(query, key, value, slots, positions, *, cfg: Config):
+def our_rope_then_scatter(query, key, value, slots, positions, *, cfg: Config):
+    k_cache, v_cache, q = our_rope_then_scatter_into(*_caches(cfg), query, key, value, slots, positions, cfg=cfg)
+    return q, k_cache, v_cache
+
+
+def xla_rope_then_scatter_into(k_cache, v_cache, query, key, value, slots, positions, *, cfg: Config):
     """transformers' path in XLA: cos/sin from positions (rounded to bf16), the rotation, then the scatter."""
     cos, sin = rotary_api.rope_cos_sin(positions[None], head_dim=query.shape[-1], **ROPE[cfg.model])
     cos, sin = cos.astype(query.dtype), sin.astype(query.dtype)
     q, k = rotary_reference.apply_rotary_reference(query[None], key[None], cos, sin, layout="bshd")
-    q, k = q[0], k[0]
-    k_cache, v_cache = _scatter(k, value, slots, cfg)
+    k_cache, v_cache = _scatter(k_cache, v_cache, k[0], value, slots, cfg)
+    return k_cache, v_cache, q[0]
+
+
+def xla_rope_then_scatter(query, key, value, slots, positions, *, cfg: Config):
+    k_cache, v_cache, q = xla_rope_then_scatter_into(*_caches(cfg), query, key, value, slots, positions, cfg=cfg)
     return q, k_cache, v_cache
+
+
+def cache_state(s, seed: int = 0):
+    """The caches a TPU measures the writes in place on: random values (never zeros), made on the device."""
+    cfg = config(s)
+    shape = (SLOTS // PAGE, PAGE, cfg.kv_heads, cfg.head_dim)
+    k_key, v_key = inputs.keys(seed + 101, 2)
+    dtype = jnp.dtype(cfg.cache_dtype)
+    made = (inputs.normal(k, shape, BF16) for k in (k_key, v_key))
+    return tuple(_stored(c, cfg) if cfg.fp8 else c.astype(dtype) for c in made)
+
+
+WRITE_IN_PLACE = InPlace({"kernel": kernel_write_into, "default": xla_write_into}, cache_state, 2)
+ROPE_IN_PLACE = InPlace(
+    {
+        "kernel": kernel_rope_write_into,
+        "default": xla_rope_then_scatter_into,
+        BASELINE_PREFIX + OUR_ROPE: our_rope_then_scatter_into,
+    },
+    cache_state,
+    2,
+)
 
 
 # ------------------------------------------------------------------------------------------------- shapes, bytes
@@ -264,6 +314,7 @@ SUITE = Suite(
             hbm_bytes=write_bytes,
             default_name="XLA scatter",
             static=_static,
+            in_place=WRITE_IN_PLACE,
         ),
         Op(
             name="rope_and_write_kv_cache",
@@ -276,6 +327,7 @@ SUITE = Suite(
             default_name="XLA rope + scatter",
             baselines=(Baseline(OUR_ROPE, our_rope_then_scatter),),
             static=_static,
+            in_place=ROPE_IN_PLACE,
         ),
     ),
     shapes=shapes.KV_CACHE,
