@@ -100,6 +100,37 @@ def test_chip_step_fits_layers_to_the_budget():
     assert used <= chip_step.HBM_BUDGET_BYTES < used + per_layer + cache
 
 
+def test_chip_step_ceiling_and_targets(tmp_path):
+    """The step's HBM ceiling counts a layer's weights, the experts its batch touches and the keys it reads, plus
+    lm_head; the targets at batch 64, context 4096 say met or the measured gap."""
+    from benchmarks.decode import chip_step
+
+    q = models.QWEN3
+    (kind,) = q.kinds
+    touched = q.experts * (1 - (1 - q.top_k / q.experts) ** 64)
+    assert 120 < touched < 128  # batch 64, top-8 of 128: nearly every expert
+    expected = q.vocab * q.hidden * 2 + q.dense_bytes_per_layer(kind) + touched * q.expert_bytes()
+    expected += 64 * 4096 * kind.kv_bytes_per_token
+    assert chip_step.ceiling_bytes(q, [kind], 64, 4096) == int(expected)
+    impls = {
+        "default": {"step_us": 3000.0, "model_step_us_scaled": 40000.0},
+        "ours": {"step_us": 1000.0, "model_step_us_scaled": 16000.0, "ceiling_fraction": 0.75},
+        "experts": {"step_us": 2000.0, "model_step_us_scaled": 30000.0},
+    }
+    result = {"model": q.name, "batch": 64, "context": 4096, "impls": impls}
+    ours_8 = dict(impls["ours"], model_tokens_per_s_scaled=500.0)
+    small = dict(result, batch=8, impls={k: dict(v, model_tokens_per_s_scaled=100.0) for k, v in impls.items()})
+    small["impls"]["ours"] = ours_8
+    big = dict(result, impls={k: dict(v, model_tokens_per_s_scaled=1000.0) for k, v in impls.items()})
+    assert chip_step.chart([small, big], tmp_path / "chart.png") and (tmp_path / "chart.png").stat().st_size > 0
+    lines = chip_step.target_lines([result, small])
+    assert lines == [
+        f"target, {q.name}: all ours >= 2.0x XLA's tokens/s: met (2.50x)",
+        f"target, {q.name}: our experts_forward only >= 1.5x XLA's tokens/s: NOT MET (1.33x)",
+        f"target, {q.name}: all ours >= 70% of the step's HBM ceiling: met (75.0%)",
+    ]
+
+
 def test_device_mode_without_a_tpu_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("TPU_KERNELS_BENCH_DEVICE", "cpu")
     with pytest.raises(SystemExit, match="--device: expected a TPU host"):

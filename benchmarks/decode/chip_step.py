@@ -50,6 +50,10 @@ from .models import PAGE, LayerKind, Model
 BF16, F32 = jnp.bfloat16, jnp.float32
 IMPLS = ("default", "ours", "experts")
 ROPE_THETA = 1e6
+HBM_BANDWIDTH = 819e9  # the v5e's, bytes/s: the step's HBM ceiling
+TARGET_BATCH, TARGET_CONTEXT = 64, 4096
+TARGETS = {"ours": 2.0, "experts": 1.5}  # the least speedup over XLA's path at the target point
+TARGET_CEILING = 0.70  # all ours: the least fraction of the step's HBM ceiling at the target point
 HBM_BUDGET_BYTES = 11 << 30  # of the v5e's 15.7 GiB: the rest for XLA's temporaries (the default experts path
 # relays out a layer's expert weights on every call) and the runtime
 
@@ -92,6 +96,22 @@ def fitting_layers(model: Model, batch: int, context: int, steps: int, budget: i
             break
         layers += 1
     return max(layers, 1)
+
+
+def expected_touched(model: Model, batch: int) -> float:
+    """Experts a layer's batch touches, expected under uniform top-k routing."""
+    return model.experts * (1.0 - (1.0 - model.top_k / model.experts) ** batch)
+
+
+def ceiling_bytes(model: Model, kinds, batch: int, context: int) -> int:
+    """The least HBM bytes of a step over `kinds`' layers: each layer's attention, router and dense weights, the
+    experts its batch touches (expected under uniform routing), the keys and values its attention reads; then the
+    head's lm_head (the step's embedding and hidden-state traffic is left out: small beside these)."""
+    total = model.vocab * model.hidden * 2
+    for kind in kinds:
+        total += model.dense_bytes_per_layer(kind) + expected_touched(model, batch) * model.expert_bytes()
+        total += batch * kind.keys(context) * kind.kv_bytes_per_token
+    return int(total)
 
 
 # ------------------------------------------------------------------------------------------------------ weights
@@ -335,10 +355,15 @@ def measure(
                 "model_tokens_per_s_scaled": batch / whole,
             }
         results[impl] = r
+    ceiling_s = ceiling_bytes(model, kinds, batch, context) / HBM_BANDWIDTH
+    for r in results.values():
+        if "step_us" in r:
+            r["ceiling_fraction"] = ceiling_s / (r["step_us"] * 1e-6)
     return {
         "model": model.name,
         "batch": batch,
         "context": context,
+        "ceiling_us": ceiling_s * 1e6,
         "layers": layers,
         "model_layers": model.layers,
         "steps": steps,
@@ -361,7 +386,7 @@ def markdown(results: list[dict]) -> list[str]:
     head = ["model", "batch", "context", "layers measured"]
     for impl in IMPLS:
         head += [f"{NAMES[impl]} µs/step", f"{NAMES[impl]} tokens/s (whole model, scaled)"]
-    head += ["all ours vs XLA", "experts only vs XLA", "greedy tokens equal (steps)"]
+    head += ["all ours vs XLA", "experts only vs XLA", "all ours % of HBM ceiling", "greedy tokens equal (steps)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         cells = [r["model"], str(r["batch"]), str(r["context"]), f"{r['layers']} of {r['model_layers']}"]
@@ -376,9 +401,64 @@ def markdown(results: list[dict]) -> list[str]:
             a, b = impls.get("default", {}), impls.get(impl, {})
             ok = "model_step_us_scaled" in a and "model_step_us_scaled" in b
             cells.append(f"{a['model_step_us_scaled'] / b['model_step_us_scaled']:.2f}x" if ok else "—")
+        fraction = impls.get("ours", {}).get("ceiling_fraction")
+        cells.append("—" if fraction is None else f"{fraction:.1%}")
         agree = r["tokens"]
         cells.append(", ".join(f"{NAMES[i]} {v['equal_steps']}/{v['steps']}" for i, v in agree.items()))
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def chart(results: list[dict], path) -> bool:
+    """Whole-model tokens/s against batch, one panel per (model, context), a line per implementation (log scales);
+    False where matplotlib is not installed (a TPU host used as it is)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = sorted({(r["model"], r["context"]) for r in results})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (model, context) in zip(axes[0], panels):
+        rows = sorted((r for r in results if (r["model"], r["context"]) == (model, context)), key=lambda r: r["batch"])
+        for impl in IMPLS:
+            points = [
+                (r["batch"], r["impls"][impl]["model_tokens_per_s_scaled"])
+                for r in rows
+                if "step_us" in r["impls"][impl]
+            ]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=NAMES[impl])
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s (whole model, scaled)")
+        ax.set_title(f"{model}, context {context}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def target_lines(results: list[dict]) -> list[str]:
+    """The targets at batch TARGET_BATCH, context TARGET_CONTEXT, per model: met, or the measured gap."""
+    lines = []
+    for r in results:
+        if (r["batch"], r["context"]) != (TARGET_BATCH, TARGET_CONTEXT) or "step_us" not in r["impls"].get(
+            "default", {}
+        ):
+            continue
+        xla = r["impls"]["default"]["model_step_us_scaled"]
+        for impl, least in TARGETS.items():
+            got = xla / r["impls"][impl]["model_step_us_scaled"]
+            state = "met" if got >= least else "NOT MET"
+            lines.append(f"target, {r['model']}: {NAMES[impl]} >= {least}x XLA's tokens/s: {state} ({got:.2f}x)")
+        fraction = r["impls"]["ours"]["ceiling_fraction"]
+        state = "met" if fraction >= TARGET_CEILING else "NOT MET"
+        lines.append(
+            f"target, {r['model']}: all ours >= {TARGET_CEILING:.0%} of the step's HBM ceiling: {state} "
+            f"({fraction:.1%})"
+        )
     return lines
 
 
@@ -410,7 +490,15 @@ def main(argv=None) -> int:
     label = f"measured {results[0]['device']}, {timing}" if results else ""
     text = [f"Decode step on one chip ({label}); whole-model figures scale the measured layers, the head once", ""]
     text += markdown(results)
+    text += ["", *target_lines(results)]
+    text += [
+        "",
+        f"HBM ceiling: the measured layers' weights, the experts a batch touches (expected under uniform routing), the "
+        f"keys and values read, and lm_head, at {HBM_BANDWIDTH / 1e9:.0f} GB/s (the v5e's).",
+    ]
     (args.out / "decode_chip.md").write_text("\n".join(text) + "\n")
+    if results and results[0]["impls"]["default"].get("step_us") is not None:
+        chart(results, args.out / "decode_chip.png")
     print("\n".join(text))
     return 0
 
