@@ -375,8 +375,9 @@ def measure(
 
 
 # ---------------------------------------------------------------------------------------------------------- cli
-BATCHES = (1, 8, 32, 64, 128, 256)
-CONTEXTS = (1024, 4096)
+BATCHES = (1, 8, 64, 256)  # the quick set: one device command of the test machine (<= 10 minutes) for both models
+CONTEXTS = (4096,)
+FULL_BATCHES, FULL_CONTEXTS = (1, 8, 32, 64, 128, 256), (1024, 4096)
 NAMES = {"default": "XLA (transformers' default)", "ours": "all ours", "experts": "our experts_forward only"}
 
 
@@ -471,16 +472,19 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode.chip_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", choices=sorted(MODELS), help="repeatable (default: every model)")
-    p.add_argument("--batch", action="append", type=int, help=f"repeatable (default: {BATCHES})")
-    p.add_argument("--context", action="append", type=int, help=f"repeatable (default: {CONTEXTS})")
+    p.add_argument("--batch", action="append", type=int, help=f"repeatable (default: {BATCHES}; --full {FULL_BATCHES})")
+    p.add_argument(
+        "--context", action="append", type=int, help=f"repeatable (default: {CONTEXTS}; --full {FULL_CONTEXTS})"
+    )
+    p.add_argument("--full", action="store_true", help="every batch and context of the full table")
     p.add_argument("--steps", type=int, default=32, help="timed steps (the median is reported)")
     p.add_argument("--layers", type=int, default=None, help="layers on the chip (default: as many as fit)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
     args = p.parse_args(argv)
     results = []
     for name in args.model or sorted(MODELS):
-        for context in args.context or CONTEXTS:
-            for batch in args.batch or BATCHES:
+        for context in args.context or (FULL_CONTEXTS if args.full else CONTEXTS):
+            for batch in args.batch or (FULL_BATCHES if args.full else BATCHES):
                 r = measure(MODELS[name], batch=batch, context=context, steps=args.steps, layers=args.layers)
                 results.append(r)
                 print("\n".join(markdown([r])[2:]), flush=True)
