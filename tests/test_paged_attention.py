@@ -574,13 +574,17 @@ COMPILE_CASES = [
     # float8 with 2 kv heads: XLA lays the caches out head-major, read so, one head at a time (kernel.head_major_cache)
     ("gemma4_full_decode_p64_fp8", 8, 8, 16, 2, 512, 64, 64, FP8, dict(softmax_scale=1.0)),
     ("gpt_oss_sinks_decode_p16", 64, 64, 64, 8, 64, 16, 64, jnp.bfloat16, dict(window_size=(127, 0), sinks=True)),
+    # gpt-oss's full layers at pages of 256 (4 a block, two visits a step): head dim 64 pads to 128 lanes in VMEM, which
+    # the working set once left out (16.2 MiB against the 16 MiB limit it set, on v5e)
+    ("gpt_oss_sinks_decode_p256", 64, 64, 64, 8, 64, 256, 17, jnp.bfloat16, dict(sinks=True)),
 ]
 
 # Deduplicated by kernel body. The body is fixed by the blocks (query tokens per block, pages per block), the head
 # layout (Hq, Hkv, D), page size, dtypes, options and the VMEM limit; the tuning table gives every case above the same
 # blocks on v5e, v6e and v7x and the same VMEM limit (16 MiB, each working set under 2/3 of it) except Gemma 4's decodes
 # (sliding's visits take every kv head at once, 8 heads' rows against 8 heads' keys: 60.9 MiB, 48 on v7x, 3/4 of its
-# VMEM; full's float8 keeps every head's widened K / V of both branches: 43.0 MiB), and sliding's decode takes two
+# VMEM; full's float8 keeps every head's widened K / V of both branches: 43.0 MiB) and gpt-oss's at pages of 256 (its
+# head dim of 64 padded to 128 lanes: 24.9 MiB, compiled on v5e), and sliding's decode takes two
 # visits a step on v5e and v6e but one on v7x (twice its page buffers would pass 3/4 of v7x's VMEM; its v6e body is
 # the one benchmarks/ops/paged_attention.py models); and the token, sequence and page counts only size the grid, the
 # visit lists and the SMEM page table. So each case compiles on one generation: on v6e (the benchmarks' generation)
@@ -588,6 +592,7 @@ COMPILE_CASES = [
 # (the least scoped VMEM) and v7x (the least VMEM) the widest working sets, the fp8 mixed batch, Gemma 4 full's head
 # dim 512 and Gemma 4 sliding's decode (its VMEM limit is the lowest there).
 COMPILE_ELSEWHERE = {"qwen3_mixed_p64_fp8": "v5e", "gemma4_full_mixed_p256": "v7x", "gemma4_sliding_decode_p64": "v7x"}
+COMPILE_ELSEWHERE["gpt_oss_sinks_decode_p256"] = "v5e"
 COMPILES = [(case, COMPILE_ELSEWHERE.get(case[0], "v6e")) for case in COMPILE_CASES]
 
 

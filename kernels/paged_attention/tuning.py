@@ -94,7 +94,10 @@ def working_set(
     # second-minor dim is the page (head_major_cache), whole tiles
     head_major = head_major_cache(hkv=kv_heads, page_size=page_size, cache_itemsize=cache_itemsize)
     packed_heads = kv_heads if head_major else -(-kv_heads // (4 // cache_itemsize)) * (4 // cache_itemsize)
-    buffers = 2 * visits_per_step * keys * packed_heads * (head_dim + v_head_dim) * cache_itemsize
+    # a page buffer's minor dim is the head dim (whichever view), padded to whole 128-lane tiles in VMEM: gpt-oss's
+    # 64 takes 128 (compiled for the v5e, its blocks needed twice the bytes they were counted at)
+    dk, dv = (-(-d // 128) * 128 for d in (head_dim, v_head_dim))
+    buffers = 2 * visits_per_step * keys * packed_heads * (dk + dv) * cache_itemsize
     # A float8 block is widened in registers (float8 -> float32 -> the compute dtype) and Mosaic keeps the widened K and
     # V of both visit branches (masked, unmasked) in its internal scratch: counted for every head unless the caches are
     # passed as rows (an upper bound with more heads: Mosaic reuses some of the room). Every head at once multiplies the
