@@ -86,6 +86,29 @@ def test_chip_step_smoke_gives_every_implementation_the_same_tokens(tmp_path):
     assert "all ours 2/2" in table and "| gemma4-26b-a4b | 2 | 300 | 2 of 2 |" in table
 
 
+def test_chip_step_smoke_gpt_oss():
+    """gpt-oss's step at tiny dimensions (a sliding layer of window 128 with sinks, biased projections, no per-head
+    norm; MXFP4 experts laid out as at load, top-2 of 8, interleaved gate/up, the clamped SwiGLU): our MXFP4
+    experts_forward in XLA's step decodes XLA's tokens; all ours decodes from the same weights (its bf16 rounding
+    differs from XLA's through every op, so a near-tie in a tiny random model may flip a token: not asserted)."""
+    from benchmarks.decode import chip_step
+    from tpu_kernels_jax.common.interpret import interpret_on_cpu
+
+    tiny = dataclasses.replace(
+        chip_step.GPT_OSS,
+        hidden=256,
+        vocab=512,
+        experts=8,
+        top_k=2,
+        expert_intermediate=256,
+        kinds=(models.LayerKind("gpt-oss-sliding", 1, 4, 2, 64, 128, False),),
+    )
+    with interpret_on_cpu():
+        result = chip_step.measure(tiny, batch=2, context=200, steps=1, warmup=0, layers=1)
+    assert result["tokens"]["experts"]["equal_steps"] == 1
+    assert set(result["tokens"]) == {"ours", "experts"}  # all ours ran too (its tokens: see the docstring)
+
+
 def test_chip_step_fits_layers_to_the_budget():
     """As many layers as fit beside their caches and the XLA path's copy of their expert weights: Qwen3-30B-A3B's
     1.24 GB layers at batch 64, context 4096, 3 of 48 (the step compiles for the v5e at that count, both paths)."""

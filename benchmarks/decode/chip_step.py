@@ -40,12 +40,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpu_kernels_jax import api as tk
+from tpu_kernels_jax.common import mxfp4
+from tpu_kernels_jax.rotary import api as rotary_api
+from tpu_kernels_jax.rotary import reference as rotary_reference
 
 from .. import inputs, profiler
 from ..ops import moe as moe_ops
 from ..ops import paged_attention
 from . import programs
-from .models import PAGE, LayerKind, Model
+from .models import MODELS, PAGE, LayerKind, Model
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 IMPLS = ("default", "ours", "experts")
@@ -56,6 +59,40 @@ TARGETS = {"ours": 2.0, "experts": 1.5}  # the least speedup over XLA's path at 
 TARGET_CEILING = 0.70  # all ours: the least fraction of the step's HBM ceiling at the target point
 HBM_BUDGET_BYTES = 11 << 30  # of the v5e's 15.7 GiB: the rest for XLA's temporaries (the default experts path
 # relays out a layer's expert weights on every call) and the runtime
+
+
+# gpt-oss-20b, on one chip only (the v6e-8 composition has Qwen3 and Gemma 4): sliding (window 128) and full layers
+# alternating, 64 q / 8 kv heads of 64, sinks, biased projections, no per-head q/k norm, 32 experts top-4 of 2880 x
+# 2880 in its checkpoint's MXFP4, gate/up interleaved, the clamped SwiGLU. Its experts' biases are left out (as in
+# benchmarks/ops/moe.py); XLA's path multiplies the bf16 weights transformers dequantizes the MXFP4 ones to on a TPU.
+GPT_OSS = Model(
+    name="gpt-oss-20b",
+    hub_id="openai/gpt-oss-20b",
+    hidden=2880,
+    vocab=201088,
+    tied_embeddings=False,
+    experts=32,
+    top_k=4,
+    expert_intermediate=2880,
+    activation="clamped_swiglu",
+    dense_intermediate=0,
+    norms_per_layer=2,
+    kinds=(
+        LayerKind("gpt-oss-sliding", 12, 64, 8, 64, 128, False),
+        LayerKind("gpt-oss-full", 12, 64, 8, 64, -1, False),
+    ),
+)
+CHIP_MODELS = {**MODELS, GPT_OSS.name: GPT_OSS}
+
+
+def is_gpt_oss(model: Model) -> bool:
+    return model.activation == "clamped_swiglu"
+
+
+def softmax_scale(model: Model, kind: LayerKind) -> float:
+    if is_gpt_oss(model):
+        return kind.head_dim**-0.5
+    return paged_attention.config(programs.paged_shape(kind, 1, 1)).softmax_scale
 
 
 def glue_impl(impl: str) -> str:
@@ -92,6 +129,8 @@ def fitting_layers(model: Model, batch: int, context: int, steps: int, budget: i
     for kind in layer_kinds(model, model.layers):
         cache = 2 * batch * cache_keys(kind, context, steps) * kind.kv_heads * kind.head_dim * 2
         used += _layer_weight_bytes(model, kind) + model.experts * model.expert_bytes() + cache
+        if is_gpt_oss(model):  # its MXFP4 experts beside the bf16 ones XLA's path multiplies
+            used += model.experts * stored_expert_bytes(model)
         if used > budget:
             break
         layers += 1
@@ -103,20 +142,29 @@ def expected_touched(model: Model, batch: int) -> float:
     return model.experts * (1.0 - (1.0 - model.top_k / model.experts) ** batch)
 
 
+def stored_expert_bytes(model: Model) -> int:
+    """One expert's weights as our path reads them: bf16, or gpt-oss's MXFP4 (half a byte a weight, a byte a 32)."""
+    weights = 3 * model.hidden * model.expert_intermediate
+    return weights // 2 + weights // mxfp4.BLOCK if is_gpt_oss(model) else model.expert_bytes()
+
+
 def ceiling_bytes(model: Model, kinds, batch: int, context: int) -> int:
     """The least HBM bytes of a step over `kinds`' layers: each layer's attention, router and dense weights, the
-    experts its batch touches (expected under uniform routing), the keys and values its attention reads; then the
-    head's lm_head (the step's embedding and hidden-state traffic is left out: small beside these)."""
+    experts its batch touches (expected under uniform routing, as stored: gpt-oss's MXFP4), the keys and values its
+    attention reads; then the head's lm_head (the step's embedding and hidden-state traffic is left out: small
+    beside these)."""
     total = model.vocab * model.hidden * 2
     for kind in kinds:
-        total += model.dense_bytes_per_layer(kind) + expected_touched(model, batch) * model.expert_bytes()
+        total += model.dense_bytes_per_layer(kind) + expected_touched(model, batch) * stored_expert_bytes(model)
         total += batch * kind.keys(context) * kind.kv_bytes_per_token
     return int(total)
 
 
 # ------------------------------------------------------------------------------------------------------ weights
-def _random(key, spec, fan_in: int | None):
-    """Random bf16 values for a weight: norms ~ 1 + 0.1 N(0, 1), matrices N(0, 1 / fan_in)."""
+def _random(key, spec, fan_in: int | None, name: str = ""):
+    """Random values for a weight: biases and sinks 0.1 N(0, 1), norms 1 + 0.1 N(0, 1), matrices N(0, 1 / fan_in)."""
+    if name.startswith("b") or name.endswith("bias") or name == "sinks":
+        return inputs.normal(key, spec.shape, spec.dtype, scale=0.1)
     if fan_in is None:
         return (1.0 + inputs.normal(key, spec.shape, F32, scale=0.1)).astype(spec.dtype)
     return inputs.normal(key, spec.shape, spec.dtype, scale=fan_in**-0.5)
@@ -130,18 +178,92 @@ def init_params(model: Model, kinds: list[LayerKind], seed: int = 0) -> dict:
     layers = []
     for kind in kinds:
         key, sub = jax.random.split(key)
-        specs = programs.glue_args(model, kind, 1)[2]
-        keys = iter(jax.random.split(sub, len(specs) + 2))
-        w = {name: _random(next(keys), s, s.shape[0] if len(s.shape) == 2 else None) for name, s in specs.items()}
+        specs = _gpt_oss_glue_specs(model, kind) if is_gpt_oss(model) else programs.glue_args(model, kind, 1)[2]
+        keys = iter(jax.random.split(sub, len(specs) + 4))
+        w = {n: _random(next(keys), s, s.shape[0] if len(s.shape) == 2 else None, n) for n, s in specs.items()}
         e, h, i = model.experts, model.hidden, model.expert_intermediate
-        w["gate_up"] = inputs.normal(next(keys), (e, 2 * i, h), BF16, scale=h**-0.5)
-        w["down"] = inputs.normal(next(keys), (e, h, i), BF16, scale=i**-0.5)
+        if is_gpt_oss(model):
+            # a checkpoint's MXFP4 (every e2m1 code; scales 2^-8..2^-6) laid out once as at load, and its bf16
+            # dequantization for XLA's path (random bits in the prepared layout would not be a checkpoint's: its
+            # scales' padding rows are zero, and the kernel's widening relies on it)
+            u8, block = mxfp4.CODE_DTYPE, mxfp4.BLOCK
+            checkpoint = (
+                inputs.integers(next(keys), (e, 2 * i, h // 2), 0, 256, u8),
+                inputs.integers(next(keys), (e, 2 * i, h // block), 119, 122, u8),
+                inputs.integers(next(keys), (e, h, i // 2), 0, 256, u8),
+                inputs.integers(next(keys), (e, h, i // block), 119, 122, u8),
+            )
+            gate_up, gate_up_scale, down, down_scale = tk.prepare_mxfp4_experts(*checkpoint)
+            w |= {"gate_up_mx": gate_up, "gate_up_scale": gate_up_scale, "down_mx": down, "down_scale": down_scale}
+            w["gate_up"] = mxfp4.dequantize_prepared(gate_up, gate_up_scale).astype(BF16)
+            w["down"] = mxfp4.dequantize_prepared(down, down_scale).astype(BF16)
+        else:
+            w["gate_up"] = inputs.normal(next(keys), (e, 2 * i, h), BF16, scale=h**-0.5)
+            w["down"] = inputs.normal(next(keys), (e, h, i), BF16, scale=i**-0.5)
         layers.append(w)
     k_embed, k_head, k_norm = jax.random.split(key, 3)
     embed = inputs.normal(k_embed, (model.vocab, model.hidden), BF16)
     lm_head = embed if model.tied_embeddings else inputs.normal(k_head, (model.vocab, model.hidden), BF16)
     final_norm = _random(k_norm, jax.ShapeDtypeStruct((model.hidden,), BF16), None)
     return {"layers": layers, "embed": embed, "lm_head": lm_head, "final_norm": final_norm}
+
+
+def _gpt_oss_glue_specs(model: Model, kind: LayerKind) -> dict:
+    def spec(*shape, dtype=BF16):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    hd, q, kv = model.hidden, kind.q_heads * kind.head_dim, kind.kv_heads * kind.head_dim
+    return {
+        "input_norm": spec(hd),
+        "wq": spec(hd, q),
+        "bq": spec(q),
+        "wk": spec(hd, kv),
+        "bk": spec(kv),
+        "wv": spec(hd, kv),
+        "bv": spec(kv),
+        "wo": spec(q, hd),
+        "bo": spec(hd),
+        "post_norm": spec(hd),
+        "router": spec(hd, model.experts),
+        "router_bias": spec(model.experts),
+        "sinks": spec(kind.q_heads, dtype=F32),
+    }
+
+
+def _gpt_oss_attention_in(x, w, cos, sin, *, kind: LayerKind, impl: str):
+    """gpt-oss's input RMSNorm, biased q/k/v projections and RoPE (no per-head norm)."""
+    b, d = x.shape[0], kind.head_dim
+    h = programs._norm(impl, x, w["input_norm"])
+    q = (h @ w["wq"] + w["bq"]).reshape(b, 1, kind.q_heads, d)
+    k = (h @ w["wk"] + w["bk"]).reshape(b, 1, kind.kv_heads, d)
+    v = (h @ w["wv"] + w["bv"]).reshape(b, 1, kind.kv_heads, d)
+    rope = rotary_api.apply_rotary if impl == "ours" else rotary_reference.apply_rotary_reference
+    q, k = rope(q, k, cos, sin, layout="bshd")
+    return q, k, v
+
+
+def _gpt_oss_attention_out(x, attn_out, w, *, model: Model, impl: str):
+    """The biased output projection, residual add + RMSNorm, and the router: softmax over each token's top-k
+    logits (gpt-oss's)."""
+    o = attn_out @ w["wo"] + w["bo"]
+    moe_in, residual = programs._add_norm(impl, o, x, w["post_norm"])
+    logits = (moe_in @ w["router"] + w["router_bias"]).astype(F32)
+    top_logits, top_i = jax.lax.top_k(logits, model.top_k)
+    return moe_in, residual, top_i, jax.nn.softmax(top_logits, axis=-1)
+
+
+def _static_attention_with_sinks(q, k_cache, v_cache, seen, scale: float, sinks):
+    """sdpa over a static cache [B, Hkv, L, D] with gpt-oss's sinks (one logit a head joining each row's softmax)."""
+    b, hq, d = q.shape
+    hkv, slots = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    scores = jnp.einsum("bhgd,bhsd->bhgs", qg, k_cache, preferred_element_type=F32) * scale
+    keep = jnp.arange(slots, dtype=jnp.int32)[None, :] < jnp.minimum(seen, slots)[:, None]
+    scores = jnp.where(keep[:, None, None], scores, -jnp.inf)
+    sink = jnp.broadcast_to(sinks.reshape(1, hkv, hq // hkv, 1), (b, hkv, hq // hkv, 1))
+    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :slots]
+    out = jnp.einsum("bhgs,bhsd->bhgd", probs.astype(BF16), v_cache, preferred_element_type=F32)
+    return out.reshape(b, hq * d).astype(BF16)
 
 
 # ------------------------------------------------------------------------------------------------------- caches
@@ -186,9 +308,9 @@ def _rope_tables(position, batch: int, head_dim: int):
     return jnp.cos(table).astype(BF16), jnp.sin(table).astype(BF16)
 
 
-def _attention(setup: Setup, kind: LayerKind, q, k, v, cache, position):
-    """The new K/V into the layer's cache at slot position mod L, and attention over the keys it holds:
-    -> (attention output [B, Hq * D], the cache)."""
+def _attention(setup: Setup, kind: LayerKind, q, k, v, cache, position, sinks=None):
+    """The new K/V into the layer's cache at slot position mod L, and attention over the keys it holds (gpt-oss:
+    with its sinks): -> (attention output [B, Hq * D], the cache)."""
     slots = cache_keys(kind, setup.context, setup.steps)
     slot = position % slots
     seen = jnp.minimum(position + 1, slots)
@@ -197,12 +319,16 @@ def _attention(setup: Setup, kind: LayerKind, q, k, v, cache, position):
         k_cache, v_cache = cache
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3), (0, 0, slot, 0))
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3), (0, 0, slot, 0))
-        out = programs.static_cache_attention(q[:, 0], k_cache, v_cache, jnp.full((b,), seen, jnp.int32), kind=kind)
+        lengths = jnp.full((b,), seen, jnp.int32)
+        if sinks is None:
+            out = programs.static_cache_attention(q[:, 0], k_cache, v_cache, lengths, kind=kind)
+        else:
+            scale = softmax_scale(setup.model, kind)
+            out = _static_attention_with_sinks(q[:, 0], k_cache, v_cache, lengths, scale, sinks)
         return out, (k_cache, v_cache)
     k_cache, v_cache, table = cache
     write_at = table[:, slot // PAGE] * PAGE + slot % PAGE
     k_cache, v_cache = tk.write_kv_cache(k_cache, v_cache, k[:, 0], v[:, 0], write_at)
-    scale = paged_attention.config(programs.paged_shape(kind, 1, 1)).softmax_scale
     out = tk.ragged_paged_attention(
         q[:, 0],
         k_cache,
@@ -211,8 +337,9 @@ def _attention(setup: Setup, kind: LayerKind, q, k, v, cache, position):
         table,
         jnp.arange(b + 1, dtype=jnp.int32),
         jnp.asarray([b], jnp.int32),
-        softmax_scale=scale,
+        softmax_scale=softmax_scale(setup.model, kind),
         causal=True,
+        sinks=sinks,
     )
     return out.reshape(b, -1), (k_cache, v_cache, table)
 
@@ -224,14 +351,35 @@ def step(params, caches, embed_rows, position, *, setup: Setup):
     glue = glue_impl(impl)
     x = embed_rows
     new_caches = []
+    gpt_oss = is_gpt_oss(model)
+    attention_in = _gpt_oss_attention_in if gpt_oss else programs.attention_in
+    attention_out = _gpt_oss_attention_out if gpt_oss else programs.attention_out
     for w, kind, cache in zip(params["layers"], setup.kinds, caches):
         cos, sin = _rope_tables(position, setup.batch, kind.head_dim)
-        q, k, v = programs.attention_in(x, w, cos, sin, kind=kind, impl=glue)
-        attn, cache = _attention(setup, kind, q, k, v, cache, position)
+        q, k, v = attention_in(x, w, cos, sin, kind=kind, impl=glue)
+        attn, cache = _attention(setup, kind, q, k, v, cache, position, w.get("sinks"))
         new_caches.append(cache)
-        moe_in, out, top_i, top_w = programs.attention_out(x, attn, w, model=model, impl=glue)
-        experts = moe_ops.xla_experts if impl == "default" else moe_ops.kernel_experts
-        x = out + experts(moe_in, top_i, top_w, w["gate_up"], w["down"], activation=model.activation).astype(BF16)
+        moe_in, out, top_i, top_w = attention_out(x, attn, w, model=model, impl=glue)
+        if impl == "default":
+            layout = "interleaved" if gpt_oss else "concatenated"
+            y = moe_ops.xla_experts(
+                moe_in, top_i, top_w, w["gate_up"], w["down"], activation=model.activation, gate_layout=layout
+            )
+        elif gpt_oss:
+            y = moe_ops.kernel_experts(
+                moe_in,
+                top_i,
+                top_w,
+                w["gate_up_mx"],
+                w["down_mx"],
+                w["gate_up_scale"],
+                w["down_scale"],
+                activation=model.activation,
+                gate_layout="interleaved",
+            )
+        else:
+            y = moe_ops.kernel_experts(moe_in, top_i, top_w, w["gate_up"], w["down"], activation=model.activation)
+        x = out + y.astype(BF16)
     tokens, rows = programs.head(x, params["final_norm"], params["lm_head"], params["embed"], model=model, impl=glue)
     return tokens, rows, new_caches
 
@@ -468,10 +616,8 @@ def main(argv=None) -> int:
     import json
     import pathlib
 
-    from .models import MODELS
-
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode.chip_step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", action="append", choices=sorted(MODELS), help="repeatable (default: every model)")
+    p.add_argument("--model", action="append", choices=sorted(CHIP_MODELS), help="repeatable (default: every model)")
     p.add_argument("--batch", action="append", type=int, help=f"repeatable (default: {BATCHES}; --full {FULL_BATCHES})")
     p.add_argument(
         "--context", action="append", type=int, help=f"repeatable (default: {CONTEXTS}; --full {FULL_CONTEXTS})"
@@ -482,10 +628,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
     args = p.parse_args(argv)
     results = []
-    for name in args.model or sorted(MODELS):
+    for name in args.model or sorted(CHIP_MODELS):
         for context in args.context or (FULL_CONTEXTS if args.full else CONTEXTS):
             for batch in args.batch or (FULL_BATCHES if args.full else BATCHES):
-                r = measure(MODELS[name], batch=batch, context=context, steps=args.steps, layers=args.layers)
+                r = measure(CHIP_MODELS[name], batch=batch, context=context, steps=args.steps, layers=args.layers)
                 results.append(r)
                 print("\n".join(markdown([r])[2:]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
