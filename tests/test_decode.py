@@ -55,30 +55,32 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert result["versions"]["transformers"] and result["versions"]["kernels"]
 
 
+def _chip_smoke(base, kinds, *, context, steps, warmup, **dims):
+    """chip_step.measure on a tiny version of `base` (hidden 256, vocab 512, 8 experts, `dims` on top), batch 2,
+    every layer of `kinds` once, its kernels in interpret mode."""
+    from benchmarks.decode import chip_step
+    from tpu_kernels_jax.common.interpret import interpret_on_cpu
+
+    tiny = dataclasses.replace(base, hidden=256, vocab=512, experts=8, kinds=kinds, **dims)
+    with interpret_on_cpu():
+        return chip_step.measure(tiny, batch=2, context=context, steps=steps, warmup=warmup, layers=len(kinds))
+
+
 def test_chip_step_smoke_gives_every_implementation_the_same_tokens(tmp_path):
     """The one-chip JAX decode step (benchmarks/decode/chip_step.py) at tiny dimensions of Gemma 4's layout (a sliding
     layer whose window the cache wraps around, a full layer with K = V, the dense MLP beside the experts), the kernels
     in interpret mode: the three implementations decode the same greedy tokens, and the table says so. No TPU here:
     nothing is timed."""
     from benchmarks.decode import chip_step
-    from tpu_kernels_jax.common.interpret import interpret_on_cpu
 
-    tiny = dataclasses.replace(
-        models.GEMMA4,
-        hidden=256,
-        vocab=512,
-        experts=8,
-        expert_intermediate=128,
-        dense_intermediate=128,
-        kinds=(
-            models.LayerKind("gemma4-sliding", 1, 4, 2, 128, 256, False),
-            models.LayerKind("gemma4-full", 1, 4, 1, 128, -1, True),
-        ),
-    )
     kinds = [k.name for k in chip_step.layer_kinds(models.GEMMA4, 7)]
     assert kinds == ["gemma4-sliding"] * 5 + ["gemma4-full", "gemma4-sliding"]  # five sliding, one full, again
-    with interpret_on_cpu():
-        result = chip_step.measure(tiny, batch=2, context=300, steps=1, warmup=1, layers=2)
+    kinds = (
+        models.LayerKind("gemma4-sliding", 1, 4, 2, 128, 256, False),
+        models.LayerKind("gemma4-full", 1, 4, 1, 128, -1, True),
+    )
+    dims = dict(expert_intermediate=128, dense_intermediate=128)
+    result = _chip_smoke(models.GEMMA4, kinds, context=300, steps=1, warmup=1, **dims)
     assert result["timing"].startswith("not timed") and result["layers"] == 2
     for impl in ("ours", "experts"):  # 300 + 2 positions: the sliding layer's 256-slot cache has wrapped
         assert result["tokens"][impl] == {"equal_steps": 2, "steps": 2, "equal_tokens_first_differing_step": None}
@@ -92,19 +94,9 @@ def test_chip_step_smoke_gpt_oss():
     experts_forward in XLA's step decodes XLA's tokens; all ours decodes from the same weights (its bf16 rounding
     differs from XLA's through every op, so a near-tie in a tiny random model may flip a token: not asserted)."""
     from benchmarks.decode import chip_step
-    from tpu_kernels_jax.common.interpret import interpret_on_cpu
 
-    tiny = dataclasses.replace(
-        chip_step.GPT_OSS,
-        hidden=256,
-        vocab=512,
-        experts=8,
-        top_k=2,
-        expert_intermediate=256,
-        kinds=(models.LayerKind("gpt-oss-sliding", 1, 4, 2, 64, 128, False),),
-    )
-    with interpret_on_cpu():
-        result = chip_step.measure(tiny, batch=2, context=200, steps=1, warmup=0, layers=1)
+    kinds = (models.LayerKind("gpt-oss-sliding", 1, 4, 2, 64, 128, False),)
+    result = _chip_smoke(chip_step.GPT_OSS, kinds, context=200, steps=1, warmup=0, top_k=2, expert_intermediate=256)
     assert result["tokens"]["experts"]["equal_steps"] == 1
     assert set(result["tokens"]) == {"ours", "experts"}  # all ours ran too (its tokens: see the docstring)
 
