@@ -18,7 +18,8 @@ IMPLS = _suite.IMPLS
 CHUNK = 12  # functions per compile subprocess (a progress step each chunk; bounds a crash's loss)
 
 
-def _item(case: _suite.Case, impl: str, blocks=None):
+def case_item(case: _suite.Case, impl: str, blocks=None):
+    """(the function, the model's arguments) of `case`'s `impl`: what the model compiles for it."""
     op = case.op
     args = op.model_args(case.shape) if op.model_args else op.specs(case.shape)
     return op.function(impl, case.shape, blocks=blocks), args
@@ -28,7 +29,7 @@ def run(cases: list[_suite.Case], gen: str, *, bar=None, workers: int | None = N
     """{(case id, impl): ProgramModel, or the Exception that modeling raised}, for every impl that applies."""
     keys = [(c, impl) for c in cases for impl, why_not in c.op.impls(c.shape).items() if why_not is None]
     return run_items(
-        [((c.id, impl), lambda c=c, impl=impl: _item(c, impl)) for c, impl in keys], gen, bar=bar, workers=workers
+        [((c.id, impl), lambda c=c, impl=impl: case_item(c, impl)) for c, impl in keys], gen, bar=bar, workers=workers
     )
 
 

@@ -79,7 +79,7 @@ def run_sweep(kernel: str, gens, *, full: bool = False, shapes=None, workers=Non
                 continue
             case = _suite.Case(op, shape)
             for i, blocks in enumerate(cands):
-                items.append(((case.id, i), lambda case=case, blocks=blocks: modeled._item(case, "kernel", blocks)))
+                items.append(((case.id, i), lambda case=case, blocks=blocks: modeled.case_item(case, "kernel", blocks)))
         if bar is not None:
             bar.total = (bar.total or 0) + len(items)
             bar.set_description(f"{kernel}: sweeping ({gen})")

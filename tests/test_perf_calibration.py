@@ -1,8 +1,8 @@
 """The static TPU performance model against measured TPU timings (benchmarks/calibration).
 
-Every in-fit measured point is modeled once (one compile subprocess per generation measured); per family the median
-modeled/measured must be within 5 % and every point within 0.8-1.25. The failure message holds the whole table,
-as `python -m benchmarks.calibration` prints it.
+Every point of each module's quick subset is modeled once (chunks of points per compile subprocess); per family the
+median modeled/measured of the in-fit points must be within 5 % and every in-fit point within 0.8-1.25. The failure
+message holds the whole table, as `python -m benchmarks.calibration` prints it.
 """
 
 import pytest

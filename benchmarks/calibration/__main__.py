@@ -1,8 +1,8 @@
 """python -m benchmarks.calibration [--gen GEN] [--only FAMILY,...] [--quick] [--out DIR] [--write]
 
-Models every measured reference point (benchmarks/calibration/*.py) with the static performance model, one compile
-subprocess per TPU generation, prints modeled against measured as a markdown table with a per-family summary, and
-writes <out>/calibration.json (rows, summaries, versions).
+Models every measured reference point (benchmarks/calibration/*.py) with the static performance model (chunks of
+points per compile subprocess, two at a time), prints modeled against measured as a markdown table with a per-family
+summary, and writes <out>/calibration.json (rows, summaries, versions).
 
 With --write, also replaces the calibration table block of docs/perf_model.md with the table.
 """

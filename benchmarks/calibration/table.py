@@ -19,7 +19,7 @@ from .points import MeasuredPoint
 BEGIN = "<!-- calibration table: begin -->"
 END = "<!-- calibration table: end -->"
 # Modules holding points (each has `points()`); optional ones may be absent or need a library that fails to import.
-MODULES = ("matmul_tutorial",)
+MODULES = ("matmul_tutorial", "chip_measured")
 OPTIONAL_MODULES = ("tokamax_ragged_dot",)
 
 
@@ -44,16 +44,18 @@ def collect_points(only: set[str] | None = None, *, quick: bool = False) -> tupl
     return points, skipped
 
 
-def model_points(points: list[MeasuredPoint], gen: str) -> list[dict]:
-    """Model the points measured on `gen` in one `perf_model.model_functions` call (one compile subprocess).
+def model_points(points: list[MeasuredPoint], gen: str, *, workers: int = 2) -> list[dict]:
+    """Model the points measured on `gen`, a chunk of them per compile subprocess, `workers` chunks at a time.
 
     One row per point: name, family, gen, measured_s, modeled_s, ratio (modeled / measured), in_fit, notes and
     warnings (the model's), dispatch_included, gap_s (measured - modeled: what the model leaves out, dispatch
     included where the source timed it), source, note (the point's), error (modeling failed: modeled_s is None)."""
-    from benchmarks import perf_model
+    from benchmarks import modeled
 
     chosen = [p for p in points if p.gen == gen]
-    models = perf_model.model_functions([(p.fn, p.args) for p in chosen], gen=gen) if chosen else []
+    # In chunks on two threads (benchmarks.modeled): one chunk's host-side traffic analysis overlaps another's compile.
+    found = modeled.run_items([(i, lambda p=p: (p.fn, p.args)) for i, p in enumerate(chosen)], gen, workers=workers)
+    models = [found[i] for i in range(len(chosen))]
     rows = []
     for p, m in zip(chosen, models):
         failed = isinstance(m, Exception)

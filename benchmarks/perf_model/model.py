@@ -93,7 +93,8 @@ class XlaOpModel:
     name: str
     estimated_cycles: int
     modeled_s: float
-    basis: str = "estimated_cycles"  # or "bytes_moved": a layout copy, costed by the bytes it reads and writes
+    basis: str = "estimated_cycles"  # or "bytes_moved": a layout copy or a prefetch, costed by the bytes it moves;
+    # or "schedule": an elementwise / reduction op, timed from its own schedule and DMAs as a kernel is
     bytes_moved: int | None = None
 
 
@@ -320,7 +321,7 @@ def _mosaic_calls(hlo: str) -> list[tuple[str, str]]:
 
 
 def _collect_kernel_dumps(dump_dir: str, hlo: str) -> dict[str, str]:
-    files = {}
+    files = _collect_xla_op_dumps(dump_dir, hlo)
     for name, _ in _mosaic_calls(hlo):
         for kind, suffix in (
             ("pre_delay", "packed-bundles-post-ra.txt"),
@@ -336,6 +337,116 @@ def _collect_kernel_dumps(dump_dir: str, hlo: str) -> dict[str, str]:
                 with open(sorted(cands)[-1]) as fh:
                     files[f"{name}/{kind}"] = fh.read()
     return files
+
+
+def _collect_xla_op_dumps(dump_dir: str, hlo: str) -> dict[str, str]:
+    """The pre-delay schedule of every top-level XLA op the model times from its own schedule (`scheduled_xla_ops`):
+    libtpu compiles each XLA op to LLO like a Mosaic kernel and dumps it as `<id>-<op name>-<NN>-<stage>.txt`."""
+    wanted = set(scheduled_xla_ops(hlo))
+    files = {}
+    if not wanted or not os.path.isdir(dump_dir):
+        return files
+    pattern = re.compile(r"^\d+-(.+)-\d+-packed-bundles-post-ra\.txt$")
+    for f in sorted(os.listdir(dump_dir)):
+        m = pattern.match(f)
+        if m and m.group(1) in wanted:
+            with open(os.path.join(dump_dir, f)) as fh:
+                files[f"{m.group(1)}/pre_delay"] = fh.read()
+    return files
+
+
+_COMPUTATION_RE = re.compile(r"^(?:ENTRY )?%(\S+) \(.*?^\}", re.M | re.S)
+_INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.*)$", re.M)
+# Ops whose work is not elementwise or a reduction over streamed windows: matmuls (XLA's estimate holds for them),
+# custom calls, data-dependent loops and control flow, collectives.
+_NOT_STREAMING_RE = re.compile(
+    r"\s(?:dot|convolution|custom-call|scatter|gather|sort|while|conditional|call|all-reduce|all-gather|reduce-scatter|"
+    r"all-to-all|collective-permute|send|recv|infeed|outfeed|rng[\w-]*)\("
+)
+
+
+def scheduled_xla_ops(hlo: str) -> list[str]:
+    """Top-level XLA ops that carry a cycle estimate and are elementwise or reductions (fused or not; no matmul,
+    scatter, sort, loop, custom call): the model times them from their own schedule and DMAs, as a kernel's (see
+    `_assemble`)."""
+    computations = {m.group(1): m.group(0) for m in _COMPUTATION_RE.finditer(hlo)}
+    entry = re.search(r"^ENTRY .*?^\}", hlo, re.M | re.S)
+    out = []
+    for m in _INSTRUCTION_RE.finditer(entry.group(0) if entry else ""):
+        name, rest = m.group(1), m.group(2)
+        if '"estimated_cycles"' not in rest or _NOT_STREAMING_RE.search(" " + rest.split(", metadata=")[0]):
+            continue
+        called = re.search(r"calls=%([\w.\-]+)", rest)
+        if called and _NOT_STREAMING_RE.search(computations.get(called.group(1), " custom-call(")):
+            continue
+        out.append(name)
+    return out
+
+
+_ASYNC_COPY_RE = re.compile(
+    r"^\s*%(\S+)\s*=\s*\((\w+)\[([\d,]*)\]\{([^}]*)\},\s*\w+\[[\d,]*\]\{([^}]*)\}.*?\)\s+copy-start\(", re.M
+)
+
+
+def async_copies(hlo: str) -> dict[str, int]:
+    """{copy-start: bytes} for each top-level asynchronous copy between HBM and VMEM: XLA's prefetch of an operand
+    into VMEM (or its eviction). Not an op with an estimate, but the bytes cross HBM beside the ops it overlaps."""
+    out = {}
+    entry = re.search(r"^ENTRY .*?^\}", hlo, re.M | re.S)
+    text = entry.group(0) if entry else ""
+    for m in _ASYNC_COPY_RE.finditer(text):
+        if ("S(1)" in m.group(4)) == ("S(1)" in m.group(5)):  # HBM to HBM, or VMEM to VMEM: not a prefetch
+            continue
+        if "cross_program_prefetch_index" in text[m.end() : text.find("\n", m.end())]:
+            # A parameter prefetched for the program's next run, behind the run before it: the tutorial's
+            # jnp.matmul at 4096^3 prefetches its 32 MiB lhs so and measures no time for it on the v5e.
+            continue
+        nbytes = _type_bytes(m.group(2), m.group(3))
+        if nbytes:
+            out[m.group(1)] = nbytes
+    return out
+
+
+def _async_copy_models(chip, label: str, hlo: str, kernels: list, xla_ops: list) -> list:
+    """XLA's prefetches into VMEM (and evictions to HBM) run beside the ops between their copy-start and copy-done,
+    and share HBM with them: windows that overlap are one group, which takes max(its ops' times, all its HBM bytes
+    (the ops' and the copies') / BW). What that adds to the ops' times is the copies' cost (split by their bytes): a
+    copy beside compute-bound ops is free up to the bytes that fit under them, one beside nothing costs its bytes."""
+    copies = async_copies(hlo)
+    if not copies:
+        return []
+    entry = re.search(r"^ENTRY .*?^\}", hlo, re.M | re.S)
+    order = {m.group(1): i for i, m in enumerate(_INSTRUCTION_RE.finditer(entry.group(0) if entry else ""))}
+    done = {}  # copy-start -> position of its copy-done
+    for m in re.finditer(r"^\s*(?:ROOT\s+)?%(\S+)\s*=.*?\scopy-done\(%([\w.\-]+)\)", entry.group(0), re.M):
+        if m.group(2) in copies:
+            done[m.group(2)] = order.get(m.group(1))
+    ops = [(order[k.hlo_name], k.modeled_s, k.hbm_bytes) for k in kernels if k.hlo_name in order]
+    ops += [(order[x.name], x.modeled_s, x.bytes_moved or 0) for x in xla_ops if x.name in order]
+    windows = sorted((order.get(n, 0), done.get(n) or order.get(n, 0), n) for n in copies)
+    groups: list[list] = []  # [start, end, copy names]
+    for start, end, n in windows:
+        if groups and start <= groups[-1][1]:
+            groups[-1][1] = max(groups[-1][1], end)
+            groups[-1][2].append(n)
+        else:
+            groups.append([start, end, [n]])
+    out = []
+    for start, end, names in groups:
+        inside = [(t, b) for i, t, b in ops if start < i < end]
+        op_s = sum(t for t, _ in inside)
+        copy_bytes = sum(copies[n] for n in names)
+        extra = max(0.0, chip.stream_s(sum(b for _, b in inside) + copy_bytes) - op_s)
+        out += [XlaOpModel(label, n, 0, extra * copies[n] / copy_bytes, "bytes_moved", copies[n]) for n in names]
+    return out
+
+
+def _type_bytes(dtype: str, dims: str) -> int | None:
+    bits = re.fullmatch(r"(?:bf|f|s|u|c)(\d+)(?:e\d+m\d+\w*)?|(pred)", dtype)
+    if bits is None:
+        return None
+    itemsize = 1 if bits.group(2) else max(1, int(bits.group(1)) // 8)  # HLO types: bf16, f32, s8, pred...
+    return int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * itemsize
 
 
 _NO_ESTIMATE_CYCLES = 2**62
@@ -630,8 +741,17 @@ def _bound(lower: bool, upper: bool) -> str:
 
 
 def _model_kernel(
-    chip: C.Chip, hlo_name: str, files: dict, info: T.PallasCallInfo | None, label: str, body: str = ""
+    chip: C.Chip,
+    hlo_name: str,
+    files: dict,
+    info: T.PallasCallInfo | None,
+    label: str,
+    body: str = "",
+    *,
+    xla_op: bool = False,
 ) -> KernelModel:
+    """A Mosaic kernel's time from its schedule and DMAs; with `xla_op`, an XLA op's (its own LLO schedule: no
+    pallas_call, no Mosaic body, no kernel launch)."""
     warnings: list[str] = []
     notes: list[str] = []
     pre = files.get(f"{hlo_name}/pre_delay")
@@ -764,10 +884,11 @@ def _model_kernel(
         skip = np.zeros((steps, len(sched.conds)), bool)
         dot_flops, grid, blocks = 0.0, grid_of_body or (), []
         jaxpr_bound = "exact"
-        notes.append(
-            "a Mosaic kernel with no pallas_call in the program (XLA emits some itself, e.g. for lax.ragged_dot): "
-            "its HBM bytes are the DMAs of its schedule"
-        )
+        if not xla_op:
+            notes.append(
+                "a Mosaic kernel with no pallas_call in the program (XLA emits some itself, e.g. for lax.ragged_dot): "
+                "its HBM bytes are the DMAs of its schedule"
+            )
         select = lambda d: True  # noqa: E731
     sched_in, sched_out, sched_dmas, sched_bound = _schedule_traffic(sched, steps, grid_known, select)
     in_b, out_b = in_b + sched_in, out_b + sched_out
@@ -841,7 +962,8 @@ def _model_kernel(
     descriptors_total = float(descriptors.sum() + end_d)
     runs_total = float(runs.sum() + end_r)
     shape_total_s = float(shape_t.sum()) + end_shape_s
-    total = ends_s + per_step.sum() + fixed_cycles / clk + step_overhead_s + chip.launch_overhead_s
+    launch_s = 0.0 if xla_op else chip.launch_overhead_s
+    total = ends_s + per_step.sum() + fixed_cycles / clk + step_overhead_s + launch_s
     in_b = in_b + np.broadcast_to(manual_in, in_b.shape)  # the totals count both the pipeline's and the kernel's DMAs
     out_b = out_b + np.broadcast_to(manual_out, out_b.shape)
     hbm_bytes = int(in_b.sum() + out_b.sum())
@@ -1039,6 +1161,7 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
         )
     mosaic_names = {n for n, _ in calls}
     copies = layout_copies(hlo)
+    scheduled = set(scheduled_xla_ops(hlo))
     xla_ops = []
     estimated = xla_op_estimates(hlo)
     # A copy XLA gives no estimate (e.g. an output written from VMEM to HBM twice) is still a copy: counted by bytes.
@@ -1050,10 +1173,20 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
         if n in copies:
             xla_ops.append(XlaOpModel(label, n, c, chip.stream_s(copies[n]), "bytes_moved", copies[n]))
             continue
+        if n in scheduled and f"{n}/pre_delay" in files:
+            # An elementwise or reduction op is a pipeline over windows like a kernel's grid: timed from its own
+            # schedule and DMAs. XLA's estimate for these is several times what they take on the chip (v5e RMSNorm
+            # 4096 x 2048: 78 + 102 us estimated for its two passes, 25.6 us each at the DMA bandwidth; the two
+            # passes and the prefetch between them measured 71.3 us).
+            k = _model_kernel(chip.xla_pipeline(), n, files, None, label, xla_op=True)
+            warnings += [f"{n}: {w}" for w in k.warnings]
+            xla_ops.append(XlaOpModel(label, n, c, k.modeled_s, "schedule", k.hbm_bytes))
+            continue
         if c >= _NO_ESTIMATE_CYCLES:  # XLA's "no estimate" (INT64_MAX), e.g. a sort: not a time
             warnings.append(f"{n}: XLA gives no cycle estimate (estimated_cycles = {c}); counted as 0")
             continue
         xla_ops.append(XlaOpModel(label, n, c, c / chip.clock_hz))
+    xla_ops += _async_copy_models(chip.xla_pipeline(), label, hlo, kernels, xla_ops)
     cost = info_all.get("cost", {})
     total = sum(k.modeled_s for k in kernels) + sum(x.modeled_s for x in xla_ops)
     notes = []
