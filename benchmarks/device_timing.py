@@ -109,6 +109,7 @@ class _Plan:
                     runnable.append(impl)
                 except Exception as e:  # noqa: BLE001
                     self.results[(case.id, impl)] = {"error": reason(e)}
+            state = ()  # the in-place implementations' state, ahead of their arguments
             try:  # the inputs' shapes only: nothing is built on the device here
                 specs = jax.eval_shape(lambda case=case: make_args(case))
                 if any((case.id, impl) in self.state for impl in runnable):

@@ -101,21 +101,36 @@ def lean_options():
 _LEAN = {"works": True}  # set False for the process once a lean trace held no device plane
 
 
-def _trace(programs: Sequence[Program], calls: int, options) -> dict[str, list[float]]:
+def _trace(run, names: Sequence[str], options) -> dict[str, list[float]]:
     import jax
 
     with tempfile.TemporaryDirectory(prefix="tpu-kernels-trace-") as trace_dir:
         jax.profiler.start_trace(trace_dir, profiler_options=options)
         try:
-            for p in programs:
-                jax.block_until_ready(run_calls(p, calls))
+            run()
         finally:
             jax.profiler.stop_trace()
         files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
         if len(files) != 1:
             raise RuntimeError(f"expected one .xplane.pb under the trace directory, found {len(files)}")
         profile = jax.profiler.ProfileData.from_file(files[0])
-        return module_durations(profile, [p.name for p in programs])
+        return module_durations(profile, names)
+
+
+def module_times(names: Sequence[str], run) -> dict[str, list[float]]:
+    """{name: [device seconds of each execution of module jit_<name>, in order]} while `run()` runs, from one trace
+    of the device alone (LEAN: with jax's defaults where that gives no device plane, `run()` then running again)."""
+    durations = None
+    if _LEAN["works"]:
+        try:
+            durations = _trace(run, names, lean_options())
+        except RuntimeError as e:
+            if "has no plane" not in str(e) and "has no line" not in str(e):
+                raise
+            _LEAN["works"] = False
+    if durations is None:
+        durations = _trace(run, names, None)
+    return {name: [t * 1e-9 for t in ns] for name, ns in durations.items()}
 
 
 def device_times(programs: Sequence[Program], calls: int) -> dict[str, list[float]]:
@@ -123,19 +138,14 @@ def device_times(programs: Sequence[Program], calls: int) -> dict[str, list[floa
 
     Each program must already have run once (compiled and warm). A program whose executions the trace does not hold
     exactly `calls` times (a function that runs several programs, a dropped event) raises rather than guess."""
-    durations = None
-    if _LEAN["works"]:
-        try:
-            durations = _trace(programs, calls, lean_options())
-        except RuntimeError as e:
-            if "has no plane" not in str(e) and "has no line" not in str(e):
-                raise
-            _LEAN["works"] = False
-    if durations is None:
-        durations = _trace(programs, calls, None)
-    out = {}
-    for name, ns in durations.items():
-        if len(ns) != calls:
-            raise RuntimeError(f"the trace holds {len(ns)} executions of jit_{name}, expected {calls}")
-        out[name] = [t * 1e-9 for t in ns]
-    return out
+    import jax
+
+    def run():
+        for p in programs:
+            jax.block_until_ready(run_calls(p, calls))
+
+    durations = module_times([p.name for p in programs], run)
+    for name, times in durations.items():
+        if len(times) != calls:
+            raise RuntimeError(f"the trace holds {len(times)} executions of jit_{name}, expected {calls}")
+    return durations

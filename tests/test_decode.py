@@ -93,10 +93,9 @@ def test_chip_step_smoke_gpt_oss():
     norm; MXFP4 experts laid out as at load, top-2 of 8, interleaved gate/up, the clamped SwiGLU): our MXFP4
     experts_forward in XLA's step decodes XLA's tokens; all ours decodes from the same weights (its bf16 rounding
     differs from XLA's through every op, so a near-tie in a tiny random model may flip a token: not asserted)."""
-    from benchmarks.decode import chip_step
 
     kinds = (models.LayerKind("gpt-oss-sliding", 1, 4, 2, 64, 128, False),)
-    result = _chip_smoke(chip_step.GPT_OSS, kinds, context=200, steps=1, warmup=0, top_k=2, expert_intermediate=256)
+    result = _chip_smoke(models.GPT_OSS, kinds, context=200, steps=1, warmup=0, top_k=2, expert_intermediate=256)
     assert result["tokens"]["experts"]["equal_steps"] == 1
     assert set(result["tokens"]) == {"ours", "experts"}  # all ours ran too (its tokens: see the docstring)
 

@@ -59,22 +59,22 @@ def test_device_times_trace_the_device_alone_and_fall_back_to_the_defaults(monke
     assert (options.host_tracer_level, options.python_tracer_level) == (0, 0)
     seen = []
 
-    def trace(programs, calls, opts):
+    def trace(run, names, opts):
         seen.append(opts)
         if opts is not None:
             raise RuntimeError(f"the profile has no plane {profiler.DEVICE_PLANE!r} (planes: ['/host:CPU'])")
-        return {p.name: [1000.0 * (i + 1)] * calls for i, p in enumerate(programs)}
+        return {name: [1000.0 * (i + 1)] * 3 for i, name in enumerate(names)}
 
     monkeypatch.setattr(profiler, "_trace", trace)
     monkeypatch.setattr(profiler, "_LEAN", {"works": True})
     programs = [profiler.Program(profiler.program_name(i), None, ()) for i in (1, 2)]
-    times = profiler.device_times(programs, 3)
+    times = profiler.device_times(programs, 3)  # (the stand-in trace runs nothing)
     assert list(times) == [p.name for p in programs]
     assert times[programs[0].name] == pytest.approx([1e-6] * 3) and times[programs[1].name] == pytest.approx([2e-6] * 3)
     assert profiler.device_times(programs, 3)[programs[1].name] == pytest.approx([2e-6] * 3)
     assert [o is None for o in seen] == [False, True, True]  # the lean trace tried once, then the defaults
 
-    def broken(programs, calls, opts):
+    def broken(run, names, opts):
         raise RuntimeError("the trace holds 0 executions")
 
     monkeypatch.setattr(profiler, "_trace", broken)

@@ -28,11 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import math
-import os
 import statistics
-import tempfile
 import time
 
 import jax
@@ -48,7 +45,7 @@ from .. import inputs, profiler
 from ..ops import moe as moe_ops
 from ..ops import paged_attention
 from . import programs
-from .models import MODELS, PAGE, LayerKind, Model
+from .models import GPT_OSS, MODELS, PAGE, LayerKind, Model
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 IMPLS = ("default", "ours", "experts")
@@ -61,28 +58,7 @@ HBM_BUDGET_BYTES = 11 << 30  # of the v5e's 15.7 GiB: the rest for XLA's tempora
 # relays out a layer's expert weights on every call) and the runtime
 
 
-# gpt-oss-20b, on one chip only (the v6e-8 composition has Qwen3 and Gemma 4): sliding (window 128) and full layers
-# alternating, 64 q / 8 kv heads of 64, sinks, biased projections, no per-head q/k norm, 32 experts top-4 of 2880 x
-# 2880 in its checkpoint's MXFP4, gate/up interleaved, the clamped SwiGLU. Its experts' biases are left out (as in
-# benchmarks/ops/moe.py); XLA's path multiplies the bf16 weights transformers dequantizes the MXFP4 ones to on a TPU.
-GPT_OSS = Model(
-    name="gpt-oss-20b",
-    hub_id="openai/gpt-oss-20b",
-    hidden=2880,
-    vocab=201088,
-    tied_embeddings=False,
-    experts=32,
-    top_k=4,
-    expert_intermediate=2880,
-    activation="clamped_swiglu",
-    dense_intermediate=0,
-    norms_per_layer=2,
-    kinds=(
-        LayerKind("gpt-oss-sliding", 12, 64, 8, 64, 128, False),
-        LayerKind("gpt-oss-full", 12, 64, 8, 64, -1, False),
-    ),
-)
-CHIP_MODELS = {**MODELS, GPT_OSS.name: GPT_OSS}
+CHIP_MODELS = {**MODELS, GPT_OSS.name: GPT_OSS}  # gpt-oss on one chip only (models.GPT_OSS)
 
 
 def is_gpt_oss(model: Model) -> bool:
@@ -233,7 +209,7 @@ def _gpt_oss_glue_specs(model: Model, kind: LayerKind) -> dict:
 def _gpt_oss_attention_in(x, w, cos, sin, *, kind: LayerKind, impl: str):
     """gpt-oss's input RMSNorm, biased q/k/v projections and RoPE (no per-head norm)."""
     b, d = x.shape[0], kind.head_dim
-    h = programs._norm(impl, x, w["input_norm"])
+    h = programs.norm(impl, x, w["input_norm"])
     q = (h @ w["wq"] + w["bq"]).reshape(b, 1, kind.q_heads, d)
     k = (h @ w["wk"] + w["bk"]).reshape(b, 1, kind.kv_heads, d)
     v = (h @ w["wv"] + w["bv"]).reshape(b, 1, kind.kv_heads, d)
@@ -246,7 +222,7 @@ def _gpt_oss_attention_out(x, attn_out, w, *, model: Model, impl: str):
     """The biased output projection, residual add + RMSNorm, and the router: softmax over each token's top-k
     logits (gpt-oss's)."""
     o = attn_out @ w["wo"] + w["bo"]
-    moe_in, residual = programs._add_norm(impl, o, x, w["post_norm"])
+    moe_in, residual = programs.add_norm(impl, o, x, w["post_norm"])
     logits = (moe_in @ w["router"] + w["router_bias"]).astype(F32)
     top_logits, top_i = jax.lax.top_k(logits, model.top_k)
     return moe_in, residual, top_i, jax.nn.softmax(top_logits, axis=-1)
@@ -391,19 +367,6 @@ def compiled_step(setup: Setup, name: str):
 
 
 # ------------------------------------------------------------------------------------------------------ measure
-def _device_times(name: str, run) -> list[float]:
-    """Device seconds of each execution of module jit_<name> while `run()` runs, from one profiler trace."""
-    with tempfile.TemporaryDirectory(prefix="tpu-kernels-decode-") as trace_dir:
-        jax.profiler.start_trace(trace_dir, profiler_options=profiler.lean_options())
-        try:
-            run()
-        finally:
-            jax.profiler.stop_trace()
-        (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-        durations = profiler.module_durations(jax.profiler.ProfileData.from_file(path), [name])[name]
-    return [d * 1e-9 for d in durations]
-
-
 def run_impl(setup: Setup, params, first_tokens, *, steps: int, warmup: int, timed: bool, name: str) -> dict:
     """Decode warmup + steps steps from first_tokens [B]: the greedy tokens [warmup + steps, B], the host compile
     seconds, and with `timed` each timed step's device seconds."""
@@ -425,7 +388,13 @@ def run_impl(setup: Setup, params, first_tokens, *, steps: int, warmup: int, tim
         jax.block_until_ready(rows)
 
     decode(warmup)
-    times = _device_times(name, lambda: decode(steps)) if timed else []
+    warm = len(tokens)
+
+    def timed_steps():  # may run twice (profiler.module_times): the tokens are those of the last run
+        del tokens[warm:]
+        decode(steps)
+
+    times = profiler.module_times([name], timed_steps)[name] if timed else []
     if not timed:
         decode(steps)
     return {"tokens": np.asarray(jnp.stack(tokens)), "compile_s": compile_s, "step_s": times}
@@ -445,7 +414,7 @@ def head_times(model: Model, impl: str, params, batch: int, *, calls: int, name:
             out = fn(*args)
         jax.block_until_ready(out)
 
-    return _device_times(name, run)
+    return profiler.module_times([name], run)[name]
 
 
 def compare_tokens(tokens: dict[str, np.ndarray]) -> dict:

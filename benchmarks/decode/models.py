@@ -123,3 +123,26 @@ GEMMA4 = Model(
 )
 
 MODELS = {m.name: m for m in (QWEN3, GEMMA4)}
+
+# gpt-oss-20b, in the one-chip decode step only (chip_step.py; the v6e-8 composition, MODELS, has Qwen3 and Gemma 4):
+# sliding (window 128) and full layers alternating, 64 q / 8 kv heads of 64, sinks, biased projections, no per-head
+# q/k norm, 32 experts top-4 of 2880 x 2880 in its checkpoint's MXFP4, gate/up interleaved, the clamped SwiGLU. Its
+# experts' biases are left out (as in benchmarks/ops/moe.py); XLA's path multiplies the bf16 weights transformers
+# dequantizes the MXFP4 ones to on a TPU.
+GPT_OSS = Model(
+    name="gpt-oss-20b",
+    hub_id="openai/gpt-oss-20b",
+    hidden=2880,
+    vocab=201088,
+    tied_embeddings=False,
+    experts=32,
+    top_k=4,
+    expert_intermediate=2880,
+    activation="clamped_swiglu",
+    dense_intermediate=0,
+    norms_per_layer=2,
+    kinds=(
+        LayerKind("gpt-oss-sliding", 12, 64, 8, 64, 128, False),
+        LayerKind("gpt-oss-full", 12, 64, 8, 64, -1, False),
+    ),
+)

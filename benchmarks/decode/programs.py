@@ -47,13 +47,13 @@ def _spec(*shape, dtype=BF16):
 
 
 # ---------------------------------------------------------------------------------------------------------- glue
-def _norm(impl, x, w):
+def norm(impl, x, w):
     if impl == "ours":
         return rms_api.rms_norm(x, w, EPS)
     return rms_reference.rms_norm_reference(x, w, EPS)
 
 
-def _add_norm(impl, x, residual, w):
+def add_norm(impl, x, residual, w):
     if impl == "ours":
         return rms_api.fused_add_rms_norm(x, residual, w, EPS)
     return rms_reference.fused_add_rms_norm_reference(x, residual, w, EPS)
@@ -73,7 +73,7 @@ def _act(x, activation):
 def attention_in(x, w, cos, sin, *, kind: LayerKind, impl: str):
     """The input RMSNorm, q/k/v projections, per-head q/k RMSNorm + RoPE: q [B, 1, Hq, D], k and v [B, 1, Hkv, D]."""
     b = x.shape[0]
-    h = _norm(impl, x, w["input_norm"])
+    h = norm(impl, x, w["input_norm"])
     q = (h @ w["wq"]).reshape(b, 1, kind.q_heads, kind.head_dim)
     k = (h @ w["wk"]).reshape(b, 1, kind.kv_heads, kind.head_dim)
     v = k if kind.k_eq_v else (h @ w["wv"]).reshape(b, 1, kind.kv_heads, kind.head_dim)
@@ -85,18 +85,18 @@ def attention_out(x, attn_out, w, *, model: Model, impl: str):
     """The output projection, residual add + RMSNorm, router (softmax, top-k, renormalised), Gemma 4's dense MLP and
     further norms: (the experts' input, the residual stream out, top-k ids, top-k weights)."""
     o = attn_out @ w["wo"]
-    moe_in, residual = _add_norm(impl, o, x, w["post_norm"])
+    moe_in, residual = add_norm(impl, o, x, w["post_norm"])
     logits = (moe_in @ w["router"]).astype(F32)
     top_w, top_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), model.top_k)
     top_w = top_w / top_w.sum(axis=-1, keepdims=True)
     out = residual
     if model.dense_intermediate:
-        d = _norm(impl, residual, w["dense_norm"])
+        d = norm(impl, residual, w["dense_norm"])
         gate, up = jnp.split(d @ w["dense_gate_up"], 2, axis=-1)
         dense = (_act(gate.astype(F32), model.activation) * up).astype(BF16) @ w["dense_down"]
-        out = out + _norm(impl, dense, w["dense_post_norm"])
+        out = out + norm(impl, dense, w["dense_post_norm"])
     for i in range(_extra_norms(model)):
-        out = _norm(impl, out, w[f"norm{i}"])  # the model's further hidden-size norms (Gemma 4's MoE in/out norms)
+        out = norm(impl, out, w[f"norm{i}"])  # the model's further hidden-size norms (Gemma 4's MoE in/out norms)
     return moe_in, out, top_i, top_w
 
 
@@ -238,7 +238,7 @@ def experts_item(model: Model, batch: int, impl: str):
 # --------------------------------------------------------------------------------------------------------- head
 def head(x, norm_w, lm_head, embed, *, model: Model, impl: str):
     """Final norm, logits (Gemma's soft-capping), greedy next tokens, their embedding rows for the next step."""
-    logits = (_norm(impl, x, norm_w) @ lm_head.T).astype(F32)
+    logits = (norm(impl, x, norm_w) @ lm_head.T).astype(F32)
     if model.name.startswith("gemma"):
         logits = GEMMA_SOFTCAP * jnp.tanh(logits / GEMMA_SOFTCAP)
     tokens = jnp.argmax(logits, axis=-1)
