@@ -231,10 +231,12 @@ def run(
     compile_workers: int = COMPILE_WORKERS,
     bar=None,
     phases: dict | None = None,
+    on_case=None,
 ) -> dict:
     """{(case id, impl): entry} for every impl of every case: a timing (median_s, compile_s, ...), or {"na": why} /
     {"error": why}. `make_args(case)` builds the case's inputs on the device. `phases`, if given, receives
-    {case id: host seconds by phase}."""
+    {case id: host seconds by phase}; `on_case(stats)`, if given, is called with the stats so far after each
+    case (the benchmarks write them out as they go)."""
     stats = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, compile_workers), initializer=_lower_priority) as pool:
         plan = _Plan(cases, make_args, pool, ahead=2 * max(1, compile_workers))
@@ -251,6 +253,8 @@ def run(
                 bar.write(case_line(case.id, case_phases, results))
             for impl in case.op.impls(case.shape):  # drop the case's executables: their memory is the host's
                 plan.compiles.pop((case.id, impl), None)
+            if on_case is not None:
+                on_case(dict(stats))
             if bar is not None:
                 bar.update(1)
     return stats

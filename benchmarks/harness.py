@@ -13,7 +13,7 @@ import dataclasses
 import pathlib
 
 from . import device as _device
-from . import measured, modeled, perf_model, roofline
+from . import measured, modeled, perf_model, report, roofline
 from . import suite as _suite
 
 NOTES = (
@@ -237,6 +237,7 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
     if timed:
         if bar is not None:
             bar.set_description(f"{kernel}: measuring ({dev.kernel_label})")
+        unmodeled = dataclasses.replace(config, model=False)
         stats, measure_error = measured.run(
             kernel,
             timed,
@@ -248,12 +249,23 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
             calls=config.calls,
             compile_workers=config.compile_workers,
             phases=phases,
+            # each timed case lands in <kernel>.json at once (unmodeled, marked partial): a run stopped midway keeps
+            # what it measured
+            on_case=lambda done: report.write_json(
+                _result(kernel, unmodeled, dev, suite, cases, chip, measured_chip, {}, done, None, phases)
+                | {"partial": f"{len({c for c, _ in done})} of {len(timed)} timed cases so far"},
+                config.out,
+            ),
         )
     models = {}
     if config.model:
         if bar is not None:
             bar.set_description(f"{kernel}: modeling ({chip.gen})")
         models = modeled.run(cases, chip.gen, bar=bar, workers=config.workers)
+    return _result(kernel, config, dev, suite, cases, chip, measured_chip, models, stats, measure_error, phases)
+
+
+def _result(kernel, config, dev, suite, cases, chip, measured_chip, models, stats, measure_error, phases) -> dict:
     rows = [build_row(c, chip, models, stats, suite.batch_unit, measured_chip) for c in cases]
     measured_tpu = dev.is_tpu and bool(stats)
     return {

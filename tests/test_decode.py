@@ -100,6 +100,31 @@ def test_chip_step_smoke_gpt_oss():
     assert set(result["tokens"]) == {"ours", "experts"}  # all ours ran too (its tokens: see the docstring)
 
 
+def test_chip_step_keeps_going_past_a_step_that_fails(monkeypatch, tmp_path):
+    """A step that does not fit or compile is reported with its reason and the others still run; the JSON is
+    written after every step, so a run stopped midway keeps what it measured."""
+    import json
+
+    from benchmarks.decode import chip_step
+
+    def measure(model, *, batch, context, steps, layers):
+        if batch == 8:
+            raise MemoryError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+        seen.append(json.loads((tmp_path / "decode_chip.json").read_text()))  # what a run stopped here leaves
+        raise ValueError(f"stop at {batch}")
+
+    seen = []
+
+    monkeypatch.setattr(chip_step, "measure", measure)
+    assert chip_step.main(["--model", "qwen3-30b-a3b", "--batch", "8", "--batch", "64", "--out", str(tmp_path)]) == 0
+    assert [f["batch"] for f in seen[0]["failed"]] == [8]
+    written = json.loads((tmp_path / "decode_chip.json").read_text())
+    assert written["steps"] == [] and [f["batch"] for f in written["failed"]] == [8, 64]
+    assert "MemoryError: RESOURCE_EXHAUSTED" in written["failed"][0]["error"]
+    md = (tmp_path / "decode_chip.md").read_text()
+    assert "failed: qwen3-30b-a3b at batch 8, context 4096: MemoryError: RESOURCE_EXHAUSTED" in md
+
+
 def test_chip_step_fits_layers_to_the_budget():
     """As many layers as fit beside their caches and the XLA path's copy of their expert weights: Qwen3-30B-A3B's
     1.24 GB layers at batch 64, context 4096, 3 of 48 (the step compiles for the v5e at that count, both paths)."""

@@ -159,6 +159,35 @@ def test_every_implementation_is_timed_or_says_why(fake_chip, tmp_path):
     assert report.write_chart(result, tmp_path).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_run_stopped_midway_keeps_each_timed_case_in_the_json(fake_chip, monkeypatch, tmp_path):
+    import json
+
+    two = suite.Suite(
+        kernel="double",
+        ops=(OP,),
+        shapes=(SHAPE, dataclasses.replace(SHAPE, batch=128)),
+        targets=suite.Targets(beats_default=True),
+    )
+    monkeypatch.setattr(suite, "get", lambda kernel: two)
+    calls = {"n": 0}
+    real_device_times = profiler.device_times
+
+    def stop_at_the_second_case(programs, n):  # the run killed while it times the second case
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real_device_times(programs, n)
+
+    monkeypatch.setattr(profiler, "device_times", stop_at_the_second_case)
+    config = harness.Config(gen="v6e", out=tmp_path, calls=3, compile_workers=1)
+    with pytest.raises(KeyboardInterrupt):
+        harness.run_kernel("double", config, dev=TPU)
+    written = json.loads((tmp_path / "double.json").read_text())
+    assert written["partial"] == "1 of 2 timed cases so far" and not written["modeled"]
+    first, second = written["rows"]
+    assert first["measured"]["kernel"]["us"] == pytest.approx(1.0) and second["measured"] is None
+
+
 def test_inputs_that_fail_to_build_fail_every_implementation(fake_chip):
     def no_inputs(case):
         raise MemoryError("RESOURCE_EXHAUSTED: 20 GiB")

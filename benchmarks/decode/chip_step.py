@@ -42,6 +42,7 @@ from tpu_kernels_jax.rotary import api as rotary_api
 from tpu_kernels_jax.rotary import reference as rotary_reference
 
 from .. import inputs, profiler
+from ..device_timing import reason
 from ..ops import moe as moe_ops
 from ..ops import paged_attention
 from . import programs
@@ -596,19 +597,28 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="layers on the chip (default: as many as fit)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
     args = p.parse_args(argv)
-    results = []
+    results, failures = [], []
+    args.out.mkdir(parents=True, exist_ok=True)
     for name in args.model or sorted(CHIP_MODELS):
         for context in args.context or (FULL_CONTEXTS if args.full else CONTEXTS):
             for batch in args.batch or (FULL_BATCHES if args.full else BATCHES):
-                r = measure(CHIP_MODELS[name], batch=batch, context=context, steps=args.steps, layers=args.layers)
-                results.append(r)
-                print("\n".join(markdown([r])[2:]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode_chip.json").write_text(json.dumps(results, indent=1, default=str))
+                try:
+                    r = measure(CHIP_MODELS[name], batch=batch, context=context, steps=args.steps, layers=args.layers)
+                except Exception as e:  # noqa: BLE001 - one step that does not fit or compile must not lose the rest
+                    failures.append({"model": name, "batch": batch, "context": context, "error": reason(e)})
+                    print(f"{name} batch {batch} context {context}: {failures[-1]['error']}", flush=True)
+                else:
+                    results.append(r)
+                    print("\n".join(markdown([r])[2:]), flush=True)
+                # written after every step measured: a run stopped midway keeps what it measured
+                (args.out / "decode_chip.json").write_text(
+                    json.dumps({"steps": results, "failed": failures}, indent=1, default=str)
+                )
     timing = results[0]["timing"] if results else ""
     label = f"measured {results[0]['device']}, {timing}" if results else ""
     text = [f"Decode step on one chip ({label}); whole-model figures scale the measured layers, the head once", ""]
     text += markdown(results)
+    text += [f"failed: {f['model']} at batch {f['batch']}, context {f['context']}: {f['error']}" for f in failures]
     text += ["", *target_lines(results)]
     text += [
         "",
