@@ -230,10 +230,18 @@ def format_measured(result: dict) -> list[str]:
 def _target_line(t: dict, label: str) -> str:
     worst = t["worst"] or {}
     detail = t.get("detail") or ", ".join(
-        f"{k} {v:.1%}" if k == "efficiency" else f"{k} {v:.2f}x" if k == "speedup" else f"{k}: {v}"
+        f"{k} n/a"
+        if v is None
+        else f"{k} {v:.1%}"
+        if k == "efficiency"
+        else f"{k} {v:.2f}x"
+        if k == "speedup"
+        else f"{k}: {v}"
         for k, v in worst.items()
         if k != "case"
     )
+    if t.get("not_compared"):
+        detail += f"; not compared (the default did not run): {', '.join(t['not_compared'])}"
     return (
         f"target ({label}): {t['target']}: {'MET' if t['met'] else 'NOT MET'} "
         f"(worst: {worst.get('case', DASH)}, {detail})"

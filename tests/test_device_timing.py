@@ -188,6 +188,18 @@ def test_a_run_stopped_midway_keeps_each_timed_case_in_the_json(fake_chip, monke
     assert first["measured"]["kernel"]["us"] == pytest.approx(1.0) and second["measured"] is None
 
 
+def test_a_default_that_fails_leaves_its_row_out_of_the_measured_target(fake_chip, monkeypatch, tmp_path):
+    broken_default = dataclasses.replace(OP, name="double_nodefault", default=_broken)
+    both = suite.Suite(kernel="double", ops=(OP, broken_default), shapes=(SHAPE,), targets=SUITE.targets)
+    monkeypatch.setattr(suite, "get", lambda kernel: both)
+    result = harness.run_kernel("double", harness.Config(out=tmp_path, model=False, calls=3), dev=TPU)
+    (target,) = result["measured_targets"]
+    assert target["met"] and target["worst"]["speedup"] == pytest.approx(2.0)
+    assert target["not_compared"] == [f"double_nodefault {SHAPE.id}"]
+    line = [x for x in report.format_table(result).splitlines() if x.startswith("target (")][0]
+    assert line.endswith(f"not compared (the default did not run): double_nodefault {SHAPE.id})")
+
+
 def test_inputs_that_fail_to_build_fail_every_implementation(fake_chip):
     def no_inputs(case):
         raise MemoryError("RESOURCE_EXHAUSTED: 20 GiB")
