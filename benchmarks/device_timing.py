@@ -10,8 +10,10 @@ program of the run is compiled ahead, on a pool of threads (XLA and Mosaic compi
 shapes alone (`jax.eval_shape` of the case's input builder): while one case runs on the chip the later ones compile.
 Their tracing and lowering (Python, under the GIL) stay on the thread that runs the chip (_Plan).
 Device times are unaffected (a program's device time does not depend on what the host does meanwhile); compile times
-are host seconds under that concurrency, and the JSON says with how many threads. A case's inputs are built just
-before it runs and freed after it, so one case's inputs at a time sit in HBM.
+are host seconds under that concurrency, and the JSON says with how many threads. A case's inputs are built by a
+program of their own, compiled on the pool with the rest (built eagerly, the new shapes' small compiles queued behind
+the pool's took 35-56 s a case on the v5e host), run just before the case and freed after it, so one case's inputs
+at a time sit in HBM.
 
 An implementation that cannot run at a case shows why: "na" (the op says it does not apply, e.g. a baseline's
 unsupported shape or a package that is not installed) or "error" (its compile or run raised: a VMEM OOM, say).
@@ -46,6 +48,8 @@ def _lower_priority() -> None:
     except (AttributeError, OSError):
         pass
 
+
+INPUTS = "inputs"  # the plan's key, beside the implementations', of a case's input builder
 
 PHASES = ("lower_s", "inputs_s", "compile_wait_s", "first_run_s", "trace_s")
 
@@ -89,6 +93,7 @@ class _Plan:
         self.results: dict[tuple[str, str], dict] = {}
         self.functions: dict[tuple[str, str], object] = {}
         self.state: dict[tuple[str, str], int] = {}  # in-place implementations: their donated state arguments
+        self.builders: dict[tuple[str, str], object] = {}  # (case id, INPUTS) -> the case's input builder
         self.queue: list[tuple[int, tuple[str, str], object]] = []  # (case index, key, input specs) to lower
         self.lower_s = 0.0  # lowering seconds since the last take_lower_s()
         self.next_index = 0
@@ -116,6 +121,11 @@ class _Plan:
                     state = jax.eval_shape(lambda case=case: case.op.in_place.state(case.shape, 0))
             except Exception:  # noqa: BLE001 - this case compiles on its concrete inputs when it runs
                 continue
+            # the case's inputs are built by a program of their own, compiled on the pool ahead of the case's
+            # programs: built eagerly, each new input shape's small compile waited behind the pool's (35-56 s a
+            # case on the v5e host)
+            self.builders[(case.id, INPUTS)] = lambda case=case: make_args(case)
+            self.queue.append((position, (case.id, INPUTS), ()))
             for impl in runnable:
                 key = (case.id, impl)
                 self.queue.append((position, key, (*state, *specs) if key in self.state else specs))
@@ -125,7 +135,8 @@ class _Plan:
         self.next_index += 1
         name = profiler.program_name(self.next_index)
         try:
-            lowered, seconds = _lower(self.functions[key], name, args, self.state.get(key, 0))
+            fn = self.builders[key] if key in self.builders else self.functions[key]
+            lowered, seconds = _lower(fn, name, args, self.state.get(key, 0))
         except Exception as e:  # noqa: BLE001 - reported with the implementation, as a compile failure is
             future = concurrent.futures.Future()
             future.set_exception(e)
@@ -148,6 +159,19 @@ class _Plan:
         return seconds
 
 
+def _build_inputs(plan: _Plan, case, make_args):
+    """The case's inputs: from its compiled input builder, else (its inputs' shapes not taken abstractly, or the
+    builder as one program failed to compile: a baseline's forward that a backward's residuals come from, say)
+    built eagerly, where an op may report the implementations whose inputs failed (suite.PartialInputs)."""
+    future = plan.compiles.pop((case.id, INPUTS), None)
+    if future is not None:
+        try:
+            return future.result()[0]()
+        except Exception:  # noqa: BLE001 - built eagerly below, where the failure is told apart by implementation
+            pass
+    return make_args(case)
+
+
 def _time_case(position, case, plan: _Plan, make_args, calls: int, labels: dict) -> tuple[dict, dict]:
     """({impl: entry}, host seconds by phase) for one case: its programs (and the next ones') lowered, its inputs,
     the compiles waited on, first runs, then one trace."""
@@ -160,7 +184,12 @@ def _time_case(position, case, plan: _Plan, make_args, calls: int, labels: dict)
     phases["lower_s"] = plan.take_lower_s()
     start = time.perf_counter()
     try:
-        args = make_args(case)
+        args = _build_inputs(plan, case, make_args)
+        if isinstance(args, _suite.PartialInputs):  # some implementations' inputs did not build: those show why
+            for impl, why in args.failed.items():
+                results[impl] = {"error": f"inputs: {why}"}
+            runnable = [impl for impl in runnable if impl not in args.failed]
+            args = args.args
         jax.block_until_ready(args)
     except Exception as e:  # noqa: BLE001 - the case's inputs did not build: every impl shows why
         return {**results, **{i: {"error": f"inputs: {reason(e)}"} for i in runnable}}, phases

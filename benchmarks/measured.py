@@ -57,6 +57,10 @@ def time_case(benchmark, case: _suite.Case, impl: str, dev: _device.Device) -> N
 
     fn = jax.jit(case.op.function(impl, case.shape))
     args = case_arrays(case)
+    if isinstance(args, _suite.PartialInputs):
+        if impl in args.failed:
+            raise RuntimeError(f"{impl}'s inputs: {args.failed[impl]}")
+        args = args.args
     interpret = impl == "kernel" and not dev.is_tpu
     context = interpret_on_cpu if interpret else contextlib.nullcontext
 

@@ -54,6 +54,17 @@ class InPlace:
 
 
 @dataclasses.dataclass(frozen=True)
+class PartialInputs:
+    """What an op's `arrays` returns when some implementations' inputs could not be built (a backward whose residuals
+    come from a baseline's forward that does not compile at the shape): the arguments, with placeholders of the
+    right shapes for those implementations' parts, and {impl: why} for each of them, which then show the reason
+    instead of a timing."""
+
+    args: tuple
+    failed: dict[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
 class Op:
     name: str  # e.g. "rms_norm", "fused_add_rms_norm"
     kernel: Callable  # the Pallas path (module-level function)

@@ -573,3 +573,40 @@ def test_tokamax_configs_past_its_data_head_dims_are_scaled_from_entries_that_fi
     unmasked = fa._tokamax_best(names[0], 8192, 512, False)
     assert (unmasked["block_q"], unmasked["block_kv"]) == (1024, 2048)
     assert fa._tokamax_best(names[0], 8192, 256, False)["block_q"] == 4096  # in the data: its own tiles
+
+
+def test_flash_backward_inputs_name_the_implementations_whose_forward_fails(monkeypatch):
+    """The backward's inputs hold every implementation's residuals from its own forward; one forward that does not
+    compile at the shape (splash and tokamax at head dim 512 ran out of the v5e's scoped VMEM) fails that
+    implementation alone, with the reason, and leaves placeholders of its residuals' shapes for the other programs.
+    Stand-in forwards here (a residual each: tanh of q), nothing of the kernels compiled."""
+    import jax.numpy as jnp
+
+    from benchmarks.ops import flash_attention as fa
+
+    def plain(q, k, v, *cu, cfg):
+        return jnp.tanh(q) * 2.0
+
+    def refuses(q, k, v, *cu, cfg):
+        raise RuntimeError("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: 17.2M of 16.0M")
+
+    shape = min((s for s in fa.SUITE.shapes if s["model"] == "qwen3-30b-a3b"), key=lambda s: s.batch)
+    monkeypatch.setattr(fa, "FORWARDS", dict.fromkeys(fa.FORWARDS, plain))
+    monkeypatch.setattr(fa, "TOKENS", 2 * shape.batch)  # two sequences, not the suite's 32768 tokens
+    fa.residual_specs.cache_clear()
+    try:
+        specs = fa.residual_specs(shape)
+        assert set(specs) == {"kernel", "default", "jax_flash", "splash", "tokamax"}
+        fa.FORWARDS["splash"] = refuses
+        built = fa._arrays("backward", shape, seed=int(np.random.default_rng().integers(1 << 16)))
+    finally:
+        fa.residual_specs.cache_clear()  # the stand-ins' specs must not outlive the test
+    assert isinstance(built, suite.PartialInputs)
+    assert list(built.failed) == ["baseline:splash"]
+    assert built.failed["baseline:splash"].startswith("its forward (for the residuals): RuntimeError: RESOURCE_EXH")
+    *qkv, do, residuals = built.args
+    for impl, given in residuals.items():  # every program's residuals in their specs' shapes
+        assert [x.shape for x in given] == [x.shape for x in specs[impl]], impl
+        nan = [bool(jnp.isnan(x).all()) for x in given]
+        assert all(nan) if impl == "splash" else not any(nan), impl  # placeholders for splash alone
+    assert float(jnp.abs(residuals["kernel"][0]).max()) > 0  # the others computed from q, k, v

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import device, device_timing, harness, profiler, report, shapes, suite
+from benchmarks import device, device_timing, harness, measured, profiler, report, shapes, suite
 
 
 def _event(name, start, duration):
@@ -200,6 +200,42 @@ def test_a_default_that_fails_leaves_its_row_out_of_the_measured_target(fake_chi
     assert line.endswith(f"not compared (the default did not run): double_nodefault {SHAPE.id})")
 
 
+def test_inputs_come_from_a_builder_compiled_ahead(fake_chip):
+    built = []
+
+    def make_args(case):
+        args = measured.case_arrays(case)
+        built.append("traced" if isinstance(args[0], jax.core.Tracer) else "eager")
+        return args
+
+    stats = device_timing.run(SUITE.cases(), make_args, kernel_label="k", default_label="d", calls=2)
+    assert stats[(SUITE.cases()[0].id, "kernel")]["median_s"] > 0
+    assert built and set(built) == {"traced"}  # its shapes, then its builder's program: never built eagerly
+
+
+def test_implementations_whose_inputs_fail_show_why_and_the_others_run(fake_chip, monkeypatch):
+    """A builder that does not compile as one program (a baseline's forward that a backward's residuals come from
+    runs out of VMEM) is built eagerly, where the op names the implementations whose inputs failed."""
+    compile_one = device_timing._compile
+
+    def builders_fail(lowered, name, lower_s):
+        if not jax.tree.leaves(lowered.args_info):  # the input builder: a program of no arguments
+            raise RuntimeError("RESOURCE_EXHAUSTED: CompileTimeScopedVmemOom")
+        return compile_one(lowered, name, lower_s)
+
+    monkeypatch.setattr(device_timing, "_compile", builders_fail)
+
+    def make_args(case):
+        args = measured.case_arrays(case)
+        return suite.PartialInputs(args, {"default": "its forward (for the residuals): VMEM"})
+
+    stats = device_timing.run(SUITE.cases(), make_args, kernel_label="k", default_label="d", calls=2)
+    case_id = SUITE.cases()[0].id
+    assert stats[(case_id, "default")] == {"error": "inputs: its forward (for the residuals): VMEM"}
+    assert stats[(case_id, "kernel")]["median_s"] > 0
+    assert fake_chip == [[n for n in fake_chip[0]]] and len(fake_chip[0]) == 1  # the kernel alone was traced
+
+
 def test_inputs_that_fail_to_build_fail_every_implementation(fake_chip):
     def no_inputs(case):
         raise MemoryError("RESOURCE_EXHAUSTED: 20 GiB")
@@ -255,8 +291,8 @@ def test_docs_take_the_measured_tables_under_their_title(fake_chip, tmp_path):
 
 def test_every_program_compiles_ahead_and_the_host_time_is_accounted(fake_chip, monkeypatch):
     """Programs are lowered on the calling thread (from the inputs' shapes), the run's first ones before the first
-    case's inputs exist, and compiled on the pool; each case's inputs are built just before it runs; the host's
-    time is returned by phase."""
+    case's inputs exist, and compiled on the pool, each case's input builder among them; the host's time is
+    returned by phase."""
     from benchmarks import measured
 
     cases = [suite.Case(OP, SHAPE), suite.Case(OP, shapes.Shape("tokens", 128, (("hidden", 256),), "bfloat16"))]
@@ -278,8 +314,9 @@ def test_every_program_compiles_ahead_and_the_host_time_is_accounted(fake_chip, 
     monkeypatch.setattr(device_timing, "_lower", counting_lower)
     phases = {}
     stats = device_timing.run(cases, make_args, kernel_label="k", default_label="d", calls=2, phases=phases)
-    assert len(compiled) == len(set(compiled)) == 6  # kernel, default and the broken baseline of both cases
-    assert [traced for traced, _ in built] == [0, 1]  # case 2's inputs only after case 1 was traced
+    # kernel, default, the broken baseline and the input builder of both cases
+    assert len(compiled) == len(set(compiled)) == 8
+    assert built == []  # each case's inputs from its builder's program, never built eagerly
     assert all(stats[(c.id, impl)]["median_s"] > 0 for c in cases for impl in ("kernel", "default"))
     assert set(phases) == {c.id for c in cases}
     assert all(set(p) == set(device_timing.PHASES) and p["trace_s"] >= 0 for p in phases.values())

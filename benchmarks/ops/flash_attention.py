@@ -62,7 +62,8 @@ from tpu_kernels_jax.common import chip
 from tpu_kernels_jax.flash_attention import api, tuning
 
 from .. import inputs, shapes
-from ..suite import Baseline, Op, Suite, Targets
+from ..device_timing import reason
+from ..suite import BASELINE_PREFIX, Baseline, Op, PartialInputs, Suite, Targets
 
 BF16 = jnp.bfloat16
 TOKENS = shapes.FLASH_ATTENTION_TOKENS
@@ -431,6 +432,7 @@ def _backward(forward, impl, *args, cfg: Config, **options):
     return jax.tree.unflatten(tree, leaves)(do)
 
 
+FORWARDS_OF_OWN = ("kernel", "default")  # FORWARDS' names that are the suite's own; the others are baselines
 FORWARDS = {
     "kernel": kernel_forward,
     "default": _checkpointed_xla_forward,
@@ -487,11 +489,17 @@ def _arrays(op, s, seed):
     if op == "forward":
         return args
     cfg = config(s)
-    residuals = {
-        impl: jax.jit(functools.partial(_residuals, functools.partial(FORWARDS[impl], cfg=cfg)))(*args)
-        for impl in residual_specs(s)
-    }
-    return (*args, inputs.normal(next(keys), args[0].shape, args[0].dtype), residuals)
+    residuals, failed = {}, {}
+    for impl, specs in residual_specs(s).items():
+        try:
+            residuals[impl] = jax.jit(functools.partial(_residuals, functools.partial(FORWARDS[impl], cfg=cfg)))(*args)
+        except Exception as e:  # noqa: BLE001 - this implementation's forward does not compile here: it shows why
+            failed[impl if impl in FORWARDS_OF_OWN else BASELINE_PREFIX + impl] = (
+                f"its forward (for the residuals): {reason(e)}"
+            )
+            residuals[impl] = [jnp.full(x.shape, jnp.nan, x.dtype) for x in specs]  # the other programs' placeholders
+    args = (*args, inputs.normal(next(keys), args[0].shape, args[0].dtype), residuals)
+    return PartialInputs(args, failed) if failed else args
 
 
 def _candidates(op, s, gen):
