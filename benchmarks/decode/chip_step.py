@@ -368,9 +368,10 @@ def compiled_step(setup: Setup, name: str):
 
 
 # ------------------------------------------------------------------------------------------------------ measure
-def run_impl(setup: Setup, params, first_tokens, *, steps: int, warmup: int, timed: bool, name: str) -> dict:
+def run_impl(setup: Setup, params, first_tokens, *, steps: int, warmup: int, timed: bool, name: str, head=None) -> dict:
     """Decode warmup + steps steps from first_tokens [B]: the greedy tokens [warmup + steps, B], the host compile
-    seconds, and with `timed` each timed step's device seconds."""
+    seconds, and with `timed` each timed step's device seconds; `head` (a HeadProgram) runs in the same profiler
+    trace, after the steps, and its device seconds come back as head_s. host_s: where the host's time went."""
     caches = init_caches(setup)
     fn = compiled_step(setup, name)
     rows = params["embed"][first_tokens]
@@ -388,22 +389,40 @@ def run_impl(setup: Setup, params, first_tokens, *, steps: int, warmup: int, tim
             position += 1
         jax.block_until_ready(rows)
 
+    start = time.perf_counter()
     decode(warmup)
     warm = len(tokens)
+    warmup_s = time.perf_counter() - start
 
     def timed_steps():  # may run twice (profiler.module_times): the tokens are those of the last run
         del tokens[warm:]
         decode(steps)
+        if head is not None:
+            head.run()
 
-    times = profiler.module_times([name], timed_steps)[name] if timed else []
-    if not timed:
+    start = time.perf_counter()
+    times = {}
+    if timed:
+        times = profiler.module_times([name] + ([head.name] if head is not None else []), timed_steps)
+    else:
         decode(steps)
-    return {"tokens": np.asarray(jnp.stack(tokens)), "compile_s": compile_s, "step_s": times}
+    out = {"tokens": np.asarray(jnp.stack(tokens)), "compile_s": compile_s, "step_s": times.get(name, [])}
+    if head is not None:
+        out["head_s"] = times.get(head.name, [])
+    out["host_s"] = {"compile": compile_s, "warmup": warmup_s, "trace": time.perf_counter() - start}
+    return out
 
 
-def head_times(model: Model, impl: str, params, batch: int, *, calls: int, name: str) -> list[float]:
-    """Device seconds of the step's head alone (final norm, lm_head, greedy tokens, their rows), `calls` times: what
-    a whole model's step counts once, not once a layer."""
+@dataclasses.dataclass
+class HeadProgram:
+    """The step's head alone (final norm, lm_head, greedy tokens, their rows), compiled and warm: what a whole
+    model's step counts once, not once a layer. `run()` calls it `calls` times."""
+
+    name: str
+    run: object
+
+
+def head_program(model: Model, impl: str, params, batch: int, *, calls: int, name: str) -> HeadProgram:
     fn = jax.jit(profiler.named(functools.partial(programs.head, model=model, impl=glue_impl(impl)), name))
     x = inputs.normal(3, (batch, model.hidden), BF16)
     args = (x, params["final_norm"], params["lm_head"], params["embed"])
@@ -415,7 +434,7 @@ def head_times(model: Model, impl: str, params, batch: int, *, calls: int, name:
             out = fn(*args)
         jax.block_until_ready(out)
 
-    return profiler.module_times([name], run)[name]
+    return HeadProgram(name, run)
 
 
 def compare_tokens(tokens: dict[str, np.ndarray]) -> dict:
@@ -450,20 +469,26 @@ def measure(
     """Each implementation's decode step at (batch, context) on the default device, `layers` layers (default: as
     many as fit): median device time of `steps` steps after `warmup`, tokens/s, the whole model's step scaled by
     its layer count, and the greedy tokens compared."""
+    start = time.perf_counter()
     layers = layers or fitting_layers(model, batch, context, warmup + steps)
     kinds = tuple(layer_kinds(model, layers))
     params = init_params(model, list(kinds), seed)
     first = inputs.integers(seed + 7, (batch,), 0, model.vocab)
     timed = jax.devices()[0].platform == "tpu"
     results, tokens = {}, {}
+    init_s = time.perf_counter() - start
     for index, impl in enumerate(impls):
         setup = Setup(model, kinds, batch, context, warmup + steps, impl)
-        r = run_impl(setup, params, first, steps=steps, warmup=warmup, timed=timed, name=profiler.program_name(index))
+        # the head in the step's own profiler trace: one trace per implementation (each took seconds on the v5e host)
+        head = None
+        if timed:
+            head = head_program(model, impl, params, batch, calls=steps, name=profiler.program_name(len(impls) + index))
+        name = profiler.program_name(index)
+        r = run_impl(setup, params, first, steps=steps, warmup=warmup, timed=timed, name=name, head=head)
         tokens[impl] = r.pop("tokens")
         if r["step_s"]:
             median = statistics.median(r["step_s"])
-            name = profiler.program_name(len(impls) + index)
-            head = statistics.median(head_times(model, impl, params, batch, calls=steps, name=name))
+            head = statistics.median(r.pop("head_s"))
             whole = head + (median - head) / layers * model.layers  # the layers scaled, the head once
             r |= {
                 "step_us": median * 1e6,
@@ -489,11 +514,15 @@ def measure(
         "timing": "device time (profiler), median step" if timed else "not timed (no TPU): tokens only",
         "impls": results,
         "tokens": compare_tokens(tokens),
+        "host_s": {"weights and inputs": init_s, "total": time.perf_counter() - start},
     }
 
 
 # ---------------------------------------------------------------------------------------------------------- cli
-BATCHES = (1, 8, 64, 256)  # the quick set: one device command of the test machine (<= 10 minutes) for both models
+# The quick set: one token and the targets' batch. On the v5e host a measurement (three implementations of one
+# batch) took about 110 s of host time, most of it compiles and profiler traces, so four batches of one model filled
+# most of a 10-minute device command.
+BATCHES = (1, 64)
 CONTEXTS = (4096,)
 FULL_BATCHES, FULL_CONTEXTS = (1, 8, 32, 64, 128, 256), (1024, 4096)
 NAMES = {"default": "XLA (transformers' default)", "ours": "all ours", "experts": "our experts_forward only"}
@@ -609,7 +638,7 @@ def main(argv=None) -> int:
                     print(f"{name} batch {batch} context {context}: {failures[-1]['error']}", flush=True)
                 else:
                     results.append(r)
-                    print("\n".join(markdown([r])[2:]), flush=True)
+                    print("\n".join(markdown([r])[2:]), f"(host {r['host_s']['total']:.0f} s)", flush=True)
                 # written after every step measured: a run stopped midway keeps what it measured
                 (args.out / "decode_chip.json").write_text(
                     json.dumps({"steps": results, "failed": failures}, indent=1, default=str)
