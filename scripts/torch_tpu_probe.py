@@ -198,7 +198,11 @@ def main():
             say(f"  {notes[-1]}")
             loader._init_device("tpu")
         dev = torch.device("tpu")
-        notes.append(f"device {dev!r}, is_available {torch.tpu.is_available()}, device_count {torch.tpu.device_count()}")
+        accelerator = torch.accelerator
+        notes.append(
+            f"device {dev!r}; torch.accelerator: {accelerator.current_accelerator()!r}, is_available "
+            f"{accelerator.is_available()}, device_count {accelerator.device_count()}"
+        )
         import libtpu
 
         notes.append(f"libtpu {getattr(libtpu, '__version__', '?')} from {os.path.dirname(libtpu.__file__)}")

@@ -257,22 +257,30 @@ class Setup:
 
 
 def init_caches(setup: Setup, seed: int = 1) -> list:
-    """Per layer, random history: "ours" (k_cache, v_cache) [B * L / page, page, Hkv, D] with the page table
-    [B, L / page] of sequence b's pages in order; the others (k_cache, v_cache) [B, Hkv, L, D]."""
+    """Per layer, random history, the same keys and values for every implementation (drawn in the static layout, so
+    that the implementations' tokens can be compared): "ours" (k_cache, v_cache) [B * L / page, page, Hkv, D] with
+    the page table [B, L / page] of sequence b's pages in order; the others (k_cache, v_cache) [B, Hkv, L, D]."""
     keys = iter(jax.random.split(inputs.key(seed), 2 * len(setup.kinds)))
     caches = []
     for kind in setup.kinds:
         slots = cache_keys(kind, setup.context, setup.steps)
         b, h, d = setup.batch, kind.kv_heads, kind.head_dim
+        static = tuple(inputs.normal(next(keys), (b, h, slots, d), BF16) for _ in range(2))
         if setup.impl == "ours":
             pages = -(-slots // PAGE)
-            shape = (b * pages, PAGE, h, d)
             table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
-            caches.append((inputs.normal(next(keys), shape, BF16), inputs.normal(next(keys), shape, BF16), table))
+            caches.append((*(_paged(x, pages) for x in static), table))
         else:
-            shape = (b, h, slots, d)
-            caches.append((inputs.normal(next(keys), shape, BF16), inputs.normal(next(keys), shape, BF16)))
+            caches.append(static)
     return caches
+
+
+def _paged(static, pages: int):
+    """[B, Hkv, L, D] -> [B * pages, page, Hkv, D]: slot s of sequence b at page b * pages + s // page, row
+    s % page (the slots past L, up to a whole page, are zeros no query sees)."""
+    b, h, slots, d = static.shape
+    rows = jnp.pad(static.transpose(0, 2, 1, 3), ((0, 0), (0, pages * PAGE - slots), (0, 0), (0, 0)))
+    return rows.reshape(b * pages, PAGE, h, d)
 
 
 # --------------------------------------------------------------------------------------------------------- step
