@@ -52,6 +52,14 @@ def parse_args(argv=None):
         default=None,
         help="on a TPU: compile threads (default: half the cores, at most 8)",
     )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="on a TPU: seconds of measuring for all the kernels together, shared out kernel by kernel (time one "
+        f"leaves passes to the next); cases left when a kernel's share is spent say so in its table (default "
+        f"{BUDGET_S['quick']:.0f}, --full {BUDGET_S['full']:.0f}; 0: none)",
+    )
     p.add_argument("--workers", type=int, default=None, help="parallel model chunks (default 2)")
     p.add_argument(
         "--sweep",
@@ -65,6 +73,8 @@ def parse_args(argv=None):
         p.error("--gen: one generation per benchmark run (several only with --sweep)")
     if args.no_measure and args.no_model:
         p.error("--no-measure and --no-model together leave nothing to do")
+    if args.budget_s is not None and args.budget_s < 0:
+        p.error(f"--budget-s: expected seconds >= 0 (0: no budget), got {args.budget_s}")
     if args.calls is not None and args.calls < 1:
         p.error(f"--calls: expected a positive number of calls, got {args.calls}")
     args.gen = args.gens[0]
@@ -72,6 +82,9 @@ def parse_args(argv=None):
 
 
 GENERATIONS = ("v5e", "v6e", "v7x")
+# Measuring time on a TPU by default: the quick suite of every kernel within a 10-minute command, --full within 40
+# (the rest of each: starting, writing tables and charts).
+BUDGET_S = {"quick": 540.0, "full": 2340.0}
 
 
 def sweep(args) -> int:
@@ -114,8 +127,12 @@ def main(argv=None) -> int:
     kernels = args.kernel or suite.available()
     results = []
     charts = importlib.util.find_spec("matplotlib") is not None
+    budget = args.budget_s if args.budget_s is not None else BUDGET_S["full" if args.full else "quick"]
     with progress.bar(total=0, unit="step", dynamic_ncols=True, file=sys.stderr) as bar:
-        for kernel in kernels:
+        for index, kernel in enumerate(kernels):
+            if budget and dev.is_tpu and config.measure:  # this kernel's share of what is left
+                left = budget - (time.monotonic() - start)
+                config.deadline = time.monotonic() + max(0.0, left) / (len(kernels) - index)
             result = harness.run_kernel(kernel, config, dev=dev, bar=bar)
             report.write_json(result, config.out)
             if charts:

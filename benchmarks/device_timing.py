@@ -261,15 +261,26 @@ def run(
     bar=None,
     phases: dict | None = None,
     on_case=None,
+    deadline: float | None = None,
 ) -> dict:
     """{(case id, impl): entry} for every impl of every case: a timing (median_s, compile_s, ...), or {"na": why} /
     {"error": why}. `make_args(case)` builds the case's inputs on the device. `phases`, if given, receives
     {case id: host seconds by phase}; `on_case(stats)`, if given, is called with the stats so far after each
-    case (the benchmarks write them out as they go)."""
+    case (the benchmarks write them out as they go). `deadline` (time.monotonic()): no case starts after it; the
+    cases left show why they were not timed, and their queued compiles are dropped."""
     stats = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, compile_workers), initializer=_lower_priority) as pool:
         plan = _Plan(cases, make_args, pool, ahead=2 * max(1, compile_workers))
         for position, case in enumerate(cases):
+            if deadline is not None and time.monotonic() > deadline:
+                why = f"not timed: the run's time budget was spent ({len(cases) - position} of {len(cases)} cases left)"
+                for later in cases[position:]:
+                    for impl, why_not in later.op.impls(later.shape).items():
+                        stats[(later.id, impl)] = {"na": why_not or why}
+                plan.queue.clear()
+                for future in plan.compiles.values():
+                    future.cancel()
+                break
             labels = {impl: kernel_label if impl == "kernel" else default_label for impl in case.op.impls(case.shape)}
             results, case_phases = _time_case(position, case, plan, make_args, calls, labels)
             for impl, entry in results.items():

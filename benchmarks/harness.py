@@ -40,6 +40,7 @@ class Config:
     model: bool = True  # False: no performance model (--no-model; on a TPU host the measured figures stand alone)
     calls: int | None = None  # timed executions per program on a TPU (default: device_timing.CALLS)
     compile_workers: int | None = None  # compile threads on a TPU (default: device_timing.COMPILE_WORKERS)
+    deadline: float | None = None  # time.monotonic() after which no case starts measuring (on a TPU; see __main__)
 
 
 def _us(seconds):
@@ -254,6 +255,7 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
             calls=config.calls,
             compile_workers=config.compile_workers,
             phases=phases,
+            deadline=config.deadline,
             # each timed case lands in <kernel>.json at once (unmodeled, marked partial): a run stopped midway keeps
             # what it measured
             on_case=lambda done: report.write_json(

@@ -113,12 +113,13 @@ def run(
     compile_workers: int | None = None,
     phases: dict | None = None,
     on_case=None,
+    deadline: float | None = None,
 ) -> tuple[dict, str | None]:
     """Time `cases` of `kernel`. Returns ({(case id, impl): stats}, error).
 
     On a TPU: device time of every implementation (kernel, default, baselines), see benchmarks/device_timing.py;
     `calls` timed executions each; `phases` receives where the host's time went, per case; `on_case(stats so far)` is
-    called after each case. Elsewhere: through the
+    called after each case; `deadline` (time.monotonic()): no case starts after it (on a TPU). Elsewhere: through the
     kernel's pytest-benchmark suite (kernel and default), pytest's own output in `log_path`, timings in seconds from
     pytest-benchmark's JSON at `json_path`.
     """
@@ -138,6 +139,7 @@ def run(
             bar=bar,
             phases=phases,
             on_case=on_case,
+            deadline=deadline,
         )
         return stats, None
     import pytest

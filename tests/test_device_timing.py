@@ -236,6 +236,46 @@ def test_implementations_whose_inputs_fail_show_why_and_the_others_run(fake_chip
     assert fake_chip == [[n for n in fake_chip[0]]] and len(fake_chip[0]) == 1  # the kernel alone was traced
 
 
+def test_no_case_starts_past_the_deadline_and_the_rest_say_why(fake_chip, monkeypatch):
+    import time
+
+    cases = [suite.Case(OP, SHAPE), suite.Case(OP, dataclasses.replace(SHAPE, batch=128))]
+    clock = iter([0.0, 10.0])  # the first case starts before the deadline (5), the second after it
+    monkeypatch.setattr(
+        device_timing, "time", types.SimpleNamespace(monotonic=lambda: next(clock), perf_counter=time.perf_counter)
+    )
+    stats = device_timing.run(cases, measured.case_arrays, kernel_label="k", default_label="d", calls=2, deadline=5.0)
+    assert stats[(cases[0].id, "kernel")]["median_s"] > 0 and len(fake_chip) == 1
+    why = "not timed: the run's time budget was spent (1 of 2 cases left)"
+    assert stats[(cases[1].id, "kernel")] == stats[(cases[1].id, "default")] == {"na": why}
+    assert stats[(cases[1].id, "baseline:absent")] == {"na": "not installed: somepackage"}  # its own reason kept
+
+
+def test_the_measuring_budget_is_shared_out_kernel_by_kernel(monkeypatch, tmp_path):
+    import time
+
+    from benchmarks import __main__ as cli
+
+    deadlines = []
+
+    def run_kernel(kernel, config, *, dev, bar):
+        deadlines.append(config.deadline - time.monotonic())
+        time.sleep(0.2)  # this kernel's measuring
+        return {"kernel": kernel}
+
+    monkeypatch.setattr(harness, "run_kernel", run_kernel)
+    monkeypatch.setattr(cli.device, "detect", lambda: TPU)
+    monkeypatch.setattr(report, "write_json", lambda result, out: None)
+    monkeypatch.setattr(report, "write_chart", lambda result, out: None)
+    monkeypatch.setattr(report, "format_table", lambda result: "")
+    args = ["--kernel", "rms_norm", "--kernel", "rotary", "--kernel", "kv_cache", "--no-model", "--budget-s", "3"]
+    assert cli.main([*args, "--out", str(tmp_path)]) == 0
+    # 3 s over three kernels: the first gets a third, the next a half of what is left, the last all of it
+    assert deadlines[0] == pytest.approx(1.0, abs=0.1)
+    assert deadlines[1] == pytest.approx((3 - 0.2) / 2, abs=0.1)
+    assert deadlines[2] == pytest.approx(3 - 0.4, abs=0.1)
+
+
 def test_inputs_that_fail_to_build_fail_every_implementation(fake_chip):
     def no_inputs(case):
         raise MemoryError("RESOURCE_EXHAUSTED: 20 GiB")
