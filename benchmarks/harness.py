@@ -233,6 +233,10 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
     measured_chip = perf_model.get_chip(dev.generation) if dev.is_tpu and dev.generation else None
     config.out.mkdir(parents=True, exist_ok=True)
     timed = [c for c in cases if dev.times(c.op.hbm_bytes(c.shape), config.full)] if config.measure else []
+    # measured shape by shape, every op of a shape in turn (forward, then backward, ...): a run stopped by its time
+    # budget has each op at its first shapes rather than one op alone
+    position = {shape: i for i, shape in enumerate(dict.fromkeys(c.shape for c in cases))}
+    timed.sort(key=lambda c: position[c.shape])
     if bar is not None:
         n_models = sum(why_not is None for c in cases for why_not in c.op.impls(c.shape).values())
         # one step per timed case on a TPU (all its implementations at once), per timed test with pytest-benchmark

@@ -276,6 +276,16 @@ def test_the_measuring_budget_is_shared_out_kernel_by_kernel(monkeypatch, tmp_pa
     assert deadlines[2] == pytest.approx(3 - 0.4, abs=0.1)
 
 
+def test_cases_are_measured_shape_by_shape_every_op_in_turn(fake_chip, monkeypatch, tmp_path):
+    other, wide = dataclasses.replace(OP, name="other"), dataclasses.replace(SHAPE, batch=128)
+    two = suite.Suite(kernel="double", ops=(OP, other), shapes=(SHAPE, wide), targets=SUITE.targets)
+    monkeypatch.setattr(suite, "get", lambda kernel: two)
+    result = harness.run_kernel("double", harness.Config(out=tmp_path, model=False, calls=2), dev=TPU)
+    order = [f"{op.name} {shape.id}" for shape in (SHAPE, wide) for op in (OP, other)]
+    assert list(result["host_phases"]) == order  # a budget-stopped run has both ops at the first shape
+    assert [r["case"] for r in result["rows"]] == [f"{op.name} {sh.id}" for op in (OP, other) for sh in (SHAPE, wide)]
+
+
 def test_inputs_that_fail_to_build_fail_every_implementation(fake_chip):
     def no_inputs(case):
         raise MemoryError("RESOURCE_EXHAUSTED: 20 GiB")
