@@ -9,7 +9,8 @@ that host's own Python and installs nothing.
 
 With --sweep, instead: models every candidate tiling of each kernel's ops (its tuning module's candidate_blocks) at a
 few shapes (--full: every shape), on each --gen given (all: v5e, v6e and v7x, the generations of the tuning tables),
-prints the table's choice beside the best candidate and writes <out>/<kernel>.sweep.json. Modeled only.
+prints the table's choice beside the best candidate and writes <out>/<kernel>.sweep.json. On a TPU each candidate is
+compiled and timed on the chip instead (device time; --no-measure: modeled as elsewhere); pick shapes with --shape.
 """
 
 from benchmarks import device
@@ -41,6 +42,14 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--kernel", action="append", choices=suite.available(), help="kernel to benchmark (repeatable; default: all)"
+    )
+    p.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="only the shapes whose id holds TEXT (repeatable: all of them), e.g. --shape head_dim=512; from the "
+        "quick shapes, or with --full from all",
     )
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"), help="output directory")
     p.add_argument("--no-measure", action="store_true", help="model only; time nothing")
@@ -93,16 +102,37 @@ def sweep(args) -> int:
 
     start = time.monotonic()
     kernels = args.kernel or suite.available()
+    dev = device.detect()
+    on_chip = dev.is_tpu and not args.no_measure  # each candidate timed on the chip, not modeled
+    budget = args.budget_s if args.budget_s is not None else BUDGET_S["full" if args.full else "quick"]
     results = []
     with progress.bar(total=0, unit="model", dynamic_ncols=True, file=sys.stderr) as bar:
-        for kernel in kernels:
-            result = _sweep.run_sweep(kernel, args.gens, full=args.full, workers=args.workers, bar=bar)
+        for index, kernel in enumerate(kernels):
+            shapes = _sweep.sweep_shapes(suite.get(kernel), args.full)
+            if args.shape:
+                of = suite.get(kernel)  # a filter picks among the quick shapes (--full: all), as the benchmarks do
+                shapes = suite.select_shapes(of.shapes if args.full else (of.quick_shapes or of.shapes), args.shape)
+            if on_chip:
+                left = budget - (time.monotonic() - start)
+                deadline = time.monotonic() + max(0.0, left) / (len(kernels) - index) if budget else None
+                result = _sweep.run_measured_sweep(
+                    kernel,
+                    dev,
+                    shapes=shapes,
+                    calls=args.calls,
+                    compile_workers=args.compile_workers,
+                    bar=bar,
+                    deadline=deadline,
+                )
+            else:
+                result = _sweep.run_sweep(kernel, args.gens, shapes=shapes, workers=args.workers, bar=bar)
             result["json"] = str(_sweep.write_sweep_json(result, args.out))
             results.append(result)
     for result in results:
         print(_sweep.format_sweep(result))
         print(f"wrote {result['json']}")
-    print(f"\nsweep done in {time.monotonic() - start:.0f} s (modeled: {', '.join(args.gens)}; nothing measured)")
+    how = f"measured on: {dev.kernel_label}" if on_chip else f"modeled: {', '.join(args.gens)}; nothing measured"
+    print(f"\nsweep done in {time.monotonic() - start:.0f} s ({how})")
     return 0
 
 
@@ -122,6 +152,7 @@ def main(argv=None) -> int:
         model=not args.no_model,
         calls=args.calls,
         compile_workers=args.compile_workers,
+        shape_filters=tuple(args.shape),
     )
     dev = device.detect()
     kernels = args.kernel or suite.available()

@@ -41,6 +41,7 @@ class Config:
     calls: int | None = None  # timed executions per program on a TPU (default: device_timing.CALLS)
     compile_workers: int | None = None  # compile threads on a TPU (default: device_timing.COMPILE_WORKERS)
     deadline: float | None = None  # time.monotonic() after which no case starts measuring (on a TPU; see __main__)
+    shape_filters: tuple[str, ...] = ()  # only the shapes whose id holds every one of these (--shape)
 
 
 def _us(seconds):
@@ -228,6 +229,8 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
     suite = _suite.get(kernel)
     if shapes is None and not config.full and suite.quick_shapes is not None:
         shapes = suite.quick_shapes
+    if config.shape_filters:
+        shapes = _suite.select_shapes(suite.shapes if shapes is None else shapes, config.shape_filters)
     cases = suite.cases(None if shapes is None else tuple(shapes))
     chip = perf_model.get_chip(config.gen)
     measured_chip = perf_model.get_chip(dev.generation) if dev.is_tpu and dev.generation else None

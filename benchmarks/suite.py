@@ -68,7 +68,8 @@ class PartialInputs:
 class Op:
     name: str  # e.g. "rms_norm", "fused_add_rms_norm"
     kernel: Callable  # the Pallas path (module-level function)
-    default: Callable  # the default implementation: plain JAX, compiled by XLA
+    default: Callable | None  # the default implementation: plain JAX, compiled by XLA (None: not timed, in a
+    # measured sweep's tiling variants)
     specs: Callable[[Shape], tuple]  # shape -> argument ShapeDtypeStructs
     hbm_bytes: Callable[[Shape], int]  # bytes one call must move between HBM and the core, at least
     mxu_flops: Callable[[Shape], int] = lambda shape: 0  # matmul flops (0 for memory-bound kernels)
@@ -85,7 +86,7 @@ class Op:
 
     def impls(self, shape: Shape) -> dict[str, str | None]:
         """{impl: None if it applies to `shape`, else the reason it does not}: kernel, default, then baselines."""
-        out = {impl: None for impl in IMPLS}
+        out = {impl: None for impl in IMPLS if impl != "default" or self.default is not None}
         for b in self.baselines:
             out[BASELINE_PREFIX + b.name] = b.unsupported(shape)
         return out
@@ -148,6 +149,12 @@ class Suite:
 
     def cases(self, shapes: tuple[Shape, ...] | None = None) -> list[Case]:
         return [Case(op, shape) for op in self.ops for shape in (self.shapes if shapes is None else shapes)]
+
+
+def select_shapes(shapes, filters) -> tuple[Shape, ...]:
+    """The shapes whose id holds every string of `filters` (e.g. ("head_dim=512", "mask=causal")); all of them
+    where `filters` is empty."""
+    return tuple(s for s in shapes if all(f in s.id for f in filters or ()))
 
 
 def available() -> list[str]:

@@ -6,16 +6,21 @@ column (`modeled.run_items`, the static performance model) on each generation as
 table's choice and its modeled time beside the fastest candidate and its time. gain = table's time / best time: 1.00x
 where the table's choice is the best (ties go to the table), above where another tiling is faster in the model.
 
-Every figure is modeled (labeled "modeled <gen>"), never measured: the sweep says where the table and the model
-disagree, which is where a measurement on the chip is worth taking.
+Elsewhere than on a TPU every figure is modeled (labeled "modeled <gen>"): the sweep says where the table and the
+model disagree, which is where a measurement on the chip is worth taking. On a TPU (`run_measured_sweep`) each
+candidate is compiled and timed on the chip instead, by its device time (benchmarks/device_timing.py, the kernel alone
+at each tiling), and labeled "measured <device>": the sweep then says which tiling the chip prefers. `--shape` picks
+the shapes (e.g. `--shape head_dim=512`), as each candidate is a compile of seconds there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import pathlib
+import types
 
 import jax
 
@@ -90,9 +95,78 @@ def run_sweep(kernel: str, gens, *, full: bool = False, shapes=None, workers=Non
     return result
 
 
-def _row(op, shape, gen, cands, models) -> dict:
+def run_measured_sweep(
+    kernel: str, dev, *, full: bool = False, shapes=None, calls=None, compile_workers=None, bar=None, deadline=None
+) -> dict:
+    """Time every candidate tiling of every op of `kernel` at each shape on the chip that is present (`dev`, a TPU):
+    the kernel alone at each tiling, by its device time. The result has run_sweep's form, its figures labeled
+    measured; ops that update state in place (the KV cache write) are not swept here."""
+    from . import device_timing, measured
+
+    suite = _suite.get(kernel)
+    shapes = tuple(shapes) if shapes is not None else sweep_shapes(suite, full)
+    label = dev.kernel_label
+    result = {
+        "kernel": kernel,
+        "generations": [dev.generation],
+        "measured": True,
+        "full": full,
+        "missing": [op.name for op in suite.ops if op.candidates is None or op.in_place is not None],
+        "rows": [],
+    }
+    swept = [op for op in suite.ops if op.name not in result["missing"]]
+    plans, cases = [], []
+    for op in swept:
+        for shape in shapes:
+            try:
+                cands = list(op.candidates(shape, dev.generation))
+            except Exception as e:  # noqa: BLE001 - a shape the kernel cannot tile is reported, not fatal
+                plans.append((op, shape, e, []))
+                continue
+            # one variant of the op per tiling: its kernel at that tiling, nothing else timed beside it
+            variants = [
+                dataclasses.replace(
+                    op,
+                    name=f"{op.name} #{i}",
+                    kernel=functools.partial(op.kernel, blocks=b),
+                    default=None,
+                    baselines=(),
+                )
+                for i, b in enumerate(cands)
+            ]
+            plans.append((op, shape, cands, variants))
+            cases += [_suite.Case(v, shape) for v in variants]
+    if bar is not None:
+        bar.total = (bar.total or 0) + len(cases)
+        bar.set_description(f"{kernel}: sweeping ({label})")
+        bar.refresh()
+    stats = device_timing.run(
+        cases,
+        measured.case_arrays,
+        kernel_label=label,
+        default_label=label,
+        calls=calls or device_timing.CALLS,
+        compile_workers=compile_workers or device_timing.COMPILE_WORKERS,
+        bar=bar,
+        deadline=deadline,
+    )
+    for op, shape, cands, variants in plans:
+        times = {}
+        for i, v in enumerate(variants):
+            entry = stats.get((_suite.Case(v, shape).id, "kernel"), {"error": "not timed"})
+            times[(_suite.Case(op, shape).id, i)] = (
+                types.SimpleNamespace(modeled_us=entry["median_s"] * 1e6, warnings=())
+                if "median_s" in entry
+                else RuntimeError(entry.get("error") or entry.get("na"))
+            )
+        result["rows"].append(_row(op, shape, dev.generation, cands, times, label=label))
+    return result
+
+
+def _row(op, shape, gen, cands, models, *, label: str | None = None) -> dict:
     case = _suite.Case(op, shape)
-    row = {"op": op.name, "case": case.id, "shape": shape.as_dict(), "generation": gen, "label": f"modeled {gen}"}
+    row = {"op": op.name, "case": case.id, "shape": shape.as_dict(), "generation": gen}
+    row["label"] = label or f"modeled {gen}"
     if isinstance(cands, Exception):
         return row | {"error": f"candidates: {type(cands).__name__}: {cands}"}
     entries = []
@@ -100,7 +174,8 @@ def _row(op, shape, gen, cands, models) -> dict:
         m = models[(case.id, i)]
         entry = {"blocks": blocks_dict(blocks), "label": blocks_label(blocks), "table_choice": i == 0}
         if isinstance(m, Exception):
-            entry["error"] = f"{type(m).__name__}: {str(m).strip().splitlines()[-1] if str(m).strip() else ''}"
+            text = str(m).strip().splitlines()[-1] if str(m).strip() else ""
+            entry["error"] = text if isinstance(m, RuntimeError) and label else f"{type(m).__name__}: {text}"
         else:
             entry["us"] = m.modeled_us
             entry["warnings"] = list(m.warnings)
@@ -124,9 +199,10 @@ TIE_GAIN = 1.005
 
 def format_sweep(result: dict) -> str:
     lines = []
+    measured = result.get("measured", False)
     for gen in result["generations"]:
-        label = f"modeled {gen}"
         rows = [r for r in result["rows"] if r["generation"] == gen]
+        label = rows[0]["label"] if rows else f"modeled {gen}"
         for op in dict.fromkeys(r["op"] for r in rows):
             op_rows = [r for r in rows if r["op"] == op]
             head = ["shape", "table's choice", f"{label} µs", "best candidate", f"{label} µs", "gain", "candidates"]
@@ -159,15 +235,20 @@ def format_sweep(result: dict) -> str:
                     + " |"
                 )
 
-            lines += [f"\nsweep {result['kernel']} / {op} — {label} (every candidate tiling modeled; none measured)"]
+            how = (
+                "every candidate tiling timed on the chip"
+                if measured
+                else "every candidate tiling modeled; none measured"
+            )
+            lines += [f"\nsweep {result['kernel']} / {op} — {label} ({how})"]
             lines += [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
             lines += [fmt(c) for c in cells]
             lines.append(_summary(op_rows, label))
     if result["missing"]:
         lines.append(f"not swept (no candidate tilings): {', '.join(result['missing'])}")
     lines.append(
-        "gain = the table's modeled time / the best candidate's: 1.000x where the table's choice is the fastest "
-        f"(ties go to the table); under {TIE_GAIN:.3f}x counts as a tie."
+        f"gain = the table's {'measured device' if measured else 'modeled'} time / the best candidate's: 1.000x where "
+        f"the table's choice is the fastest (ties go to the table); under {TIE_GAIN:.3f}x counts as a tie."
     )
     return "\n".join(lines)
 

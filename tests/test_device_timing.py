@@ -286,6 +286,45 @@ def test_cases_are_measured_shape_by_shape_every_op_in_turn(fake_chip, monkeypat
     assert [r["case"] for r in result["rows"]] == [f"{op.name} {sh.id}" for op in (OP, other) for sh in (SHAPE, wide)]
 
 
+def _filled(x, *, blocks):
+    if blocks == 3:
+        raise ValueError("blocks=3 does not tile 256 columns")
+    return jnp.full_like(x, blocks)
+
+
+def test_a_sweep_on_the_chip_times_each_tiling_and_names_the_fastest(monkeypatch, tmp_path):
+    """On a TPU --sweep compiles and times the kernel alone at each candidate tiling (stand-in here: a program whose
+    output is its tiling, read as its device µs), the table's choice first."""
+    from benchmarks import sweep
+
+    def device_times(programs, calls):
+        return {p.name: [float(np.asarray(profiler.run_calls(p, calls)).ravel()[0]) * 1e-6] * calls for p in programs}
+
+    tiled = dataclasses.replace(OP, kernel=_filled, candidates=lambda shape, gen: [4, 2, 3, 8])
+    monkeypatch.setattr(profiler, "device_times", device_times)
+    monkeypatch.setattr(suite, "get", lambda kernel: dataclasses.replace(SUITE, ops=(tiled,)))
+    result = sweep.run_measured_sweep("double", TPU, shapes=[SHAPE], calls=2)
+    (row,) = result["rows"]
+    assert row["label"] == "measured TPU v5 lite" and row["generation"] == "v5e"
+    assert [c.get("us") for c in row["candidates"]] == [pytest.approx(4), pytest.approx(2), None, pytest.approx(8)]
+    assert row["candidates"][2]["error"] == "ValueError: blocks=3 does not tile 256 columns"
+    assert row["choice"]["us"] == pytest.approx(4) and row["best"]["label"] == "blocks=2"
+    assert row["gain"] == pytest.approx(2.0) and not row["table_is_best"]
+    table = sweep.format_sweep(result)
+    assert "sweep double / double — measured TPU v5 lite (every candidate tiling timed on the chip)" in table
+    assert "gain = the table's measured device time / the best candidate's" in table
+
+
+def test_shape_filters_pick_the_shapes_whose_id_holds_each(fake_chip, monkeypatch, tmp_path):
+    wide = dataclasses.replace(SHAPE, batch=128)
+    assert suite.select_shapes((SHAPE, wide), ("tokens=128", "hidden=256")) == (wide,)
+    assert suite.select_shapes((SHAPE, wide), ()) == (SHAPE, wide)
+    monkeypatch.setattr(suite, "get", lambda kernel: dataclasses.replace(SUITE, shapes=(SHAPE, wide)))
+    config = harness.Config(out=tmp_path, model=False, calls=2, shape_filters=("tokens=128",))
+    result = harness.run_kernel("double", config, dev=TPU)
+    assert [r["batch"] for r in result["rows"]] == [128]
+
+
 def test_inputs_that_fail_to_build_fail_every_implementation(fake_chip):
     def no_inputs(case):
         raise MemoryError("RESOURCE_EXHAUSTED: 20 GiB")
