@@ -14,9 +14,10 @@
 #                      every wheel of DIR (default .whl-torch) cut into parts of at most PART_MIB MiB (default 58),
 #                      packed into group folders OUT/1, OUT/2, ... (default .whl-torch/parts) of at most GROUP_MIB MiB
 #                      each (default 59), MANIFEST.json (the size and sha256 of each whole wheel and of each part)
-#                      in every group. torch, torch-tpu and their dependencies fill the first groups, libtpu the last
-#                      ones (needed only where the machine's own libtpu is older than 0.0.50: torch-tpu requires
-#                      libtpu>=0.0.50). Refuses when a group plus the checkout's travelling files pass 64 MiB.
+#                      in every group. torch, torch-tpu and their dependencies fill the first groups (1-5), libtpu
+#                      0.0.50 the last ones (6-9): torch-tpu requires libtpu>=0.0.50, and the machine's own libtpu
+#                      (a build of 2026-06-17; jax 0.10.2's `tpu` extra pins 0.0.42.*) is older. Refuses when a
+#                      group plus the checkout's travelling files (git ls-files -co --exclude-standard) pass 64 MiB.
 #   stash [--from DIR] [--to DIR]
 #                      on the test machine, each run: checks the parts of every group carried in FROM (default
 #                      .whl-torch/parts) against the manifest, copies them to TO/<n>/ (default build/torch-parts),
@@ -40,9 +41,11 @@
 #           set -o pipefail; bash scripts/torch_tpu_parts.sh stash && bash scripts/torch_tpu_parts.sh assemble &&
 #           export PYTHONPATH=$PWD/build/torch-site-libtpu:$PYTHONPATH:$PWD/build/torch-site &&
 #           python3 scripts/torch_tpu_probe.py 2>&1 | tee $OUT/probe.log
-#   A run that says a group is corrupt or missing: carry that group again (stash is idempotent) before run N. If the
-#   machine went back between runs (build/ gone: stash lists every earlier group as missing), start again at run 1.
-#   Later runs on the same machine need only the export line (the install stays in build/).
+#   Run 1's stash prints the machine's libtpu version: where it is 0.0.50 or newer, in three parts (torch-tpu 0.2.0
+#   refuses "0.0.50.1"), libtpu's groups can stay behind (then N is the last torch group). A run that says a group
+#   is corrupt or missing: carry that group again (stash is idempotent) before run N. If the machine went back
+#   between runs (build/ gone: stash lists every earlier group as missing), start again at run 1. Later runs on the
+#   same machine need only the export line (the install stays in build/). docs/torch_on_chip.md has the findings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -268,7 +271,9 @@ def split(args):
     }
     text = json.dumps(manifest, indent=1) + "\n"
     tree = int(os.environ.get("TREE_BYTES") or 0)
-    print(f"{len(groups)} groups in {out} (= device runs), split {identity}; the checkout travels with each: {mib(tree)}")
+    print(
+        f"{len(groups)} groups in {out} (= device runs), split {identity}; the checkout travels with each: {mib(tree)}"
+    )
     largest = 0
     for number in range(1, len(groups) + 1):
         folder = out / str(number)
@@ -283,10 +288,14 @@ def split(args):
     print(f"total: {mib(whole)} in {len(entries)} wheels; largest group {mib(largest)}")
     first_libtpu = next((c["part"]["group"] for c in chunks if c["libtpu"]), None)
     if first_libtpu:
-        print(f"libtpu's parts: groups {first_libtpu}..{len(groups)} (leave them out where the machine's libtpu >= 0.0.50)")
+        print(
+            f"libtpu's parts: groups {first_libtpu}..{len(groups)} "
+            "(leave them out where the machine's libtpu >= 0.0.50)"
+        )
     if largest + tree > RUN_LIMIT:
         raise Refused(
-            f"a run would carry {mib(largest + tree)} (largest group + checkout), over 64 MiB: lower GROUP_MIB and PART_MIB"
+            f"a run would carry {mib(largest + tree)} (largest group + checkout), over 64 MiB: "
+            "lower GROUP_MIB and PART_MIB"
         )
 
 
@@ -321,7 +330,9 @@ def one_manifest(root):
 def check_part(folder, part):
     path = folder / part["name"]
     if not path.is_file():
-        raise Refused(f"missing part {part['name']} of group {part['group']} in {folder}: carry group {part['group']} again")
+        raise Refused(
+            f"missing part {part['name']} of group {part['group']} in {folder}: carry group {part['group']} again"
+        )
     size = path.stat().st_size
     if size != part["bytes"]:
         raise Refused(
@@ -384,7 +395,10 @@ def stash(args):
     manifest, folders = one_manifest(dest)
     have = sorted(int(f.name) for f in folders)
     missing = [n for n in range(1, manifest["groups"] + 1) if n not in have]
-    print(f"{dest} holds groups {have} of {manifest['groups']} (split {manifest['split_id']}); missing: {missing or 'none'}")
+    print(
+        f"{dest} holds groups {have} of {manifest['groups']} (split {manifest['split_id']}); "
+        f"missing: {missing or 'none'}"
+    )
 
 
 def assemble(args):
@@ -404,11 +418,15 @@ def assemble(args):
             raise Refused(f"{wheel['file']}: groups {absent} are missing from {root}: carry them (stash) first")
         target = out / wheel["file"]
         partial = out / (wheel["file"] + ".partial")
-        with open(partial, "wb") as dst:
-            for part in wheel["parts"]:
-                path = check_part(have[part["group"]], part)
-                with open(path, "rb") as src:
-                    shutil.copyfileobj(src, dst, 8 * MIB)
+        try:
+            with open(partial, "wb") as dst:
+                for part in wheel["parts"]:
+                    path = check_part(have[part["group"]], part)
+                    with open(path, "rb") as src:
+                        shutil.copyfileobj(src, dst, 8 * MIB)
+        except Refused:
+            partial.unlink()
+            raise
         got = sha256_of(partial)
         if got != wheel["sha256"] or partial.stat().st_size != wheel["bytes"]:
             partial.unlink()

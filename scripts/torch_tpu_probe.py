@@ -161,7 +161,9 @@ def main():
     args = parser.parse_args()
 
     say("=== versions")
-    say(f"  python {platform.python_version()} ({sys.executable}), {platform.machine()}, {''.join(platform.libc_ver())}")
+    say(
+        f"  python {platform.python_version()} ({sys.executable}), {platform.machine()}, {''.join(platform.libc_ver())}"
+    )
     for package in ("torch", "torch-tpu", "jax", "jaxlib", "libtpu", "numpy"):
         module = {"torch-tpu": "torch_tpu"}.get(package, package)
         say(f"  {package} {version_of(package)} at {location_of(module)}")
