@@ -159,7 +159,8 @@ ROTARY = tuple(
 # Every kernel's shapes, by the kernel name used in `python -m benchmarks --kernel NAME`.
 # ------------------------------------------------------------------------------------------------- flash attention
 # Prefill / training attention at the layers of Qwen3-30B-A3B, Gemma 4 26B-A4B's sliding layers (window 1024:
-# transformers passes window_size = (1023, 0)) and its full layers (head dim 512, K = V, scale 1.0). `seq` is the
+# transformers passes window_size = (1023, 0)) and its full layers (head dim 512, K = V, scale 1.0), and gpt-oss-20b's
+# sliding (window 128) and full layers (head dim 64, 64 query heads over 8 kv heads, sinks). `seq` is the
 # sequence length; the batch fills about 32k tokens (32768 // seq sequences). layout "dense" is flash_attn_func's
 # [B, S, H, D]; "varlen" packs the same tokens as sequences of mixed lengths (fixed seed, mean `seq`; see
 # benchmarks/ops/flash_attention.py), flash_attn_varlen_func's path.
@@ -167,7 +168,12 @@ FLASH_ATTENTION_MODELS = {
     "qwen3-30b-a3b": {"q_heads": 32, "kv_heads": 4, "head_dim": 128, "window": -1},
     "gemma4-sliding": {"q_heads": 16, "kv_heads": 8, "head_dim": 256, "window": 1024},
     "gemma4-full": {"q_heads": 16, "kv_heads": 2, "head_dim": 512, "window": -1},
+    "gpt-oss-sliding": {"q_heads": 64, "kv_heads": 8, "head_dim": 64, "window": 128},
+    "gpt-oss-full": {"q_heads": 64, "kv_heads": 8, "head_dim": 64, "window": -1},
 }
+# Models whose attention has sinks (a learned logit per query head in every row's softmax): gpt-oss's layers, a
+# decoder's, causal only.
+FLASH_ATTENTION_SINKS = ("gpt-oss-sliding", "gpt-oss-full")
 FLASH_ATTENTION_TOKENS = 32768
 FLASH_ATTENTION_SEQS = (1024, 4096, 8192, 32768)
 FLASH_ATTENTION_QUICK_SEQS = (4096,)
@@ -176,7 +182,7 @@ FLASH_ATTENTION_QUICK_SEQS = (4096,)
 def _attention_sweep(seqs, varlen_seqs):
     out = []
     for model, dims in FLASH_ATTENTION_MODELS.items():
-        masks = ("causal",) if dims["window"] > 0 else ("causal", "none")
+        masks = ("causal",) if dims["window"] > 0 or model in FLASH_ATTENTION_SINKS else ("causal", "none")
         for mask in masks:
             out += sweep("seq", seqs, model=model, mask=mask, layout="dense", **dims)
             out += sweep("seq", varlen_seqs, model=model, mask=mask, layout="varlen", **dims)

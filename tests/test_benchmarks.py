@@ -610,3 +610,38 @@ def test_flash_backward_inputs_name_the_implementations_whose_forward_fails(monk
         nan = [bool(jnp.isnan(x).all()) for x in given]
         assert all(nan) if impl == "splash" else not any(nan), impl  # placeholders for splash alone
     assert float(jnp.abs(residuals["kernel"][0]).max()) > 0  # the others computed from q, k, v
+
+
+def test_flash_benchmark_implementations_agree_with_sinks_and_a_window(monkeypatch):
+    """Every implementation the flash attention suite times at gpt-oss's layers (a window, sinks: the kernel, XLA's
+    attention and splash; JAX's flash attention and tokamax have no sinks) computes the same attention, so the
+    measured columns compare like with like: small sizes in interpret mode, against the f32 reference."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.ops import flash_attention as fa
+    from tpu_kernels_jax.common.interpret import interpret_on_cpu
+    from tpu_kernels_jax.flash_attention.reference import attention_reference
+
+    cfg = fa.Config("dense", True, (31, 0), None, (128, 128), sinks=True)
+    keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 3)
+    q, k, v = (jax.random.normal(key, (2, 128, h, 64), jnp.bfloat16) for key, h in zip(keys, (8, 2, 2)))
+    expected = attention_reference(q, k, v, causal=True, window_size=(31, 0), sinks=fa.sinks(8))
+    without = attention_reference(q, k, v, causal=True, window_size=(31, 0))
+    assert float(jnp.abs(expected.astype(jnp.float32) - without.astype(jnp.float32)).max()) > 0.1  # sinks show
+    shape = next(s for s in fa.SUITE.shapes if s["model"] == "gpt-oss-sliding")
+    assert fa.config(shape).sinks and fa._unsupported("splash", shape) is None
+    assert fa._unsupported("jax_flash", shape) and fa._unsupported("tokamax", shape)
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    # splash through jax's generic Pallas interpreter (its kernels trip the TPU interpreter's grid semantics)
+    make = splash.make_splash_mqa_single_device
+    monkeypatch.setattr(splash, "make_splash_mqa_single_device", functools.partial(make, interpret=True))
+    for impl in ("kernel", "default", "splash"):
+        with interpret_on_cpu() if impl == "kernel" else contextlib.nullcontext():
+            out = jax.jit(functools.partial(fa.FORWARDS[impl], cfg=cfg))(q, k, v)
+        np.testing.assert_allclose(
+            np.asarray(out, np.float32), np.asarray(expected, np.float32), atol=3e-2, rtol=3e-2, err_msg=impl
+        )

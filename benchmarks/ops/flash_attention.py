@@ -68,7 +68,13 @@ from ..suite import BASELINE_PREFIX, Baseline, Op, PartialInputs, Suite, Targets
 BF16 = jnp.bfloat16
 TOKENS = shapes.FLASH_ATTENTION_TOKENS
 # Scale of each model's attention (None: D^-0.5).
-SCALE = {"qwen3-30b-a3b": None, "gemma4-sliding": 1.0, "gemma4-full": 1.0}
+SCALE = {
+    "qwen3-30b-a3b": None,
+    "gemma4-sliding": 1.0,
+    "gemma4-full": 1.0,
+    "gpt-oss-sliding": None,
+    "gpt-oss-full": None,
+}
 # Most scores one chunk of XLA's plain attention materialises (f32): 4 GiB.
 XLA_MAX_SCORES = 1 << 30
 JAX_FLASH_TILE = 512
@@ -96,6 +102,7 @@ class Config:
     window: tuple[int, int]  # flash-attn's window_size
     scale: float | None
     lengths: tuple[int, ...]  # the sequence lengths (dense: B equal ones)
+    sinks: bool = False  # a sink logit per query head joins every row's softmax (gpt-oss; the values: sinks())
 
     @property
     def max_seqlen(self) -> int:
@@ -122,7 +129,15 @@ def config(s) -> Config:
         lengths = (s.batch,) * (TOKENS // s.batch)
     else:
         lengths = varlen_lengths(s.batch)
-    return Config(s["layout"], s["mask"] == "causal", window, SCALE[s["model"]], lengths)
+    sinks = s["model"] in shapes.FLASH_ATTENTION_SINKS
+    return Config(s["layout"], s["mask"] == "causal", window, SCALE[s["model"]], lengths, sinks)
+
+
+def sinks(q_heads: int):
+    """The sink logits of a model with sinks, the same for every implementation: fixed values of a learned
+    parameter's scale (N(0, 1), seeded by the head count), a constant of each program (their gradient, one number a
+    head, is left out of the backward)."""
+    return jnp.asarray(np.random.default_rng(q_heads).normal(size=q_heads), jnp.float32)
 
 
 def _inputs(s):
@@ -179,6 +194,8 @@ def _hbm_bytes(op, s):
 # ------------------------------------------------------------------------------------------- forward functions
 def kernel_forward(q, k, v, *cu, cfg: Config, blocks=None):
     options = dict(softmax_scale=cfg.scale, causal=cfg.causal, window_size=cfg.window, blocks=blocks)
+    if cfg.sinks:
+        options["sinks"] = sinks(q.shape[-2])
     if cfg.layout == "dense":
         return api.flash_attention(q, k, v, **options)
     return api.flash_attention_varlen(q, k, v, *cu, cfg.max_seqlen, cfg.max_seqlen, **options)
@@ -201,7 +218,12 @@ def _xla_attention(q, k, v, cfg: Config, row0: int):
         keep &= col <= row
     elif right >= 0:
         keep &= col <= row + right
-    probs = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
+    scores = jnp.where(keep, scores, -jnp.inf)
+    if cfg.sinks:  # one more logit in each row's softmax, which weighs no value
+        sink = jnp.broadcast_to(sinks(hq).reshape(1, hkv, hq // hkv, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bhgrs,bshd->brhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, rows, hq, v.shape[-1]).astype(q.dtype)
 
@@ -320,12 +342,14 @@ def splash_forward(q, k, v, *cu, cfg: Config):
         q = (q * scale).astype(q.dtype)  # splash takes the scale folded into q
     qh = q.reshape(batch, seq, hkv, group, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, group, S, D]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, S, D]
-    if segments is None:
-        out = jax.vmap(jax.vmap(kernel))(qh, kh, vh)
-    else:
-        ids = splash.SegmentIds(q=segments, kv=segments)
-        per_head = lambda q1, k1, v1: kernel(q1, k1, v1, segment_ids=ids)  # noqa: E731
-        out = jax.vmap(jax.vmap(per_head))(qh, kh, vh)
+    # each kv head's query heads' sinks ([Hkv, group]: splash's MQA kernel takes one kv head's group)
+    head_sinks = sinks(hq).reshape(hkv, group) if cfg.sinks else jnp.zeros((hkv, 0), jnp.float32)
+    ids = None if segments is None else splash.SegmentIds(q=segments, kv=segments)
+
+    def per_head(q1, k1, v1, s1):
+        return kernel(q1, k1, v1, segment_ids=ids, sinks=s1 if cfg.sinks else None)
+
+    out = jax.vmap(jax.vmap(per_head), in_axes=(0, 0, 0, None))(qh, kh, vh, head_sinks)
     out = out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, hq, v.shape[-1])
     return _unpacked(out, cfg)
 
@@ -443,11 +467,16 @@ FORWARDS = {
 
 
 def _unsupported(impl, s) -> str | None:
+    with_sinks = s["model"] in shapes.FLASH_ATTENTION_SINKS
     if impl == "jax_flash" and s["window"] > 0:
         return "JAX's flash attention has no sliding window"
+    if impl == "jax_flash" and with_sinks:
+        return "JAX's flash attention has no sinks"
     if impl == "tokamax":
         if s["window"] > 0 or s["layout"] == "varlen":
             return "tokamax's Mosaic TPU attention rejects sliding windows and packed sequences (k_start / k_end)"
+        if with_sinks:
+            return "tokamax's attention has no sinks"
         try:
             _tokamax()
         except ImportError as e:
@@ -502,12 +531,19 @@ def _arrays(op, s, seed):
     return PartialInputs(args, failed) if failed else args
 
 
+# A window of at most this many keys (gpt-oss's 128) also tries blocks of 128 rows: a 512 x 512 visit computes 512 x
+# 1024 scores across two key blocks for 512 x 128 kept ones, a 128 x 128 visit pair 128 x 256 for 128 x 128.
+SMALL_WINDOW, SMALL_WINDOW_TILES = 256, (128, 256, 512)
+
+
 def _candidates(op, s, gen):
     """The kernel's candidate tilings for op ("forward" or "backward": that direction's blocks varied) at this
-    shape (tuning.candidate_blocks) for `gen`'s chip."""
+    shape (tuning.candidate_blocks) for `gen`'s chip; a small window's take SMALL_WINDOW_TILES both ways."""
     q, k, v = _inputs(s)[:3]
+    small = 0 < s["window"] <= SMALL_WINDOW
     return tuning.candidate_blocks(
         direction=op,
+        tiles=(SMALL_WINDOW_TILES, SMALL_WINDOW_TILES) if small else None,
         q_rows=TOKENS,
         kv_rows=TOKENS,
         q_heads=q.shape[-2],

@@ -360,19 +360,19 @@ CANDIDATE_TILES = {"forward": ((256, 512, 1024), (256, 512, 1024)), "backward": 
 
 
 def candidate_blocks(
-    *, direction: str = "forward", info: pltpu.TpuInfo | None = None, **shape
+    *, direction: str = "forward", info: pltpu.TpuInfo | None = None, tiles=None, **shape
 ) -> list[FlashAttentionBlocks]:
     """Legal blocks worth modeling at a shape (resolve_blocks' keywords: q_rows, kv_rows, q_heads, kv_heads,
     head_dim, v_head_dim, itemsize) for one direction's kernels: the table's choice first, then every pair of that
-    direction's CANDIDATE_TILES (the other direction's blocks left to the table) that fits this generation's VMEM
-    (resolve_blocks checks it), distinct after clipping to the rows."""
+    direction's CANDIDATE_TILES (or `tiles`: (query tiles, key tiles)) (the other direction's blocks left to the
+    table) that fits this generation's VMEM (resolve_blocks checks it), distinct after clipping to the rows."""
     info = info or chip.current_tpu_info()
     table = resolve_blocks(None, **shape, info=info)
     fields = ("block_q", "block_kv", "backward_block_q", "backward_block_kv")
     varied, kept = (fields[:2], fields[2:]) if direction == "forward" else (fields[2:], fields[:2])
     fixed = {f: getattr(table, f) for f in kept}
     candidates, seen = [table], {tuple(getattr(table, f) for f in varied)}
-    q_tiles, kv_tiles = CANDIDATE_TILES[direction]
+    q_tiles, kv_tiles = CANDIDATE_TILES[direction] if tiles is None else tiles
     for block_q in q_tiles:
         for block_kv in kv_tiles:
             try:
