@@ -83,21 +83,60 @@ def test_chip_step_smoke_gives_every_implementation_the_same_tokens(tmp_path):
     result = _chip_smoke(models.GEMMA4, kinds, context=300, steps=1, warmup=1, **dims)
     assert result["timing"].startswith("not timed") and result["layers"] == 2
     for impl in ("ours", "experts"):  # 300 + 2 positions: the sliding layer's 256-slot cache has wrapped
-        assert result["tokens"][impl] == {"equal_steps": 2, "steps": 2, "equal_tokens_first_differing_step": None}
+        check = result["tokens"][impl]
+        assert (check["tokens"], check["equal"], check["swapped"], check["ok"]) == (4, 4, 0, True), check
+        assert 0 <= check["top_logit_drift_max"] < 0.05, check
     table = "\n".join(chip_step.markdown([result]))
-    assert "all ours 2/2" in table and "| gemma4-26b-a4b | 2 | 300 | 2 of 2 |" in table
+    assert "all ours: 4/4 equal" in table and "| gemma4-26b-a4b | 2 | 300 | 2 of 2 |" in table
 
 
 def test_chip_step_smoke_gpt_oss():
     """gpt-oss's step at tiny dimensions (a sliding layer of window 128 with sinks, biased projections, no per-head
     norm; MXFP4 experts laid out as at load, top-2 of 8, interleaved gate/up, the clamped SwiGLU): our MXFP4
     experts_forward in XLA's step decodes XLA's tokens; all ours decodes from the same weights (its bf16 rounding
-    differs from XLA's through every op, so a near-tie in a tiny random model may flip a token: not asserted)."""
+    differs from XLA's through every op, so a near tie in a tiny random model may swap XLA's top two tokens, and
+    nothing else)."""
 
     kinds = (models.LayerKind("gpt-oss-sliding", 1, 4, 2, 64, 128, False),)
     result = _chip_smoke(models.GPT_OSS, kinds, context=200, steps=1, warmup=0, top_k=2, expert_intermediate=256)
-    assert result["tokens"]["experts"]["equal_steps"] == 1
-    assert set(result["tokens"]) == {"ours", "experts"}  # all ours ran too (its tokens: see the docstring)
+    experts, ours = result["tokens"]["experts"], result["tokens"]["ours"]
+    assert experts["equal"] == experts["tokens"] == 2 and experts["ok"], experts
+    assert ours["equal"] + ours["swapped"] == ours["tokens"] == 2, ours
+
+
+def test_chip_step_token_check_tells_a_rounding_swap_from_a_wrong_token():
+    """compare_tokens on made-up picks: equal tokens and XLA's top two swapped (a near tie) pass; a token outside
+    XLA's top two, or too many swaps, fail; the table cell says which."""
+    from benchmarks.decode import chip_step
+
+    rng = np.random.default_rng()
+    steps, batch = 4, 8
+    ref = np.stack([rng.permutation(1000)[:2] for _ in range(steps * batch)]).reshape(steps, batch, 2)
+    top = rng.uniform(50, 100, (steps, batch))
+    ref_logits = np.stack([top, top - rng.uniform(0.01, 1, (steps, batch))], axis=-1)
+    ours, ours_logits = ref.copy(), ref_logits * (1 + 1e-3)
+
+    def check(picks):
+        return chip_step.compare_tokens({"default": ref, "ours": picks}, {"default": ref_logits, "ours": ours_logits})
+
+    same = check(ours)["ours"]
+    assert (same["equal"], same["swapped"], same["ok"]) == (32, 0, True)
+    assert abs(same["top_logit_drift_max"] - 1e-3) < 1e-6
+    swapped = ours.copy()
+    swapped[2, 5] = ref[2, 5, ::-1]
+    one_swap = check(swapped)["ours"]
+    gap = (ref_logits[2, 5, 0] - ref_logits[2, 5, 1]) / ref_logits[2, 5, 0]
+    assert (one_swap["equal"], one_swap["swapped"], one_swap["ok"]) == (31, 1, True)
+    assert one_swap["widest_swapped_gap"] == pytest.approx(gap)
+    assert "31/32 equal, 1 top-two swaps" in chip_step.token_summary(one_swap)
+    wrong = ours.copy()
+    wrong[1, 3, 0] = 1000  # a token XLA ranked neither first nor second
+    bad = check(wrong)["ours"]
+    assert (bad["equal"], bad["swapped"], bad["ok"]) == (31, 0, False)
+    assert chip_step.token_summary(bad).endswith("1 other (FAILS)")
+    many = ours.copy()
+    many[:2] = ref[:2, :, ::-1]  # half the tokens swapped: more than rounding explains
+    assert check(many)["ours"]["ok"] is False
 
 
 def test_chip_step_keeps_going_past_a_step_that_fails(monkeypatch, tmp_path):

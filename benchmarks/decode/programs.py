@@ -236,12 +236,17 @@ def experts_item(model: Model, batch: int, impl: str):
 
 
 # --------------------------------------------------------------------------------------------------------- head
-def head(x, norm_w, lm_head, embed, *, model: Model, impl: str):
-    """Final norm, logits (Gemma's soft-capping), greedy next tokens, their embedding rows for the next step."""
-    logits = (norm(impl, x, norm_w) @ lm_head.T).astype(F32)
+def logits(x, norm_w, lm_head, *, model: Model, impl: str):
+    """Final norm, then the logits [B, vocab] in f32 (Gemma's soft-capping)."""
+    out = (norm(impl, x, norm_w) @ lm_head.T).astype(F32)
     if model.name.startswith("gemma"):
-        logits = GEMMA_SOFTCAP * jnp.tanh(logits / GEMMA_SOFTCAP)
-    tokens = jnp.argmax(logits, axis=-1)
+        out = GEMMA_SOFTCAP * jnp.tanh(out / GEMMA_SOFTCAP)
+    return out
+
+
+def head(x, norm_w, lm_head, embed, *, model: Model, impl: str):
+    """Final norm, logits, greedy next tokens, their embedding rows for the next step."""
+    tokens = jnp.argmax(logits(x, norm_w, lm_head, model=model, impl=impl), axis=-1)
     return tokens, embed[tokens]
 
 
