@@ -436,6 +436,21 @@ def test_decode_blocks_span_the_window(window, pages):
     assert (decode.visits_per_step, prefill.visits_per_step) == (2, 1)
 
 
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("generation", ["v5e", "v6e", "v7x"])
+def test_vmem_limit_covers_a_head_dim_short_of_a_lane_tile(generation):
+    """gpt-oss's full layer decoding 64 sequences (8 kv heads of 64, pages of 256, 4096 keys): the v5e test chip
+    allocated 36.34 MiB of scoped VMEM for the kernel, each token's [8, 64] slab of a page buffer taking a whole
+    16 x 128 tile; the blocks' limit must cover that (24.94 MiB ran out), within 3/4 of the generation's VMEM."""
+    info = chip.tpu_info_for(generation)
+    blocks = tuning.resolve_blocks(
+        None, tokens=64, num_seqs=64, group=8, page_size=256, pages_per_seq=17, kv_heads=8, head_dim=64,
+        v_head_dim=64, q_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, window_size=(-1, 0), info=info,
+    )  # fmt: skip
+    assert (blocks.pages_per_block, blocks.visits_per_step) == (4, 2), blocks
+    assert 36.34 * 2**20 < blocks.vmem_limit_bytes <= info.vmem_capacity_bytes * 3 // 4, blocks
+
+
 # ---------------------------------------------------------------------------------------------------------- bad input
 def _good(rand):
     batch = Batch(rand, [1, 2], [5, 9], hq=4, hkv=2, d=128)
@@ -583,8 +598,8 @@ COMPILE_CASES = [
 # layout (Hq, Hkv, D), page size, dtypes, options and the VMEM limit; the tuning table gives every case above the same
 # blocks on v5e, v6e and v7x and the same VMEM limit (16 MiB, each working set under 2/3 of it) except Gemma 4's decodes
 # (sliding's visits take every kv head at once, 8 heads' rows against 8 heads' keys: 60.9 MiB, 48 on v7x, 3/4 of its
-# VMEM; full's float8 keeps every head's widened K / V of both branches: 43.0 MiB) and gpt-oss's at pages of 256 (its
-# head dim of 64 padded to 128 lanes: 24.9 MiB, compiled on v5e), and sliding's decode takes two
+# VMEM; full's float8 keeps every head's widened K / V of both branches: 43.0 MiB) and gpt-oss's at pages of 256 (a
+# token's 8 heads of 64 take a whole 16 x 128 tile: 48.9 MiB, compiled on v5e), and sliding's decode takes two
 # visits a step on v5e and v6e but one on v7x (twice its page buffers would pass 3/4 of v7x's VMEM; its v6e body is
 # the one benchmarks/ops/paged_attention.py models); and the token, sequence and page counts only size the grid, the
 # visit lists and the SMEM page table. So each case compiles on one generation: on v6e (the benchmarks' generation)

@@ -93,7 +93,12 @@ def working_set(
     # in pairs (one 32-bit sublane), so 2 float8 kv heads would take the room of 4; a head-major buffer's
     # second-minor dim is the page (head_major_cache), whole tiles
     head_major = head_major_cache(hkv=kv_heads, page_size=page_size, cache_itemsize=cache_itemsize)
-    packed_heads = kv_heads if head_major else -(-kv_heads // (4 // cache_itemsize)) * (4 // cache_itemsize)
+    # With a head dim short of a lane tile, a token's [kv_heads, D] slab takes a whole sublane tile: on the v5e test
+    # chip (libtpu 0.0.42) gpt-oss's 8 bf16 heads of 64 (16 x 128 per token) allocated 36.3 MiB where whole pairs
+    # counted 16.6 MiB, and the compile ran out of its scoped limit (a newer libtpu packs them tighter).
+    lane_short = head_dim % 128 or v_head_dim % 128
+    rows_tile = 8 * (4 // cache_itemsize) if lane_short else 4 // cache_itemsize  # a whole tile, or a 32-bit sublane
+    packed_heads = kv_heads if head_major else -(-kv_heads // rows_tile) * rows_tile
     # a page buffer's minor dim is the head dim (whichever view), padded to whole 128-lane tiles in VMEM: gpt-oss's
     # 64 takes 128 (compiled for the v5e, its blocks needed twice the bytes they were counted at)
     dk, dv = (-(-d // 128) * 128 for d in (head_dim, v_head_dim))
