@@ -236,10 +236,10 @@ def experts_item(model: Model, batch: int, impl: str):
 
 
 # --------------------------------------------------------------------------------------------------------- head
-def logits(x, norm_w, lm_head, *, model: Model, impl: str):
-    """Final norm, then the logits [B, vocab] in f32 (Gemma's soft-capping)."""
+def logits(x, norm_w, lm_head, *, model: Model, impl: str, capped: bool = True):
+    """Final norm, then the logits [B, vocab] in f32 (with `capped`, Gemma's soft-capping)."""
     out = (norm(impl, x, norm_w) @ lm_head.T).astype(F32)
-    if model.name.startswith("gemma"):
+    if capped and model.name.startswith("gemma"):
         out = GEMMA_SOFTCAP * jnp.tanh(out / GEMMA_SOFTCAP)
     return out
 
