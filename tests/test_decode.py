@@ -374,3 +374,53 @@ def test_compiled_step_builds_the_visit_lists_once_for_every_layer():
     assert lowered.as_text().count("tpu_custom_call") == 4  # as traced: a builder and a kernel per layer
     assert len(calls) == 3, calls
     assert sum(compose.VISITS_KERNEL in line for line in calls) == 1, calls
+
+
+def test_chip_model_composes_the_measured_layers_as_the_v6e8_table_does():
+    """The one-chip step modeled for the v5e (benchmarks/decode/chip_model.py) adds, for the layers measured (Gemma 4:
+    seven layers are six sliding and one full), each kind's glue, KV write, attention and the one-chip experts,
+    then the head once, with the variant of each part the implementation runs; measured / modeled per point and per
+    implementation. Figures made up: no compile."""
+    from benchmarks.decode import chip_model
+
+    rng = np.random.default_rng()
+    model = models.GEMMA4
+    items = chip_model.items_for(model, 7, 64, 4096)
+    figures = {key: {"s": float(rng.uniform(1e-5, 1e-3)), "kernel_s_by_name": {}} for key in items}
+    kinds = {k.name: k for k in model.kinds}
+
+    def f(part, kind, variant, context=0):
+        return figures[(part, model.name, kind, 64, context, variant)]["s"]
+
+    for impl, glue, attention, experts in [
+        ("default", "default", "default", "default"),
+        ("experts", "default", "default", "ours"),
+        ("ours", "ours", "ours", "ours"),
+    ]:
+        parts = chip_model.modeled_step_s(model, 7, 64, 4096, impl, figures)
+        expected = f("head", "", glue) + 7 * f("experts1", "", experts)
+        for name, count in (("gemma4-sliding", 6), ("gemma4-full", 1)):
+            assert name in kinds
+            layer = f("glue", name, glue) + f("kv_write", name, "default") + f("attention", name, attention, 4096)
+            expected += count * layer
+        assert sum(parts.values()) == pytest.approx(expected), impl
+    point = {"model": model.name, "batch": 64, "context": 4096, "layers": 7, "impl": "ours", "step_us": 5000.0}
+    (row,) = chip_model.side_by_side([point, {**point, "model": "gpt-oss-20b"}], figures)
+    assert row["measured_over_modeled"] == pytest.approx(5000.0 / row["modeled_us"])
+    assert chip_model.summary([row])["ours"]["n"] == 1
+    assert "| gemma4-26b-a4b | 64 | 7 | all ours | 5,000.0 |" in "\n".join(chip_model.markdown([row]))
+
+
+def test_measured_decode_points_carry_their_provenance():
+    """benchmarks/calibration/decode_v5e.json: every point measured on the v5e with its versions and date, and every
+    (model, batch) with all three implementations at the same layers."""
+    from benchmarks.decode import chip_model
+
+    points = json.loads(chip_model.POINTS.read_text())["points"]
+    groups = {}
+    for p in points:
+        assert p["device_kind"] == "TPU v5 lite" and p["jax"] and p["libtpu"] and p["date"], p
+        assert p["step_us"] > 0 and p["layers"] >= 1 and p["steps"] >= 32, p
+        groups.setdefault((p["model"], p["batch"], p["context"], p["layers"]), set()).add(p["impl"])
+    assert all(impls == {"default", "ours", "experts"} for impls in groups.values()), groups
+    assert {m for m, *_ in groups} == {"qwen3-30b-a3b", "gemma4-26b-a4b", "gpt-oss-20b"}

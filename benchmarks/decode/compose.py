@@ -78,14 +78,15 @@ def _sources_digest() -> str:
     return digest.hexdigest()
 
 
-def _key(fn, args) -> str:
-    """The program (function, static options, argument shapes), its concrete arguments' values, the sources, jax."""
+def _key(fn, args, gen: str = GEN) -> str:
+    """The program (function, static options, argument shapes), its concrete arguments' values, the generation it is
+    modeled for, the sources, jax."""
     values = [
         hashlib.sha256(np.asarray(leaf).tobytes()).hexdigest()
         for leaf in jax.tree.leaves(args)
         if not isinstance(leaf, jax.ShapeDtypeStruct)
     ]
-    blob = pickle.dumps((fn, _model._arg_specs(args), values, GEN, jax.__version__, _sources_digest()))
+    blob = pickle.dumps((fn, _model._arg_specs(args), values, gen, jax.__version__, _sources_digest()))
     return hashlib.sha256(blob).hexdigest()
 
 
@@ -118,10 +119,10 @@ def _stale(entry) -> bool:
     return entry is None or ("error" not in entry and "kernel_s_by_name" not in entry)
 
 
-def model_items(items: dict, cache_path: pathlib.Path | None, *, workers=None, bar=None) -> dict:
-    """{key: modeled seconds or an error string}, from the cache where it holds the program."""
+def model_items(items: dict, cache_path: pathlib.Path | None, *, workers=None, bar=None, gen: str = GEN) -> dict:
+    """{key: modeled seconds or an error string} on `gen`, from the cache where it holds the program."""
     cache = json.loads(cache_path.read_text()) if cache_path and cache_path.exists() else {}
-    hashes = {key: _key(*item) for key, item in items.items()}
+    hashes = {key: _key(*item, gen) for key, item in items.items()}
     todo = [(key, lambda item=item: item) for key, item in items.items() if _stale(cache.get(hashes[key]))]
     if bar is not None:
         bar.total = len(todo)
@@ -129,7 +130,7 @@ def model_items(items: dict, cache_path: pathlib.Path | None, *, workers=None, b
     step = _modeled.CHUNK * (workers or 2)
     for start in range(0, len(todo), step):  # a batch of chunks at a time, cached as it goes: an interrupted run
         # keeps what it modeled
-        results = _modeled.run_items(todo[start : start + step], GEN, bar=bar, workers=workers)
+        results = _modeled.run_items(todo[start : start + step], gen, bar=bar, workers=workers)
         for key, m in results.items():
             if isinstance(m, Exception):
                 cache[hashes[key]] = {"error": f"{type(m).__name__}: {str(m)[:400]}"}
