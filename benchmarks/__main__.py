@@ -65,11 +65,20 @@ def parse_args(argv=None):
         "--budget-s",
         type=float,
         default=None,
-        help="on a TPU: seconds of measuring for all the kernels together, shared out kernel by kernel (time one "
-        f"leaves passes to the next); cases left when a kernel's share is spent say so in its table (default "
+        help="on a TPU: seconds of measuring for all the kernels together, shared out kernel by kernel by their "
+        "cases' expected host cost, the cheapest first (time one leaves passes to the rest); cases left when a "
+        f"kernel's share is spent say so in its table (default "
         f"{BUDGET_S['quick']:.0f}, --full {BUDGET_S['full']:.0f}; 0: none)",
     )
     p.add_argument("--workers", type=int, default=None, help="parallel model chunks (default 2)")
+    p.add_argument(
+        "--profile-host",
+        type=pathlib.Path,
+        default=None,
+        metavar="FILE",
+        help="profile the run's main thread (lowering, inputs, traces: where a slow run's host time goes) with "
+        "cProfile into FILE and print its costliest calls",
+    )
     p.add_argument(
         "--sweep",
         action="store_true",
@@ -94,6 +103,46 @@ GENERATIONS = ("v5e", "v6e", "v7x")
 # Measuring time on a TPU by default: the quick suite of every kernel within a 10-minute command, --full within 40
 # (the rest of each: starting, writing tables and charts).
 BUDGET_S = {"quick": 540.0, "full": 2340.0}
+# Host seconds one case of a kernel's suite took on the v5e test machine (the quick suite under a 540 s budget shared
+# equally, 2026-12-04: lowering, inputs, compiles waited on, first runs, the trace; the last three kernels finished
+# within their share, so theirs are at most these). The budget is shared out by what each kernel's cases are expected
+# to cost, the cheap kernels first, so that what one leaves passes to the dear ones.
+HOST_S_PER_CASE = {
+    "flash_attention": 25.0,
+    "moe": 19.0,
+    "paged_attention": 19.0,
+    "kv_cache": 5.5,
+    "ragged_dot": 3.9,
+    "rotary": 3.7,
+    "rms_norm": 3.2,
+}
+DEFAULT_HOST_S_PER_CASE = 10.0
+
+
+def measuring_order(kernels) -> list[str]:
+    """The kernels, the cheapest cases first (ties in the order given)."""
+    return sorted(kernels, key=lambda k: HOST_S_PER_CASE.get(k, DEFAULT_HOST_S_PER_CASE))
+
+
+def expected_cost_s(kernel: str, cases: int) -> float:
+    return cases * HOST_S_PER_CASE.get(kernel, DEFAULT_HOST_S_PER_CASE)
+
+
+def share_s(left_s: float, costs: list[float]) -> float:
+    """The seconds of `left_s` that the first of the kernels still to run gets: its share of their expected costs."""
+    total = sum(costs)
+    return max(0.0, left_s) * (costs[0] / total if total > 0 else 1.0 / len(costs))
+
+
+def case_count(kernel: str, full: bool, filters=()) -> int:
+    """The cases a run of `kernel` times (every op at every shape it takes)."""
+    from benchmarks import suite
+
+    of = suite.get(kernel)
+    shapes = of.shapes if full or of.quick_shapes is None else of.quick_shapes
+    if filters:
+        shapes = suite.select_shapes(shapes, filters)
+    return len(of.cases(tuple(shapes)))
 
 
 def sweep(args) -> int:
@@ -101,10 +150,11 @@ def sweep(args) -> int:
     from benchmarks import sweep as _sweep
 
     start = time.monotonic()
-    kernels = args.kernel or suite.available()
+    kernels = measuring_order(args.kernel or suite.available())
     dev = device.detect()
     on_chip = dev.is_tpu and not args.no_measure  # each candidate timed on the chip, not modeled
     budget = args.budget_s if args.budget_s is not None else BUDGET_S["full" if args.full else "quick"]
+    costs = [expected_cost_s(k, len(_sweep.sweep_shapes(suite.get(k), args.full))) for k in kernels]
     results = []
     with progress.bar(total=0, unit="model", dynamic_ncols=True, file=sys.stderr) as bar:
         for index, kernel in enumerate(kernels):
@@ -114,7 +164,7 @@ def sweep(args) -> int:
                 shapes = suite.select_shapes(of.shapes if args.full else (of.quick_shapes or of.shapes), args.shape)
             if on_chip:
                 left = budget - (time.monotonic() - start)
-                deadline = time.monotonic() + max(0.0, left) / (len(kernels) - index) if budget else None
+                deadline = time.monotonic() + share_s(left, costs[index:]) if budget else None
                 result = _sweep.run_measured_sweep(
                     kernel,
                     dev,
@@ -138,8 +188,24 @@ def sweep(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.sweep:
-        return sweep(args)
+    if args.profile_host is None:
+        return sweep(args) if args.sweep else benchmark(args)
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        return sweep(args) if args.sweep else benchmark(args)
+    finally:
+        profile.disable()
+        args.profile_host.parent.mkdir(parents=True, exist_ok=True)
+        profile.dump_stats(args.profile_host)
+        print(f"host profile (main thread) written to {args.profile_host}; its costliest calls:", file=sys.stderr)
+        pstats.Stats(profile, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
+
+
+def benchmark(args) -> int:
     from benchmarks import harness, progress, report, suite
 
     start = time.monotonic()
@@ -155,15 +221,16 @@ def main(argv=None) -> int:
         shape_filters=tuple(args.shape),
     )
     dev = device.detect()
-    kernels = args.kernel or suite.available()
+    kernels = measuring_order(args.kernel or suite.available())
     results = []
     charts = importlib.util.find_spec("matplotlib") is not None
     budget = args.budget_s if args.budget_s is not None else BUDGET_S["full" if args.full else "quick"]
+    costs = [expected_cost_s(k, case_count(k, args.full, tuple(args.shape))) for k in kernels]
     with progress.bar(total=0, unit="step", dynamic_ncols=True, file=sys.stderr) as bar:
         for index, kernel in enumerate(kernels):
             if budget and dev.is_tpu and config.measure:  # this kernel's share of what is left
                 left = budget - (time.monotonic() - start)
-                config.deadline = time.monotonic() + max(0.0, left) / (len(kernels) - index)
+                config.deadline = time.monotonic() + share_s(left, costs[index:])
             result = harness.run_kernel(kernel, config, dev=dev, bar=bar)
             report.write_json(result, config.out)
             if charts:

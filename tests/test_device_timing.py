@@ -251,14 +251,17 @@ def test_no_case_starts_past_the_deadline_and_the_rest_say_why(fake_chip, monkey
     assert stats[(cases[1].id, "baseline:absent")] == {"na": "not installed: somepackage"}  # its own reason kept
 
 
-def test_the_measuring_budget_is_shared_out_kernel_by_kernel(monkeypatch, tmp_path):
+def test_the_measuring_budget_is_shared_out_by_expected_cost_cheapest_first(monkeypatch, tmp_path):
+    """The kernels run cheapest cases first; each gets the share of what is left that its cases' expected host cost
+    is of the kernels still to run, so what a kernel leaves passes to the rest."""
     import time
 
     from benchmarks import __main__ as cli
 
-    deadlines = []
+    started, deadlines = [], []
 
     def run_kernel(kernel, config, *, dev, bar):
+        started.append(kernel)
         deadlines.append(config.deadline - time.monotonic())
         time.sleep(0.2)  # this kernel's measuring
         return {"kernel": kernel}
@@ -268,12 +271,24 @@ def test_the_measuring_budget_is_shared_out_kernel_by_kernel(monkeypatch, tmp_pa
     monkeypatch.setattr(report, "write_json", lambda result, out: None)
     monkeypatch.setattr(report, "write_chart", lambda result, out: None)
     monkeypatch.setattr(report, "format_table", lambda result: "")
-    args = ["--kernel", "rms_norm", "--kernel", "rotary", "--kernel", "kv_cache", "--no-model", "--budget-s", "3"]
+    kernels = ["flash_attention", "rms_norm", "kv_cache"]
+    args = [a for k in kernels for a in ("--kernel", k)] + ["--no-model", "--budget-s", "30"]
     assert cli.main([*args, "--out", str(tmp_path)]) == 0
-    # 3 s over three kernels: the first gets a third, the next a half of what is left, the last all of it
-    assert deadlines[0] == pytest.approx(1.0, abs=0.1)
-    assert deadlines[1] == pytest.approx((3 - 0.2) / 2, abs=0.1)
-    assert deadlines[2] == pytest.approx(3 - 0.4, abs=0.1)
+    assert started == ["rms_norm", "kv_cache", "flash_attention"]
+    costs = [cli.expected_cost_s(k, cli.case_count(k, False)) for k in started]
+    assert all(c > 0 for c in costs) and costs[2] / cli.case_count("flash_attention", False) == 25.0
+    assert deadlines[0] == pytest.approx(30 * costs[0] / sum(costs), abs=0.1)
+    assert deadlines[1] == pytest.approx((30 - 0.2) * costs[1] / sum(costs[1:]), abs=0.1)
+    assert deadlines[2] == pytest.approx(30 - 0.4, abs=0.1)  # the last kernel: everything left
+
+
+def test_budget_shares():
+    from benchmarks import __main__ as cli
+
+    assert cli.share_s(100.0, [1.0, 3.0]) == 25.0
+    assert cli.share_s(-5.0, [1.0, 3.0]) == 0.0  # the budget already spent: no time at all
+    assert cli.share_s(90.0, [0.0, 0.0, 0.0]) == 30.0  # no costs known: equal shares
+    assert cli.measuring_order(["unknown", "moe", "rms_norm"]) == ["rms_norm", "unknown", "moe"]
 
 
 def test_cases_are_measured_shape_by_shape_every_op_in_turn(fake_chip, monkeypatch, tmp_path):
@@ -478,3 +493,24 @@ def test_in_place_implementations_run_on_state_of_their_own(fake_chip, monkeypat
     for impl in ("kernel", "default"):
         assert row["measured"][impl]["in_place"] == "state donated, carried from call to call", impl
     assert any(line.startswith("in place: ") for line in report.format_measured(result))
+
+
+def test_profile_host_writes_the_main_threads_profile(monkeypatch, tmp_path, capsys):
+    """--profile-host FILE: the run's main thread profiled with cProfile into FILE, its costliest calls printed."""
+    import pstats
+
+    from benchmarks import __main__ as cli
+
+    def run_kernel(kernel, config, *, dev, bar):
+        sorted(range(100_000), key=lambda i: -i)  # this kernel's host work
+        return {"kernel": kernel}
+
+    monkeypatch.setattr(harness, "run_kernel", run_kernel)
+    monkeypatch.setattr(report, "write_json", lambda result, out: None)
+    monkeypatch.setattr(report, "write_chart", lambda result, out: None)
+    monkeypatch.setattr(report, "format_table", lambda result: "")
+    path = tmp_path / "host.prof"
+    assert cli.main(["--kernel", "rms_norm", "--no-model", "--out", str(tmp_path), "--profile-host", str(path)]) == 0
+    functions = {name for (_, _, name) in pstats.Stats(str(path)).stats}
+    assert "run_kernel" in functions and "benchmark" in functions
+    assert "costliest calls" in capsys.readouterr().err
