@@ -48,6 +48,7 @@
 #   same machine need only the export line (the install stays in build/). docs/torch_on_chip.md has the findings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/wheel_list.sh
 mode=${1:-}
 [ $# -gt 0 ] && shift
 
@@ -102,27 +103,13 @@ download() {
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_12_x86_64 \
         --platform manylinux2010_x86_64 --platform manylinux1_x86_64 -d "$dest" "${fetch[@]}" 2>&1 |
         grep -v "is ignored: it is neither a file nor a directory" || true
-    local keep=() spec name version stem match
-    for spec in "${wheels[@]}"; do
-        name=${spec%%==*}
-        version=${spec#*==}
-        stem=$(echo "$name" | tr '-' '_' | tr '[:upper:]' '[:lower:]')
-        match=$(find "$dest" -maxdepth 1 -iname "${stem}-${version}-*.whl" | head -1)
-        [ -n "$match" ] || { echo "torch_tpu_parts.sh: no wheel of $spec in $dest" >&2; exit 1; }
-        keep+=("$(basename "$match")")
-    done
-    local f base
-    for f in "$dest"/*; do
-        base=$(basename "$f")
-        [ "$base" = parts ] && continue
-        printf '%s\n' "${keep[@]}" | grep -qxF "$base" || { echo "removing $base (not in the list)"; rm -f "$f"; }
-    done
+    keep_listed_wheels torch_tpu_parts.sh "$dest" "${wheels[@]}"
     for stem in torch torch_tpu; do
         echo "== Requires-Dist of $(cd "$dest" && ls ${stem}-[0-9]*.whl)"
         unzip -p "$dest"/${stem}-[0-9]*.whl '*.dist-info/METADATA' | grep '^Requires-Dist' || true
     done
     ls -l "$dest"/*.whl | awk '{printf "%8.1f MiB  %s\n", $5 / 1048576, $NF}'
-    echo "total: $(du -cb "$dest"/*.whl | tail -1 | awk '{printf "%.1f MiB", $1 / 1048576}') in ${#keep[@]} wheels"
+    echo "total: $(du -cb "$dest"/*.whl | tail -1 | awk '{printf "%.1f MiB", $1 / 1048576}') in $KEPT_WHEELS wheels"
 }
 
 case "$mode" in

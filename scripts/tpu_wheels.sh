@@ -17,6 +17,7 @@
 # Usage: scripts/tpu_wheels.sh [python]   (default: .venv/bin/python, else python3; any pip that can download)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/wheel_list.sh
 python=${1:-}
 if [ -z "$python" ]; then
     python=.venv/bin/python
@@ -52,18 +53,6 @@ PIP_CONFIG_FILE=/dev/null "$python" -m pip download -q --disable-pip-version-che
     --python-version 3.11 --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$dest" "${wheels[@]}"
 # Only the wheels named above travel (a wheel left from another version would be installed beside them).
-keep=()
-for spec in "${wheels[@]}"; do
-    name=${spec%%==*}
-    version=${spec#*==}
-    stem=$(echo "$name" | tr '-' '_' | tr '[:upper:]' '[:lower:]')
-    match=$(find "$dest" -maxdepth 1 -iname "${stem}-${version}-*.whl" | head -1)
-    [ -n "$match" ] || { echo "tpu_wheels.sh: no wheel of $spec in $dest" >&2; exit 1; }
-    keep+=("$(basename "$match")")
-done
-for f in "$dest"/*; do
-    base=$(basename "$f")
-    printf '%s\n' "${keep[@]}" | grep -qxF "$base" || { echo "removing $base (not in the list)"; rm -f "$f"; }
-done
+keep_listed_wheels tpu_wheels.sh "$dest" "${wheels[@]}"
 ls -1 "$dest"
-echo "total: $(du -sh "$dest" | cut -f1) in ${#keep[@]} wheels ($dest)"
+echo "total: $(du -sh "$dest" | cut -f1) in $KEPT_WHEELS wheels ($dest)"

@@ -160,3 +160,28 @@ def test_assemble_skips_absent_libtpu_groups_and_installs(tmp_path):
     assert (tmp_path / "site-libtpu" / "libtpu" / "__init__.py").is_file()
     assert not (site / "libtpu").exists()
     assert f"export PYTHONPATH={tmp_path / 'site-libtpu'}:$PYTHONPATH:{site}" in out
+
+
+def test_a_download_folder_keeps_exactly_the_listed_wheels(tmp_path):
+    """scripts/wheel_list.sh (both download scripts): every wheel of the pinned list is kept (names matched as pip
+    normalizes them), any other file goes (the parts folder stays), and a listed wheel missing is an error naming it."""
+    for name in ("foo-1.0-py3-none-any.whl", "Bar_Baz-2.0-py3-none-any.whl", "foo-0.9-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(os.urandom(16))
+    (tmp_path / "parts").mkdir()
+    helper = ROOT / "scripts" / "wheel_list.sh"
+
+    def keep(*specs):
+        command = (
+            f'source "{helper}"; keep_listed_wheels caller "{tmp_path}" {" ".join(specs)}; echo "kept $KEPT_WHEELS"'
+        )
+        return subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+
+    kept = keep("foo==1.0", "bar-baz==2.0")
+    assert kept.returncode == 0 and "kept 2" in kept.stdout and "removing foo-0.9" in kept.stdout, kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "Bar_Baz-2.0-py3-none-any.whl",
+        "foo-1.0-py3-none-any.whl",
+        "parts",
+    ]
+    missing = keep("foo==1.1")
+    assert missing.returncode == 1 and "caller: no wheel of foo==1.1" in missing.stderr, missing
