@@ -424,3 +424,13 @@ def test_measured_decode_points_carry_their_provenance():
         groups.setdefault((p["model"], p["batch"], p["context"], p["layers"]), set()).add(p["impl"])
     assert all(impls == {"default", "ours", "experts"} for impls in groups.values()), groups
     assert {m for m, *_ in groups} == {"qwen3-30b-a3b", "gemma4-26b-a4b", "gpt-oss-20b"}
+
+
+def test_decode_chip_mode_hands_its_options_to_the_one_chip_step(monkeypatch):
+    """python -m benchmarks.decode --chip ...: the one-chip JAX step (chip_step.main) with every other option."""
+    from benchmarks.decode import chip_step
+
+    seen = []
+    monkeypatch.setattr(chip_step, "main", lambda argv: seen.append(argv) or 0)
+    assert decode_main.main(["--chip", "--model", "gpt-oss-20b", "--steps", "40"]) == 0
+    assert seen == [["--model", "gpt-oss-20b", "--steps", "40"]]

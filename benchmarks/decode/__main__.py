@@ -1,4 +1,4 @@
-"""python -m benchmarks.decode [--modeled | --cpu-smoke | --device] [--model NAME] [--batch B ...] [--out DIR]
+"""python -m benchmarks.decode [--modeled | --cpu-smoke | --device | --chip] [--model NAME] [--batch B ...] [--out DIR]
 
 Decode tokens/s per batch on a TPU v6e-8, transformers' default implementation against our kernels, for
 Qwen3-30B-A3B and Gemma 4 26B-A4B, in one of three modes (one table format, markdown + JSON + PNG in --out):
@@ -8,6 +8,10 @@ Qwen3-30B-A3B and Gemma 4 26B-A4B, in one of three modes (one table format, mark
   --cpu-smoke  tiny random models of both architectures on the CPU, greedy generate with the default and with our
                experts_forward, tokens compared: "cpu smoke, not a TPU figure" (smoke.py);
   --device     (the default on a TPU host) the real models from the Hub on the v6e-8's 8 chips (device_mode.py).
+
+And on any one TPU chip, in JAX (no torch, no download): --chip measures a whole decode step of each model (gpt-oss-20b
+too) at real dimensions with random weights, XLA's path against ours by device time, greedy tokens checked
+(chip_step.py; every option after it is chip_step's: --steps, --layers, --full, ...; `make decode-tpu` runs it).
 """
 
 from benchmarks import device as _bench_device
@@ -35,6 +39,9 @@ def parse_args(argv=None):
     mode.add_argument("--modeled", action="store_const", dest="mode", const="modeled", help="modeled v6e-8 table")
     mode.add_argument("--cpu-smoke", action="store_const", dest="mode", const="cpu-smoke", help="tiny models on CPU")
     mode.add_argument("--device", action="store_const", dest="mode", const="device", help="the real models on a TPU")
+    mode.add_argument(  # handled by main() before parsing: its options are chip_step's
+        "--chip", action="store_const", dest="mode", const="chip", help="one chip's whole step in JAX (chip_step.py)"
+    )
     p.add_argument("--model", action="append", choices=sorted(models.MODELS), help="model (repeatable; default: both)")
     p.add_argument("--batch", action="append", type=int, help="batch size (repeatable; default: the mode's list)")
     p.add_argument("--context", action="append", type=int, help="modeled: attention context (repeatable)")
@@ -183,6 +190,11 @@ def sharded_note(row: dict) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--chip" in argv:  # one chip's step in JAX, its own options
+        from benchmarks.decode import chip_step
+
+        return chip_step.main([a for a in argv if a != "--chip"])
     args = parse_args(argv)
     start = time.monotonic()
     if args.mode == "modeled":

@@ -1,5 +1,5 @@
 """A whole decode step of a MoE model on one chip, in JAX, measured by device time: `python -m benchmarks.decode
---chip`.
+--chip` (or `make decode-tpu`).
 
 One step is: the next tokens' embedding rows, then per decoder layer the input RMSNorm, q/k/v projections, per-head
 q/k RMSNorm + RoPE, the new K/V written into the layer's cache, attention over it, the output projection, residual
