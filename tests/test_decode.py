@@ -167,13 +167,15 @@ def test_chip_step_keeps_going_past_a_step_that_fails(monkeypatch, tmp_path):
     assert "failed: qwen3-30b-a3b at batch 8, context 4096: MemoryError: RESOURCE_EXHAUSTED" in md
 
 
-def test_chip_step_gives_every_implementation_the_same_cache_history():
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_chip_step_gives_every_implementation_the_same_cache_history(head_dim):
     """The paged caches of all ours hold the static caches' random history slot for slot (sequence b's slot s at
     page table[b, s // page], row s % page): the implementations attend over the same keys and values, so their
-    tokens can be compared (drawn apart, all ours decoded other tokens than XLA's at 40-60 % of a batch)."""
+    tokens can be compared (drawn apart, all ours decoded other tokens than XLA's at 40-60 % of a batch). A head dim
+    of 64 is kept padded to 128 with zeros (chip_step.cache_head_dim)."""
     from benchmarks.decode import chip_step
 
-    kind = models.LayerKind("gemma4-sliding", 1, 4, 2, 128, 300, False)  # two pages, the second part padding
+    kind = models.LayerKind("gemma4-sliding", 1, 4, 2, head_dim, 300, False)  # two pages, the second part padding
     seed = int(np.random.default_rng().integers(1 << 16))
     setups = {impl: chip_step.Setup(models.GEMMA4, (kind,), 3, 1000, 3, impl) for impl in ("default", "ours")}
     (static,), (paged,) = (chip_step.init_caches(setups[i], seed) for i in ("default", "ours"))
@@ -181,11 +183,13 @@ def test_chip_step_gives_every_implementation_the_same_cache_history():
     pk, pv, table = (np.asarray(x) for x in paged)
     slots = k.shape[2]
     assert slots == chip_step.cache_keys(kind, 1000, 3) == 300 and not np.isnan(k).any() and k.std() > 0.5
+    assert k.shape[-1] == head_dim and pk.shape[-1] == pv.shape[-1] == 128
     s = np.arange(slots)
     for b in range(3):
         pages, rows = table[b, s // models.PAGE], s % models.PAGE
-        np.testing.assert_array_equal(pk[pages, rows].astype(np.float32), k[b].transpose(1, 0, 2))
-        np.testing.assert_array_equal(pv[pages, rows].astype(np.float32), v[b].transpose(1, 0, 2))
+        np.testing.assert_array_equal(pk[pages, rows, :, :head_dim].astype(np.float32), k[b].transpose(1, 0, 2))
+        np.testing.assert_array_equal(pv[pages, rows, :, :head_dim].astype(np.float32), v[b].transpose(1, 0, 2))
+        assert not pk[pages, rows, :, head_dim:].any() and not pv[pages, rows, :, head_dim:].any()
 
 
 def test_chip_step_fits_layers_to_the_budget():

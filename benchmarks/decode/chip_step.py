@@ -94,6 +94,17 @@ def layer_kinds(model: Model, layers: int) -> list[LayerKind]:
     return [pattern[i % len(pattern)] for i in range(layers)]
 
 
+def cache_head_dim(kind: LayerKind, impl: str) -> int:
+    """The head dim our paged caches keep: a head dim short of a lane tile (gpt-oss's 64) padded to a whole one, as
+    vLLM's TPU kernels pad every head dim but 64. XLA lays a bf16 cache [pages, page, 8, 64] out with another dim than
+    the head dim minor (tokens or pages: {1,3,2,0} at pages of 256), which our cache write and attention read and
+    write token-major: the compiled step copied both caches of gpt-oss's full layer into that layout and back at every
+    step (four copies, 1.19 GB of temporaries at batch 64, compiled for the v5e). Padded to 128, XLA keeps them
+    token-major and the kernel reads whole lane tiles; q is padded alike (zeros: the scores are the same) and the
+    output cut back."""
+    return -(-kind.head_dim // 128) * 128 if impl == "ours" else kind.head_dim
+
+
 def cache_keys(kind: LayerKind, context: int, steps: int) -> int:
     """L: the cache slots of a layer (whole pages): its window, else the context and the steps to come."""
     keys = kind.keys(context + steps)
@@ -278,6 +289,8 @@ def init_caches(setup: Setup, seed: int = 1) -> list:
         b, h, d = setup.batch, kind.kv_heads, kind.head_dim
         static = tuple(inputs.normal(next(keys), (b, h, slots, d), BF16) for _ in range(2))
         if setup.impl == "ours":
+            pad = cache_head_dim(kind, setup.impl) - d
+            static = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad))) for x in static)
             pages = -(-slots // PAGE)
             table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
             caches.append((*(_paged(x, pages) for x in static), table))
@@ -324,9 +337,10 @@ def _attention(setup: Setup, kind: LayerKind, q, k, v, cache, position, sinks=No
         return out, (k_cache, v_cache)
     k_cache, v_cache, table = cache
     write_at = table[:, slot // PAGE] * PAGE + slot % PAGE
-    k_cache, v_cache = tk.write_kv_cache(k_cache, v_cache, k[:, 0], v[:, 0], write_at)
+    pad = ((0, 0), (0, 0), (0, cache_head_dim(kind, setup.impl) - kind.head_dim))  # [B, heads, D]: see cache_head_dim
+    k_cache, v_cache = tk.write_kv_cache(k_cache, v_cache, jnp.pad(k[:, 0], pad), jnp.pad(v[:, 0], pad), write_at)
     out = tk.ragged_paged_attention(
-        q[:, 0],
+        jnp.pad(q[:, 0], pad),
         k_cache,
         v_cache,
         jnp.full((b,), seen, jnp.int32),
@@ -337,7 +351,7 @@ def _attention(setup: Setup, kind: LayerKind, q, k, v, cache, position, sinks=No
         causal=True,
         sinks=sinks,
     )
-    return out.reshape(b, -1), (k_cache, v_cache, table)
+    return out[..., : kind.head_dim].reshape(b, -1), (k_cache, v_cache, table)
 
 
 def greedy_head(x, norm_w, lm_head, embed, *, model: Model, impl: str):
