@@ -120,13 +120,14 @@ def _embedding_bytes(model: Model) -> int:
 
 
 def fitting_layers(model: Model, batch: int, context: int, steps: int, budget: int = HBM_BUDGET_BYTES) -> int:
-    """The most layers (at least 1, at most the model's) whose weights, one implementation's caches and the XLA
+    """The most layers (at least 1, at most the model's) whose weights, the largest implementation's caches and the XLA
     path's copy of each layer's expert weights fit `budget` beside the embeddings: XLA's experts relay the weights
     out on every call, and in a whole step those copies depend on the weights alone, so the compiler may hold every
     layer's at once (Gemma 4's six layers at batch 64 needed 16.4 GB of temporaries, compiled for the v5e)."""
     used, layers = _embedding_bytes(model), 0
     for kind in layer_kinds(model, model.layers):
-        cache = 2 * batch * cache_keys(kind, context, steps) * kind.kv_heads * kind.head_dim * 2
+        head_dim = max(cache_head_dim(kind, impl) for impl in IMPLS)  # all ours pads a short head dim
+        cache = 2 * batch * cache_keys(kind, context, steps) * kind.kv_heads * head_dim * 2
         used += _layer_weight_bytes(model, kind) + model.experts * model.expert_bytes() + cache
         if is_gpt_oss(model):  # its MXFP4 experts beside the bf16 ones XLA's path multiplies
             used += model.experts * stored_expert_bytes(model)
