@@ -173,7 +173,13 @@ def _random(key, spec, fan_in: int | None, name: str = ""):
 def init_params(model: Model, kinds: list[LayerKind], seed: int = 0) -> dict:
     """Random weights on the default device: per layer the glue's (programs.glue_args), the experts' in transformers'
     layout (gate_up [E, 2I, H], down [E, H, I]); the embeddings, the final norm and lm_head (tied where the model
-    ties them)."""
+    ties them). One compiled program makes them all: made array by array, every new shape compiled a program of its
+    own, and a measurement's weights and inputs took 30-60 s of the v5e host's time."""
+    return _init_params(model, tuple(kinds), seed)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _init_params(model: Model, kinds: tuple[LayerKind, ...], seed: int) -> dict:
     key = inputs.key(seed)
     layers = []
     for kind in kinds:
