@@ -134,6 +134,17 @@ def share_s(left_s: float, costs: list[float]) -> float:
     return max(0.0, left_s) * (costs[0] / total if total > 0 else 1.0 / len(costs))
 
 
+def budget_line(budget_s: float, expected_s: float) -> str:
+    """What the run can expect of its measuring budget, said before it starts."""
+    if expected_s <= budget_s:
+        return f"measuring budget {budget_s:.0f} s; the cases are expected to take about {expected_s:.0f} s"
+    return (
+        f"measuring budget {budget_s:.0f} s; the cases are expected to take about {expected_s:.0f} s of host time "
+        f"(the v5e host's seconds a case, HOST_S_PER_CASE): about {budget_s / expected_s:.0%} of them will be timed, "
+        f"the rest say so in their tables (--budget-s 0: no budget)"
+    )
+
+
 def case_count(kernel: str, full: bool, filters=()) -> int:
     """The cases a run of `kernel` times (every op at every shape it takes)."""
     from benchmarks import suite
@@ -226,6 +237,8 @@ def benchmark(args) -> int:
     charts = importlib.util.find_spec("matplotlib") is not None
     budget = args.budget_s if args.budget_s is not None else BUDGET_S["full" if args.full else "quick"]
     costs = [expected_cost_s(k, case_count(k, args.full, tuple(args.shape))) for k in kernels]
+    if budget and dev.is_tpu and config.measure:
+        print(budget_line(budget, sum(costs)), file=sys.stderr, flush=True)
     with progress.bar(total=0, unit="step", dynamic_ncols=True, file=sys.stderr) as bar:
         for index, kernel in enumerate(kernels):
             if budget and dev.is_tpu and config.measure:  # this kernel's share of what is left

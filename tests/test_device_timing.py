@@ -514,3 +514,11 @@ def test_profile_host_writes_the_main_threads_profile(monkeypatch, tmp_path, cap
     functions = {name for (_, _, name) in pstats.Stats(str(path)).stats}
     assert "run_kernel" in functions and "benchmark" in functions
     assert "costliest calls" in capsys.readouterr().err
+
+
+def test_the_run_says_what_its_budget_will_time():
+    from benchmarks import __main__ as cli
+
+    assert cli.budget_line(540, 300) == "measuring budget 540 s; the cases are expected to take about 300 s"
+    short = cli.budget_line(540, 1600)
+    assert "about 1600 s of host time" in short and "about 34% of them will be timed" in short
