@@ -15,46 +15,28 @@ Gemma 4 26B-A4B only (the v6e-8 table's models; gpt-oss's step has programs of i
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 import statistics
 import sys
 
-import jax.numpy as jnp
-
-from ..ops import _moe, moe
 from . import compose, programs
 from .chip_step import layer_kinds
 from .models import MODELS, Model
 
 GEN = "v5e"
 POINTS = pathlib.Path(__file__).resolve().parents[1] / "calibration" / "decode_v5e.json"
-# chip_step's implementations as the v6e-8 table names them (compose.PARTS)
-PARTS = {"default": "default", "experts": "experts", "ours": "ours"}
+IMPLS = ("default", "experts", "ours")  # chip_step's, named as the v6e-8 table names them (compose.PARTS)
 CACHE_FILE = "decode-chip-model-cache.json"
-
-
-def one_chip_experts_item(model: Model, batch: int, impl: str):
-    """The experts of one layer with every expert on the chip: the seeded random top-k routing over all of them."""
-    index, weights = _moe.routing(batch, model.experts, model.top_k)
-    e, h, i = model.experts, model.hidden, model.expert_intermediate
-    args = (
-        programs._spec(batch, h),
-        jnp.asarray(index),
-        jnp.asarray(weights),
-        programs._spec(e, 2 * i, h),
-        programs._spec(e, h, i),
-    )
-    fn = moe.kernel_experts if impl == "ours" else moe.xla_experts
-    return functools.partial(fn, activation=model.activation), args
 
 
 def items_for(model: Model, layers: int, batch: int, context: int) -> dict:
     """{(part, model, kind or "", batch, context or 0, variant): (fn, args)}: the programs of one measured point."""
     out = {}
     for variant in programs.IMPLS:
-        out[("experts1", model.name, "", batch, 0, variant)] = one_chip_experts_item(model, batch, variant)
+        out[("experts1", model.name, "", batch, 0, variant)] = programs.experts_item(
+            model, batch, variant, one_chip=True
+        )
         out[("head", model.name, "", batch, 0, variant)] = programs.head_item(model, batch, variant)
         for kind in set(layer_kinds(model, layers)):
             out[("glue", model.name, kind.name, batch, 0, variant)] = programs.glue_item(model, kind, batch, variant)
@@ -67,22 +49,11 @@ def items_for(model: Model, layers: int, batch: int, context: int) -> dict:
 
 
 def modeled_step_s(model: Model, layers: int, batch: int, context: int, impl: str, figures: dict) -> dict:
-    """The step of `layers` layers and the head as compose.compose adds it (no all-reduce: one chip): seconds by
-    part."""
-    variant = compose.PARTS[PARTS[impl]]
+    """The step of `layers` layers and the head as the v6e-8 table adds it (compose.step_parts_s; no all-reduce: one
+    chip, every expert on it): seconds by part."""
     kinds = layer_kinds(model, layers)
-    parts = {"glue": 0.0, "kv_write": 0.0, "attention": 0.0, "experts": 0.0}
-    experts = compose._part(figures, ("experts1", model.name, "", batch, 0, variant["experts"]))
-    for kind in set(kinds):
-        count = kinds.count(kind)
-        parts["glue"] += count * compose._part(figures, ("glue", model.name, kind.name, batch, 0, variant["glue"]))
-        parts["kv_write"] += count * compose._part(figures, ("kv_write", model.name, kind.name, batch, 0, "default"))
-        parts["attention"] += compose._attention_s(
-            figures, ("attention", model.name, kind.name, batch, context, variant["attention"]), count
-        )
-        parts["experts"] += count * experts
-    parts["head"] = compose._part(figures, ("head", model.name, "", batch, 0, variant["head"]))
-    return parts
+    counts = {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}
+    return compose.step_parts_s(model, counts, batch, context, impl, figures, experts="experts1")
 
 
 def side_by_side(points: list[dict], figures: dict) -> list[dict]:
@@ -111,7 +82,7 @@ def side_by_side(points: list[dict], figures: dict) -> list[dict]:
 def summary(rows: list[dict]) -> dict:
     """Per implementation: the median and the range of measured / modeled over the points."""
     out = {}
-    for impl in PARTS:
+    for impl in IMPLS:
         ratios = [r["measured_over_modeled"] for r in rows if r["impl"] == impl and "measured_over_modeled" in r]
         if ratios:
             out[impl] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
@@ -126,7 +97,7 @@ def markdown(rows: list[dict]) -> list[str]:
         "| model | batch | layers | implementation | measured v5e µs | modeled v5e µs | measured / modeled |",
         "|---|---:|---:|---|---:|---:|---:|",
     ]
-    for r in sorted(rows, key=lambda r: (r["model"], r["batch"], list(PARTS).index(r["impl"]))):
+    for r in sorted(rows, key=lambda r: (r["model"], r["batch"], IMPLS.index(r["impl"]))):
         modeled = f"{r['modeled_us']:,.1f}" if "modeled_us" in r else r.get("error", "—")
         ratio = f"{r['measured_over_modeled']:.2f}" if "measured_over_modeled" in r else "—"
         lines.append(

@@ -173,6 +173,23 @@ def _attention_s(figures, key, count: int) -> float:
     return count * (_part(figures, key) - once) + once
 
 
+def step_parts_s(model: Model, counts: dict, batch: int, context: int, impl: str, figures: dict, experts="experts"):
+    """Seconds by part of one step of `impl` over `counts` ({layer kind: layers}): each layer's glue, KV write,
+    attention at the context and experts (the figures keyed `experts`), then the head."""
+    variant = PARTS[impl]
+    parts = {"glue": 0.0, "kv_write": 0.0, "attention": 0.0, "experts": 0.0}
+    per_layer_experts = _part(figures, (experts, model.name, "", batch, 0, variant["experts"]))
+    for kind, count in counts.items():
+        parts["glue"] += count * _part(figures, ("glue", model.name, kind.name, batch, 0, variant["glue"]))
+        parts["kv_write"] += count * _part(figures, ("kv_write", model.name, kind.name, batch, 0, "default"))
+        parts["attention"] += _attention_s(
+            figures, ("attention", model.name, kind.name, batch, context, variant["attention"]), count
+        )
+        parts["experts"] += count * per_layer_experts
+    parts["head"] = _part(figures, ("head", model.name, "", batch, 0, variant["head"]))
+    return parts
+
+
 def compose(model: Model, batch: int, context: int, figures: dict, *, step_latency_s: float) -> dict:
     """One table row: per implementation the step's seconds and its parts; the ceiling."""
     hbm = perf_model.get_chip(GEN)
@@ -184,22 +201,12 @@ def compose(model: Model, batch: int, context: int, figures: dict, *, step_laten
         )
         return row
     all_reduce = ring.all_reduce_s(batch * model.hidden * 2, CHIPS, step_latency_s=step_latency_s)
+    counts = {kind: kind.count for kind in model.kinds}
     for impl in IMPLS:
-        variant = PARTS[impl]
         try:
-            parts = {"glue": 0.0, "kv_write": 0.0, "attention": 0.0, "experts": 0.0, "all_reduce": 0.0}
-            experts = _part(figures, ("experts", model.name, "", batch, 0, variant["experts"]))
-            for kind in model.kinds:
-                parts["glue"] += kind.count * _part(figures, ("glue", model.name, kind.name, batch, 0, variant["glue"]))
-                parts["kv_write"] += kind.count * _part(
-                    figures, ("kv_write", model.name, kind.name, batch, 0, "default")
-                )
-                parts["attention"] += _attention_s(
-                    figures, ("attention", model.name, kind.name, batch, context, variant["attention"]), kind.count
-                )
-                parts["experts"] += kind.count * experts
-                parts["all_reduce"] += kind.count * all_reduce
-            parts["head"] = _part(figures, ("head", model.name, "", batch, 0, variant["head"]))
+            parts = step_parts_s(model, counts, batch, context, impl, figures)
+            parts["all_reduce"] = model.layers * all_reduce
+            parts["head"] = parts.pop("head")  # the table's order of parts
         except RuntimeError as e:
             row["impls"][impl] = {"error": str(e)}
             continue

@@ -227,10 +227,15 @@ def experts_touched(model: Model, batch: int) -> int:
     return len(np.unique(local_index[local_index < model.local_experts]))
 
 
-def experts_item(model: Model, batch: int, impl: str):
-    _, local_index, weights = chip_routing(model, batch)
-    e, h, i = model.local_experts, model.hidden, model.expert_intermediate
-    args = (_spec(batch, h), jnp.asarray(local_index), jnp.asarray(weights), _spec(e, 2 * i, h), _spec(e, h, i))
+def experts_item(model: Model, batch: int, impl: str, *, one_chip: bool = False):
+    """One layer's experts on the busiest chip of the v6e-8 (chip_routing), or with `one_chip` every expert on one
+    chip under the same seeded routing."""
+    if one_chip:
+        (index, weights), e = _moe.routing(batch, model.experts, model.top_k), model.experts
+    else:
+        (_, index, weights), e = chip_routing(model, batch), model.local_experts
+    h, i = model.hidden, model.expert_intermediate
+    args = (_spec(batch, h), jnp.asarray(index), jnp.asarray(weights), _spec(e, 2 * i, h), _spec(e, h, i))
     fn = moe.kernel_experts if impl == "ours" else moe.xla_experts
     return functools.partial(fn, activation=model.activation), args
 
