@@ -62,6 +62,13 @@ def parse_args(argv=None):
         help="on a TPU: compile threads (default: half the cores, at most 8)",
     )
     p.add_argument(
+        "--lower-workers",
+        type=int,
+        default=None,
+        help="on a TPU: processes that trace and lower the programs beside the one running the chip (default: the "
+        "cores less the compile threads and one; 0: lower everything in the chip's process)",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=None,
@@ -229,6 +236,7 @@ def benchmark(args) -> int:
         model=not args.no_model,
         calls=args.calls,
         compile_workers=args.compile_workers,
+        lower_workers=args.lower_workers,
         shape_filters=tuple(args.shape),
     )
     dev = device.detect()

@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 
-from . import profiler
+from . import lowering, profiler
 from . import suite as _suite
 
 CALLS = 20  # timed executions per program (the median is stable to ~1 % from 20)
@@ -85,10 +85,13 @@ class _Plan:
     Python there would take the GIL from the one building inputs and running the chip at every switch interval, which
     made a case's inputs take 15-50 s instead of a fraction of one."""
 
-    def __init__(self, cases, make_args, pool, ahead: int):
+    def __init__(self, cases, make_args, pool, ahead: int, lowering=None, kernel: str | None = None):
         import jax
 
         self.pool, self.ahead = pool, max(1, ahead)
+        self.exports: dict[tuple[str, str], concurrent.futures.Future] = {}  # programs traced in worker processes
+        self.lowered_by = {"workers": 0, "here": 0}  # programs lowered from a worker's export / on this thread
+        self.worker_failures: dict[str, int] = {}  # why a worker's export failed (lowered here instead): count
         self.compiles: dict[tuple[str, str], concurrent.futures.Future] = {}
         self.results: dict[tuple[str, str], dict] = {}
         self.functions: dict[tuple[str, str], object] = {}
@@ -129,14 +132,25 @@ class _Plan:
             for impl in runnable:
                 key = (case.id, impl)
                 self.queue.append((position, key, (*state, *specs) if key in self.state else specs))
+        if lowering is not None and kernel is not None:
+            # every program's tracing starts now on the workers, in case order; a donating one stays here (its
+            # aliasing is the jit's own)
+            for _, key, specs in self.queue:
+                if key not in self.state:
+                    impl = None if key[1] == INPUTS else key[1]
+                    self.exports[key] = lowering.submit(kernel, key[0], impl, make_args, specs)
 
     def submit(self, key, args) -> None:
         """Lower one program here and hand its compile to the pool (a failure is kept as the future's)."""
         self.next_index += 1
         name = profiler.program_name(self.next_index)
         try:
-            fn = self.builders[key] if key in self.builders else self.functions[key]
-            lowered, seconds = _lower(fn, name, args, self.state.get(key, 0))
+            fn, seconds = self._exported(key)
+            if fn is None:
+                fn = self.builders[key] if key in self.builders else self.functions[key]
+                self.lowered_by["here"] += 1
+            lowered, here = _lower(fn, name, args, self.state.get(key, 0))
+            seconds += here
         except Exception as e:  # noqa: BLE001 - reported with the implementation, as a compile failure is
             future = concurrent.futures.Future()
             future.set_exception(e)
@@ -144,6 +158,29 @@ class _Plan:
             return
         self.lower_s += seconds
         self.compiles[key] = self.pool.submit(_compile, lowered, name, seconds)
+
+    def _exported(self, key) -> tuple[object, float]:
+        """(the function running the program a worker exported, its tracing seconds there plus the wait here), or
+        (None, the wait) where no worker traced it or its export failed (lowered here then)."""
+        future = self.exports.pop(key, None)
+        if future is None:
+            return None, 0.0
+        start = time.perf_counter()
+        try:
+            blob, worker_s = future.result()
+            fn = lowering.deserialized_call(blob)
+        except Exception as e:  # noqa: BLE001 - the program is lowered here instead
+            why = reason(e, 160)
+            self.worker_failures[why] = self.worker_failures.get(why, 0) + 1
+            return None, time.perf_counter() - start
+        self.lowered_by["workers"] += 1
+        return fn, worker_s + time.perf_counter() - start
+
+    def cancel(self) -> None:
+        """Drop every queued compile and worker export (the budget is spent)."""
+        self.queue.clear()
+        for future in (*self.compiles.values(), *self.exports.values()):
+            future.cancel()
 
     def submit_through(self, position: int) -> None:
         """Submit every program of the cases up to `position`, then later ones while fewer than `ahead` compiles
@@ -262,24 +299,25 @@ def run(
     phases: dict | None = None,
     on_case=None,
     deadline: float | None = None,
+    kernel: str | None = None,
+    exporter: lowering.Pool | None = None,
 ) -> dict:
     """{(case id, impl): entry} for every impl of every case: a timing (median_s, compile_s, ...), or {"na": why} /
     {"error": why}. `make_args(case)` builds the case's inputs on the device. `phases`, if given, receives
     {case id: host seconds by phase}; `on_case(stats)`, if given, is called with the stats so far after each
     case (the benchmarks write them out as they go). `deadline` (time.monotonic()): no case starts after it; the
-    cases left show why they were not timed, and their queued compiles are dropped."""
+    cases left show why they were not timed, and their queued compiles are dropped. `exporter` (with `kernel`, the
+    suite's name): worker processes that trace and lower the programs (benchmarks/lowering.py)."""
     stats = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, compile_workers), initializer=_lower_priority) as pool:
-        plan = _Plan(cases, make_args, pool, ahead=2 * max(1, compile_workers))
+        plan = _Plan(cases, make_args, pool, ahead=2 * max(1, compile_workers), lowering=exporter, kernel=kernel)
         for position, case in enumerate(cases):
             if deadline is not None and time.monotonic() > deadline:
                 why = f"not timed: the run's time budget was spent ({len(cases) - position} of {len(cases)} cases left)"
                 for later in cases[position:]:
                     for impl, why_not in later.op.impls(later.shape).items():
                         stats[(later.id, impl)] = {"na": why_not or why}
-                plan.queue.clear()
-                for future in plan.compiles.values():
-                    future.cancel()
+                plan.cancel()
                 break
             labels = {impl: kernel_label if impl == "kernel" else default_label for impl in case.op.impls(case.shape)}
             results, case_phases = _time_case(position, case, plan, make_args, calls, labels)
@@ -297,4 +335,17 @@ def run(
                 on_case(dict(stats))
             if bar is not None:
                 bar.update(1)
+        plan.cancel()
+    if bar is not None and hasattr(bar, "write"):
+        bar.write(lowering_line(plan))
     return stats
+
+
+def lowering_line(plan: _Plan) -> str:
+    """Where the run's programs were traced and lowered, and why a worker's export failed where one did."""
+    line = (
+        f"  programs lowered from the workers' exports: {plan.lowered_by['workers']}, here: {plan.lowered_by['here']}"
+    )
+    if plan.worker_failures:
+        line += "; exports failed: " + "; ".join(f"{n}x {why}" for why, n in plan.worker_failures.items())
+    return line

@@ -40,6 +40,7 @@ class Config:
     model: bool = True  # False: no performance model (--no-model; on a TPU host the measured figures stand alone)
     calls: int | None = None  # timed executions per program on a TPU (default: device_timing.CALLS)
     compile_workers: int | None = None  # compile threads on a TPU (default: device_timing.COMPILE_WORKERS)
+    lower_workers: int | None = None  # tracing processes on a TPU (default: lowering.default_workers; 0: none)
     deadline: float | None = None  # time.monotonic() after which no case starts measuring (on a TPU; see __main__)
     shape_filters: tuple[str, ...] = ()  # only the shapes whose id holds every one of these (--shape)
 
@@ -261,6 +262,7 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
             dev=dev,
             calls=config.calls,
             compile_workers=config.compile_workers,
+            lower_workers=config.lower_workers,
             phases=phases,
             deadline=config.deadline,
             # each timed case lands in <kernel>.json at once (unmodeled, marked partial): a run stopped midway keeps

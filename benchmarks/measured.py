@@ -114,12 +114,15 @@ def run(
     phases: dict | None = None,
     on_case=None,
     deadline: float | None = None,
+    lower_workers: int | None = None,
 ) -> tuple[dict, str | None]:
     """Time `cases` of `kernel`. Returns ({(case id, impl): stats}, error).
 
     On a TPU: device time of every implementation (kernel, default, baselines), see benchmarks/device_timing.py;
     `calls` timed executions each; `phases` receives where the host's time went, per case; `on_case(stats so far)` is
-    called after each case; `deadline` (time.monotonic()): no case starts after it (on a TPU). Elsewhere: through the
+    called after each case; `deadline` (time.monotonic()): no case starts after it (on a TPU); `lower_workers`:
+    processes that trace and lower the programs beside the chip's (benchmarks/lowering.py; None: the host's cores
+    less the compile threads, 0: none). Elsewhere: through the
     kernel's pytest-benchmark suite (kernel and default), pytest's own output in `log_path`, timings in seconds from
     pytest-benchmark's JSON at `json_path`.
     """
@@ -127,19 +130,24 @@ def run(
         return {}, None
     dev = dev or _device.detect()
     if dev.is_tpu:
-        from . import device_timing
+        from . import device_timing, lowering
 
+        compile_workers = compile_workers or device_timing.COMPILE_WORKERS
+        if lower_workers is None:
+            lower_workers = lowering.default_workers(compile_workers)
         stats = device_timing.run(
             cases,
             case_arrays,
             kernel_label=dev.kernel_label,
             default_label=dev.default_label,
             calls=calls or device_timing.CALLS,
-            compile_workers=compile_workers or device_timing.COMPILE_WORKERS,
+            compile_workers=compile_workers,
             bar=bar,
             phases=phases,
             on_case=on_case,
             deadline=deadline,
+            kernel=kernel,
+            exporter=lowering.shared(dev.generation, lower_workers),
         )
         return stats, None
     import pytest

@@ -3,6 +3,7 @@
 # has no network and, beside jax 0.10.2, jaxlib, libtpu, numpy and pytest, none of them:
 #   - tokamax 0.0.12 and the packages it imports there (the versions the main environment resolves for it; qwix
 #     brings flax, optax, rich, treescope, msgpack and PyYAML in);
+#   - flatbuffers, which jax.export needs to serialize the programs the benchmarks trace in worker processes;
 #   - tpu-inference 0.32.0 (pure Python), without its dependencies (vllm, torch): the benchmarks import its Pallas
 #     kernels module by module (benchmarks/ops/_vllm.py), which need nothing beyond jax.
 # Every wheel is for CPython 3.11 on x86-64 Linux (the test machine's), downloaded without dependencies.
@@ -47,6 +48,7 @@ wheels=(
     PyYAML==6.0.4
     typing_extensions==4.16.0
     tpu-inference==0.32.0
+    flatbuffers==25.12.19
 )
 mkdir -p "$dest"
 PIP_CONFIG_FILE=/dev/null "$python" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \

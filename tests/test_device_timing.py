@@ -522,3 +522,67 @@ def test_the_run_says_what_its_budget_will_time():
     assert cli.budget_line(540, 300) == "measuring budget 540 s; the cases are expected to take about 300 s"
     short = cli.budget_line(540, 1600)
     assert "about 1600 s of host time" in short and "about 34% of them will be timed" in short
+
+
+SHAPE_128 = shapes.Shape("tokens", 128, (("hidden", 256),), "bfloat16")
+
+
+def _double_suite(kernel):
+    """The test suite, with both shapes, as a worker process resolves it (picklable by reference)."""
+    return dataclasses.replace(SUITE, shapes=(SHAPE, SHAPE_128))
+
+
+def test_programs_traced_in_worker_processes_are_timed_as_those_lowered_here(fake_chip):
+    """With workers, every program is traced and exported in another process and only compiled here (exported for
+    the CPU here, which has no chip): the same figures as without, and the run says where each was lowered."""
+    from benchmarks import lowering
+
+    cases = [suite.Case(OP, SHAPE), suite.Case(OP, SHAPE_128)]
+    lines = []
+    bar = types.SimpleNamespace(write=lines.append, update=lambda n: None)
+    pool = lowering.Pool("v5e", 1, platform="cpu", resolve=_double_suite)
+    try:
+        stats = device_timing.run(
+            cases,
+            measured.case_arrays,
+            kernel_label="k",
+            default_label="d",
+            calls=2,
+            bar=bar,
+            kernel="double",
+            exporter=pool,
+        )
+    finally:
+        pool.close()
+    for c in cases:
+        assert stats[(c.id, "kernel")]["median_s"] == pytest.approx(1e-6)
+        assert stats[(c.id, "default")]["median_s"] == pytest.approx(2e-6)
+        assert "no kernel for this shape" in stats[(c.id, "baseline:broken")]["error"]
+        assert stats[(c.id, "baseline:absent")] == {"na": "not installed: somepackage"}
+    # kernel, default and the input builder of both cases from the workers; the broken baseline's trace fails there
+    # and again here, where its error is reported
+    assert lines[-1].startswith("  programs lowered from the workers' exports: 6, here: 2; exports failed: 2x ")
+
+
+def test_every_quick_program_of_a_suite_exports_for_the_chip_from_a_worker():
+    """The real suites trace in a worker for the chip's generation: every program of RMSNorm's quick cases exports
+    for the TPU with its Pallas kernel lowered to Mosaic."""
+    from benchmarks import lowering
+
+    s = suite.get("rms_norm")
+    cases = s.cases(s.quick_shapes)[:4]
+    pool = lowering.Pool("v5e", 1)
+    try:
+        futures = {}
+        for c in cases:
+            specs = jax.eval_shape(lambda c=c: measured.case_arrays(c))
+            futures[(c.id, None)] = pool.submit("rms_norm", c.id, None, measured.case_arrays, ())
+            for impl in ("kernel", "default"):
+                futures[(c.id, impl)] = pool.submit("rms_norm", c.id, impl, measured.case_arrays, specs)
+        modules = {key: jax.export.deserialize(bytearray(f.result()[0])) for key, f in futures.items()}
+    finally:
+        pool.close()
+    assert all(m.platforms == ("tpu",) for m in modules.values())
+    for c in cases:
+        assert "tpu_custom_call" in modules[(c.id, "kernel")].mlir_module()
+        assert "tpu_custom_call" not in modules[(c.id, "default")].mlir_module()
