@@ -92,6 +92,9 @@ class _Plan:
         self.exports: dict[tuple[str, str], concurrent.futures.Future] = {}  # programs traced in worker processes
         self.lowered_by = {"workers": 0, "here": 0}  # programs lowered from a worker's export / on this thread
         self.worker_failures: dict[str, int] = {}  # why a worker's export failed (lowered here instead): count
+        # why a case's input builder failed as one program (its inputs then built eagerly, op by op, each op's
+        # small compile on this thread): count
+        self.eager_inputs: dict[str, int] = {}
         self.compiles: dict[tuple[str, str], concurrent.futures.Future] = {}
         self.results: dict[tuple[str, str], dict] = {}
         self.functions: dict[tuple[str, str], object] = {}
@@ -204,8 +207,9 @@ def _build_inputs(plan: _Plan, case, make_args):
     if future is not None:
         try:
             return future.result()[0]()
-        except Exception:  # noqa: BLE001 - built eagerly below, where the failure is told apart by implementation
-            pass
+        except Exception as e:  # noqa: BLE001 - built eagerly below, where the failure is told apart by implementation
+            why = reason(e, 160)
+            plan.eager_inputs[why] = plan.eager_inputs.get(why, 0) + 1
     return make_args(case)
 
 
@@ -348,4 +352,6 @@ def lowering_line(plan: _Plan) -> str:
     )
     if plan.worker_failures:
         line += "; exports failed: " + "; ".join(f"{n}x {why}" for why, n in plan.worker_failures.items())
+    if plan.eager_inputs:
+        line += "; inputs built eagerly: " + "; ".join(f"{n}x {why}" for why, n in plan.eager_inputs.items())
     return line

@@ -236,6 +236,26 @@ def test_implementations_whose_inputs_fail_show_why_and_the_others_run(fake_chip
     assert fake_chip == [[n for n in fake_chip[0]]] and len(fake_chip[0]) == 1  # the kernel alone was traced
 
 
+def test_the_run_says_which_input_builders_fell_back_to_eager_building(fake_chip, monkeypatch):
+    """A case's input builder that fails to compile as one program: its inputs are built eagerly (each op's small
+    compile on the chip's thread), and the run says so, with why."""
+    compile_one = device_timing._compile
+
+    def builders_fail(lowered, name, lower_s):
+        if not jax.tree.leaves(lowered.args_info):
+            raise RuntimeError("RESOURCE_EXHAUSTED: CompileTimeScopedVmemOom")
+        return compile_one(lowered, name, lower_s)
+
+    monkeypatch.setattr(device_timing, "_compile", builders_fail)
+    lines = []
+    bar = types.SimpleNamespace(write=lines.append, update=lambda n: None)
+    stats = device_timing.run(
+        SUITE.cases(), measured.case_arrays, kernel_label="k", default_label="d", calls=2, bar=bar
+    )
+    assert stats[(SUITE.cases()[0].id, "kernel")]["median_s"] > 0
+    assert lines[-1].endswith("; inputs built eagerly: 1x RuntimeError: RESOURCE_EXHAUSTED: CompileTimeScopedVmemOom")
+
+
 def test_no_case_starts_past_the_deadline_and_the_rest_say_why(fake_chip, monkeypatch):
     import time
 
