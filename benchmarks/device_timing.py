@@ -51,7 +51,9 @@ def _lower_priority() -> None:
 
 INPUTS = "inputs"  # the plan's key, beside the implementations', of a case's input builder
 
-PHASES = ("lower_s", "inputs_s", "compile_wait_s", "first_run_s", "trace_s")
+# A case's host seconds on the thread that runs the chip, by phase, and export_s: the worker processes' tracing of its
+# programs, which ran in parallel (not this thread's time).
+PHASES = ("lower_s", "inputs_s", "compile_wait_s", "first_run_s", "trace_s", "export_s")
 
 
 def reason(e: BaseException, limit: int = 300) -> str:
@@ -101,7 +103,8 @@ class _Plan:
         self.state: dict[tuple[str, str], int] = {}  # in-place implementations: their donated state arguments
         self.builders: dict[tuple[str, str], object] = {}  # (case id, INPUTS) -> the case's input builder
         self.queue: list[tuple[int, tuple[str, str], object]] = []  # (case index, key, input specs) to lower
-        self.lower_s = 0.0  # lowering seconds since the last take_lower_s()
+        self.lower_s = 0.0  # this thread's lowering seconds since the last take_lower_s()
+        self.export_s = 0.0  # the workers' tracing seconds of the programs taken in since then (run in parallel)
         self.next_index = 0
         for position, case in enumerate(cases):
             impls = case.op.impls(case.shape)
@@ -147,37 +150,40 @@ class _Plan:
         """Lower one program here and hand its compile to the pool (a failure is kept as the future's)."""
         self.next_index += 1
         name = profiler.program_name(self.next_index)
+        start = time.perf_counter()
         try:
-            fn, seconds = self._exported(key)
+            fn, worker_s = self._exported(key)
             if fn is None:
                 fn = self.builders[key] if key in self.builders else self.functions[key]
                 self.lowered_by["here"] += 1
-            lowered, here = _lower(fn, name, args, self.state.get(key, 0))
-            seconds += here
+            lowered, _ = _lower(fn, name, args, self.state.get(key, 0))
         except Exception as e:  # noqa: BLE001 - reported with the implementation, as a compile failure is
             future = concurrent.futures.Future()
             future.set_exception(e)
             self.compiles[key] = future
+            self.lower_s += time.perf_counter() - start
             return
-        self.lower_s += seconds
-        self.compiles[key] = self.pool.submit(_compile, lowered, name, seconds)
+        here = time.perf_counter() - start  # this thread's: waiting on the export, taking it in, or lowering it
+        self.lower_s += here
+        self.export_s += worker_s
+        # the compile column's host seconds: tracing wherever it ran, then lowering and compiling
+        self.compiles[key] = self.pool.submit(_compile, lowered, name, worker_s + here)
 
     def _exported(self, key) -> tuple[object, float]:
-        """(the function running the program a worker exported, its tracing seconds there plus the wait here), or
-        (None, the wait) where no worker traced it or its export failed (lowered here then)."""
+        """(the function running the program a worker exported, the worker's tracing seconds), or (None, 0) where
+        no worker traced it or its export failed (it is lowered here then)."""
         future = self.exports.pop(key, None)
         if future is None:
             return None, 0.0
-        start = time.perf_counter()
         try:
             blob, worker_s = future.result()
             fn = lowering.deserialized_call(blob)
         except Exception as e:  # noqa: BLE001 - the program is lowered here instead
             why = reason(e, 160)
             self.worker_failures[why] = self.worker_failures.get(why, 0) + 1
-            return None, time.perf_counter() - start
+            return None, 0.0
         self.lowered_by["workers"] += 1
-        return fn, worker_s + time.perf_counter() - start
+        return fn, worker_s
 
     def cancel(self) -> None:
         """Drop every queued compile and worker export (the budget is spent)."""
@@ -190,12 +196,17 @@ class _Plan:
         are in flight."""
         in_flight = sum(not f.done() for f in self.compiles.values())
         while self.queue and (self.queue[0][0] <= position or in_flight < self.ahead):
+            later, key, _ = self.queue[0]
+            if later > position and key in self.exports and not self.exports[key].done():
+                break  # a later case's program still being traced by a worker: never wait for it here
             _, key, specs = self.queue.pop(0)
             self.submit(key, specs)
             in_flight += 1
 
-    def take_lower_s(self) -> float:
-        seconds, self.lower_s = self.lower_s, 0.0
+    def take_lower_s(self) -> tuple[float, float]:
+        """(this thread's lowering seconds, the workers' tracing seconds) since the last call."""
+        seconds = (self.lower_s, self.export_s)
+        self.lower_s = self.export_s = 0.0
         return seconds
 
 
@@ -222,7 +233,7 @@ def _time_case(position, case, plan: _Plan, make_args, calls: int, labels: dict)
     results = {impl: entry for (case_id, impl), entry in plan.results.items() if case_id == case.id}
     runnable = [impl for (case_id, impl) in plan.functions if case_id == case.id]
     plan.submit_through(position)
-    phases["lower_s"] = plan.take_lower_s()
+    phases["lower_s"], phases["export_s"] = plan.take_lower_s()
     start = time.perf_counter()
     try:
         args = _build_inputs(plan, case, make_args)
@@ -244,7 +255,9 @@ def _time_case(position, case, plan: _Plan, make_args, calls: int, labels: dict)
             call_args = (*case.op.in_place.state(case.shape, 0), *args) if n_state else args
             if key not in plan.compiles:  # its inputs' shapes could not be taken abstractly: the concrete ones
                 plan.submit(key, call_args)
-                phases["lower_s"] += plan.take_lower_s()
+                here_s, export_s = plan.take_lower_s()
+                phases["lower_s"] += here_s
+                phases["export_s"] += export_s
             start = time.perf_counter()
             compiled, name, lowering, compiling = plan.compiles[key].result()
             phases["compile_wait_s"] += time.perf_counter() - start

@@ -218,7 +218,9 @@ def format_measured(result: dict) -> list[str]:
         lines.append(
             f"host time of the {len(phases)} cases: "
             + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.0f} s" for k, v in total.items())
-            + " (compiles run ahead on threads: only the wait for them counts here; lower = tracing and lowering)"
+            + " (compiles run ahead on threads: only the wait for them counts here; lower = tracing and lowering on"
+            " the chip's thread, or waiting on a worker's export and taking it in; export = the worker processes'"
+            " tracing, in parallel)"
         )
     if result.get("goal") and result.get("measured_targets"):
         lines.append(f"goal ({result['measured_label']}): {result['goal']}")

@@ -606,3 +606,29 @@ def test_every_quick_program_of_a_suite_exports_for_the_chip_from_a_worker():
     for c in cases:
         assert "tpu_custom_call" in modules[(c.id, "kernel")].mlir_module()
         assert "tpu_custom_call" not in modules[(c.id, "default")].mlir_module()
+
+
+def test_a_later_cases_program_still_being_traced_by_a_worker_is_not_waited_for():
+    """The chip's thread takes in the current case's programs (here: exports that failed, lowered on the thread
+    instead) and never blocks on a later case's export still running."""
+    cases = [suite.Case(OP, SHAPE), suite.Case(OP, SHAPE_128)]
+    pending = concurrent.futures.Future()  # a worker still tracing
+
+    class Exporter:
+        def submit(self, kernel, case_id, impl, make_args, specs):
+            if case_id == cases[1].id:
+                return pending
+            failed = concurrent.futures.Future()
+            failed.set_exception(RuntimeError("could not export"))
+            return failed
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        plan = device_timing._Plan(cases, measured.case_arrays, pool, ahead=8, lowering=Exporter(), kernel="double")
+        plan.submit_through(0)
+        assert {key for key in plan.compiles} == {
+            (cases[0].id, k) for k in ("inputs", "kernel", "default", "baseline:broken")
+        }
+        assert [key[0] for _, key, _ in plan.queue] == [cases[1].id] * 4
+        assert plan.lowered_by == {"workers": 0, "here": 4}
+        assert plan.worker_failures == {"RuntimeError: could not export": 4}
+        plan.cancel()
