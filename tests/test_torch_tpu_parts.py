@@ -185,3 +185,20 @@ def test_a_download_folder_keeps_exactly_the_listed_wheels(tmp_path):
     ]
     missing = keep("foo==1.1")
     assert missing.returncode == 1 and "caller: no wheel of foo==1.1" in missing.stderr, missing
+
+
+def test_the_ops_check_runs_each_op_of_the_hub_build_on_a_device_against_the_cpu(hub_root, capsys):
+    """scripts/torch_tpu_ops_check.py, the torch ops on the chip against the CPU, wired to the Hub build: here with
+    the CPU standing in for the device (no chip), so that its inputs and calls are known to be right for the ops it
+    checks; an op that drifted from its inputs fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torch_tpu_ops_check", ROOT / "scripts" / "torch_tpu_ops_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    only = ["rms_norm", "fused_add_rms_norm", "reshape_and_cache_flash", "ragged_paged_attention"]
+    argv = ["--package", str(hub_root / "build" / "torch-tpu"), "--device", "cpu"]
+    assert check.main([*argv, *(a for name in only for a in ("--only", name))]) == 0
+    out = capsys.readouterr().out
+    assert "torch ops on cpu: 4 checks, 0 failures" in out
+    assert out.count("\nok   ") + out.startswith("ok   ") == 4
