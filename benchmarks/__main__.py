@@ -252,7 +252,8 @@ def benchmark(args) -> int:
             if budget and dev.is_tpu and config.measure:  # this kernel's share of what is left
                 left = budget - (time.monotonic() - start)
                 config.deadline = time.monotonic() + share_s(left, costs[index:])
-            result = harness.run_kernel(kernel, config, dev=dev, bar=bar)
+            following = kernels[index + 1] if index + 1 < len(kernels) else None
+            result = harness.run_kernel(kernel, config, dev=dev, bar=bar, then=following)
             report.write_json(result, config.out)
             if charts:
                 report.write_chart(result, config.out)

@@ -80,6 +80,31 @@ def _compile(lowered, name: str, lower_s: float):
     return lowered.compile(), name, lower_s, time.perf_counter() - start
 
 
+def _input_specs(case, make_args):
+    """The shapes of a case's inputs, from its builder traced abstractly (nothing is built on the device)."""
+    import jax
+
+    return jax.eval_shape(lambda: make_args(case))
+
+
+def _donates(case, impl: str) -> bool:
+    return case.op.in_place is not None and impl in case.op.in_place.functions
+
+
+def prefetch(cases, make_args, kernel: str, exporter: lowering.Pool) -> None:
+    """Start the worker exports of `kernel`'s cases (each input builder and every implementation that applies and
+    donates nothing) ahead of its measuring run, which then takes them over (lowering.Pool.submit)."""
+    for case in cases:
+        try:
+            specs = _input_specs(case, make_args)
+        except Exception:  # noqa: BLE001 - such a case is lowered from its concrete inputs when it runs
+            continue
+        exporter.prefetch(kernel, case.id, None, make_args, ())
+        for impl, why_not in case.op.impls(case.shape).items():
+            if why_not is None and not _donates(case, impl):
+                exporter.prefetch(kernel, case.id, impl, make_args, specs)
+
+
 class _Plan:
     """The programs of every runnable implementation of every case, lowered in case order on the calling thread and
     compiled on the pool: those of the case about to run first, then enough of the later cases' to keep every
@@ -115,7 +140,7 @@ class _Plan:
                     continue
                 try:
                     in_place = case.op.in_place
-                    if in_place is not None and impl in in_place.functions:
+                    if _donates(case, impl):
                         self.functions[(case.id, impl)] = case.op.in_place_function(impl, case.shape)
                         self.state[(case.id, impl)] = in_place.n_state
                     else:
@@ -125,7 +150,7 @@ class _Plan:
                     self.results[(case.id, impl)] = {"error": reason(e)}
             state = ()  # the in-place implementations' state, ahead of their arguments
             try:  # the inputs' shapes only: nothing is built on the device here
-                specs = jax.eval_shape(lambda case=case: make_args(case))
+                specs = _input_specs(case, make_args)
                 if any((case.id, impl) in self.state for impl in runnable):
                     state = jax.eval_shape(lambda case=case: case.op.in_place.state(case.shape, 0))
             except Exception:  # noqa: BLE001 - this case compiles on its concrete inputs when it runs
@@ -318,16 +343,20 @@ def run(
     deadline: float | None = None,
     kernel: str | None = None,
     exporter: lowering.Pool | None = None,
+    after_plan=None,
 ) -> dict:
     """{(case id, impl): entry} for every impl of every case: a timing (median_s, compile_s, ...), or {"na": why} /
     {"error": why}. `make_args(case)` builds the case's inputs on the device. `phases`, if given, receives
     {case id: host seconds by phase}; `on_case(stats)`, if given, is called with the stats so far after each
     case (the benchmarks write them out as they go). `deadline` (time.monotonic()): no case starts after it; the
     cases left show why they were not timed, and their queued compiles are dropped. `exporter` (with `kernel`, the
-    suite's name): worker processes that trace and lower the programs (benchmarks/lowering.py)."""
+    suite's name): worker processes that trace and lower the programs (benchmarks/lowering.py); `after_plan()`, if
+    given, is called once this run's exports are queued (the next kernel's prefetch goes behind them)."""
     stats = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, compile_workers), initializer=_lower_priority) as pool:
         plan = _Plan(cases, make_args, pool, ahead=2 * max(1, compile_workers), lowering=exporter, kernel=kernel)
+        if after_plan is not None:
+            after_plan()
         for position, case in enumerate(cases):
             if deadline is not None and time.monotonic() > deadline:
                 why = f"not timed: the run's time budget was spent ({len(cases) - position} of {len(cases)} cases left)"

@@ -225,22 +225,33 @@ def check_targets(targets: _suite.Targets, rows: list[dict], *, measured: bool =
     return out
 
 
-def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None, bar=None) -> dict:
-    """Benchmark one kernel: `shapes` default to the suite's (benchmarks/shapes.py)."""
+def kernel_cases(kernel: str, config: Config, dev: _device.Device, shapes=None) -> tuple[list, list]:
+    """(every case of the kernel's run, the ones timed on `dev` in the order they are measured): `shapes` default
+    to the suite's (benchmarks/shapes.py), quick unless config.full, filtered by config.shape_filters."""
     suite = _suite.get(kernel)
     if shapes is None and not config.full and suite.quick_shapes is not None:
         shapes = suite.quick_shapes
     if config.shape_filters:
         shapes = _suite.select_shapes(suite.shapes if shapes is None else shapes, config.shape_filters)
     cases = suite.cases(None if shapes is None else tuple(shapes))
-    chip = perf_model.get_chip(config.gen)
-    measured_chip = perf_model.get_chip(dev.generation) if dev.is_tpu and dev.generation else None
-    config.out.mkdir(parents=True, exist_ok=True)
     timed = [c for c in cases if dev.times(c.op.hbm_bytes(c.shape), config.full)] if config.measure else []
     # measured shape by shape, every op of a shape in turn (forward, then backward, ...): a run stopped by its time
     # budget has each op at its first shapes rather than one op alone
     position = {shape: i for i, shape in enumerate(dict.fromkeys(c.shape for c in cases))}
     timed.sort(key=lambda c: position[c.shape])
+    return cases, timed
+
+
+def run_kernel(
+    kernel: str, config: Config, *, dev: _device.Device, shapes=None, bar=None, then: str | None = None
+) -> dict:
+    """Benchmark one kernel: `shapes` default to the suite's (benchmarks/shapes.py); `then`: the kernel measured
+    next, whose programs the tracing workers start on once this kernel's are queued (on a TPU)."""
+    suite = _suite.get(kernel)
+    cases, timed = kernel_cases(kernel, config, dev, shapes)
+    chip = perf_model.get_chip(config.gen)
+    measured_chip = perf_model.get_chip(dev.generation) if dev.is_tpu and dev.generation else None
+    config.out.mkdir(parents=True, exist_ok=True)
     if bar is not None:
         n_models = sum(why_not is None for c in cases for why_not in c.op.impls(c.shape).values())
         # one step per timed case on a TPU (all its implementations at once), per timed test with pytest-benchmark
@@ -263,6 +274,7 @@ def run_kernel(kernel: str, config: Config, *, dev: _device.Device, shapes=None,
             calls=config.calls,
             compile_workers=config.compile_workers,
             lower_workers=config.lower_workers,
+            then=(then, kernel_cases(then, config, dev)[1]) if then and dev.is_tpu else None,
             phases=phases,
             deadline=config.deadline,
             # each timed case lands in <kernel>.json at once (unmodeled, marked partial): a run stopped midway keeps

@@ -88,6 +88,7 @@ class Pool:
         from . import suite
 
         self.workers = workers
+        self.prefetched: dict[tuple, concurrent.futures.Future] = {}  # (kernel, case id, impl) -> its export
         self.executor = concurrent.futures.ProcessPoolExecutor(
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),  # never fork a process that holds the chip
@@ -96,7 +97,16 @@ class Pool:
         )
 
     def submit(self, kernel: str, case_id: str, impl: str | None, make_args, specs) -> concurrent.futures.Future:
-        return self.executor.submit(export, kernel, case_id, impl, make_args, specs)
+        """The program's export: the one prefetched for it, if any (handed over once), else a new one."""
+        future = self.prefetched.pop((kernel, case_id, impl), None)
+        return future or self.executor.submit(export, kernel, case_id, impl, make_args, specs)
+
+    def prefetch(self, kernel: str, case_id: str, impl: str | None, make_args, specs) -> None:
+        """Start a program's export ahead of the run that will ask for it (the next kernel's, while this one is
+        measured: the workers are otherwise idle once a kernel's exports are done)."""
+        key = (kernel, case_id, impl)
+        if key not in self.prefetched:
+            self.prefetched[key] = self.executor.submit(export, kernel, case_id, impl, make_args, specs)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

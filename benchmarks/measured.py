@@ -115,6 +115,7 @@ def run(
     on_case=None,
     deadline: float | None = None,
     lower_workers: int | None = None,
+    then: tuple[str, list[_suite.Case]] | None = None,
 ) -> tuple[dict, str | None]:
     """Time `cases` of `kernel`. Returns ({(case id, impl): stats}, error).
 
@@ -122,7 +123,8 @@ def run(
     `calls` timed executions each; `phases` receives where the host's time went, per case; `on_case(stats so far)` is
     called after each case; `deadline` (time.monotonic()): no case starts after it (on a TPU); `lower_workers`:
     processes that trace and lower the programs beside the chip's (benchmarks/lowering.py; None: the host's cores
-    less the compile threads, 0: none). Elsewhere: through the
+    less the compile threads, 0: none); `then` (the kernel measured next, its cases): their exports start on the
+    workers behind this kernel's. Elsewhere: through the
     kernel's pytest-benchmark suite (kernel and default), pytest's own output in `log_path`, timings in seconds from
     pytest-benchmark's JSON at `json_path`.
     """
@@ -135,6 +137,10 @@ def run(
         compile_workers = compile_workers or device_timing.COMPILE_WORKERS
         if lower_workers is None:
             lower_workers = lowering.default_workers(compile_workers)
+        exporter = lowering.shared(dev.generation, lower_workers)
+        after_plan = None
+        if exporter is not None and then is not None:
+            after_plan = lambda: device_timing.prefetch(then[1], case_arrays, then[0], exporter)  # noqa: E731
         stats = device_timing.run(
             cases,
             case_arrays,
@@ -147,7 +153,8 @@ def run(
             on_case=on_case,
             deadline=deadline,
             kernel=kernel,
-            exporter=lowering.shared(dev.generation, lower_workers),
+            exporter=exporter,
+            after_plan=after_plan,
         )
         return stats, None
     import pytest

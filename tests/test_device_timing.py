@@ -278,10 +278,11 @@ def test_the_measuring_budget_is_shared_out_by_expected_cost_cheapest_first(monk
 
     from benchmarks import __main__ as cli
 
-    started, deadlines = [], []
+    started, deadlines, following = [], [], []
 
-    def run_kernel(kernel, config, *, dev, bar):
+    def run_kernel(kernel, config, *, dev, bar, then=None):
         started.append(kernel)
+        following.append(then)
         deadlines.append(config.deadline - time.monotonic())
         time.sleep(0.2)  # this kernel's measuring
         return {"kernel": kernel}
@@ -295,6 +296,7 @@ def test_the_measuring_budget_is_shared_out_by_expected_cost_cheapest_first(monk
     args = [a for k in kernels for a in ("--kernel", k)] + ["--no-model", "--budget-s", "30"]
     assert cli.main([*args, "--out", str(tmp_path)]) == 0
     assert started == ["rms_norm", "kv_cache", "flash_attention"]
+    assert following == ["kv_cache", "flash_attention", None]  # each kernel's run prefetches the next one's
     costs = [cli.expected_cost_s(k, cli.case_count(k, False)) for k in started]
     assert all(c > 0 for c in costs) and costs[2] / cli.case_count("flash_attention", False) == 25.0
     assert deadlines[0] == pytest.approx(30 * costs[0] / sum(costs), abs=0.1)
@@ -521,7 +523,7 @@ def test_profile_host_writes_the_main_threads_profile(monkeypatch, tmp_path, cap
 
     from benchmarks import __main__ as cli
 
-    def run_kernel(kernel, config, *, dev, bar):
+    def run_kernel(kernel, config, *, dev, bar, then=None):
         sorted(range(100_000), key=lambda i: -i)  # this kernel's host work
         return {"kernel": kernel}
 
@@ -632,3 +634,51 @@ def test_a_later_cases_program_still_being_traced_by_a_worker_is_not_waited_for(
         assert plan.lowered_by == {"workers": 0, "here": 4}
         assert plan.worker_failures == {"RuntimeError: could not export": 4}
         plan.cancel()
+
+
+def test_a_kernels_prefetched_exports_are_taken_over_by_its_run(fake_chip):
+    """The next kernel's programs start on the workers while another is measured (prefetch); its run then takes
+    each prefetched export over instead of tracing it again."""
+    from benchmarks import lowering
+
+    cases = [suite.Case(OP, SHAPE), suite.Case(OP, SHAPE_128)]
+    lines = []
+    bar = types.SimpleNamespace(write=lines.append, update=lambda n: None)
+    pool = lowering.Pool("v5e", 1, platform="cpu", resolve=_double_suite)
+    try:
+        device_timing.prefetch(cases, measured.case_arrays, "double", pool)
+        # per case its input builder, the kernel, the default and the broken baseline (the absent one is n/a)
+        assert len(pool.prefetched) == 8
+        stats = device_timing.run(
+            cases,
+            measured.case_arrays,
+            kernel_label="k",
+            default_label="d",
+            calls=2,
+            bar=bar,
+            kernel="double",
+            exporter=pool,
+        )
+        assert pool.prefetched == {}
+    finally:
+        pool.close()
+    assert all(stats[(c.id, "kernel")]["median_s"] == pytest.approx(1e-6) for c in cases)
+    assert lines[-1].startswith("  programs lowered from the workers' exports: 6, here: 2")
+
+
+def test_the_kernel_measured_next_is_prefetched_once_this_ones_exports_are_queued(fake_chip, monkeypatch, tmp_path):
+    from benchmarks import lowering
+
+    pool = lowering.Pool("v5e", 1, platform="cpu", resolve=_double_suite)
+    monkeypatch.setattr(lowering, "shared", lambda generation, workers: pool)
+    queued = []
+    prefetch = pool.prefetch
+    monkeypatch.setattr(pool, "prefetch", lambda *a: queued.append(a[:3]) or prefetch(*a))
+    try:
+        config = harness.Config(gen="v6e", out=tmp_path, model=False, calls=2, compile_workers=1)
+        result = harness.run_kernel("double", config, dev=TPU, then="double")
+    finally:
+        pool.close()
+    case_id = suite.Case(OP, SHAPE).id
+    assert result["rows"][0]["measured"]["kernel"]["us"] > 0
+    assert set(queued) == {("double", case_id, impl) for impl in (None, "kernel", "default", "baseline:broken")}
