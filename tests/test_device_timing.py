@@ -554,28 +554,38 @@ def _double_suite(kernel):
     return dataclasses.replace(SUITE, shapes=(SHAPE, SHAPE_128))
 
 
-def test_programs_traced_in_worker_processes_are_timed_as_those_lowered_here(fake_chip):
-    """With workers, every program is traced and exported in another process and only compiled here (exported for
-    the CPU here, which has no chip): the same figures as without, and the run says where each was lowered."""
+@pytest.fixture
+def cpu_worker_pool():
+    """One tracing worker exporting the test suite's programs for the CPU (this machine has no chip to run on)."""
     from benchmarks import lowering
 
-    cases = [suite.Case(OP, SHAPE), suite.Case(OP, SHAPE_128)]
+    pool = lowering.Pool("v5e", 1, platform="cpu", resolve=_double_suite)
+    yield pool
+    pool.close()
+
+
+def _run_through(pool, cases):
+    """(stats, log lines) of a measuring run of `cases` whose programs come from `pool`'s exports."""
     lines = []
     bar = types.SimpleNamespace(write=lines.append, update=lambda n: None)
-    pool = lowering.Pool("v5e", 1, platform="cpu", resolve=_double_suite)
-    try:
-        stats = device_timing.run(
-            cases,
-            measured.case_arrays,
-            kernel_label="k",
-            default_label="d",
-            calls=2,
-            bar=bar,
-            kernel="double",
-            exporter=pool,
-        )
-    finally:
-        pool.close()
+    stats = device_timing.run(
+        cases,
+        measured.case_arrays,
+        kernel_label="k",
+        default_label="d",
+        calls=2,
+        bar=bar,
+        kernel="double",
+        exporter=pool,
+    )
+    return stats, lines
+
+
+def test_programs_traced_in_worker_processes_are_timed_as_those_lowered_here(fake_chip, cpu_worker_pool):
+    """With workers, every program is traced and exported in another process and only compiled here (exported for
+    the CPU here, which has no chip): the same figures as without, and the run says where each was lowered."""
+    cases = [suite.Case(OP, SHAPE), suite.Case(OP, SHAPE_128)]
+    stats, lines = _run_through(cpu_worker_pool, cases)
     for c in cases:
         assert stats[(c.id, "kernel")]["median_s"] == pytest.approx(1e-6)
         assert stats[(c.id, "default")]["median_s"] == pytest.approx(2e-6)
@@ -636,49 +646,31 @@ def test_a_later_cases_program_still_being_traced_by_a_worker_is_not_waited_for(
         plan.cancel()
 
 
-def test_a_kernels_prefetched_exports_are_taken_over_by_its_run(fake_chip):
+def test_a_kernels_prefetched_exports_are_taken_over_by_its_run(fake_chip, cpu_worker_pool):
     """The next kernel's programs start on the workers while another is measured (prefetch); its run then takes
     each prefetched export over instead of tracing it again."""
-    from benchmarks import lowering
-
     cases = [suite.Case(OP, SHAPE), suite.Case(OP, SHAPE_128)]
-    lines = []
-    bar = types.SimpleNamespace(write=lines.append, update=lambda n: None)
-    pool = lowering.Pool("v5e", 1, platform="cpu", resolve=_double_suite)
-    try:
-        device_timing.prefetch(cases, measured.case_arrays, "double", pool)
-        # per case its input builder, the kernel, the default and the broken baseline (the absent one is n/a)
-        assert len(pool.prefetched) == 8
-        stats = device_timing.run(
-            cases,
-            measured.case_arrays,
-            kernel_label="k",
-            default_label="d",
-            calls=2,
-            bar=bar,
-            kernel="double",
-            exporter=pool,
-        )
-        assert pool.prefetched == {}
-    finally:
-        pool.close()
+    device_timing.prefetch(cases, measured.case_arrays, "double", cpu_worker_pool)
+    # per case its input builder, the kernel, the default and the broken baseline (the absent one is n/a)
+    assert len(cpu_worker_pool.prefetched) == 8
+    stats, lines = _run_through(cpu_worker_pool, cases)
+    assert cpu_worker_pool.prefetched == {}
     assert all(stats[(c.id, "kernel")]["median_s"] == pytest.approx(1e-6) for c in cases)
     assert lines[-1].startswith("  programs lowered from the workers' exports: 6, here: 2")
 
 
-def test_the_kernel_measured_next_is_prefetched_once_this_ones_exports_are_queued(fake_chip, monkeypatch, tmp_path):
+def test_the_kernel_measured_next_is_prefetched_once_this_ones_exports_are_queued(
+    fake_chip, cpu_worker_pool, monkeypatch, tmp_path
+):
     from benchmarks import lowering
 
-    pool = lowering.Pool("v5e", 1, platform="cpu", resolve=_double_suite)
+    pool = cpu_worker_pool
     monkeypatch.setattr(lowering, "shared", lambda generation, workers: pool)
     queued = []
     prefetch = pool.prefetch
     monkeypatch.setattr(pool, "prefetch", lambda *a: queued.append(a[:3]) or prefetch(*a))
-    try:
-        config = harness.Config(gen="v6e", out=tmp_path, model=False, calls=2, compile_workers=1)
-        result = harness.run_kernel("double", config, dev=TPU, then="double")
-    finally:
-        pool.close()
+    config = harness.Config(gen="v6e", out=tmp_path, model=False, calls=2, compile_workers=1)
+    result = harness.run_kernel("double", config, dev=TPU, then="double")
     case_id = suite.Case(OP, SHAPE).id
     assert result["rows"][0]["measured"]["kernel"]["us"] > 0
     assert set(queued) == {("double", case_id, impl) for impl in (None, "kernel", "default", "baseline:broken")}
