@@ -29,9 +29,6 @@ import time
 
 from . import deviceless
 
-# Per TPU generation, the deviceless topology whose first device stands for the attached chip.
-TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:1x1", "v7x": "tpu7x:2x2x1"}
-
 _device = None  # in a worker: the topology's device
 _platform = "tpu"  # in a worker: the platform it exports for (the CPU in the tests, which have no chip to run on)
 _resolve = None  # in a worker: kernel name -> its Suite
@@ -85,7 +82,7 @@ class Pool:
     def __init__(self, generation: str, workers: int, *, platform: str = "tpu", resolve=None):
         """`workers` processes tracing for `generation`'s chip, exporting for `platform`; `resolve(kernel)` gives
         a kernel's Suite (default benchmarks.suite.get; picklable by reference)."""
-        from . import suite
+        from . import perf_model, suite
 
         self.workers = workers
         self.prefetched: dict[tuple, concurrent.futures.Future] = {}  # (kernel, case id, impl) -> its export
@@ -93,7 +90,8 @@ class Pool:
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),  # never fork a process that holds the chip
             initializer=_init,
-            initargs=(TOPOLOGIES[generation], platform, resolve or suite.get),
+            # the generation's deviceless topology (its first device stands for the attached chip)
+            initargs=(perf_model.get_chip(generation).topology, platform, resolve or suite.get),
         )
 
     def submit(self, kernel: str, case_id: str, impl: str | None, make_args, specs) -> concurrent.futures.Future:
@@ -122,8 +120,10 @@ def deserialized_call(blob: bytes):
 def shared(generation: str | None, workers: int) -> Pool | None:
     """The run's worker pool (one for every kernel measured: each worker starts jax once), or None where `workers`
     is 0 or the chip's generation has no deviceless topology (everything is lowered in the chip's process then)."""
+    from . import perf_model
+
     global _shared
-    if workers <= 0 or generation not in TOPOLOGIES or importlib.util.find_spec("flatbuffers") is None:
+    if workers <= 0 or generation not in perf_model.GENERATIONS or importlib.util.find_spec("flatbuffers") is None:
         return None  # (jax.export serializes with flatbuffers: where it is missing, nothing is lowered elsewhere)
     if _shared is None or _shared.workers != workers:
         if _shared is not None:
