@@ -91,18 +91,27 @@ def _donates(case, impl: str) -> bool:
     return case.op.in_place is not None and impl in case.op.in_place.functions
 
 
+def _exportable(case, impls, specs):
+    """(implementation, its argument specs) of every program of a case a worker may trace: the input builder (None,
+    no arguments) and each of `impls` that donates nothing (a donating one's aliasing is its jit's own: lowered on
+    the chip's thread)."""
+    yield None, ()
+    for impl in impls:
+        if not _donates(case, impl):
+            yield impl, specs
+
+
 def prefetch(cases, make_args, kernel: str, exporter: lowering.Pool) -> None:
-    """Start the worker exports of `kernel`'s cases (each input builder and every implementation that applies and
-    donates nothing) ahead of its measuring run, which then takes them over (lowering.Pool.submit)."""
+    """Start the worker exports of `kernel`'s cases ahead of its measuring run, which then takes them over
+    (lowering.Pool.submit)."""
     for case in cases:
         try:
             specs = _input_specs(case, make_args)
         except Exception:  # noqa: BLE001 - such a case is lowered from its concrete inputs when it runs
             continue
-        exporter.prefetch(kernel, case.id, None, make_args, ())
-        for impl, why_not in case.op.impls(case.shape).items():
-            if why_not is None and not _donates(case, impl):
-                exporter.prefetch(kernel, case.id, impl, make_args, specs)
+        runnable = [impl for impl, why_not in case.op.impls(case.shape).items() if why_not is None]
+        for impl, args in _exportable(case, runnable, specs):
+            exporter.prefetch(kernel, case.id, impl, make_args, args)
 
 
 class _Plan:
@@ -112,7 +121,7 @@ class _Plan:
     Python there would take the GIL from the one building inputs and running the chip at every switch interval, which
     made a case's inputs take 15-50 s instead of a fraction of one."""
 
-    def __init__(self, cases, make_args, pool, ahead: int, lowering=None, kernel: str | None = None):
+    def __init__(self, cases, make_args, pool, ahead: int, exporter=None, kernel: str | None = None):
         import jax
 
         self.pool, self.ahead = pool, max(1, ahead)
@@ -163,13 +172,9 @@ class _Plan:
             for impl in runnable:
                 key = (case.id, impl)
                 self.queue.append((position, key, (*state, *specs) if key in self.state else specs))
-        if lowering is not None and kernel is not None:
-            # every program's tracing starts now on the workers, in case order; a donating one stays here (its
-            # aliasing is the jit's own)
-            for _, key, specs in self.queue:
-                if key not in self.state:
-                    impl = None if key[1] == INPUTS else key[1]
-                    self.exports[key] = lowering.submit(kernel, key[0], impl, make_args, specs)
+            if exporter is not None and kernel is not None:  # its tracing starts now on the workers, in case order
+                for impl, args in _exportable(case, runnable, specs):
+                    self.exports[(case.id, impl or INPUTS)] = exporter.submit(kernel, case.id, impl, make_args, args)
 
     def submit(self, key, args) -> None:
         """Lower one program here and hand its compile to the pool (a failure is kept as the future's)."""
@@ -354,7 +359,7 @@ def run(
     given, is called once this run's exports are queued (the next kernel's prefetch goes behind them)."""
     stats = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, compile_workers), initializer=_lower_priority) as pool:
-        plan = _Plan(cases, make_args, pool, ahead=2 * max(1, compile_workers), lowering=exporter, kernel=kernel)
+        plan = _Plan(cases, make_args, pool, ahead=2 * max(1, compile_workers), exporter=exporter, kernel=kernel)
         if after_plan is not None:
             after_plan()
         for position, case in enumerate(cases):

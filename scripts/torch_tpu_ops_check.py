@@ -46,9 +46,10 @@ def _randn(gen, *shape, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
 
 
-def run_on(fn, inputs, device, *, grad=(), cotangents=None, compile_fullgraph=False):
+def run_on(fn, inputs, device, gen, *, grad=(), cotangents=None, compile_fullgraph=False):
     """fn's tensor outputs (then the gradients of sum(outputs * cotangents) in the inputs named by index in `grad`)
-    with `inputs` copied to `device`, all brought back to the CPU."""
+    with `inputs` copied to `device`, all brought back to the CPU. `cotangents` (a list): drawn from `gen` at the
+    outputs' shapes by the first run, used as they are by the next."""
     import torch
 
     args = [
@@ -60,6 +61,8 @@ def run_on(fn, inputs, device, *, grad=(), cotangents=None, compile_fullgraph=Fa
     outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
     results = [o.detach().cpu() for o in outs]
     if grad:
+        if not cotangents:
+            cotangents.extend(torch.randn(o.shape, generator=gen) for o in outs)
         loss = sum((o.float() * c.to(device)).sum() for o, c in zip(outs, cotangents))
         results += [g.cpu() for g in torch.autograd.grad(loss, [args[i] for i in grad])]
     return results
@@ -70,12 +73,9 @@ def compare(name, fn, inputs, device, gen, *, grad=(), compile_fullgraph=False) 
     mismatch."""
     import torch
 
-    cotangents = None
-    if grad:
-        probe = run_on(fn, inputs, "cpu")
-        cotangents = [torch.randn(o.shape, generator=gen) for o in probe]
-    want = run_on(fn, inputs, "cpu", grad=grad, cotangents=cotangents)
-    got = run_on(fn, inputs, device, grad=grad, cotangents=cotangents, compile_fullgraph=compile_fullgraph)
+    cotangents = []
+    want = run_on(fn, inputs, "cpu", gen, grad=grad, cotangents=cotangents)
+    got = run_on(fn, inputs, device, gen, grad=grad, cotangents=cotangents, compile_fullgraph=compile_fullgraph)
     assert len(got) == len(want), f"{name}: {len(got)} results on {device}, {len(want)} on the CPU"
     worst = 0.0
     for i, (g, w) in enumerate(zip(got, want)):
@@ -160,6 +160,8 @@ def _experts_module(gen, experts=8, hidden=256, intermediate=128):
 
 
 def check_experts_forward(k, device, gen):
+    import copy
+
     import torch
 
     tokens, top_k = 16, 2
@@ -172,16 +174,10 @@ def check_experts_forward(k, device, gen):
     def fn(x, index, weights):
         dev = x.device
         if dev not in modules:
-            modules[dev] = _copy_module(cpu_module, dev)
+            modules[dev] = copy.deepcopy(cpu_module).to(dev)
         return k.experts_forward(modules[dev], x, index, weights)
 
     return [compare("experts_forward", fn, [x, index, weights], device, gen, grad=(0, 2))]
-
-
-def _copy_module(module, device):
-    import copy
-
-    return copy.deepcopy(module).to(device)
 
 
 def check_reshape_and_cache_flash(k, device, gen):

@@ -635,7 +635,7 @@ def test_a_later_cases_program_still_being_traced_by_a_worker_is_not_waited_for(
             return failed
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        plan = device_timing._Plan(cases, measured.case_arrays, pool, ahead=8, lowering=Exporter(), kernel="double")
+        plan = device_timing._Plan(cases, measured.case_arrays, pool, ahead=8, exporter=Exporter(), kernel="double")
         plan.submit_through(0)
         assert {key for key in plan.compiles} == {
             (cases[0].id, k) for k in ("inputs", "kernel", "default", "baseline:broken")
