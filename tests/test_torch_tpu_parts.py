@@ -11,6 +11,8 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "torch_tpu_parts.sh"
 MIB = 1 << 20
@@ -202,3 +204,67 @@ def test_the_ops_check_runs_each_op_of_the_hub_build_on_a_device_against_the_cpu
     out = capsys.readouterr().out
     assert "torch ops on cpu: 4 checks, 0 failures" in out
     assert out.count("\nok   ") + out.startswith("ok   ") == 4
+
+
+def _script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_models_check_generates_on_a_device_as_on_the_cpu(hub_root, capsys, monkeypatch):
+    """scripts/torch_tpu_models_check.py (tiny transformers models through the Hub build on the chip against the CPU),
+    here with the CPU standing in for the device: experts_forward registered in transformers' experts interface runs,
+    the logits match transformers' default and generation gives the same tokens."""
+    monkeypatch.setenv("LOCAL_KERNELS", f"kernels-community/tpu-kernels={hub_root}")
+    check = _script("torch_tpu_models_check")
+    argv = ["--build", str(hub_root / "build"), "--device", "cpu", "--only", "qwen3_moe_experts"]
+    assert check.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "models on cpu: 1 checks, 0 failures" in out
+    assert "ok   qwen3_moe_experts:" in out and "greedy tokens equal" in out and "experts_forward x" in out
+
+
+def test_the_models_check_tells_a_near_tie_from_a_wrong_token():
+    """Where the device's greedy tokens part from the CPU's, the check passes only a near-tie of the CPU's logits."""
+    import torch
+
+    check = _script("torch_tpu_models_check")
+
+    class Logits:  # a stand-in model: fixed logits at every position
+        def __init__(self, values):
+            self.values = torch.tensor(values)
+
+        def __call__(self, tokens):
+            return type("Out", (), {"logits": self.values.expand(tokens.shape[0], tokens.shape[1], -1)})()
+
+    cpu_tokens, device_tokens = torch.tensor([[5, 6, 0]]), torch.tensor([[5, 6, 1]])
+    tie = check._compare_generation(Logits([1.0, 1.0 - 1e-4, -2.0]), cpu_tokens, device_tokens, 2)
+    assert "near-tie" in tie
+    with pytest.raises(AssertionError, match="not a tie"):
+        check._compare_generation(Logits([1.0, 0.5, -2.0]), cpu_tokens, device_tokens, 2)
+    assert "equal" in check._compare_generation(Logits([1.0, 0.5]), cpu_tokens, cpu_tokens.clone(), 2)
+
+
+def test_the_torch_ops_timing_records_each_call_and_runs_its_jax_function(hub_root, tmp_path):
+    """benchmarks/torch_ops.py (a torch op's device time on the chip against its own JAX function called directly),
+    wired on the CPU: the recorded op and its arguments rebuild the JAX program, both sides run; the table divides
+    the traced device time by the calls."""
+    from benchmarks import torch_ops
+
+    args = torch_ops.argparse.Namespace(
+        package=hub_root / "build" / "torch-tpu", calls=2, device="cpu", only=["rms_norm tokens=8 "], out=tmp_path
+    )
+    record = torch_ops.measure(args)
+    (row,) = record["rows"]
+    assert "error" not in row, row
+    assert row["ops"] == ["rms_norm"]
+    assert row["torch"]["host_s_per_call"] > 0 and row["jax"]["host_s_per_call"] > 0
+    summary = torch_ops._summary([("a(1)", 2e-6), ("b(2)", 1e-6), ("a(1)", 4e-6), ("b(2)", 1e-6)], 2, 1e-3)
+    assert summary["device_s_per_call"] == pytest.approx(4e-6)
+    assert summary["programs"]["a(1)"] == {"executions": 2, "median_s": pytest.approx(3e-6)}
+    table = torch_ops.markdown([{"case": "c", "torch": summary, "jax": {**summary, "device_s_per_call": 2e-6}}], "h")
+    assert "| c | 4.0 | 2.0 | 2.00x |" in table
