@@ -74,10 +74,15 @@ def _lower(fn, name: str, args, donate: int = 0):
     return lowered, time.perf_counter() - start
 
 
-def _compile(lowered, name: str, lower_s: float):
-    """(compiled, name, lower seconds, compile seconds): XLA's and Mosaic's compile, which releases the GIL."""
+def _compile(lowered, name: str, lower_s: float, log: dict | None = None, key=None, submitted: float = 0.0):
+    """(compiled, name, lower seconds, compile seconds): XLA's and Mosaic's compile, which releases the GIL. With
+    `log`, log[key] = (seconds queued on the pool since `submitted` (perf_counter), seconds compiling)."""
     start = time.perf_counter()
-    return lowered.compile(), name, lower_s, time.perf_counter() - start
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    if log is not None:
+        log[key] = (start - submitted, seconds)
+    return compiled, name, lower_s, seconds
 
 
 def _input_specs(case, make_args):
@@ -131,6 +136,8 @@ class _Plan:
         # why a case's input builder failed as one program (its inputs then built eagerly, op by op, each op's
         # small compile on this thread): count
         self.eager_inputs: dict[str, int] = {}
+        # (case id, impl or INPUTS) -> (seconds queued on the pool, seconds compiling) of each finished compile
+        self.compile_log: dict[tuple[str, str], tuple[float, float]] = {}
         self.compiles: dict[tuple[str, str], concurrent.futures.Future] = {}
         self.results: dict[tuple[str, str], dict] = {}
         self.functions: dict[tuple[str, str], object] = {}
@@ -197,7 +204,9 @@ class _Plan:
         self.lower_s += here
         self.export_s += worker_s
         # the compile column's host seconds: tracing wherever it ran, then lowering and compiling
-        self.compiles[key] = self.pool.submit(_compile, lowered, name, worker_s + here)
+        self.compiles[key] = self.pool.submit(
+            _compile, lowered, name, worker_s + here, self.compile_log, key, time.perf_counter()
+        )
 
     def _exported(self, key) -> tuple[object, float]:
         """(the function running the program a worker exported, the worker's tracing seconds), or (None, 0) where
@@ -358,7 +367,8 @@ def run(
     suite's name): worker processes that trace and lower the programs (benchmarks/lowering.py); `after_plan()`, if
     given, is called once this run's exports are queued (the next kernel's prefetch goes behind them)."""
     stats = {}
-    with concurrent.futures.ThreadPoolExecutor(max(1, compile_workers), initializer=_lower_priority) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, compile_workers), initializer=_lower_priority)
+    try:
         plan = _Plan(cases, make_args, pool, ahead=2 * max(1, compile_workers), exporter=exporter, kernel=kernel)
         if after_plan is not None:
             after_plan()
@@ -387,7 +397,13 @@ def run(
             if bar is not None:
                 bar.update(1)
         plan.cancel()
+    finally:
+        # Compiles still running when the budget ended the run (a later case's) are not waited for: the next kernel
+        # starts now (waiting for them took 5-10 s a kernel on the v5e host); their threads end when they finish.
+        pool.shutdown(wait=False, cancel_futures=True)
     if bar is not None and hasattr(bar, "write"):
+        if plan.compile_log:
+            bar.write(compile_line(plan.compile_log))
         bar.write(lowering_line(plan))
     return stats
 
@@ -402,3 +418,25 @@ def lowering_line(plan: _Plan) -> str:
     if plan.eager_inputs:
         line += "; inputs built eagerly: " + "; ".join(f"{n}x {why}" for why, n in plan.eager_inputs.items())
     return line
+
+
+def compile_line(log: dict) -> str:
+    """The pool's compiles, input builders apart: how many, seconds compiling and queued (median / max), the
+    longest compile's implementation."""
+    if not log:
+        return ""
+
+    def stats(entries):
+        queued, compiling = [q for q, _ in entries.values()], [c for _, c in entries.values()]
+        return (
+            f"{len(entries)}, compiling {statistics.median(compiling):.1f} / {max(compiling):.1f} s, "
+            f"queued {statistics.median(queued):.1f} / {max(queued):.1f} s"
+        )
+
+    inputs = {k: v for k, v in log.items() if k[1] == INPUTS}
+    programs = {k: v for k, v in log.items() if k[1] != INPUTS}
+    parts = [f"programs {stats(programs)}"] if programs else []
+    if inputs:
+        parts.append(f"input builders {stats(inputs)}")
+    longest = max(log, key=lambda k: log[k][1])
+    return f"  compiles (median / max): {'; '.join(parts)}; longest: {longest[1]} ({log[longest][1]:.1f} s)"

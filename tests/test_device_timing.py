@@ -218,10 +218,10 @@ def test_implementations_whose_inputs_fail_show_why_and_the_others_run(fake_chip
     runs out of VMEM) is built eagerly, where the op names the implementations whose inputs failed."""
     compile_one = device_timing._compile
 
-    def builders_fail(lowered, name, lower_s):
+    def builders_fail(lowered, name, lower_s, *log_args):
         if not jax.tree.leaves(lowered.args_info):  # the input builder: a program of no arguments
             raise RuntimeError("RESOURCE_EXHAUSTED: CompileTimeScopedVmemOom")
-        return compile_one(lowered, name, lower_s)
+        return compile_one(lowered, name, lower_s, *log_args)
 
     monkeypatch.setattr(device_timing, "_compile", builders_fail)
 
@@ -241,10 +241,10 @@ def test_the_run_says_which_input_builders_fell_back_to_eager_building(fake_chip
     compile on the chip's thread), and the run says so, with why."""
     compile_one = device_timing._compile
 
-    def builders_fail(lowered, name, lower_s):
+    def builders_fail(lowered, name, lower_s, *log_args):
         if not jax.tree.leaves(lowered.args_info):
             raise RuntimeError("RESOURCE_EXHAUSTED: CompileTimeScopedVmemOom")
-        return compile_one(lowered, name, lower_s)
+        return compile_one(lowered, name, lower_s, *log_args)
 
     monkeypatch.setattr(device_timing, "_compile", builders_fail)
     lines = []
@@ -269,6 +269,35 @@ def test_no_case_starts_past_the_deadline_and_the_rest_say_why(fake_chip, monkey
     why = "not timed: the run's time budget was spent (1 of 2 cases left)"
     assert stats[(cases[1].id, "kernel")] == stats[(cases[1].id, "default")] == {"na": why}
     assert stats[(cases[1].id, "baseline:absent")] == {"na": "not installed: somepackage"}  # its own reason kept
+
+
+def test_a_run_ended_by_its_deadline_does_not_wait_for_a_later_cases_compile(fake_chip, monkeypatch):
+    """When the budget ends a kernel's run, compiles of cases that will not run are left to finish on their own: the
+    next kernel starts at once."""
+    import time
+
+    cases = [suite.Case(OP, SHAPE), suite.Case(OP, dataclasses.replace(SHAPE, batch=128))]
+    clock = iter([0.0, 10.0])
+    monkeypatch.setattr(
+        device_timing, "time", types.SimpleNamespace(monotonic=lambda: next(clock), perf_counter=time.perf_counter)
+    )
+    compile_one, release, finished = device_timing._compile, threading.Event(), threading.Event()
+
+    def later_case_compiles_slowly(lowered, name, lower_s, log=None, key=None, submitted=0.0):
+        if key is not None and key[0] == cases[1].id:
+            release.wait(60)
+            finished.set()
+        return compile_one(lowered, name, lower_s, log, key, submitted)
+
+    monkeypatch.setattr(device_timing, "_compile", later_case_compiles_slowly)
+    try:
+        stats = device_timing.run(
+            cases, measured.case_arrays, kernel_label="k", default_label="d", calls=2, deadline=5.0, compile_workers=4
+        )
+        assert not finished.is_set(), "the run waited for a compile of a case it did not time"
+        assert stats[(cases[0].id, "kernel")]["median_s"] > 0 and "na" in stats[(cases[1].id, "kernel")]
+    finally:
+        release.set()
 
 
 def test_the_measuring_budget_is_shared_out_by_expected_cost_cheapest_first(monkeypatch, tmp_path):
@@ -446,6 +475,23 @@ def test_every_program_compiles_ahead_and_the_host_time_is_accounted(fake_chip, 
     assert all(stats[(c.id, impl)]["median_s"] > 0 for c in cases for impl in ("kernel", "default"))
     assert set(phases) == {c.id for c in cases}
     assert all(set(p) == set(device_timing.PHASES) and p["trace_s"] >= 0 for p in phases.values())
+
+
+def test_the_run_logs_its_compiles_queued_and_compiling_input_builders_apart(fake_chip):
+    """Each kernel's run ends with its pool's compiles: how long they waited on the pool and compiled (median / max),
+    the input builders apart, and which implementation compiled longest."""
+    lines = []
+    bar = types.SimpleNamespace(write=lines.append, update=lambda n: None)
+    cases = [suite.Case(OP, SHAPE), suite.Case(OP, dataclasses.replace(SHAPE, batch=128))]
+    device_timing.run(cases, measured.case_arrays, kernel_label="k", default_label="d", calls=2, bar=bar)
+    (line,) = [ln for ln in lines if ln.startswith("  compiles (median / max): ")]
+    assert "programs " in line and "; input builders 2, compiling " in line and "; longest: " in line
+    log = {("c1", "kernel"): (0.5, 2.0), ("c1", "inputs"): (0.0, 0.25), ("c2", "kernel"): (1.5, 4.0)}
+    assert device_timing.compile_line(log) == (
+        "  compiles (median / max): programs 2, compiling 3.0 / 4.0 s, queued 1.0 / 1.5 s; "
+        "input builders 1, compiling 0.2 / 0.2 s, queued 0.0 / 0.0 s; longest: kernel (4.0 s)"
+    )
+    assert device_timing.compile_line({}) == ""
 
 
 def test_each_timed_case_logs_where_its_host_time_went():
