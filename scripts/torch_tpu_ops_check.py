@@ -118,6 +118,46 @@ def check_apply_rotary(k, device, gen):
     return [compare("apply_rotary", fn, [q, kk, cos, sin], device, gen, grad=(0, 1))]
 
 
+def check_rms_norm_rope(k, device, gen):
+    import torch
+
+    q, kk = _randn(gen, 2, 8, 64, 128), _randn(gen, 2, 2, 64, 128)
+    qw, kw = _randn(gen, 128, scale=0.1) + 1, _randn(gen, 128, scale=0.1) + 1
+    angles = torch.rand(1, 64, 64, generator=gen) * 6.28
+    cos = torch.cat([angles.cos()] * 2, -1).to(torch.bfloat16)
+    sin = torch.cat([angles.sin()] * 2, -1).to(torch.bfloat16)
+    fn = lambda q, kk, qw, kw, c, s: k.rms_norm_rope(q, kk, qw, kw, c, s, 1e-6)  # noqa: E731
+    return [compare("rms_norm_rope", fn, [q, kk, qw, kw, cos, sin], device, gen, grad=(0, 1))]
+
+
+def check_rope_from_positions(k, device, gen):
+    """The positions variants (cos/sin made in the kernel): YaRN scaling, then a partial rotary dim, bshd."""
+    import torch
+
+    q, kk = _randn(gen, 2, 64, 8, 128), _randn(gen, 2, 64, 2, 128)
+    qw, kw = _randn(gen, 128, scale=0.1) + 1, _randn(gen, 128, scale=0.1) + 1
+    positions = torch.randint(0, 4000, (2, 64), generator=gen)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+
+    def rope(q, kk, positions):
+        return k.apply_rotary_from_positions(q, kk, positions, theta=1e6, scaling=yarn, layout="bshd")
+
+    def norm_rope(q, kk, qw, kw, positions):
+        return k.rms_norm_rope_from_positions(q, kk, qw, kw, positions, theta=1e4, rotary_dim=64, layout="bshd")
+
+    return [
+        compare("apply_rotary_from_positions (yarn)", rope, [q, kk, positions], device, gen, grad=(0, 1)),
+        compare(
+            "rms_norm_rope_from_positions (rotary_dim 64)",
+            norm_rope,
+            [q, kk, qw, kw, positions],
+            device,
+            gen,
+            grad=(0, 1),
+        ),
+    ]
+
+
 def check_flash_attn_func(k, device, gen):
     q, kk, v = _randn(gen, 2, 256, 8, 128), _randn(gen, 2, 256, 2, 128), _randn(gen, 2, 256, 2, 128)
     causal = lambda q, kk, v: k.flash_attn_func(q, kk, v, causal=True)  # noqa: E731
@@ -180,6 +220,89 @@ def check_experts_forward(k, device, gen):
     return [compare("experts_forward", fn, [x, index, weights], device, gen, grad=(0, 2))]
 
 
+def _quantized_experts_module(gen, dtype, experts=8, hidden=256, intermediate=128):
+    """transformers' FP8-experts convention: int8 / float8_e4m3fn weights, float32 per-channel `<proj>_scale_inv`."""
+    import torch
+
+    module = _experts_module(gen, experts, hidden, intermediate)
+    for proj in ("gate_up_proj", "down_proj"):
+        e, n, _ = getattr(module, proj).shape
+        if dtype == torch.int8:
+            weight = torch.randint(-127, 128, getattr(module, proj).shape, generator=gen, dtype=torch.int8)
+        else:
+            weight = (torch.randn(getattr(module, proj).shape, generator=gen) * 100).clamp(-448, 448).to(dtype)
+        setattr(module, proj, torch.nn.Parameter(weight, requires_grad=False))
+        scale = (torch.rand(e, n, 1, generator=gen) + 0.5) / (100 * n**0.5)
+        setattr(module, f"{proj}_scale_inv", torch.nn.Parameter(scale, requires_grad=False))
+    return module
+
+
+def _mxfp4_experts_module(gen, experts=8, hidden=256, intermediate=128):
+    """gpt-oss checkpoints' MXFP4 experts: `<proj>_blocks` uint8 [E, out, in / 32, 16], `<proj>_scales` uint8."""
+    import torch
+
+    module = _experts_module(gen, experts, hidden, intermediate)
+    for proj, (out, contraction) in (
+        ("gate_up_proj", (2 * intermediate, hidden)),
+        ("down_proj", (hidden, intermediate)),
+    ):
+        delattr(module, proj)
+        blocks = torch.randint(0, 256, (experts, out, contraction // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(118, 125, (experts, out, contraction // 32), generator=gen, dtype=torch.uint8)
+        module.register_buffer(f"{proj}_blocks", blocks)
+        module.register_buffer(f"{proj}_scales", scales)
+    return module
+
+
+def check_experts_forward_quantized(k, device, gen):
+    """int8 and fp8 e4m3 expert weights with per-channel scales, then MXFP4 laid out by prepare_mxfp4_experts
+    (inference: forward only)."""
+    import copy
+
+    import torch
+
+    tokens, top_k = 16, 2
+    x = _randn(gen, tokens, 256)
+    index = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen).to(torch.bfloat16)
+    lines = []
+    for name, cpu_module in (
+        ("int8", _quantized_experts_module(gen, torch.int8)),
+        ("fp8 e4m3", _quantized_experts_module(gen, torch.float8_e4m3fn)),
+        ("MXFP4, prepare_mxfp4_experts", _mxfp4_experts_module(gen)),
+    ):
+        modules, mxfp4 = {}, name.startswith("MXFP4")
+
+        def fn(x, index, weights, cpu_module=cpu_module, modules=modules, mxfp4=mxfp4):
+            dev = x.device
+            if dev not in modules:
+                modules[dev] = copy.deepcopy(cpu_module).to(dev)
+                if mxfp4:
+                    k.prepare_mxfp4_experts(modules[dev])
+            with torch.no_grad():
+                return k.experts_forward(modules[dev], x, index, weights)
+
+        lines.append(compare(f"experts_forward {name}", fn, [x, index, weights], device, gen))
+    return lines
+
+
+def check_reshape_and_cache_flash_fp8(k, device, gen):
+    import torch
+
+    key, value = _randn(gen, 12, 2, 128), _randn(gen, 12, 2, 128)
+    k_cache = (torch.randn(8, 16, 2, 128, generator=gen) * 50).to(torch.float8_e4m3fn)
+    v_cache = (torch.randn(8, 16, 2, 128, generator=gen) * 50).to(torch.float8_e4m3fn)
+    slots = torch.randperm(128, generator=gen)[:12].to(torch.int64)
+    scales = torch.rand(2, generator=gen) * 0.02 + 0.01
+
+    def fn(key, value, k_cache, v_cache, slots, scales):
+        k.reshape_and_cache_flash(key, value, k_cache, v_cache, slots, "fp8", scales[:1], scales[1:])
+        return k_cache, v_cache
+
+    inputs = [key, value, k_cache, v_cache, slots, scales]
+    return [compare("reshape_and_cache_flash fp8 e4m3 (in place)", fn, inputs, device, gen)]
+
+
 def check_reshape_and_cache_flash(k, device, gen):
     import torch
 
@@ -223,11 +346,15 @@ CHECKS = {
         check_rms_norm_compiled,
         check_fused_add_rms_norm,
         check_apply_rotary,
+        check_rms_norm_rope,
+        check_rope_from_positions,
         check_flash_attn_func,
         check_flash_attn_varlen_func,
         check_ragged_dot,
         check_experts_forward,
+        check_experts_forward_quantized,
         check_reshape_and_cache_flash,
+        check_reshape_and_cache_flash_fp8,
         check_ragged_paged_attention,
         check_flash_attn_with_kvcache,
     )

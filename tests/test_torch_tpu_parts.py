@@ -198,12 +198,19 @@ def test_the_ops_check_runs_each_op_of_the_hub_build_on_a_device_against_the_cpu
     spec = importlib.util.spec_from_file_location("torch_tpu_ops_check", ROOT / "scripts" / "torch_tpu_ops_check.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
-    only = ["rms_norm", "fused_add_rms_norm", "reshape_and_cache_flash", "ragged_paged_attention"]
+    only = [
+        "rms_norm",
+        "fused_add_rms_norm",
+        "reshape_and_cache_flash",
+        "reshape_and_cache_flash_fp8",
+        "ragged_paged_attention",
+        "experts_forward_quantized",
+    ]
     argv = ["--package", str(hub_root / "build" / "torch-tpu"), "--device", "cpu"]
     assert check.main([*argv, *(a for name in only for a in ("--only", name))]) == 0
     out = capsys.readouterr().out
-    assert "torch ops on cpu: 4 checks, 0 failures" in out
-    assert out.count("\nok   ") + out.startswith("ok   ") == 4
+    assert "torch ops on cpu: 8 checks, 0 failures" in out  # the quantized experts are three checks
+    assert out.count("\nok   ") + out.startswith("ok   ") == 8
 
 
 def _script(name):
