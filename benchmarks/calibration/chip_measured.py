@@ -51,21 +51,13 @@ _BASELINE_FAMILIES = {
 # Families out of the fit: the measured ratio (modeled v5e / measured TPU v5e device time, over the family) and the
 # mechanism suspected.
 OUT_OF_FIT = {
-    "chip_moe_kernel": (
-        "modeled/measured 0.93-1.20 (median 1.19): the kernel streams the expert weights at 0.89-0.92 of the table "
-        "HBM bandwidth on the chip, above the 0.80 the model's DMAs run at (fitted on tokamax's one HBM-bound point)"
-    ),
-    "chip_ragged_dot_kernel": (
-        "modeled/measured 1.12-1.23 (median 1.17): weight streaming faster on the chip than the model's 0.80 of the "
-        "table HBM bandwidth, as for the MoE kernel"
-    ),
     "chip_megablox": (
-        "modeled/measured 1.01-1.43 (median 1.20): weight streaming above the model's 0.80 of the HBM bandwidth as "
-        "for our grouped matmuls (suspected; the 1-8 token programs, up to 1.43, not examined)"
+        "modeled/measured 1.01-1.43 (median 1.20), with the reads at 0.92 of the HBM bandwidth that bring our grouped "
+        "matmuls into the fit: not examined (megablox's tiles at these shapes, its steps' cost)"
     ),
     "chip_tokamax_ragged_dot": (
         "modeled/measured 1.28-1.42: tokamax's kernels at its default tiles (its autotuning data has no entry for "
-        "these shapes), weight streaming as for the other grouped matmuls (suspected)"
+        "these shapes): not examined"
     ),
     "chip_vllm_moe": (
         "modeled/measured 1.10-1.35 at 1-8 tokens, 8.9 and 30.5 at 64 and 256: the model cannot pair 9 branches "
@@ -124,6 +116,10 @@ QUICK = (
     "bfloat16",
     "kv_cache/rope_and_write_kv_cache kernel tokens=2048 model=gemma4-sliding phase=prefill q_heads=16 kv_heads=8 "
     "head_dim=256 bfloat16",
+    "ragged_dot/gate_up kernel tokens=8 phase=decode model=qwen3-30b-a3b experts=128 top_k=8 hidden=2048 "
+    "intermediate=768 activation=silu bfloat16",
+    "moe/experts_forward kernel tokens=8 phase=decode model=qwen3-30b-a3b experts=128 top_k=8 hidden=2048 "
+    "intermediate=768 activation=silu bfloat16",
 )
 
 

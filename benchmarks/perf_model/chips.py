@@ -61,8 +61,12 @@ class Calibration:
 
     step_overhead_s: float  # per pipeline step (a grid step, or an iteration of a kernel's own DMA loop), beyond its
     # scheduled cycles and its DMA time: the step's semaphore waits and DMA issue, which the schedule does not show
-    hbm_efficiency: float  # fraction of the table HBM bandwidth the DMAs of a kernel reach
-    xla_hbm_efficiency: float  # the same for XLA's own pipelines: its elementwise / reduction ops and its prefetches
+    # Fractions of the table HBM bandwidth a kernel's DMAs reach reading HBM and writing it: a stream that reads and
+    # writes as much runs at the harmonic mean of the two (Chip.hbm_efficiency)
+    hbm_read_efficiency: float
+    hbm_write_efficiency: float
+    xla_hbm_efficiency: float  # the same for XLA's own pipelines, reads and writes alike: its elementwise / reduction
+    # ops and its prefetches
     dma_descriptor_s: float  # DMA-engine time per DMA (a pipeline block transfer, a make_async_copy), on top of its
     # bytes: what makes many small page copies slower than one contiguous copy of the same bytes
     dma_run_s: float  # DMA-engine time per contiguous run of a DMA in HBM beyond its first (a strided block or slice:
@@ -76,17 +80,21 @@ XLA_HBM_EFFICIENCY = 0.86
 # (the mechanisms are the same chips' DMA engines and pipeline code; nothing v6e-specific is fitted).
 _V5E_FIT = Calibration(
     step_overhead_s=0.14e-6,
-    hbm_efficiency=0.80,
+    hbm_read_efficiency=0.92,
+    hbm_write_efficiency=0.708,
     xla_hbm_efficiency=XLA_HBM_EFFICIENCY,
     dma_descriptor_s=2.6e-9,
     dma_run_s=0.0,
     provenance=(
         "step_overhead_s: the JAX Pallas TPU matmul tutorial's v5e timings with 128^3 tiles (4096^3 and 8192^3, "
-        "32k-262k grid steps, compute 0.21 us a step): measured - modeled = 0.138-0.147 us per step. hbm_efficiency: "
-        "the one HBM-bound measured point, tokamax's v5e ragged dot at 262144 x 256 x 7168 (4.8 GB read and written "
-        "in 7.93 ms: 0.78 of the table bandwidth once compute overlaps), and XLA's own cost model, whose estimate for "
-        "a 256 MiB f32 elementwise op is 0.81 of the table bandwidth on v5e and on v6e. xla_hbm_efficiency: the v5e "
-        "chip's XLA RMSNorm and rotary programs of 50 us and more (benchmarks/calibration/chip_v5e.json, 14 "
+        "32k-262k grid steps, compute 0.21 us a step): measured - modeled = 0.138-0.147 us per step. "
+        "hbm_read_efficiency and hbm_write_efficiency: the v5e chip's own kernels (benchmarks/calibration/"
+        "chip_v5e.json): streams that only read (the MoE experts and ragged dot at 8-64 tokens, weights read once) "
+        "reach 0.89-0.92 of the table bandwidth, streams that read and write as much (RMSNorm, fused add + RMSNorm, "
+        "rotary at 4096 tokens and more) 0.80-0.81; reads at 0.92 and writes at 0.708 give both (the write figure is "
+        "what the balanced streams imply: no measured kernel only writes). Before the chip: 0.80 for both, from "
+        "tokamax's one HBM-bound point and XLA's estimate for a 256 MiB streaming op (0.81). xla_hbm_efficiency: "
+        "the v5e chip's XLA RMSNorm and rotary programs of 50 us and more (benchmarks/calibration/chip_v5e.json, 14 "
         "HBM-bound points): median modeled/measured 1.007 at 0.86 (1.066 at the kernels' 0.80). dma_descriptor_s and "
         "dma_run_s: NO measured point separates DMA shapes (every measured kernel moves 1-3 block DMAs a step, with "
         "runs of >= 4 KiB); the tutorial's 128^3 points bound them (their two 32 KiB block DMAs of 8 runs must fit in "
@@ -115,23 +123,33 @@ class Chip:
     mxu_rows_per_cycle: int  # compiler machine model (bundle profile)
     launch_overhead_s: float = LAUNCH_OVERHEAD_S
     step_overhead_s: float = 0.0  # Calibration.step_overhead_s
-    hbm_efficiency: float = 1.0  # Calibration.hbm_efficiency
+    hbm_read_efficiency: float = 1.0  # Calibration.hbm_read_efficiency
+    hbm_write_efficiency: float = 1.0  # Calibration.hbm_write_efficiency
     xla_hbm_efficiency: float = 1.0  # Calibration.xla_hbm_efficiency
     dma_descriptor_s: float = 0.0  # Calibration.dma_descriptor_s
     dma_run_s: float = 0.0  # Calibration.dma_run_s
 
     @property
+    def hbm_efficiency(self) -> float:
+        """The fraction of the table bandwidth a stream that reads and writes as much reaches."""
+        return 2.0 / (1.0 / self.hbm_read_efficiency + 1.0 / self.hbm_write_efficiency)
+
+    @property
     def dma_bytes_per_s(self) -> float:
-        """The HBM bandwidth the model's DMAs and copies run at."""
+        """The HBM bandwidth of a stream that reads and writes as much (a copy: its bytes moved, read and written)."""
         return self.hbm_bytes_per_s * self.hbm_efficiency
 
     def xla_pipeline(self) -> Chip:
         """These parameters with the DMA bandwidth of XLA's own pipelines (its ops and prefetches)."""
-        return dataclasses.replace(self, hbm_efficiency=self.xla_hbm_efficiency)
+        return dataclasses.replace(
+            self, hbm_read_efficiency=self.xla_hbm_efficiency, hbm_write_efficiency=self.xla_hbm_efficiency
+        )
 
-    def stream_s(self, nbytes: float) -> float:
-        """Seconds to move `nbytes` to or from HBM at the DMA bandwidth."""
-        return nbytes / self.dma_bytes_per_s
+    def stream_s(self, read_bytes, write_bytes=0.0):
+        """Seconds the DMAs take to read `read_bytes` from HBM and write `write_bytes` to it (arrays allowed)."""
+        return np.asarray(read_bytes, np.float64) / (self.hbm_bytes_per_s * self.hbm_read_efficiency) + np.asarray(
+            write_bytes, np.float64
+        ) / (self.hbm_bytes_per_s * self.hbm_write_efficiency)
 
     def dma_shape_s(self, descriptors, runs):
         """DMA-engine seconds for `descriptors` DMAs moving `runs` contiguous runs in all (at least one each), on top
@@ -181,7 +199,8 @@ def get_chip(gen: str) -> Chip:
         mxu_size=int(info.mxu_column_size),
         mxu_rows_per_cycle=rows,
         step_overhead_s=CALIBRATION[gen].step_overhead_s,
-        hbm_efficiency=CALIBRATION[gen].hbm_efficiency,
+        hbm_read_efficiency=CALIBRATION[gen].hbm_read_efficiency,
+        hbm_write_efficiency=CALIBRATION[gen].hbm_write_efficiency,
         xla_hbm_efficiency=CALIBRATION[gen].xla_hbm_efficiency,
         dma_descriptor_s=CALIBRATION[gen].dma_descriptor_s,
         dma_run_s=CALIBRATION[gen].dma_run_s,

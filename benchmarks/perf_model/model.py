@@ -436,7 +436,8 @@ def _async_copy_models(chip, label: str, hlo: str, kernels: list, xla_ops: list)
         inside = [(t, b) for i, t, b in ops if start < i < end]
         op_s = sum(t for t, _ in inside)
         copy_bytes = sum(copies[n] for n in names)
-        extra = max(0.0, chip.stream_s(sum(b for _, b in inside) + copy_bytes) - op_s)
+        # XLA's pipelines read and write at one efficiency: the bytes' direction does not matter here
+        extra = max(0.0, float(chip.stream_s(sum(b for _, b in inside) + copy_bytes)) - op_s)
         out += [XlaOpModel(label, n, 0, extra * copies[n] / copy_bytes, "bytes_moved", copies[n]) for n in names]
     return out
 
@@ -920,26 +921,28 @@ def _model_kernel(
     mxu_flops = float(2 * macs_per_pattern[inv].sum()) if steps else 0.0
     mxu_ops_mean = float(nops_per_pattern[inv].mean()) if steps else 0.0
 
-    clk, bw = chip.clock_hz, chip.dma_bytes_per_s
+    clk = chip.clock_hz
     compute = step_cycles / clk
     # Pipeline: while step s computes, step s+1's inputs arrive and step s-1's outputs leave. The kernel's own DMAs
     # are issued within the step and overlap its compute (they are asynchronous; emit_pipeline double-buffers them).
-    # Each DMA also costs DMA-engine time by its shape (chips.Calibration.dma_descriptor_s per DMA, dma_run_s per
-    # contiguous run in HBM beyond its first), on the DMA side of the step: it overlaps compute as the bytes do.
-    dma, descriptors, runs = np.zeros(steps), np.zeros(steps), np.zeros(steps)
+    # Reads and writes run at their own bandwidths (chips.Calibration.hbm_read_efficiency / _write_). Each DMA also
+    # costs DMA-engine time by its shape (chips.Calibration.dma_descriptor_s per DMA, dma_run_s per contiguous run in
+    # HBM beyond its first), on the DMA side of the step: it overlaps compute as the bytes do.
+    dma_in, dma_out, descriptors, runs = np.zeros(steps), np.zeros(steps), np.zeros(steps), np.zeros(steps)
     if steps > 1:
-        dma[:-1] += in_b[1:]
-        dma[1:] += out_b[:-1]
+        dma_in[:-1] += in_b[1:]
+        dma_out[1:] += out_b[:-1]
         descriptors[:-1] += in_d[1:]
         descriptors[1:] += out_d[:-1]
         runs[:-1] += in_r[1:]
         runs[1:] += out_r[:-1]
-    manual = np.broadcast_to(manual_in + manual_out, (steps,)) if steps else np.zeros(0)
-    dma = dma + manual
+    if steps:
+        dma_in = dma_in + np.broadcast_to(manual_in, (steps,))
+        dma_out = dma_out + np.broadcast_to(manual_out, (steps,))
     descriptors = descriptors + (np.broadcast_to(manual_dmas, (steps,)) if steps else 0.0)
     runs = runs + (np.broadcast_to(manual_runs, (steps,)) if steps else 0.0)
     shape_t = chip.dma_shape_s(descriptors, runs)
-    dma_t = dma / bw + shape_t
+    dma_t = chip.stream_s(dma_in, dma_out) + shape_t
     per_step = np.maximum(compute, dma_t)
     n_fill = max(0, trip - steps) if sched.has_loop else 0
     fixed_cycles = sched.prologue + sched.epilogue + n_fill * sched.fill_cycles()
@@ -958,7 +961,7 @@ def _model_kernel(
     # The first step's inputs, the last one's outputs.
     end_d, end_r = (in_d[0] + out_d[-1], in_r[0] + out_r[-1]) if steps else (0.0, 0.0)
     end_shape_s = float(chip.dma_shape_s(end_d, end_r))
-    ends_s = ((in_b[0] + out_b[-1]) / bw if steps else 0.0) + end_shape_s
+    ends_s = (float(chip.stream_s(in_b[0], out_b[-1])) if steps else 0.0) + end_shape_s
     descriptors_total = float(descriptors.sum() + end_d)
     runs_total = float(runs.sum() + end_r)
     shape_total_s = float(shape_t.sum()) + end_shape_s
@@ -997,7 +1000,7 @@ def _model_kernel(
         dma_shape_s=shape_total_s,
         blocks=blocks,
         compute_s=float(compute.sum() + fixed_cycles / clk),
-        hbm_s=hbm_bytes / bw,
+        hbm_s=float(chip.stream_s(in_b.sum(), out_b.sum())),
         pipeline_steps=float(pipeline_steps),
         step_overhead_s=float(step_overhead_s),
         modeled_s=float(total),
@@ -1171,7 +1174,7 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
         if n in mosaic_names:
             continue
         if n in copies:
-            xla_ops.append(XlaOpModel(label, n, c, chip.stream_s(copies[n]), "bytes_moved", copies[n]))
+            xla_ops.append(XlaOpModel(label, n, c, copies[n] / chip.dma_bytes_per_s, "bytes_moved", copies[n]))
             continue
         if n in scheduled and f"{n}/pre_delay" in files:
             # An elementwise or reduction op is a pipeline over windows like a kernel's grid: timed from its own
