@@ -50,6 +50,8 @@ def _lower_priority() -> None:
 
 
 INPUTS = "inputs"  # the plan's key, beside the implementations', of a case's input builder
+STATE = "state"  # and of the builder of its in-place implementations' initial state (each gets a fresh one)
+BUILDERS = (INPUTS, STATE)
 
 # A case's host seconds on the thread that runs the chip, by phase, and export_s: the worker processes' tracing of its
 # programs, which ran in parallel (not this thread's time).
@@ -176,6 +178,9 @@ class _Plan:
             # case on the v5e host)
             self.builders[(case.id, INPUTS)] = lambda case=case: make_args(case)
             self.queue.append((position, (case.id, INPUTS), ()))
+            if state:  # so is the in-place state (built eagerly, its compiles took 4.4 s a KV cache shape there)
+                self.builders[(case.id, STATE)] = lambda case=case: case.op.in_place.state(case.shape, 0)
+                self.queue.append((position, (case.id, STATE), ()))
             for impl in runnable:
                 key = (case.id, impl)
                 self.queue.append((position, key, (*state, *specs) if key in self.state else specs))
@@ -263,6 +268,19 @@ def _build_inputs(plan: _Plan, case, make_args):
     return make_args(case)
 
 
+def _initial_state(plan: _Plan, case) -> tuple:
+    """Fresh initial state for one in-place implementation of the case: a call of its compiled state builder (new
+    buffers each call), else (no builder, or it failed to compile) built eagerly."""
+    future = plan.compiles.get((case.id, STATE))
+    if future is not None:
+        try:
+            return tuple(future.result()[0]())
+        except Exception as e:  # noqa: BLE001 - built eagerly below
+            why = reason(e, 160)
+            plan.eager_inputs[why] = plan.eager_inputs.get(why, 0) + 1
+    return tuple(case.op.in_place.state(case.shape, 0))
+
+
 def _time_case(position, case, plan: _Plan, make_args, calls: int, labels: dict) -> tuple[dict, dict]:
     """({impl: entry}, host seconds by phase) for one case: its programs (and the next ones') lowered, its inputs,
     the compiles waited on, first runs, then one trace."""
@@ -291,7 +309,7 @@ def _time_case(position, case, plan: _Plan, make_args, calls: int, labels: dict)
         n_state = plan.state.get(key, 0)
         try:
             # an in-place implementation gets state of its own (it is donated, call to call)
-            call_args = (*case.op.in_place.state(case.shape, 0), *args) if n_state else args
+            call_args = (*_initial_state(plan, case), *args) if n_state else args
             if key not in plan.compiles:  # its inputs' shapes could not be taken abstractly: the concrete ones
                 plan.submit(key, call_args)
                 here_s, export_s = plan.take_lower_s()
@@ -390,7 +408,7 @@ def run(
                 phases[case.id] = case_phases
             if bar is not None and hasattr(bar, "write"):  # where a slow run's host time goes, as it goes
                 bar.write(case_line(case.id, case_phases, results))
-            for impl in case.op.impls(case.shape):  # drop the case's executables: their memory is the host's
+            for impl in (*case.op.impls(case.shape), *BUILDERS):  # drop the case's executables: host memory
                 plan.compiles.pop((case.id, impl), None)
             if on_case is not None:
                 on_case(dict(stats))
@@ -421,8 +439,8 @@ def lowering_line(plan: _Plan) -> str:
 
 
 def compile_line(log: dict) -> str:
-    """The pool's compiles, input builders apart: how many, seconds compiling and queued (median / max), the
-    longest compile's implementation."""
+    """The pool's compiles, the builders of inputs and in-place state apart ("input builders"): how many, seconds
+    compiling and queued (median / max), the longest compile's implementation."""
     if not log:
         return ""
 
@@ -433,8 +451,8 @@ def compile_line(log: dict) -> str:
             f"queued {statistics.median(queued):.1f} / {max(queued):.1f} s"
         )
 
-    inputs = {k: v for k, v in log.items() if k[1] == INPUTS}
-    programs = {k: v for k, v in log.items() if k[1] != INPUTS}
+    inputs = {k: v for k, v in log.items() if k[1] in BUILDERS}
+    programs = {k: v for k, v in log.items() if k[1] not in BUILDERS}
     parts = [f"programs {stats(programs)}"] if programs else []
     if inputs:
         parts.append(f"input builders {stats(inputs)}")

@@ -554,13 +554,39 @@ IN_PLACE_OP = dataclasses.replace(
 
 def test_in_place_implementations_run_on_state_of_their_own(fake_chip, monkeypatch, tmp_path):
     """An op with in-place implementations is measured on donated state made for each implementation, its entry
-    says so; the others run as they are."""
-    monkeypatch.setattr(suite, "get", lambda kernel: dataclasses.replace(SUITE, ops=(IN_PLACE_OP,)))
+    says so; the others run as they are. The state comes from a builder compiled on the pool (its function traced,
+    never run op by op on the chip's thread), a fresh one for each implementation."""
+    eager_builds = []
+
+    def state(shape, seed):
+        if not isinstance(jnp.zeros(()), jax.core.Tracer):  # a real build, not a trace of the builder
+            eager_builds.append(shape)
+        return (jnp.ones((512, 256), jnp.bfloat16),)
+
+    op = dataclasses.replace(IN_PLACE_OP, in_place=dataclasses.replace(IN_PLACE_OP.in_place, state=state))
+    monkeypatch.setattr(suite, "get", lambda kernel: dataclasses.replace(SUITE, ops=(op,)))
     result = harness.run_kernel("double", harness.Config(out=tmp_path, model=False, calls=3), dev=TPU)
     (row,) = result["rows"]
     for impl in ("kernel", "default"):
         assert row["measured"][impl]["in_place"] == "state donated, carried from call to call", impl
     assert any(line.startswith("in place: ") for line in report.format_measured(result))
+    assert eager_builds == []
+
+
+def test_each_in_place_implementation_gets_fresh_state_from_the_compiled_builder(fake_chip):
+    """The compiled state builder makes new buffers at each call: donating one implementation's state leaves the
+    next implementation's intact."""
+    cases = [suite.Case(IN_PLACE_OP, SHAPE)]
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        plan = device_timing._Plan(cases, measured.case_arrays, pool, ahead=4)
+        plan.submit_through(0)
+        first, second = device_timing._initial_state(plan, cases[0]), device_timing._initial_state(plan, cases[0])
+    finally:
+        pool.shutdown()
+    assert (cases[0].id, device_timing.STATE) in plan.compile_log  # compiled on the pool, not built eagerly
+    jax.jit(lambda s: s * 0, donate_argnums=0)(first[0])  # the first one donated
+    np.testing.assert_array_equal(np.asarray(second[0], np.float32), 1.0)
 
 
 def test_profile_host_writes_the_main_threads_profile(monkeypatch, tmp_path, capsys):
