@@ -254,31 +254,29 @@ class _Plan:
         return seconds
 
 
-def _build_inputs(plan: _Plan, case, make_args):
-    """The case's inputs: from its compiled input builder, else (its inputs' shapes not taken abstractly, or the
-    builder as one program failed to compile: a baseline's forward that a backward's residuals come from, say)
-    built eagerly, where an op may report the implementations whose inputs failed (suite.PartialInputs)."""
-    future = plan.compiles.pop((case.id, INPUTS), None)
+def _built(plan: _Plan, future, build_eagerly):
+    """A builder's arrays: a call of its compiled program (new buffers each call), else (no program: shapes not taken
+    abstractly; or it failed to compile, counted in the run's log) `build_eagerly()`."""
     if future is not None:
         try:
             return future.result()[0]()
-        except Exception as e:  # noqa: BLE001 - built eagerly below, where the failure is told apart by implementation
+        except Exception as e:  # noqa: BLE001 - built eagerly below, where a failure is told apart by implementation
             why = reason(e, 160)
             plan.eager_inputs[why] = plan.eager_inputs.get(why, 0) + 1
-    return make_args(case)
+    return build_eagerly()
+
+
+def _build_inputs(plan: _Plan, case, make_args):
+    """The case's inputs, from its input builder (built eagerly, an op may report the implementations whose inputs
+    failed: suite.PartialInputs, a baseline's forward that a backward's residuals come from, say)."""
+    return _built(plan, plan.compiles.pop((case.id, INPUTS), None), lambda: make_args(case))
 
 
 def _initial_state(plan: _Plan, case) -> tuple:
-    """Fresh initial state for one in-place implementation of the case: a call of its compiled state builder (new
-    buffers each call), else (no builder, or it failed to compile) built eagerly."""
+    """Fresh initial state for one in-place implementation of the case, from its state builder (kept for the
+    case's other in-place implementations)."""
     future = plan.compiles.get((case.id, STATE))
-    if future is not None:
-        try:
-            return tuple(future.result()[0]())
-        except Exception as e:  # noqa: BLE001 - built eagerly below
-            why = reason(e, 160)
-            plan.eager_inputs[why] = plan.eager_inputs.get(why, 0) + 1
-    return tuple(case.op.in_place.state(case.shape, 0))
+    return tuple(_built(plan, future, lambda: case.op.in_place.state(case.shape, 0)))
 
 
 def _time_case(position, case, plan: _Plan, make_args, calls: int, labels: dict) -> tuple[dict, dict]:

@@ -67,18 +67,23 @@ def _pattern(name: str) -> re.Pattern:
     return re.compile(rf"(?<![A-Za-z0-9_]){re.escape('jit_' + name)}(?![A-Za-z0-9_])")
 
 
-def module_durations(profile, names: Sequence[str], *, plane: str = DEVICE_PLANE, line: str = MODULES_LINE) -> dict:
-    """{name: [duration_ns of each execution, in start order]} from a jax.profiler.ProfileData (or any object with
-    the same planes / lines / events). Raises if the plane or its line is missing."""
+def module_events(profile, *, plane: str = DEVICE_PLANE, line: str = MODULES_LINE) -> list:
+    """Every event of `line` on `plane`, in start order, from a jax.profiler.ProfileData (or any object with the same
+    planes / lines / events). Raises if the plane or its line is missing."""
     planes = [p for p in profile.planes if p.name == plane]
     if not planes:
         raise RuntimeError(f"the profile has no plane {plane!r} (planes: {sorted(p.name for p in profile.planes)})")
     events = [e for p in planes for ln in p.lines if ln.name == line for e in ln.events]
     if not events and not any(ln.name == line for p in planes for ln in p.lines):
         raise RuntimeError(f"the plane {plane!r} has no line {line!r}")
+    return sorted(events, key=lambda e: e.start_ns)
+
+
+def module_durations(profile, names: Sequence[str], *, plane: str = DEVICE_PLANE, line: str = MODULES_LINE) -> dict:
+    """{name: [duration_ns of each execution, in start order]} of the programs named (module_events)."""
     patterns = {name: _pattern(name) for name in names}
     out = {name: [] for name in names}
-    for e in sorted(events, key=lambda e: e.start_ns):
+    for e in module_events(profile, plane=plane, line=line):
         for name, pattern in patterns.items():
             if pattern.search(e.name):
                 out[name].append(float(e.duration_ns))

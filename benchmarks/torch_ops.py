@@ -42,13 +42,14 @@ def _randn(torch, device, *shape, scale=1.0):
     return (torch.randn(*shape, device=device) * scale).to(torch.bfloat16)
 
 
-def _experts_module(torch, device, experts, hidden, intermediate):
-    module = torch.nn.Module()
-    module.gate_up_proj = torch.nn.Parameter(_randn(torch, device, experts, 2 * intermediate, hidden, scale=0.05))
-    module.down_proj = torch.nn.Parameter(_randn(torch, device, experts, hidden, intermediate, scale=0.05))
-    module.num_experts, module.has_bias, module.is_transposed = experts, False, False
-    module.is_concatenated, module.has_gate, module.act_fn = True, True, torch.nn.SiLU()
-    return module
+def _ops_check():
+    """scripts/torch_tpu_ops_check.py: the Hub build's loader, the package-op recorder, the experts module."""
+    scripts = str(ROOT / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import torch_tpu_ops_check
+
+    return torch_tpu_ops_check
 
 
 def cases(k, torch, device: str, small: bool = False) -> dict:
@@ -67,7 +68,10 @@ def cases(k, torch, device: str, small: bool = False) -> dict:
     sizes = torch.full((experts,), 4, dtype=torch.int32, device=device)
     label = f"ragged_dot rows={experts * 4} groups={experts} K={model_hidden} N={2 * inter}"
     out[label] = lambda: k.ragged_dot(lhs, rhs, sizes)
-    module = _experts_module(torch, device, experts, model_hidden, inter)  # Qwen3-30B-A3B's experts, top 8
+    module = _ops_check().experts_module(  # Qwen3-30B-A3B's experts, top 8
+        _randn(torch, device, experts, 2 * inter, model_hidden, scale=0.05),
+        _randn(torch, device, experts, model_hidden, inter, scale=0.05),
+    )
     for tokens in (8, 64):
         xs = _randn(torch, device, tokens, model_hidden)
         index = torch.stack([torch.randperm(experts)[:8] for _ in range(tokens)]).to(device)
@@ -111,20 +115,10 @@ def _spec(value, torch):
 
 def record_ops(call, torch) -> list[dict]:
     """[{"op": name, "args": [spec, ...]}] of the package's custom ops `call()` runs, in order."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = []
-
-    class Recorder(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            namespace, _, name = func.name().partition("::")
-            if namespace.startswith("_tpu_kernels_"):
-                seen.append({"op": name.split(".")[0], "args": [_spec(a, torch) for a in args]})
-            return func(*args, **(kwargs or {}))
-
-    with Recorder(), torch.no_grad():
+    recorder = _ops_check().recording_package_ops()
+    with recorder, torch.no_grad():
         call()
-    return seen
+    return [{"op": name, "args": [_spec(a, torch) for a in args]} for name, args in recorder.calls]
 
 
 def jax_program(op, specs: list[dict], seed: int):
@@ -159,14 +153,12 @@ def modules_in(trace_dir) -> list[tuple[str, float]]:
 
     from benchmarks import profiler
 
-    events = []
-    for f in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
-        for plane in jax.profiler.ProfileData.from_file(f).planes:
-            if plane.name == profiler.DEVICE_PLANE:
-                for line in plane.lines:
-                    if line.name == profiler.MODULES_LINE:
-                        events += [(e.name, float(e.duration_ns) * 1e-9) for e in line.events]
-    return events
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    return [
+        (e.name, float(e.duration_ns) * 1e-9)
+        for f in files
+        for e in profiler.module_events(jax.profiler.ProfileData.from_file(f))
+    ]
 
 
 def _summary(events, calls: int, host_s: float) -> dict:
@@ -211,10 +203,6 @@ def _profiled(call, sync, calls: int, on_device: bool) -> dict:
     return _summary(events, calls, host_s)
 
 
-def _reason(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-
-
 def measure(args) -> dict:
     """Every case through torch on args.device, then its recorded ops as their JAX functions, each side profiled."""
     import importlib
@@ -223,10 +211,9 @@ def measure(args) -> dict:
     import jax
     import torch
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from torch_tpu_ops_check import load_package
+    from benchmarks.device_timing import reason
 
-    k = load_package(args.package)
+    k = _ops_check().load_package(args.package)
     ops = package_ops(k)
     on_device = args.device != "cpu"
     interpret = importlib.import_module(f"{k.__name__}._pallas.common.interpret")
@@ -257,7 +244,7 @@ def measure(args) -> dict:
                 with interpret.interpret_on_cpu():
                     row["jax"] = _profiled(jax_call, jax.block_until_ready, 1, False)
         except Exception as e:  # noqa: BLE001 - one case failing must not lose the others
-            row["error"] = _reason(e)
+            row["error"] = reason(e)
         rows.append(row)
         print(markdown([row], "").splitlines()[-1], flush=True)
     versions = {"torch": torch.__version__, "jax": jax.__version__}

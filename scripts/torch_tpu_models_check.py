@@ -35,35 +35,18 @@ import pathlib
 import random
 import sys
 import tempfile
-import time
-import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # tiny_models: the CPU suite's model definitions
+sys.path.insert(0, str(ROOT / "scripts"))  # torch_tpu_ops_check: the op recorder and the check runner
+
+from torch_tpu_ops_check import recording_package_ops, run_checks  # noqa: E402
 
 REPO_ID = "kernels-community/tpu-kernels"
 EXPERTS = "tpu_ragged_dot"  # the name README registers experts_forward under
 ATTENTION = "tpu_kernels_attention"  # attention_forward under a name without "flash" (README's direct registration)
 LOGIT_TOLERANCE = 2e-2  # of the largest |logit|: f32 models, the chip's matmul passes against the CPU's f32
 NEW_TOKENS = 4
-
-
-def _op_counter():
-    """A TorchDispatchMode counting the Hub build's ops (namespace _tpu_kernels_<hash>) by name."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class OpCalls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            namespace, _, name = func.name().partition("::")
-            if namespace.startswith("_tpu_kernels_"):
-                self.calls[name.split(".")[0]] += 1
-            return func(*args, **(kwargs or {}))
-
-    return OpCalls()
 
 
 def _register(kernel):
@@ -146,14 +129,15 @@ def _check(name, make_model, implementations, expected_ops, args, rng, work: pat
         expected = reference(tokens).logits.float()
         default_device = default_on_device(tokens.to(args.device)).logits.float().cpu()
         on_cpu = cpu_model(tokens).logits.float()
-        counter = _op_counter()
-        with counter:
+        recorder = recording_package_ops()
+        with recorder:
             on_device = device_model(tokens.to(args.device)).logits.float().cpu()
+    ran_ops = collections.Counter(op for op, _ in recorder.calls)
     if not torch.isfinite(on_device).all():
         raise AssertionError("logits on the device are not all finite")
-    missing = [op for op in expected_ops if counter.calls[op] == 0]
+    missing = [op for op in expected_ops if ran_ops[op] == 0]
     if missing:
-        raise AssertionError(f"our ops {missing} did not run on the device (ran: {dict(counter.calls)})")
+        raise AssertionError(f"our ops {missing} did not run on the device (ran: {dict(ran_ops)})")
     scale = float(expected.abs().max())
     device_error = float((on_device - on_cpu).abs().max())
     reference_error = float((on_cpu - expected).abs().max())
@@ -173,7 +157,7 @@ def _check(name, make_model, implementations, expected_ops, args, rng, work: pat
     generation = _compare_generation(
         cpu_model, _greedy(cpu_model, prompt, "cpu"), _greedy(device_model, prompt, args.device), 6
     )
-    ran = ", ".join(f"{op} x{n}" for op, n in sorted(counter.calls.items()))
+    ran = ", ".join(f"{op} x{n}" for op, n in sorted(ran_ops.items()))
     return (
         f"ok   {name}: logits max |{args.device} - cpu| {device_error:.2g} (largest {scale:.2g}), "
         f"|cpu - default| {reference_error:.2g}; {generation}; ours on {args.device}: {ran}"
@@ -237,27 +221,36 @@ def _continuous_batching_check(name, args, rng, work: pathlib.Path, kernel) -> s
     )
 
 
+def _model_check(make_model, implementations, expected_ops):
+    return lambda name, args, rng, work, kernel: _check(
+        name, make_model, implementations, expected_ops, args, rng, work
+    )
+
+
 def _checks():
+    """{name: check(name, args, rng, work folder, kernel) -> its report line}."""
     import tiny_models
 
     return {
         # Qwen3-MoE: experts_forward through transformers' experts interface (SiLU, renormalized top-k)
-        "qwen3_moe_experts": (tiny_models.qwen3_moe, {"experts_implementation": EXPERTS}, ("experts_forward",)),
+        "qwen3_moe_experts": _model_check(
+            tiny_models.qwen3_moe, {"experts_implementation": EXPERTS}, ("experts_forward",)
+        ),
         # gpt-oss: its experts (interleaved gate/up, biases, clamped SwiGLU) and attention_forward (sinks, a window)
-        "gpt_oss_experts_and_attention": (
+        "gpt_oss_experts_and_attention": _model_check(
             tiny_models.gpt_oss_moe,
             {"experts_implementation": EXPERTS, "attn_implementation": ATTENTION},
             ("experts_forward", "flash_attention"),
         ),
         # Gemma 4 26B-A4B's architecture: the Hub name (transformers loads the build itself), a sliding and a full
         # layer of head dims 128 and 256, and its MoE block
-        "gemma4_moe_hub_attention": (
+        "gemma4_moe_hub_attention": _model_check(
             lambda seed: tiny_models.gemma4(seed, moe=True),
             {"experts_implementation": EXPERTS, "attn_implementation": REPO_ID},
             ("experts_forward", "flash_attention"),
         ),
         # continuous batching: our paged KV cache writes and ragged paged attention under generate_batch
-        "qwen3_continuous_batching": None,
+        "qwen3_continuous_batching": _continuous_batching_check,
     }
 
 
@@ -301,24 +294,12 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--only: unknown checks {sorted(unknown)}; known: {sorted(checks)}")
     rng = random.Random(seed)
-    failures = 0
-    names = args.only or list(checks)
     with tempfile.TemporaryDirectory(prefix="tpu-kernels-models-") as work:
-        for name in names:
-            start = time.perf_counter()
-            try:
-                if checks[name] is None:
-                    line = _continuous_batching_check(name, args, rng, pathlib.Path(work), kernel)
-                else:
-                    make_model, implementations, expected_ops = checks[name]
-                    line = _check(name, make_model, implementations, expected_ops, args, rng, pathlib.Path(work))
-                print(f"{line} ({time.perf_counter() - start:.1f} s)", flush=True)
-            except Exception as e:  # noqa: BLE001 - one failing check must not hide the others
-                failures += 1
-                print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
-                traceback.print_exc()
-    print(f"models on {args.device}: {len(names)} checks, {failures} failures")
-    return 1 if failures else 0
+
+        def run(name):
+            return [checks[name](name, args, rng, pathlib.Path(work), kernel)]
+
+        return run_checks(args.only or list(checks), run, f"models on {args.device}")
 
 
 if __name__ == "__main__":

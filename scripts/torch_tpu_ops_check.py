@@ -188,15 +188,24 @@ def check_ragged_dot(k, device, gen):
     return [compare("ragged_dot", k.ragged_dot, [lhs, rhs, sizes], device, gen, grad=(0, 1))]
 
 
-def _experts_module(gen, experts=8, hidden=256, intermediate=128):
+def experts_module(gate_up_proj, down_proj):
+    """An experts module as transformers' Qwen3-MoE experts present themselves to `experts_forward`: concatenated
+    gate/up [E, 2I, H] and down [E, H, I] weights, SiLU, no biases."""
     import torch
 
     module = torch.nn.Module()
-    module.gate_up_proj = torch.nn.Parameter(_randn(gen, experts, 2 * intermediate, hidden, scale=0.05))
-    module.down_proj = torch.nn.Parameter(_randn(gen, experts, hidden, intermediate, scale=0.05))
-    module.num_experts, module.has_bias, module.is_transposed = experts, False, False
+    module.gate_up_proj = torch.nn.Parameter(gate_up_proj)
+    module.down_proj = torch.nn.Parameter(down_proj)
+    module.num_experts, module.has_bias, module.is_transposed = gate_up_proj.shape[0], False, False
     module.is_concatenated, module.has_gate, module.act_fn = True, True, torch.nn.SiLU()
     return module
+
+
+def _experts_module(gen, experts=8, hidden=256, intermediate=128):
+    return experts_module(
+        _randn(gen, experts, 2 * intermediate, hidden, scale=0.05),
+        _randn(gen, experts, hidden, intermediate, scale=0.05),
+    )
 
 
 def check_experts_forward(k, device, gen):
@@ -361,6 +370,46 @@ CHECKS = {
 }
 
 
+def recording_package_ops():
+    """A TorchDispatchMode whose `calls` list holds (op name, args) of every op of a Hub build (namespace
+    `_tpu_kernels_<hash>`) run under it, in order; the dispatch is this thread's only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PackageOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            namespace, _, name = func.name().partition("::")
+            if namespace.startswith("_tpu_kernels_"):
+                self.calls.append((name.split(".")[0], args))
+            return func(*args, **(kwargs or {}))
+
+    return PackageOps()
+
+
+def run_checks(names, run, what: str) -> int:
+    """Each name's check (`run(name)`: its report lines, raising on a failure), printed with its seconds; a failure
+    printed with its traceback and counted, the others still run. Ends with `<what>: N checks, F failures`; returns
+    the exit status (1 when any failed)."""
+    checks, failures = 0, 0
+    for name in names:
+        start = time.perf_counter()
+        try:
+            lines = run(name)
+            checks += len(lines)
+            for line in lines:
+                print(f"{line} ({time.perf_counter() - start:.1f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - one failing check must not hide the others
+            checks += 1
+            failures += 1
+            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc()
+    print(f"{what}: {checks} checks, {failures} failures")
+    return 1 if failures else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--package", type=pathlib.Path, default=ROOT / "build" / "torch-tpu", help="the Hub build's folder")
@@ -371,22 +420,13 @@ def main(argv=None) -> int:
 
     k = load_package(args.package)
     print(f"torch {torch.__version__}, package {args.package}, device {args.device}", flush=True)
-    checks, failures = 0, 0
-    for index, name in enumerate(args.only or CHECKS):
-        gen = torch.Generator().manual_seed(1000 + index)
-        start = time.perf_counter()
-        try:
-            lines = CHECKS[name](k, args.device, gen)
-            checks += len(lines)
-            for line in lines:
-                print(f"{line} ({time.perf_counter() - start:.1f} s)", flush=True)
-        except Exception as e:  # noqa: BLE001 - one failing check must not hide the others
-            checks += 1
-            failures += 1
-            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
-            traceback.print_exc()
-    print(f"torch ops on {args.device}: {checks} checks, {failures} failures")
-    return 1 if failures else 0
+    names = list(args.only or CHECKS)
+    seeds = {name: 1000 + index for index, name in enumerate(names)}
+
+    def run(name):
+        return CHECKS[name](k, args.device, torch.Generator().manual_seed(seeds[name]))
+
+    return run_checks(names, run, f"torch ops on {args.device}")
 
 
 if __name__ == "__main__":
