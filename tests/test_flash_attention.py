@@ -1006,6 +1006,69 @@ def test_table_blocks_capped_by_the_sequences(monkeypatch):
     assert default == within != spanning, (default, within, spanning)
 
 
+def test_small_windows_take_their_own_blocks(rand, monkeypatch):
+    """A sliding window of at most tuning.SMALL_WINDOW_KEYS keys a row takes SMALL_WINDOW_TABLE's blocks in both
+    directions where the generation has the head dim (gpt-oss: window 128, head dim 64); wider or unbounded windows
+    and other head dims take the tables'. End to end: the default call's kernels run the small window's grids, and at
+    the interpret default's blocks the result and gradients match the reference (sinks, a window of 100 keys)."""
+    assert schedule.window_keys(causal=True, window_size=(127, 0)) == 128
+    assert schedule.window_keys(causal=True, window_size=(127, 9)) == 128  # causal: the right side is 0
+    assert schedule.window_keys(causal=False, window_size=(3, 4)) == 8
+    assert schedule.window_keys(causal=True, window_size=(-1, 0)) is None
+    assert schedule.window_keys(causal=False, window_size=(5, -1)) is None
+    fields = ("block_q", "block_kv", "backward_block_q", "backward_block_kv")
+
+    def resolved(head_dim=64, **kw):
+        shape = dict(q_rows=32768, kv_rows=32768, q_heads=64, kv_heads=8, head_dim=head_dim, v_head_dim=head_dim)
+        chosen = tuning.resolve_blocks(None, **shape, itemsize=2, info=chip.tpu_info_for("v5e"), **kw)
+        return tuple(getattr(chosen, f) for f in fields)
+
+    small = tuning.SMALL_WINDOW_TABLE["v5e"][64] * 2
+    table = tuning.TABLE["v5e"][64] + tuning.BACKWARD_TABLE["v5e"][64]
+    assert small != table
+    assert resolved(window_keys=128) == resolved(window_keys=tuning.SMALL_WINDOW_KEYS) == small
+    assert resolved(window_keys=tuning.SMALL_WINDOW_KEYS + 1) == resolved() == table
+    assert resolved(head_dim=128, window_keys=128) == tuning.TABLE["v5e"][128] + tuning.BACKWARD_TABLE["v5e"][128]
+
+    monkeypatch.setenv("TPU_KERNELS_TARGET", "v5e")
+    q, kv = _spec((2, 2048, 16, 64)), _spec((2, 2048, 2, 64))
+
+    def grids(blocks, window_size=(127, 0)):
+        def loss(q, k, v):
+            out = tk.flash_attention(q, k, v, causal=True, window_size=window_size, blocks=blocks)
+            return out.astype(jnp.float32).sum()
+
+        return [(c.name, c.grid) for c in ladder.pallas_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)]
+
+    given = tk.FlashAttentionBlocks(**dict(zip(fields, small)))
+    assert grids(None) == grids(given) != grids(None, window_size=(511, 0))
+    monkeypatch.delenv("TPU_KERNELS_TARGET")
+
+    q, k, v = _inputs(rand, 1, 640, 640, 4, 2, 64)
+    sinks = rand.normal((4,), scale=2.0)
+    options = dict(causal=True, window_size=(99, 0))
+    ladder.check_against_reference(
+        lambda q, k, v, s: tk.flash_attention(q, k, v, sinks=s, **options),
+        lambda q, k, v, s: attention_reference(q, k, v, sinks=s, **options),
+        (q, k, v, sinks),
+        dtype=jnp.float32,
+        rand=rand,
+        **F32_TOL,
+        jit_kernel=True,
+    )
+    ladder.check_gradients(
+        lambda q, k, v, s: tk.flash_attention(q, k, v, sinks=s, **options),
+        lambda q, k, v, s: attention_reference(q, k, v, sinks=s, **options),
+        (q, k, v, sinks),
+        argnums=(0, 1, 2, 3),
+        rand=rand,
+        dtype=jnp.float32,
+        names=["dq", "dk", "dv", "dsinks"],
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
 def _benchmark_call(shape, blocks=None):
     """(loss of q, k, v, their specs) of a benchmark shape (its options and lengths: the benchmark's own config): the
     mean of flash attention's output, dense or packed."""
@@ -1241,7 +1304,8 @@ def _benchmark_cases():
     fraction of the longest shape's compile time (its visit lists are constants of the program). On v5e and v7x the
     program also takes every score feature (a causal window, softcap): one compile per generation proves the features'
     lowering with the generation's heaviest working set. gpt-oss's sliding layers (head dim 64, eight query heads a kv
-    head, sinks) compile on v5e; its full layers share their body (the window is run-time)."""
+    head, sinks) compile on v5e at their small window's blocks (tuning.SMALL_WINDOW_TABLE); its full layers share their
+    body at the table's (the window is run-time)."""
     shapes = [s for s in FLASH_ATTENTION if s["layout"] == "dense" and s["mask"] == "causal" and s.batch == 4096]
     assert {s["model"] for s in shapes} == set(FLASH_ATTENTION_MODELS)
     return (
@@ -1268,7 +1332,9 @@ def test_compiles_at_benchmark_shapes(case):
     if benchmark_config(shape).sinks:
         options["sinks"] = benchmark_sinks(shape["q_heads"])
     if generation != "v6e":
-        options.update(window_size=(511, 0), softcap=20.0)
+        # a small window keeps its own (its blocks are SMALL_WINDOW_TABLE's); a wider one becomes 512 keys
+        small = 0 < window <= tuning.SMALL_WINDOW_KEYS
+        options.update(softcap=20.0, **({} if small else {"window_size": (511, 0)}))
     # the gradient's program holds the forward kernel as well as the dq and dk/dv kernels
     ladder.compile_for_tpu(
         _grad_fn(**options), generation, q, k, k, label=f"flash_attention grad {shape.id}", min_kernels=3

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpu_kernels_jax.common import chip
-from tpu_kernels_jax.flash_attention import api, tuning
+from tpu_kernels_jax.flash_attention import api, schedule, tuning
 
 from .. import inputs, shapes
 from ..device_timing import reason
@@ -541,6 +541,7 @@ def _candidates(op, s, gen):
     shape (tuning.candidate_blocks) for `gen`'s chip; a small window's take SMALL_WINDOW_TILES both ways."""
     q, k, v = _inputs(s)[:3]
     small = 0 < s["window"] <= SMALL_WINDOW
+    cfg = config(s)
     return tuning.candidate_blocks(
         direction=op,
         tiles=(SMALL_WINDOW_TILES, SMALL_WINDOW_TILES) if small else None,
@@ -552,9 +553,8 @@ def _candidates(op, s, gen):
         v_head_dim=v.shape[-1],
         itemsize=2,
         info=chip.tpu_info_for(gen),
-        **(
-            {"longest_sequence": config(s).max_seqlen} if s["layout"] == "varlen" else {"sequence_rows": (s.batch,) * 2}
-        ),
+        window_keys=schedule.window_keys(causal=cfg.causal, window_size=cfg.window),  # the api's table choice
+        **({"longest_sequence": cfg.max_seqlen} if s["layout"] == "varlen" else {"sequence_rows": (s.batch,) * 2}),
     )
 
 

@@ -319,6 +319,7 @@ def flash_attention(
             scale=scale,
             softcap=softcap,
             sequence_rows=(sq, sk),  # no table block spans two sequences (tuning.sequence_block_cap)
+            window_keys=schedule.window_keys(causal=causal, window_size=window),  # small windows: their own blocks
         )
         setup = setup_for(blocks)
         cu_q, cu_k = np.arange(batch + 1) * sq, np.arange(batch + 1) * sk
@@ -401,7 +402,11 @@ def flash_attention_varlen(
     setup_for = functools.partial(
         _setup, q_rows=q_rows, kv_rows=kv_rows, hq=hq, hkv=hkv, d=d, dv=dv, dtype=dtype, scale=scale, softcap=softcap
     )
-    setup_for = functools.partial(setup_for, longest_sequence=max(max_q, max_k))
+    setup_for = functools.partial(
+        setup_for,
+        longest_sequence=max(max_q, max_k),
+        window_keys=schedule.window_keys(causal=causal, window_size=window),  # small windows: their own blocks
+    )
     num_seqs = cu_seqlens_q.shape[0] - 1
 
     def bounds(g):

@@ -58,6 +58,15 @@ def unpack(word):
     return word & BLOCK_MASK, (word >> BLOCK_BITS) & BLOCK_MASK
 
 
+def window_keys(*, causal: bool, window_size: tuple[int, int]) -> int | None:
+    """The most keys one query row may see under the window (left + right + 1, causal forcing right = 0), None where
+    either side is unbounded."""
+    left, right = window_size
+    if causal:
+        right = 0
+    return left + right + 1 if left >= 0 and right >= 0 else None
+
+
 def key_ranges(cu_q, cu_k, rows: int, *, causal: bool, window_size: tuple[int, int], xp=jnp):
     """[rows] int32 lo, hi: the packed key rows query row r may see (rows past cu_q[-1] see none).
 

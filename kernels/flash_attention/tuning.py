@@ -66,6 +66,17 @@ UNFUSED_BACKWARD_TABLE = {
     "v6e": {**BACKWARD_TABLE["v6e"], 128: TABLE["v6e"][128]},
     "v7x": BACKWARD_TABLE["v7x"],
 }
+# Blocks for sliding windows of at most SMALL_WINDOW_KEYS keys a row (gpt-oss's sliding layers: 128), by generation and
+# head dim, in place of TABLE's and BACKWARD_TABLE's: a 512 x 512 visit computes 512 x 1024 scores across two key blocks
+# for 512 x 128 kept ones. Measured on the v5e (forward, gpt-oss sliding: 8 x 4096 tokens, 64 / 8 heads, head dim 64,
+# window 128, sinks; device time, the kernel alone at each tiling, `--sweep`): 512 x 512 22294 us, 128 x 256 10432,
+# 256 x 512 10926, 256 x 256 11143, 128 x 128 11459, 128 x 512 11789, 256 x 128 13475. Modeled: v5e 11422 / 9242 us
+# (512 x 512 / 128 x 256: the model undercounts the large blocks' cost at head dim 64 by half), v6e 6547 / 5779, v7x
+# 4056 at 128 x 256. The backward (modeled v5e, the fused dk/dv kernel): 512 x 512 13699 us, 128 x 256 7668, 256 x 256
+# 8783, 256 x 512 11353.
+SMALL_WINDOW_KEYS = 256
+SMALL_WINDOW_TABLE = {"v5e": {64: (128, 256)}, "v6e": {64: (128, 256)}, "v7x": {64: (128, 256)}}
+SMALL_WINDOW_BACKWARD_TABLE = SMALL_WINDOW_TABLE
 # Query heads a grid step takes at most, by generation and head dim: kv heads per step is the most that divides the kv
 # heads, keeps its query heads within this (1: the fewest legal) and leaves MIN_HEAD_GROUPS head groups, among those
 # whose working set at the resolved blocks fits the VMEM limit (fewer where a caller's blocks would not fit), never
@@ -268,20 +279,27 @@ def resolve_blocks(
     longest_sequence: int | None = None,
     sequence_rows: tuple[int, int] | None = None,
     long_sequences: bool = False,
+    window_keys: int | None = None,
 ) -> FlashAttentionBlocks:
     """The blocks the kernels run with, every field set: the table's for None and for fields left None, else the
     caller's, checked (TypeError/ValueError naming the field). longest_sequence: for a packed batch (varlen), the
     rows of its longest sequence (query or key), which caps the table's blocks (packed_block_cap). sequence_rows: for
     a batch of equal-length sequences, the (query, key) rows of each, which cap the table's query and key blocks
     (sequence_block_cap). long_sequences: the fused backward takes LONG_BACKWARD_TABLE's blocks where it has an entry
-    for the generation and head dim (the api's choice when BACKWARD_TABLE's need more than MAX_DQ_SLOTS slots)."""
+    for the generation and head dim (the api's choice when BACKWARD_TABLE's need more than MAX_DQ_SLOTS slots).
+    window_keys: the most keys a query row sees under a sliding window (schedule.window_keys), None when unbounded: at
+    most SMALL_WINDOW_KEYS, the table's blocks are SMALL_WINDOW_TABLE's where it has the generation and head dim."""
     check_blocks_type(blocks)
     info = info or chip.current_tpu_info()
     blocks = blocks or FlashAttentionBlocks()
     generation, widest = chip.generation_name(info), max(head_dim, v_head_dim)
     rows = dict(q_rows=q_rows, kv_rows=kv_rows)
 
+    small_window = window_keys is not None and window_keys <= SMALL_WINDOW_KEYS
+
     def table_pair(direction, table):
+        if small_window and widest in SMALL_WINDOW_TABLE.get(generation, {}):
+            table = SMALL_WINDOW_TABLE if direction == "forward" else SMALL_WINDOW_BACKWARD_TABLE
         pair = _table_entry(generation, widest, table)
         if longest_sequence is not None:
             cap = packed_block_cap(longest_sequence, direction)
