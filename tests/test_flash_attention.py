@@ -769,7 +769,7 @@ BAD_INPUTS = [
     ),
     BadInput(
         "kv_heads_per_step",
-        dict(blocks=tk.FlashAttentionBlocks(kv_heads_per_step=1)),
+        dict(blocks=tk.FlashAttentionBlocks(kv_heads_per_step=3)),
         ValueError,
         "blocks.kv_heads_per_step",
     ),
@@ -857,9 +857,9 @@ def test_bad_varlen_input_is_a_clear_error(rand, case):
 def test_blocks_reach_the_kernels(rand):
     """blocks= sets the tiling: the forward's grid is (head groups, visits); the gradient adds the delta, dk/dv (with
     dq) and dq-sum kernels when fused (the sum's grid walks each query block's slots: at most 2 key blocks of 256
-    under this causal mask), the dq and dk/dv kernels when not; at head dim 64 a step takes two kv heads. Packed
-    sequences whose query blocks may need many key blocks fall back to unfused unless asked."""
-    q, k, v = _inputs(rand, 1, 512, 512, 8, 4, 64)
+    under this causal mask), the dq and dk/dv kernels when not; a step takes one of the two kv heads (two head
+    groups). Packed sequences whose query blocks may need many key blocks fall back to unfused unless asked."""
+    q, k, v = _inputs(rand, 1, 512, 512, 8, 2, 128)
     blocks = tk.FlashAttentionBlocks(block_q=128, block_kv=256)
     fwd = ladder.pallas_calls(lambda q, k, v: tk.flash_attention(q, k, v, causal=True, blocks=blocks), q, k, v)
     assert [(c.name, c.grid) for c in fwd] == [("flash_attention_fwd", (2, 6))], fwd
@@ -1069,6 +1069,62 @@ def test_small_windows_take_their_own_blocks(rand, monkeypatch):
     )
 
 
+def test_head_dim_64_runs_padded_to_128(rand, monkeypatch):
+    """Head dim 64 (gpt-oss) runs as head dim 128, q / K / V zero-padded and the output sliced
+    (tuning.PADDED_HEAD_DIMS), except under a small window, which keeps its own blocks at head dim 64; other head dims
+    run as given. End to end: the kernels see 128 lanes a head, and the result, log-sum-exp and gradients (sinks
+    included) match the reference at head dim 64, dense and packed."""
+    v5e = chip.tpu_info_for("v5e")
+    assert tuning.run_head_dims(64, 64, info=v5e) == (128, 128)
+    assert tuning.run_head_dims(64, 64, window_keys=tuning.SMALL_WINDOW_KEYS + 1, info=v5e) == (128, 128)
+    assert tuning.run_head_dims(64, 64, window_keys=128, info=v5e) == (64, 64)
+    assert tuning.run_head_dims(64, 128, info=v5e) == (64, 128)
+    assert tuning.run_head_dims(128, 128, info=v5e) == (128, 128)
+
+    monkeypatch.setenv("TPU_KERNELS_TARGET", "v5e")
+    q, kv = _spec((1, 1024, 16, 64)), _spec((1, 1024, 2, 64))
+
+    def lanes(window_size):
+        def loss(q, k, v):
+            out = tk.flash_attention(q, k, v, causal=True, window_size=window_size)
+            return out.astype(jnp.float32).sum()
+
+        _, outputs = _kernel_shapes(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)["flash_attention_fwd"]
+        return outputs[0][-1]  # the output's lanes a head as the forward kernel writes it ([T, Hq, Dv])
+
+    assert (lanes((-1, -1)), lanes((127, 0))) == (128, 64)
+    monkeypatch.delenv("TPU_KERNELS_TARGET")
+
+    q, k, v = _inputs(rand, 2, 300, 300, 4, 2, 64)
+    sinks = rand.normal((4,), scale=2.0)
+    options = dict(causal=True, sinks=sinks, return_lse=True)
+    out, lse = ladder.check_against_reference(
+        lambda q, k, v: tk.flash_attention(q, k, v, **options),
+        lambda q, k, v: attention_reference(q, k, v, **options),
+        (q, k, v),
+        dtype=jnp.float32,
+        rand=rand,
+        **F32_TOL,
+        jit_kernel=True,
+    )
+    assert out.shape == (2, 300, 4, 64) and lse.shape == (2, 4, 300)
+    cu = jnp.asarray([0, 300, 600], jnp.int32)
+    packed = [x.reshape(600, *x.shape[2:]) for x in (q, k, v)]
+    ladder.check_gradients(
+        lambda q, k, v, s: tk.flash_attention_varlen(q, k, v, cu, cu, 300, 300, causal=True, sinks=s),
+        lambda q, k, v, s: attention_reference(
+            *(x.reshape(2, 300, *x.shape[1:]) for x in (q, k, v)), causal=True, sinks=s
+        ).reshape(600, 4, 64),
+        (*packed, sinks),
+        argnums=(0, 1, 2, 3),
+        rand=rand,
+        dtype=jnp.float32,
+        names=["dq", "dk", "dv", "dsinks"],
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
 def _benchmark_call(shape, blocks=None):
     """(loss of q, k, v, their specs) of a benchmark shape (its options and lengths: the benchmark's own config): the
     mean of flash attention's output, dense or packed."""
@@ -1165,7 +1221,7 @@ def test_forward_takes_heads_as_they_lie(rand):
     above (HEAD_LAYOUTS: 8 query heads a step in place with K/V merged, 16 with K/V in place, 2 of 4 merged)."""
     for (hq, hkv, d), expected, kv_expected in (
         ((8, 1, 128), (300, 8, 128), (200, 128)),
-        ((8, 4, 64), (300, 8 * 64), (200, 4 * 64)),
+        ((8, 4, 128), (300, 8 * 128), (200, 4 * 128)),
         ((16, 8, 256), (300, 16, 256), (200, 8, 256)),
     ):
         q, k, v = _inputs(rand, 1, 300, 200, hq, hkv, d, dtype=jnp.bfloat16)
@@ -1181,7 +1237,7 @@ def test_backward_takes_heads_as_they_lie(rand):
     otherwise all merged; k and v [T, Hkv, D] as they lie, dk and dv written so, where the forward takes them so
     (every kv head a step, a multiple of 8). Every path runs in the gradient checks (test_gradients_gqa_head_dims: 8
     query heads a step in place, with K/V in place at head dim 256; test_bfloat16_gradients: 2 of 4, merged)."""
-    for (hq, hkv, d), in_place in (((8, 1, 128), True), ((8, 4, 64), False), ((16, 8, 256), True)):
+    for (hq, hkv, d), in_place in (((8, 1, 128), True), ((8, 4, 128), False), ((16, 8, 256), True)):
         q, k, v = _inputs(rand, 1, 300, 200, hq, hkv, d, dtype=jnp.bfloat16)
         loss = lambda q, k, v: tk.flash_attention(q, k, v, blocks=SMALL).astype(jnp.float32).sum()  # noqa: E731
         shapes = _kernel_shapes(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
@@ -1304,8 +1360,8 @@ def _benchmark_cases():
     fraction of the longest shape's compile time (its visit lists are constants of the program). On v5e and v7x the
     program also takes every score feature (a causal window, softcap): one compile per generation proves the features'
     lowering with the generation's heaviest working set. gpt-oss's sliding layers (head dim 64, eight query heads a kv
-    head, sinks) compile on v5e at their small window's blocks (tuning.SMALL_WINDOW_TABLE); its full layers share their
-    body at the table's (the window is run-time)."""
+    head, sinks) compile on v5e at their small window's blocks (tuning.SMALL_WINDOW_TABLE); its full layers run padded
+    to head dim 128 (tuning.PADDED_HEAD_DIMS), Qwen3's body (8 query heads a kv head)."""
     shapes = [s for s in FLASH_ATTENTION if s["layout"] == "dense" and s["mask"] == "causal" and s.batch == 4096]
     assert {s["model"] for s in shapes} == set(FLASH_ATTENTION_MODELS)
     return (

@@ -542,6 +542,10 @@ def _candidates(op, s, gen):
     q, k, v = _inputs(s)[:3]
     small = 0 < s["window"] <= SMALL_WINDOW
     cfg = config(s)
+    window_keys = schedule.window_keys(causal=cfg.causal, window_size=cfg.window)
+    info = chip.tpu_info_for(gen)
+    # the head dims the kernels run at (the api pads head dim 64: tuning.run_head_dims)
+    head_dim, v_head_dim = tuning.run_head_dims(q.shape[-1], v.shape[-1], window_keys=window_keys, info=info)
     return tuning.candidate_blocks(
         direction=op,
         tiles=(SMALL_WINDOW_TILES, SMALL_WINDOW_TILES) if small else None,
@@ -549,11 +553,11 @@ def _candidates(op, s, gen):
         kv_rows=TOKENS,
         q_heads=q.shape[-2],
         kv_heads=k.shape[-2],
-        head_dim=q.shape[-1],
-        v_head_dim=v.shape[-1],
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
         itemsize=2,
-        info=chip.tpu_info_for(gen),
-        window_keys=schedule.window_keys(causal=cfg.causal, window_size=cfg.window),  # the api's table choice
+        info=info,
+        window_keys=window_keys,  # the api's table choice
         **({"longest_sequence": cfg.max_seqlen} if s["layout"] == "varlen" else {"sequence_rows": (s.batch,) * 2}),
     )
 

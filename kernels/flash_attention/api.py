@@ -34,6 +34,22 @@ def _rows_at_least(x, rows: int):
     return x if pad <= 0 else jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
 
 
+def _planner(*, d, dv, causal, window, **setup_args):
+    """(setup_for(blocks) -> _Setup, D, Dv the kernels run at): the head dims tuning.run_head_dims picks (head dim 64
+    runs as 128 but under a small window), and the window's reach for the tables (small windows: their own blocks).
+    setup_args: _setup's other keywords."""
+    window_keys = schedule.window_keys(causal=causal, window_size=window)
+    d_run, dv_run = tuning.run_head_dims(d, dv, window_keys=window_keys)
+    return functools.partial(_setup, d=d_run, dv=dv_run, window_keys=window_keys, **setup_args), d_run, dv_run
+
+
+def _lanes_at_least(x, width: int):
+    """x [..., D] with zero lanes appended up to `width` (tuning.run_head_dims: zero q / K lanes add nothing to the
+    scores, zero V lanes give output lanes that are sliced off)."""
+    pad = width - x.shape[-1]
+    return x if pad <= 0 else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, pad),))
+
+
 # ---------------------------------------------------------------------------------------------------- the kernels
 @dataclasses.dataclass(frozen=True)
 class _Setup:
@@ -307,8 +323,7 @@ def flash_attention(
     if batch * sq == 0 or batch * sk == 0:
         out, lse = _empty_result(batch * sq, hq, dv, dtype, sinks, return_lse, q.dtype)
     else:
-        setup_for = functools.partial(
-            _setup,
+        setup_for, d_run, dv_run = _planner(
             q_rows=max(batch * sq, MIN_ROWS),
             kv_rows=max(batch * sk, MIN_ROWS),
             hq=hq,
@@ -318,8 +333,9 @@ def flash_attention(
             dtype=dtype,
             scale=scale,
             softcap=softcap,
+            causal=causal,
+            window=window,
             sequence_rows=(sq, sk),  # no table block spans two sequences (tuning.sequence_block_cap)
-            window_keys=schedule.window_keys(causal=causal, window_size=window),  # small windows: their own blocks
         )
         setup = setup_for(blocks)
         cu_q, cu_k = np.arange(batch + 1) * sq, np.arange(batch + 1) * sk
@@ -334,9 +350,9 @@ def flash_attention(
         if setup.fused:
             setup = _choose_backward(blocks, setup_for, setup, slots_of)
         out, lse = _call(
-            _rows_at_least(q.reshape(batch * sq, hq, d), MIN_ROWS),
-            _rows_at_least(k.reshape(batch * sk, hkv, d), MIN_ROWS),
-            _rows_at_least(v.reshape(batch * sk, hkv, dv), MIN_ROWS),
+            _rows_at_least(_lanes_at_least(q.reshape(batch * sq, hq, d), d_run), MIN_ROWS),
+            _rows_at_least(_lanes_at_least(k.reshape(batch * sk, hkv, d), d_run), MIN_ROWS),
+            _rows_at_least(_lanes_at_least(v.reshape(batch * sk, hkv, dv), dv_run), MIN_ROWS),
             sinks,
             lo,
             hi,
@@ -345,7 +361,7 @@ def flash_attention(
             setup=setup,
             with_lse=return_lse,
         )
-        out, lse = out[: batch * sq], None if lse is None else lse[:, : batch * sq]
+        out, lse = out[: batch * sq, :, :dv], None if lse is None else lse[:, : batch * sq]
     out = out.reshape(batch, sq, hq, dv)
     if not return_lse:
         return out
@@ -399,13 +415,19 @@ def flash_attention_varlen(
         return _finish_varlen(*_empty_result(q_rows, hq, dv, dtype, sinks, return_lse, q.dtype), return_lse)
     given_q_rows, q_rows, kv_rows = q_rows, max(q_rows, MIN_ROWS), max(kv_rows, MIN_ROWS)
     # a packed batch: the table's blocks are capped by its longest sequence (tuning.packed_block_cap)
-    setup_for = functools.partial(
-        _setup, q_rows=q_rows, kv_rows=kv_rows, hq=hq, hkv=hkv, d=d, dv=dv, dtype=dtype, scale=scale, softcap=softcap
-    )
-    setup_for = functools.partial(
-        setup_for,
+    setup_for, d_run, dv_run = _planner(
+        q_rows=q_rows,
+        kv_rows=kv_rows,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        dv=dv,
+        dtype=dtype,
+        scale=scale,
+        softcap=softcap,
+        causal=causal,
+        window=window,
         longest_sequence=max(max_q, max_k),
-        window_keys=schedule.window_keys(causal=causal, window_size=window),  # small windows: their own blocks
     )
     num_seqs = cu_seqlens_q.shape[0] - 1
 
@@ -438,9 +460,9 @@ def flash_attention_varlen(
         backward_size, slot_bound = bounds(setup.backward)
     lo, hi = schedule.key_ranges(cu_seqlens_q, cu_seqlens_k, q_rows, causal=causal, window_size=window)
     out, lse = _call(
-        _rows_at_least(q, MIN_ROWS),
-        _rows_at_least(k, MIN_ROWS),
-        _rows_at_least(v, MIN_ROWS),
+        _rows_at_least(_lanes_at_least(q, d_run), MIN_ROWS),
+        _rows_at_least(_lanes_at_least(k, d_run), MIN_ROWS),
+        _rows_at_least(_lanes_at_least(v, dv_run), MIN_ROWS),
         sinks,
         lo,
         hi,
@@ -450,7 +472,7 @@ def flash_attention_varlen(
         with_lse=return_lse,
         slot_bound=slot_bound,
     )
-    out, lse = out[:given_q_rows], None if lse is None else lse[:, :given_q_rows]
+    out, lse = out[:given_q_rows, :, :dv], None if lse is None else lse[:, :given_q_rows]
     return _finish_varlen(out, lse, return_lse)
 
 

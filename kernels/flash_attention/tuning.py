@@ -77,6 +77,13 @@ UNFUSED_BACKWARD_TABLE = {
 SMALL_WINDOW_KEYS = 256
 SMALL_WINDOW_TABLE = {"v5e": {64: (128, 256)}, "v6e": {64: (128, 256)}, "v7x": {64: (128, 256)}}
 SMALL_WINDOW_BACKWARD_TABLE = SMALL_WINDOW_TABLE
+# Head dims the kernels run zero-padded to a wider one (q, K and V padded with zero lanes, the output's sliced off; the
+# scores and the softmax are unchanged), by generation: (head dim, V head dim) -> the width both run at. At head dim
+# 64 two kv heads share each 128-lane block and a kept score costs the kernels about 2.8 times what it costs at 128
+# (measured v5e: Qwen3 causal 259 k kept scores a µs, gpt-oss full 92 k), so gpt-oss's full layers run faster as head
+# dim 128 with half their MXU passes' lanes zero. Not where a small window takes its own blocks (SMALL_WINDOW_TABLE):
+# there the head-dim-64 kernels on 128 x 256 blocks model faster (v5e 9242 us against 11763 padded).
+PADDED_HEAD_DIMS = {gen: {(64, 64): 128} for gen in ("v5e", "v6e", "v7x")}
 # Query heads a grid step takes at most, by generation and head dim: kv heads per step is the most that divides the kv
 # heads, keeps its query heads within this (1: the fewest legal) and leaves MIN_HEAD_GROUPS head groups, among those
 # whose working set at the resolved blocks fits the VMEM limit (fewer where a caller's blocks would not fit), never
@@ -213,6 +220,19 @@ def _table_entry(generation: str, head_dim: int, table=TABLE):
         if head_dim <= dim:
             return table[dim]
     return table[max(table)]
+
+
+def run_head_dims(
+    head_dim: int, v_head_dim: int, *, window_keys: int | None = None, info: pltpu.TpuInfo | None = None
+) -> tuple[int, int]:
+    """(D, Dv) the kernels run at: PADDED_HEAD_DIMS' width where the generation pads these head dims and no small
+    window (window_keys at most SMALL_WINDOW_KEYS, SMALL_WINDOW_TABLE) keeps them; else as given."""
+    generation = chip.generation_name(info or chip.current_tpu_info())
+    width = PADDED_HEAD_DIMS.get(generation, {}).get((head_dim, v_head_dim))
+    small_window = window_keys is not None and window_keys <= SMALL_WINDOW_KEYS
+    if width is None or (small_window and max(head_dim, v_head_dim) in SMALL_WINDOW_TABLE.get(generation, {})):
+        return head_dim, v_head_dim
+    return width, width
 
 
 def _table_kv_heads_per_step(generation: str, head_dim: int, *, kv_heads: int, group: int, fewest: int, fits) -> int:
