@@ -192,6 +192,7 @@ def sweep(args) -> int:
                     compile_workers=args.compile_workers,
                     bar=bar,
                     deadline=deadline,
+                    lower_workers=args.lower_workers,
                 )
             else:
                 result = _sweep.run_sweep(kernel, args.gens, shapes=shapes, workers=args.workers, bar=bar)

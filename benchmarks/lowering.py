@@ -34,6 +34,7 @@ _platform = "tpu"  # in a worker: the platform it exports for (the CPU in the te
 _resolve = None  # in a worker: kernel name -> its Suite
 _shared: Pool | None = None  # in the chip's process: the run's workers, started on first use
 _cases: dict[str, dict] = {}  # in a worker: {kernel: {case id: case}}
+_generation = None  # in a worker: the chip's generation (a measured sweep's candidate tilings depend on it)
 
 
 def default_workers(compile_workers: int) -> int:
@@ -42,24 +43,32 @@ def default_workers(compile_workers: int) -> int:
     return max(0, (os.cpu_count() or 1) - compile_workers - 1)
 
 
-def _init(topology: str, platform: str, resolve) -> None:
+def _init(topology: str, platform: str, resolve, generation: str) -> None:
     """A worker's setup, before it initializes any JAX backend: deviceless, the chip as a topology device."""
     os.environ.update(deviceless.DEVICELESS_ENV)
     import jax
     from jax.experimental import topologies
 
     jax.config.update("jax_platforms", "cpu")
-    global _device, _platform, _resolve
-    _platform, _resolve = platform, resolve
+    global _device, _platform, _resolve, _generation
+    _platform, _resolve, _generation = platform, resolve, generation
     _device = topologies.get_topology_desc(topology, "tpu").devices[0]
     # the peers' tuned-tile lookups read jax.devices()[0].device_kind: the chip's, as in the chip's process
     jax.devices = jax.local_devices = lambda *args, **kwargs: [_device]
 
 
 def _case(kernel: str, case_id: str):
+    """The case of that id: one of the suite's, or a measured sweep's tiling of one (sweep.variant_case)."""
     if kernel not in _cases:
         s = _resolve(kernel)
         _cases[kernel] = {c.id: c for shapes in (None, s.quick_shapes, s.sweep_shapes) for c in s.cases(shapes)}
+    if case_id not in _cases[kernel]:
+        from . import sweep
+
+        case = sweep.variant_case(_resolve(kernel), case_id, _generation)
+        if case is None:
+            raise KeyError(f"{kernel}: no case {case_id!r}")
+        _cases[kernel][case_id] = case
     return _cases[kernel][case_id]
 
 
@@ -91,7 +100,7 @@ class Pool:
             mp_context=multiprocessing.get_context("spawn"),  # never fork a process that holds the chip
             initializer=_init,
             # the generation's deviceless topology (its first device stands for the attached chip)
-            initargs=(perf_model.get_chip(generation).topology, platform, resolve or suite.get),
+            initargs=(perf_model.get_chip(generation).topology, platform, resolve or suite.get, generation),
         )
 
     def submit(self, kernel: str, case_id: str, impl: str | None, make_args, specs) -> concurrent.futures.Future:

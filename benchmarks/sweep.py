@@ -95,13 +95,57 @@ def run_sweep(kernel: str, gens, *, full: bool = False, shapes=None, workers=Non
     return result
 
 
+def variant(op: _suite.Op, index: int, blocks) -> _suite.Op:
+    """The op as a measured sweep times it at its `index`-th candidate tiling: its kernel at `blocks`, nothing else
+    (named "<op> #<index>")."""
+    return dataclasses.replace(
+        op, name=f"{op.name} #{index}", kernel=functools.partial(op.kernel, blocks=blocks), default=None, baselines=()
+    )
+
+
+def variant_case(suite: _suite.Suite, case_id: str, generation: str) -> _suite.Case | None:
+    """The measured sweep's case of that id ("<op> #<index> <shape id>"), rebuilt from the op's candidates at the
+    shape for `generation` (candidates are a function of the two: how a tracing worker finds the case); None if the
+    suite has none of that id."""
+    for shape in dict.fromkeys((*suite.shapes, *(suite.quick_shapes or ()), *(suite.sweep_shapes or ()))):
+        suffix = f" {shape.id}"
+        name, _, index = case_id.removesuffix(suffix).rpartition(" #")
+        if not case_id.endswith(suffix) or not index.isdigit():
+            continue
+        for op in suite.ops:
+            if op.name == name and op.candidates is not None:
+                cands = list(op.candidates(shape, generation))
+                if int(index) < len(cands):
+                    case = _suite.Case(variant(op, int(index), cands[int(index)]), shape)
+                    if case.id == case_id:
+                        return case
+    return None
+
+
 def run_measured_sweep(
-    kernel: str, dev, *, full: bool = False, shapes=None, calls=None, compile_workers=None, bar=None, deadline=None
+    kernel: str,
+    dev,
+    *,
+    full: bool = False,
+    shapes=None,
+    calls=None,
+    compile_workers=None,
+    bar=None,
+    deadline=None,
+    lower_workers: int | None = None,
+    exporter=None,
 ) -> dict:
     """Time every candidate tiling of every op of `kernel` at each shape on the chip that is present (`dev`, a TPU):
     the kernel alone at each tiling, by its device time. The result has run_sweep's form, its figures labeled
-    measured; ops that update state in place (the KV cache write) are not swept here."""
-    from . import device_timing, measured
+    measured; ops that update state in place (the KV cache write) are not swept here. The tilings' programs are
+    traced in worker processes as the benchmarks' are (benchmarks/lowering.py: `lower_workers`, default
+    lowering.default_workers; or the `exporter` pool given), which rebuild each tiling's case (variant_case)."""
+    from . import device_timing, lowering, measured
+
+    compile_workers = compile_workers or device_timing.COMPILE_WORKERS
+    if exporter is None:
+        workers = lowering.default_workers(compile_workers) if lower_workers is None else lower_workers
+        exporter = lowering.shared(dev.generation, workers)
 
     suite = _suite.get(kernel)
     shapes = tuple(shapes) if shapes is not None else sweep_shapes(suite, full)
@@ -124,16 +168,7 @@ def run_measured_sweep(
                 plans.append((op, shape, e, []))
                 continue
             # one variant of the op per tiling: its kernel at that tiling, nothing else timed beside it
-            variants = [
-                dataclasses.replace(
-                    op,
-                    name=f"{op.name} #{i}",
-                    kernel=functools.partial(op.kernel, blocks=b),
-                    default=None,
-                    baselines=(),
-                )
-                for i, b in enumerate(cands)
-            ]
+            variants = [variant(op, i, b) for i, b in enumerate(cands)]
             plans.append((op, shape, cands, variants))
             cases += [_suite.Case(v, shape) for v in variants]
     if bar is not None:
@@ -146,9 +181,11 @@ def run_measured_sweep(
         kernel_label=label,
         default_label=label,
         calls=calls or device_timing.CALLS,
-        compile_workers=compile_workers or device_timing.COMPILE_WORKERS,
+        compile_workers=compile_workers,
         bar=bar,
         deadline=deadline,
+        kernel=kernel,
+        exporter=exporter,
     )
     for op, shape, cands, variants in plans:
         times = {}

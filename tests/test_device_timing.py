@@ -358,27 +358,68 @@ def _filled(x, *, blocks):
     return jnp.full_like(x, blocks)
 
 
-def test_a_sweep_on_the_chip_times_each_tiling_and_names_the_fastest(monkeypatch, tmp_path):
-    """On a TPU --sweep compiles and times the kernel alone at each candidate tiling (stand-in here: a program whose
-    output is its tiling, read as its device µs), the table's choice first."""
-    from benchmarks import sweep
+# An op with four candidate tilings whose program's output is its tiling (read as its device µs by
+# _tiling_as_device_time); the third does not tile.
+TILED = dataclasses.replace(OP, kernel=_filled, candidates=lambda shape, gen: [4, 2, 3, 8])
 
-    def device_times(programs, calls):
-        return {p.name: [float(np.asarray(profiler.run_calls(p, calls)).ravel()[0]) * 1e-6] * calls for p in programs}
 
-    tiled = dataclasses.replace(OP, kernel=_filled, candidates=lambda shape, gen: [4, 2, 3, 8])
-    monkeypatch.setattr(profiler, "device_times", device_times)
-    monkeypatch.setattr(suite, "get", lambda kernel: dataclasses.replace(SUITE, ops=(tiled,)))
-    result = sweep.run_measured_sweep("double", TPU, shapes=[SHAPE], calls=2)
+def _tiled_suite(kernel):
+    """The test suite of the tiled op, as a worker process resolves it (picklable by reference)."""
+    return dataclasses.replace(SUITE, ops=(TILED,))
+
+
+def _tiling_as_device_time(programs, calls):
+    return {p.name: [float(np.asarray(profiler.run_calls(p, calls)).ravel()[0]) * 1e-6] * calls for p in programs}
+
+
+def _assert_sweep_row(result):
     (row,) = result["rows"]
     assert row["label"] == "measured TPU v5 lite" and row["generation"] == "v5e"
     assert [c.get("us") for c in row["candidates"]] == [pytest.approx(4), pytest.approx(2), None, pytest.approx(8)]
     assert row["candidates"][2]["error"] == "ValueError: blocks=3 does not tile 256 columns"
     assert row["choice"]["us"] == pytest.approx(4) and row["best"]["label"] == "blocks=2"
     assert row["gain"] == pytest.approx(2.0) and not row["table_is_best"]
+
+
+def test_a_sweep_on_the_chip_times_each_tiling_and_names_the_fastest(monkeypatch, tmp_path):
+    """On a TPU --sweep compiles and times the kernel alone at each candidate tiling (stand-in here: a program whose
+    output is its tiling, read as its device µs), the table's choice first."""
+    from benchmarks import sweep
+
+    monkeypatch.setattr(profiler, "device_times", _tiling_as_device_time)
+    monkeypatch.setattr(suite, "get", _tiled_suite)
+    result = sweep.run_measured_sweep("double", TPU, shapes=[SHAPE], calls=2, lower_workers=0)
+    _assert_sweep_row(result)
     table = sweep.format_sweep(result)
     assert "sweep double / double — measured TPU v5 lite (every candidate tiling timed on the chip)" in table
     assert "gain = the table's measured device time / the best candidate's" in table
+
+
+def test_a_sweeps_tilings_are_traced_in_worker_processes(monkeypatch):
+    """A measured sweep's programs are traced in the workers too: each rebuilds a tiling's case from its id
+    (sweep.variant_case: the op's candidates at the shape for the chip's generation) and exports it (for the CPU
+    here), with the figures of a sweep lowered in the chip's process; the tiling that does not trace fails there and
+    again here, where its error is reported."""
+    from benchmarks import lowering, sweep
+
+    ids = [f"double #{i} {SHAPE.id}" for i in range(4)]
+    assert [sweep.variant_case(_tiled_suite("double"), i, "v5e").id for i in ids] == ids
+    assert sweep.variant_case(_tiled_suite("double"), f"double #4 {SHAPE.id}", "v5e") is None  # no fifth tiling
+    assert sweep.variant_case(_tiled_suite("double"), f"other #0 {SHAPE.id}", "v5e") is None
+    monkeypatch.setattr(profiler, "device_times", _tiling_as_device_time)
+    monkeypatch.setattr(suite, "get", _tiled_suite)
+    lines = []
+    bar = types.SimpleNamespace(
+        write=lines.append, update=lambda n: None, total=0, set_description=lambda d: None, refresh=lambda: None
+    )
+    pool = lowering.Pool("v5e", 1, platform="cpu", resolve=_tiled_suite)
+    try:
+        result = sweep.run_measured_sweep("double", TPU, shapes=[SHAPE], calls=2, exporter=pool, bar=bar)
+    finally:
+        pool.close()
+    _assert_sweep_row(result)
+    # four input builders and three tilings from the workers; the fourth tiling's trace fails there and here
+    assert any(line.startswith("  programs lowered from the workers' exports: 7, here: 1;") for line in lines), lines
 
 
 def test_shape_filters_pick_the_shapes_whose_id_holds_each(fake_chip, monkeypatch, tmp_path):
