@@ -1006,6 +1006,23 @@ def test_table_blocks_capped_by_the_sequences(monkeypatch):
     assert default == within != spanning, (default, within, spanning)
 
 
+@pytest.mark.cpu_only
+def test_candidate_blocks_vary_the_tiles_and_the_heads_a_step():
+    """tuning.candidate_blocks (the tilings --sweep times): the table's choice first, that direction's tiles, then
+    the table's blocks at every other legal count of kv heads a step (Gemma 4 sliding on v5e: 1, 2 and 4 beside the
+    table's 8), all distinct."""
+    shape = dict(q_rows=32768, kv_rows=32768, q_heads=16, kv_heads=8, head_dim=256, v_head_dim=256, itemsize=2)
+    v5e = chip.tpu_info_for("v5e")
+    fields = ("block_q", "block_kv", "backward_block_q", "backward_block_kv")
+    for direction in ("forward", "backward"):
+        candidates = tuning.candidate_blocks(direction=direction, info=v5e, **shape)
+        table = candidates[0]
+        assert table == tuning.resolve_blocks(None, **shape, info=v5e) and table.kv_heads_per_step == 8
+        assert len(set(candidates)) == len(candidates) > 4
+        at_table = [c for c in candidates if all(getattr(c, f) == getattr(table, f) for f in fields)]
+        assert sorted(c.kv_heads_per_step for c in at_table) == [1, 2, 4, 8], (direction, candidates)
+
+
 def test_small_windows_take_their_own_blocks(rand, monkeypatch):
     """A sliding window of at most tuning.SMALL_WINDOW_KEYS keys a row takes SMALL_WINDOW_TABLE's blocks in both
     directions where the generation has the head dim (gpt-oss: window 128, head dim 64); wider or unbounded windows

@@ -404,7 +404,9 @@ def candidate_blocks(
     """Legal blocks worth modeling at a shape (resolve_blocks' keywords: q_rows, kv_rows, q_heads, kv_heads,
     head_dim, v_head_dim, itemsize) for one direction's kernels: the table's choice first, then every pair of that
     direction's CANDIDATE_TILES (or `tiles`: (query tiles, key tiles)) (the other direction's blocks left to the
-    table) that fits this generation's VMEM (resolve_blocks checks it), distinct after clipping to the rows."""
+    table) that fits this generation's VMEM (resolve_blocks checks it), distinct after clipping to the rows; then the
+    table's blocks at every other legal count of kv heads a step that fits (QUERY_HEADS_PER_STEP's choice is the
+    model's, and the chip measured the model optimistic where a step takes 16 query heads)."""
     info = info or chip.current_tpu_info()
     table = resolve_blocks(None, **shape, info=info)
     fields = ("block_q", "block_kv", "backward_block_q", "backward_block_kv")
@@ -423,4 +425,12 @@ def candidate_blocks(
             if pair not in seen:
                 seen.add(pair)
                 candidates.append(blocks)
+    kv_heads = shape["kv_heads"]
+    for per_step in range(1, kv_heads + 1):
+        if kv_heads % per_step or per_step == table.kv_heads_per_step:
+            continue
+        try:
+            candidates.append(resolve_blocks(FlashAttentionBlocks(kv_heads_per_step=per_step), **shape, info=info))
+        except ValueError:  # not a legal lane block at this head dim, or too large for the VMEM limit
+            continue
     return candidates
