@@ -128,7 +128,7 @@ class _Plan:
     Python there would take the GIL from the one building inputs and running the chip at every switch interval, which
     made a case's inputs take 15-50 s instead of a fraction of one."""
 
-    def __init__(self, cases, make_args, pool, ahead: int, exporter=None, kernel: str | None = None):
+    def __init__(self, cases, make_args, pool, ahead: int, exporter=None, kernel: str | None = None, inputs_of=None):
         import jax
 
         self.pool, self.ahead = pool, max(1, ahead)
@@ -145,6 +145,9 @@ class _Plan:
         self.functions: dict[tuple[str, str], object] = {}
         self.state: dict[tuple[str, str], int] = {}  # in-place implementations: their donated state arguments
         self.builders: dict[tuple[str, str], object] = {}  # (case id, INPUTS) -> the case's input builder
+        # case id -> its input builder's key: (the id `inputs_of(case)` names, INPUTS), one builder for the cases
+        # that name the same id (a sweep's tilings of one op at one shape), compiled once
+        self.inputs_keys: dict[str, tuple[str, str]] = {}
         self.queue: list[tuple[int, tuple[str, str], object]] = []  # (case index, key, input specs) to lower
         self.lower_s = 0.0  # this thread's lowering seconds since the last take_lower_s()
         self.export_s = 0.0  # the workers' tracing seconds of the programs taken in since then (run in parallel)
@@ -176,8 +179,11 @@ class _Plan:
             # the case's inputs are built by a program of their own, compiled on the pool ahead of the case's
             # programs: built eagerly, each new input shape's small compile waited behind the pool's (35-56 s a
             # case on the v5e host)
-            self.builders[(case.id, INPUTS)] = lambda case=case: make_args(case)
-            self.queue.append((position, (case.id, INPUTS), ()))
+            inputs_key = self.inputs_keys[case.id] = ((inputs_of or (lambda c: c.id))(case), INPUTS)
+            shared_inputs = inputs_key in self.builders
+            if not shared_inputs:
+                self.builders[inputs_key] = lambda case=case: make_args(case)
+                self.queue.append((position, inputs_key, ()))
             if state:  # so is the in-place state (built eagerly, its compiles took 4.4 s a KV cache shape there)
                 self.builders[(case.id, STATE)] = lambda case=case: case.op.in_place.state(case.shape, 0)
                 self.queue.append((position, (case.id, STATE), ()))
@@ -186,7 +192,10 @@ class _Plan:
                 self.queue.append((position, key, (*state, *specs) if key in self.state else specs))
             if exporter is not None and kernel is not None:  # its tracing starts now on the workers, in case order
                 for impl, args in _exportable(case, runnable, specs):
-                    self.exports[(case.id, impl or INPUTS)] = exporter.submit(kernel, case.id, impl, make_args, args)
+                    if impl is None and shared_inputs:
+                        continue
+                    key = inputs_key if impl is None else (case.id, impl)
+                    self.exports[key] = exporter.submit(kernel, case.id, impl, make_args, args)
 
     def submit(self, key, args) -> None:
         """Lower one program here and hand its compile to the pool (a failure is kept as the future's)."""
@@ -269,7 +278,10 @@ def _built(plan: _Plan, future, build_eagerly):
 def _build_inputs(plan: _Plan, case, make_args):
     """The case's inputs, from its input builder (built eagerly, an op may report the implementations whose inputs
     failed: suite.PartialInputs, a baseline's forward that a backward's residuals come from, say)."""
-    return _built(plan, plan.compiles.pop((case.id, INPUTS), None), lambda: make_args(case))
+    key = plan.inputs_keys.get(case.id, (case.id, INPUTS))
+    # a shared builder stays for the cases after this one (each call gives new buffers)
+    future = plan.compiles.get(key) if key[0] != case.id else plan.compiles.pop(key, None)
+    return _built(plan, future, lambda: make_args(case))
 
 
 def _initial_state(plan: _Plan, case) -> tuple:
@@ -374,6 +386,7 @@ def run(
     kernel: str | None = None,
     exporter: lowering.Pool | None = None,
     after_plan=None,
+    inputs_of=None,
 ) -> dict:
     """{(case id, impl): entry} for every impl of every case: a timing (median_s, compile_s, ...), or {"na": why} /
     {"error": why}. `make_args(case)` builds the case's inputs on the device. `phases`, if given, receives
@@ -381,11 +394,21 @@ def run(
     case (the benchmarks write them out as they go). `deadline` (time.monotonic()): no case starts after it; the
     cases left show why they were not timed, and their queued compiles are dropped. `exporter` (with `kernel`, the
     suite's name): worker processes that trace and lower the programs (benchmarks/lowering.py); `after_plan()`, if
-    given, is called once this run's exports are queued (the next kernel's prefetch goes behind them)."""
+    given, is called once this run's exports are queued (the next kernel's prefetch goes behind them).
+    `inputs_of(case)`, if given, names the case whose inputs a case takes (default its own): cases naming the same one
+    share one compiled input builder, each still built fresh buffers."""
     stats = {}
     pool = concurrent.futures.ThreadPoolExecutor(max(1, compile_workers), initializer=_lower_priority)
     try:
-        plan = _Plan(cases, make_args, pool, ahead=2 * max(1, compile_workers), exporter=exporter, kernel=kernel)
+        plan = _Plan(
+            cases,
+            make_args,
+            pool,
+            ahead=2 * max(1, compile_workers),
+            exporter=exporter,
+            kernel=kernel,
+            inputs_of=inputs_of,
+        )
         if after_plan is not None:
             after_plan()
         for position, case in enumerate(cases):

@@ -160,6 +160,7 @@ def run_measured_sweep(
     }
     swept = [op for op in suite.ops if op.name not in result["missing"]]
     plans, cases = [], []
+    inputs_of = {}  # a tiling's case -> its op's at the shape: every tiling takes the same inputs, built by one program
     for op in swept:
         for shape in shapes:
             try:
@@ -171,6 +172,7 @@ def run_measured_sweep(
             variants = [variant(op, i, b) for i, b in enumerate(cands)]
             plans.append((op, shape, cands, variants))
             cases += [_suite.Case(v, shape) for v in variants]
+            inputs_of.update({_suite.Case(v, shape).id: _suite.Case(op, shape).id for v in variants})
     if bar is not None:
         bar.total = (bar.total or 0) + len(cases)
         bar.set_description(f"{kernel}: sweeping ({label})")
@@ -186,6 +188,7 @@ def run_measured_sweep(
         deadline=deadline,
         kernel=kernel,
         exporter=exporter,
+        inputs_of=lambda case: inputs_of[case.id],
     )
     for op, shape, cands, variants in plans:
         times = {}

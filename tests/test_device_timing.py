@@ -307,12 +307,13 @@ def test_the_measuring_budget_is_shared_out_by_expected_cost_cheapest_first(monk
 
     from benchmarks import __main__ as cli
 
-    started, deadlines, following = [], [], []
+    started, deadlines, starts, following = [], [], [], []
 
     def run_kernel(kernel, config, *, dev, bar, then=None):
         started.append(kernel)
         following.append(then)
-        deadlines.append(config.deadline - time.monotonic())
+        starts.append(time.monotonic())
+        deadlines.append(config.deadline)
         time.sleep(0.2)  # this kernel's measuring
         return {"kernel": kernel}
 
@@ -323,14 +324,20 @@ def test_the_measuring_budget_is_shared_out_by_expected_cost_cheapest_first(monk
     monkeypatch.setattr(report, "format_table", lambda result: "")
     kernels = ["flash_attention", "rms_norm", "kv_cache"]
     args = [a for k in kernels for a in ("--kernel", k)] + ["--no-model", "--budget-s", "30"]
+    before = time.monotonic()
     assert cli.main([*args, "--out", str(tmp_path)]) == 0
     assert started == ["rms_norm", "kv_cache", "flash_attention"]
     assert following == ["kv_cache", "flash_attention", None]  # each kernel's run prefetches the next one's
     costs = [cli.expected_cost_s(k, cli.case_count(k, False)) for k in started]
     assert all(c > 0 for c in costs) and costs[2] / cli.case_count("flash_attention", False) == 25.0
-    assert deadlines[0] == pytest.approx(30 * costs[0] / sum(costs), abs=0.1)
-    assert deadlines[1] == pytest.approx((30 - 0.2) * costs[1] / sum(costs[1:]), abs=0.1)
-    assert deadlines[2] == pytest.approx(30 - 0.4, abs=0.1)  # the last kernel: everything left
+    # shares of what is left when each kernel starts, the budget counted from the run's start (between `before` and
+    # the first kernel's start: the run's own set-up, which a loaded machine stretches, is the tolerance)
+    slack = starts[0] - before + 0.05
+    left = [30 - (t - before) for t in starts]
+    assert deadlines[0] - starts[0] == pytest.approx(left[0] * costs[0] / sum(costs), abs=slack)
+    assert deadlines[1] - starts[1] == pytest.approx(left[1] * costs[1] / sum(costs[1:]), abs=slack)
+    assert deadlines[2] - before == pytest.approx(30, abs=slack)  # the last kernel: everything left
+    assert starts[2] - starts[0] >= 0.4
 
 
 def test_budget_shares():
@@ -418,8 +425,10 @@ def test_a_sweeps_tilings_are_traced_in_worker_processes(monkeypatch):
     finally:
         pool.close()
     _assert_sweep_row(result)
-    # four input builders and three tilings from the workers; the fourth tiling's trace fails there and here
-    assert any(line.startswith("  programs lowered from the workers' exports: 7, here: 1;") for line in lines), lines
+    # one input builder (the four tilings share it: same op, same shape) and three tilings from the workers; the
+    # fourth tiling's trace fails there and here
+    assert any(line.startswith("  programs lowered from the workers' exports: 4, here: 1;") for line in lines), lines
+    assert any("input builders 1," in line for line in lines), lines
 
 
 def test_shape_filters_pick_the_shapes_whose_id_holds_each(fake_chip, monkeypatch, tmp_path):
