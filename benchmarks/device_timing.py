@@ -148,6 +148,7 @@ class _Plan:
         # case id -> its input builder's key: (the id `inputs_of(case)` names, INPUTS), one builder for the cases
         # that name the same id (a sweep's tilings of one op at one shape), compiled once
         self.inputs_keys: dict[str, tuple[str, str]] = {}
+        self.inputs_users: dict[tuple[str, str], int] = {}  # an input builder's key -> the cases still to take it
         self.queue: list[tuple[int, tuple[str, str], object]] = []  # (case index, key, input specs) to lower
         self.lower_s = 0.0  # this thread's lowering seconds since the last take_lower_s()
         self.export_s = 0.0  # the workers' tracing seconds of the programs taken in since then (run in parallel)
@@ -180,6 +181,7 @@ class _Plan:
             # programs: built eagerly, each new input shape's small compile waited behind the pool's (35-56 s a
             # case on the v5e host)
             inputs_key = self.inputs_keys[case.id] = ((inputs_of or (lambda c: c.id))(case), INPUTS)
+            self.inputs_users[inputs_key] = self.inputs_users.get(inputs_key, 0) + 1
             shared_inputs = inputs_key in self.builders
             if not shared_inputs:
                 self.builders[inputs_key] = lambda case=case: make_args(case)
@@ -279,8 +281,9 @@ def _build_inputs(plan: _Plan, case, make_args):
     """The case's inputs, from its input builder (built eagerly, an op may report the implementations whose inputs
     failed: suite.PartialInputs, a baseline's forward that a backward's residuals come from, say)."""
     key = plan.inputs_keys.get(case.id, (case.id, INPUTS))
-    # a shared builder stays for the cases after this one (each call gives new buffers)
-    future = plan.compiles.get(key) if key[0] != case.id else plan.compiles.pop(key, None)
+    # a shared builder stays until its last case has called it (each call gives new buffers)
+    plan.inputs_users[key] = plan.inputs_users.get(key, 1) - 1
+    future = plan.compiles.get(key) if plan.inputs_users[key] > 0 else plan.compiles.pop(key, None)
     return _built(plan, future, lambda: make_args(case))
 
 

@@ -46,6 +46,22 @@ def _inputs(rand, batch, sq, sk, hq, hkv, d, dv=None, dtype=jnp.float32):
     )
 
 
+def _check_f32_gradients(kernel_fn, reference_fn, args, *, names, rand):
+    """float32 gradients of kernel_fn against reference_fn in the leading len(names) arguments (ladder.check_gradients
+    at this module's float32 gradient tolerance, 1e-4 absolute and relative)."""
+    ladder.check_gradients(
+        kernel_fn,
+        reference_fn,
+        args,
+        argnums=tuple(range(len(names))),
+        rand=rand,
+        dtype=jnp.float32,
+        names=names,
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
 def _assert_lse_close(actual, expected, what, rand):
     """Log-sum-exps agree, and rows that see no key are +inf in both (flash-attn's convention)."""
     actual, expected = np.asarray(actual), np.asarray(expected)
@@ -193,18 +209,12 @@ GRADIENT_FEATURES = ["causal_more_queries_than_keys"]
 def test_gradients_match_reference(rand, feature):
     """At head dim 512 with K = V, one array passed as both (Gemma 4's full layers): its gradient is dk + dv."""
     (q, kv, _, sinks), options = _feature_call(rand, feature, d=512)
-    has_sinks = sinks is not None
-    argnums = (0, 1, 2) if has_sinks else (0, 1)
-    ladder.check_gradients(
+    _check_f32_gradients(
         lambda q, kv, s: tk.flash_attention(q, kv, kv, sinks=s, blocks=SMALL, **options),
         lambda q, kv, s: attention_reference(q, kv, kv, sinks=s, **options),
         (q, kv, sinks),
-        argnums=argnums,
+        names=["dq", "dkv", "dsinks"] if sinks is not None else ["dq", "dkv"],
         rand=rand,
-        dtype=jnp.float32,
-        names=["dq", "dkv", "dsinks"][: len(argnums)],
-        atol=1e-4,
-        rtol=1e-4,
     )
 
 
@@ -266,16 +276,12 @@ GRADIENT_LAYOUTS = [
 def test_gradients_gqa_head_dims(rand, layout):
     d, dv, hq, hkv, options, blocks = layout
     q, k, v = _inputs(rand, 1, 136, 260, hq, hkv, d, dv)
-    ladder.check_gradients(
+    _check_f32_gradients(
         lambda q, k, v: tk.flash_attention(q, k, v, blocks=blocks, **options),
         lambda q, k, v: attention_reference(q, k, v, **options),
         (q, k, v),
-        argnums=(0, 1, 2),
-        rand=rand,
-        dtype=jnp.float32,
         names=["dq", "dk", "dv"],
-        atol=1e-4,
-        rtol=1e-4,
+        rand=rand,
     )
 
 
@@ -284,16 +290,12 @@ def test_gradient_of_the_log_sum_exp(rand, blocks):
     """Differentiating the lse output too (ds gains p * d_lse; the sink's gradient likewise), with every feature, on
     both backward paths."""
     args, options = _feature_call(rand, "everything")
-    ladder.check_gradients(
+    _check_f32_gradients(
         lambda q, k, v, s: tk.flash_attention(q, k, v, sinks=s, blocks=blocks, return_lse=True, **options),
         lambda q, k, v, s: attention_reference(q, k, v, sinks=s, return_lse=True, **options),
         args,
-        argnums=(0, 1, 2, 3),
-        rand=rand,
-        dtype=jnp.float32,
         names=["dq", "dk", "dv", "dsinks"],
-        atol=1e-4,
-        rtol=1e-4,
+        rand=rand,
     )
 
 
@@ -363,19 +365,15 @@ def test_varlen_traced_cu_seqlens_and_gradients(rand, blocks):
     one on blocks of its own (its lists, sized by their own bound, built beside the forward's)."""
     (q, k, v, cu_q, cu_k), max_q, max_k = _varlen_inputs(rand)
     options = dict(causal=True, window_size=(64, 0), softcap=3.0)
-    ladder.check_gradients(
+    _check_f32_gradients(
         lambda q, k, v, cu_q, cu_k: tk.flash_attention_varlen(
             q, k, v, cu_q, cu_k, max_q, max_k, blocks=blocks, **options
         ),
         # the reference slices by concrete offsets: the closed-over ones (the kernel gets them traced, under jit)
         lambda q, k, v, _cu_q, _cu_k: varlen_attention_reference(q, k, v, cu_q, cu_k, **options),
         (q, k, v, cu_q, cu_k),
-        argnums=(0, 1, 2),
-        rand=rand,
-        dtype=jnp.float32,
         names=["dq", "dk", "dv"],
-        atol=1e-4,
-        rtol=1e-4,
+        rand=rand,
     )
 
 
@@ -1073,16 +1071,12 @@ def test_small_windows_take_their_own_blocks(rand, monkeypatch):
         **F32_TOL,
         jit_kernel=True,
     )
-    ladder.check_gradients(
+    _check_f32_gradients(
         lambda q, k, v, s: tk.flash_attention(q, k, v, sinks=s, **options),
         lambda q, k, v, s: attention_reference(q, k, v, sinks=s, **options),
         (q, k, v, sinks),
-        argnums=(0, 1, 2, 3),
-        rand=rand,
-        dtype=jnp.float32,
         names=["dq", "dk", "dv", "dsinks"],
-        atol=1e-4,
-        rtol=1e-4,
+        rand=rand,
     )
 
 
@@ -1127,18 +1121,14 @@ def test_head_dim_64_runs_padded_to_128(rand, monkeypatch):
     assert out.shape == (2, 300, 4, 64) and lse.shape == (2, 4, 300)
     cu = jnp.asarray([0, 300, 600], jnp.int32)
     packed = [x.reshape(600, *x.shape[2:]) for x in (q, k, v)]
-    ladder.check_gradients(
+    _check_f32_gradients(
         lambda q, k, v, s: tk.flash_attention_varlen(q, k, v, cu, cu, 300, 300, causal=True, sinks=s),
         lambda q, k, v, s: attention_reference(
             *(x.reshape(2, 300, *x.shape[1:]) for x in (q, k, v)), causal=True, sinks=s
         ).reshape(600, 4, 64),
         (*packed, sinks),
-        argnums=(0, 1, 2, 3),
-        rand=rand,
-        dtype=jnp.float32,
         names=["dq", "dk", "dv", "dsinks"],
-        atol=1e-4,
-        rtol=1e-4,
+        rand=rand,
     )
 
 

@@ -531,18 +531,19 @@ def _arrays(op, s, seed):
     return PartialInputs(args, failed) if failed else args
 
 
-# A window of at most this many keys (gpt-oss's 128) also tries blocks of 128 rows: a 512 x 512 visit computes 512 x
-# 1024 scores across two key blocks for 512 x 128 kept ones, a 128 x 128 visit pair 128 x 256 for 128 x 128.
-SMALL_WINDOW, SMALL_WINDOW_TILES = 256, (128, 256, 512)
+# A small window (at most tuning.SMALL_WINDOW_KEYS keys a row: gpt-oss's 128) also tries blocks of 128 rows: a 512 x
+# 512 visit computes 512 x 1024 scores across two key blocks for 512 x 128 kept ones, a 128 x 128 visit pair 128 x 256
+# for 128 x 128.
+SMALL_WINDOW_TILES = (128, 256, 512)
 
 
 def _candidates(op, s, gen):
     """The kernel's candidate tilings for op ("forward" or "backward": that direction's blocks varied) at this
     shape (tuning.candidate_blocks) for `gen`'s chip; a small window's take SMALL_WINDOW_TILES both ways."""
     q, k, v = _inputs(s)[:3]
-    small = 0 < s["window"] <= SMALL_WINDOW
     cfg = config(s)
     window_keys = schedule.window_keys(causal=cfg.causal, window_size=cfg.window)
+    small = window_keys is not None and window_keys <= tuning.SMALL_WINDOW_KEYS
     info = chip.tpu_info_for(gen)
     # the head dims the kernels run at (the api pads head dim 64: tuning.run_head_dims)
     head_dim, v_head_dim = tuning.run_head_dims(q.shape[-1], v.shape[-1], window_keys=window_keys, info=info)

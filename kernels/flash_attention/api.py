@@ -34,13 +34,30 @@ def _rows_at_least(x, rows: int):
     return x if pad <= 0 else jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
 
 
-def _planner(*, d, dv, causal, window, **setup_args):
-    """(setup_for(blocks) -> _Setup, D, Dv the kernels run at): the head dims tuning.run_head_dims picks (head dim 64
-    runs as 128 but under a small window), and the window's reach for the tables (small windows: their own blocks).
-    setup_args: _setup's other keywords."""
+def _planner(qkv, options, *, q_rows: int, kv_rows: int, **sequences):
+    """(setup_for(blocks) -> _Setup, D, Dv the kernels run at) for a call whose checks.check_qkv and
+    checks.check_options gave `qkv` and `options`: the head dims tuning.run_head_dims picks (head dim 64 runs as 128
+    but under a small window), and the window's reach for the tables (small windows: their own blocks).
+    sequences: longest_sequence (packed) or sequence_rows (equal lengths)."""
+    dtype, hq, hkv, d, dv = qkv
+    scale, causal, window, softcap = options
     window_keys = schedule.window_keys(causal=causal, window_size=window)
     d_run, dv_run = tuning.run_head_dims(d, dv, window_keys=window_keys)
-    return functools.partial(_setup, d=d_run, dv=dv_run, window_keys=window_keys, **setup_args), d_run, dv_run
+    setup_for = functools.partial(
+        _setup,
+        q_rows=q_rows,
+        kv_rows=kv_rows,
+        hq=hq,
+        hkv=hkv,
+        d=d_run,
+        dv=dv_run,
+        dtype=dtype,
+        scale=scale,
+        softcap=softcap,
+        window_keys=window_keys,
+        **sequences,
+    )
+    return setup_for, d_run, dv_run
 
 
 def _lanes_at_least(x, width: int):
@@ -324,17 +341,10 @@ def flash_attention(
         out, lse = _empty_result(batch * sq, hq, dv, dtype, sinks, return_lse, q.dtype)
     else:
         setup_for, d_run, dv_run = _planner(
+            (dtype, hq, hkv, d, dv),
+            (scale, causal, window, softcap),
             q_rows=max(batch * sq, MIN_ROWS),
             kv_rows=max(batch * sk, MIN_ROWS),
-            hq=hq,
-            hkv=hkv,
-            d=d,
-            dv=dv,
-            dtype=dtype,
-            scale=scale,
-            softcap=softcap,
-            causal=causal,
-            window=window,
             sequence_rows=(sq, sk),  # no table block spans two sequences (tuning.sequence_block_cap)
         )
         setup = setup_for(blocks)
@@ -416,17 +426,10 @@ def flash_attention_varlen(
     given_q_rows, q_rows, kv_rows = q_rows, max(q_rows, MIN_ROWS), max(kv_rows, MIN_ROWS)
     # a packed batch: the table's blocks are capped by its longest sequence (tuning.packed_block_cap)
     setup_for, d_run, dv_run = _planner(
+        (dtype, hq, hkv, d, dv),
+        (scale, causal, window, softcap),
         q_rows=q_rows,
         kv_rows=kv_rows,
-        hq=hq,
-        hkv=hkv,
-        d=d,
-        dv=dv,
-        dtype=dtype,
-        scale=scale,
-        softcap=softcap,
-        causal=causal,
-        window=window,
         longest_sequence=max(max_q, max_k),
     )
     num_seqs = cu_seqlens_q.shape[0] - 1

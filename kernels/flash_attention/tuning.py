@@ -76,7 +76,6 @@ UNFUSED_BACKWARD_TABLE = {
 # 8783, 256 x 512 11353.
 SMALL_WINDOW_KEYS = 256
 SMALL_WINDOW_TABLE = {"v5e": {64: (128, 256)}, "v6e": {64: (128, 256)}, "v7x": {64: (128, 256)}}
-SMALL_WINDOW_BACKWARD_TABLE = SMALL_WINDOW_TABLE
 # Head dims the kernels run zero-padded to a wider one (q, K and V padded with zero lanes, the output's sliced off; the
 # scores and the softmax are unchanged), by generation: (head dim, V head dim) -> the width both run at. At head dim
 # 64 two kv heads share each 128-lane block and a kept score costs the kernels about 2.8 times what it costs at 128
@@ -230,10 +229,15 @@ def run_head_dims(
     window (window_keys at most SMALL_WINDOW_KEYS, SMALL_WINDOW_TABLE) keeps them; else as given."""
     generation = chip.generation_name(info or chip.current_tpu_info())
     width = PADDED_HEAD_DIMS.get(generation, {}).get((head_dim, v_head_dim))
-    small_window = window_keys is not None and window_keys <= SMALL_WINDOW_KEYS
-    if width is None or (small_window and max(head_dim, v_head_dim) in SMALL_WINDOW_TABLE.get(generation, {})):
+    if width is None or _small_window_blocks(generation, max(head_dim, v_head_dim), window_keys):
         return head_dim, v_head_dim
     return width, width
+
+
+def _small_window_blocks(generation: str, widest_head_dim: int, window_keys: int | None) -> bool:
+    """Whether a window of `window_keys` keys a row takes SMALL_WINDOW_TABLE's blocks at this generation, head dim."""
+    small = window_keys is not None and window_keys <= SMALL_WINDOW_KEYS
+    return small and widest_head_dim in SMALL_WINDOW_TABLE.get(generation, {})
 
 
 def _table_kv_heads_per_step(generation: str, head_dim: int, *, kv_heads: int, group: int, fewest: int, fits) -> int:
@@ -316,12 +320,10 @@ def resolve_blocks(
     generation, widest = chip.generation_name(info), max(head_dim, v_head_dim)
     rows = dict(q_rows=q_rows, kv_rows=kv_rows)
 
-    small_window = window_keys is not None and window_keys <= SMALL_WINDOW_KEYS
+    small_window = _small_window_blocks(generation, widest, window_keys)
 
     def table_pair(direction, table):
-        if small_window and widest in SMALL_WINDOW_TABLE.get(generation, {}):
-            table = SMALL_WINDOW_TABLE if direction == "forward" else SMALL_WINDOW_BACKWARD_TABLE
-        pair = _table_entry(generation, widest, table)
+        pair = _table_entry(generation, widest, SMALL_WINDOW_TABLE if small_window else table)  # both directions
         if longest_sequence is not None:
             cap = packed_block_cap(longest_sequence, direction)
             pair = tuple(min(block, cap) for block in pair)
