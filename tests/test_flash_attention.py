@@ -1080,6 +1080,39 @@ def test_small_windows_take_their_own_blocks(rand, monkeypatch):
     )
 
 
+def test_windows_up_to_window_keys_take_their_own_forward_blocks(monkeypatch):
+    """A sliding window of more than SMALL_WINDOW_KEYS and at most WINDOW_KEYS keys a row takes WINDOW_TABLE's forward
+    blocks where the generation has the head dim (Gemma 4 sliding on the v5e: window 1024, head dim 256, 256 x 256);
+    the backward keeps BACKWARD_TABLE's, the kv heads a step stay the table's (16 query heads), and wider or
+    unbounded windows and other generations take TABLE's. End to end: the default call's forward runs that grid."""
+    fields = ("block_q", "block_kv", "backward_block_q", "backward_block_kv", "kv_heads_per_step")
+
+    def resolved(generation="v5e", head_dim=256, **kw):
+        shape = dict(q_rows=32768, kv_rows=32768, q_heads=16, kv_heads=8, head_dim=head_dim, v_head_dim=head_dim)
+        chosen = tuning.resolve_blocks(None, **shape, itemsize=2, info=chip.tpu_info_for(generation), **kw)
+        return tuple(getattr(chosen, f) for f in fields)
+
+    window = tuning.WINDOW_TABLE["v5e"][256] + tuning.BACKWARD_TABLE["v5e"][256] + (8,)
+    table = tuning.TABLE["v5e"][256] + tuning.BACKWARD_TABLE["v5e"][256] + (8,)
+    assert window != table
+    assert resolved(window_keys=1024) == resolved(window_keys=tuning.SMALL_WINDOW_KEYS + 1) == window
+    assert resolved(window_keys=tuning.WINDOW_KEYS + 1) == resolved() == table
+    assert resolved("v6e", window_keys=1024) == resolved("v6e")  # not measured there
+    assert resolved(head_dim=128, window_keys=1024) == resolved(head_dim=128)
+
+    monkeypatch.setenv("TPU_KERNELS_TARGET", "v5e")
+    q, kv = _spec((1, 2048, 16, 256)), _spec((1, 2048, 8, 256))
+
+    def forward_grids(window_size, blocks=None):
+        def attend(q, k, v):
+            return tk.flash_attention(q, k, v, causal=True, window_size=window_size, blocks=blocks)
+
+        return [(c.name, c.grid) for c in ladder.pallas_calls(attend, q, kv, kv)]
+
+    given = tk.FlashAttentionBlocks(block_q=256, block_kv=256)
+    assert forward_grids((1023, 0)) == forward_grids((1023, 0), given) != forward_grids((-1, 0))
+
+
 def test_head_dim_64_runs_padded_to_128(rand, monkeypatch):
     """Head dim 64 (gpt-oss) runs as head dim 128, q / K / V zero-padded and the output sliced
     (tuning.PADDED_HEAD_DIMS), except under a small window, which keeps its own blocks at head dim 64; other head dims

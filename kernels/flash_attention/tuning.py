@@ -76,6 +76,15 @@ UNFUSED_BACKWARD_TABLE = {
 # 8783, 256 x 512 11353.
 SMALL_WINDOW_KEYS = 256
 SMALL_WINDOW_TABLE = {"v5e": {64: (128, 256)}, "v6e": {64: (128, 256)}, "v7x": {64: (128, 256)}}
+# The forward's blocks for sliding windows of more than SMALL_WINDOW_KEYS and at most WINDOW_KEYS keys a row (Gemma 4's
+# sliding layers: 1024), by generation and head dim, in place of TABLE's; the backward keeps BACKWARD_TABLE's. Measured
+# on the v5e (Gemma 4 sliding: 8 x 4096 tokens, 16 / 8 heads, head dim 256, window 1024; device time, the kernel alone
+# at each tiling, `--sweep`), forward: 512 x 512 9524 us, 256 x 256 4536, 256 x 512 4773, 512 x 1024 9146, 256 x 1024
+# 10794, 512 x 256 12132; 512 x 512 at 4 kv heads a step 5020, at 2 6601, at 1 6922. Backward: 512 x 512 (the table's)
+# 19149 us, 256 x 512 20331, 256 x 1024 22206. Other generations were not measured (the model, twice too optimistic on
+# the v5e at this shape, cannot choose for them).
+WINDOW_KEYS = 1024
+WINDOW_TABLE = {"v5e": {256: (256, 256)}}
 # Head dims the kernels run zero-padded to a wider one (q, K and V padded with zero lanes, the output's sliced off; the
 # scores and the softmax are unchanged), by generation: (head dim, V head dim) -> the width both run at. At head dim
 # 64 two kv heads share each 128-lane block and a kept score costs the kernels about 2.8 times what it costs at 128
@@ -215,7 +224,7 @@ def working_set(
 
 
 def _table_entry(generation: str, head_dim: int, table=TABLE):
-    table = table.get(generation, table["v6e"])
+    table = table[generation] if generation in table else table["v6e"]
     for dim in sorted(table):
         if head_dim <= dim:
             return table[dim]
@@ -313,7 +322,8 @@ def resolve_blocks(
     (sequence_block_cap). long_sequences: the fused backward takes LONG_BACKWARD_TABLE's blocks where it has an entry
     for the generation and head dim (the api's choice when BACKWARD_TABLE's need more than MAX_DQ_SLOTS slots).
     window_keys: the most keys a query row sees under a sliding window (schedule.window_keys), None when unbounded: at
-    most SMALL_WINDOW_KEYS, the table's blocks are SMALL_WINDOW_TABLE's where it has the generation and head dim."""
+    most SMALL_WINDOW_KEYS, the table's blocks are SMALL_WINDOW_TABLE's where it has the generation and head dim; at
+    most WINDOW_KEYS, the forward's are WINDOW_TABLE's where it has them."""
     check_blocks_type(blocks)
     info = info or chip.current_tpu_info()
     blocks = blocks or FlashAttentionBlocks()
@@ -321,9 +331,15 @@ def resolve_blocks(
     rows = dict(q_rows=q_rows, kv_rows=kv_rows)
 
     small_window = _small_window_blocks(generation, widest, window_keys)
+    window = not small_window and window_keys is not None and window_keys <= WINDOW_KEYS
+    window = window and widest in WINDOW_TABLE.get(generation, {})
 
     def table_pair(direction, table):
-        pair = _table_entry(generation, widest, SMALL_WINDOW_TABLE if small_window else table)  # both directions
+        if small_window:
+            table = SMALL_WINDOW_TABLE  # both directions
+        elif window and direction == "forward":
+            table = WINDOW_TABLE
+        pair = _table_entry(generation, widest, table)
         if longest_sequence is not None:
             cap = packed_block_cap(longest_sequence, direction)
             pair = tuple(min(block, cap) for block in pair)
