@@ -24,6 +24,7 @@ as well.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import statistics
 import threading
@@ -48,6 +49,12 @@ def _lower_priority() -> None:
     except (AttributeError, OSError):
         pass
 
+
+# Consecutive cases share one profiler trace (each trace costs ~0.5-1 s of the host's time: 0.7 s of stop_trace a case
+# on the v5e host, about 110 s of the quick suite's 158 cases) while together they hold at most TRACE_GROUP_BYTES of
+# inputs and state on the device (a case's are freed after its trace), and at most TRACE_GROUP_CASES of them.
+TRACE_GROUP_CASES = 12
+TRACE_GROUP_BYTES = 1 << 30
 
 INPUTS = "inputs"  # the plan's key, beside the implementations', of a case's input builder
 STATE = "state"  # and of the builder of its in-place implementations' initial state (each gets a fresh one)
@@ -149,6 +156,7 @@ class _Plan:
         # that name the same id (a sweep's tilings of one op at one shape), compiled once
         self.inputs_keys: dict[str, tuple[str, str]] = {}
         self.inputs_users: dict[tuple[str, str], int] = {}  # an input builder's key -> the cases still to take it
+        self.input_bytes: dict[str, int] = {}  # case id -> its inputs' bytes, from their shapes
         self.queue: list[tuple[int, tuple[str, str], object]] = []  # (case index, key, input specs) to lower
         self.lower_s = 0.0  # this thread's lowering seconds since the last take_lower_s()
         self.export_s = 0.0  # the workers' tracing seconds of the programs taken in since then (run in parallel)
@@ -173,6 +181,7 @@ class _Plan:
             state = ()  # the in-place implementations' state, ahead of their arguments
             try:  # the inputs' shapes only: nothing is built on the device here
                 specs = _input_specs(case, make_args)
+                self.input_bytes[case.id] = _device_bytes(specs)
                 if any((case.id, impl) in self.state for impl in runnable):
                     state = jax.eval_shape(lambda case=case: case.op.in_place.state(case.shape, 0))
             except Exception:  # noqa: BLE001 - this case compiles on its concrete inputs when it runs
@@ -294,13 +303,37 @@ def _initial_state(plan: _Plan, case) -> tuple:
     return tuple(_built(plan, future, lambda: case.op.in_place.state(case.shape, 0)))
 
 
-def _time_case(position, case, plan: _Plan, make_args, calls: int, labels: dict) -> tuple[dict, dict]:
-    """({impl: entry}, host seconds by phase) for one case: its programs (and the next ones') lowered, its inputs,
-    the compiles waited on, first runs, then one trace."""
+@dataclasses.dataclass
+class _Prepared:
+    """A case ready for its trace: its implementations' results so far (n/a, errors), its programs (compiled, run
+    once) with their compile and lowering seconds, its host seconds by phase, and the bytes of device arrays it
+    holds (inputs and in-place state) until its trace."""
+
+    case: object
+    results: dict
+    phases: dict
+    programs: dict = dataclasses.field(default_factory=dict)
+    compile_s: dict = dataclasses.field(default_factory=dict)
+    lower_s: dict = dataclasses.field(default_factory=dict)
+    held_bytes: int = 0
+
+
+def _device_bytes(tree) -> int:
+    """The bytes of the arrays (or ShapeDtypeStructs) in `tree`."""
+    import jax
+    import numpy as np
+
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+
+
+def _prepare_case(position, case, plan: _Plan, make_args) -> _Prepared:
+    """The case's programs (and the next ones') lowered, its inputs built, its compiles waited on and each program
+    run once: everything before its trace."""
     import jax
 
-    phases = dict.fromkeys(PHASES, 0.0)
-    results = {impl: entry for (case_id, impl), entry in plan.results.items() if case_id == case.id}
+    ready = _Prepared(case, {impl: entry for (case_id, impl), entry in plan.results.items() if case_id == case.id}, {})
+    ready.phases = phases = dict.fromkeys(PHASES, 0.0)
+    results = ready.results
     runnable = [impl for (case_id, impl) in plan.functions if case_id == case.id]
     plan.submit_through(position)
     phases["lower_s"], phases["export_s"] = plan.take_lower_s()
@@ -314,9 +347,10 @@ def _time_case(position, case, plan: _Plan, make_args, calls: int, labels: dict)
             args = args.args
         jax.block_until_ready(args)
     except Exception as e:  # noqa: BLE001 - the case's inputs did not build: every impl shows why
-        return {**results, **{i: {"error": f"inputs: {reason(e)}"} for i in runnable}}, phases
+        results.update({i: {"error": f"inputs: {reason(e)}"} for i in runnable})
+        return ready
     phases["inputs_s"] = time.perf_counter() - start
-    programs, compile_s, lower_s = {}, {}, {}
+    ready.held_bytes = _device_bytes(args)
     for impl in runnable:
         key = (case.id, impl)
         n_state = plan.state.get(key, 0)
@@ -338,30 +372,48 @@ def _time_case(position, case, plan: _Plan, make_args, calls: int, labels: dict)
         except Exception as e:  # noqa: BLE001 - one implementation failing must not lose the others
             results[impl] = {"error": reason(e)}
             continue
-        programs[impl] = program
-        compile_s[impl], lower_s[impl] = lowering + compiling, lowering
-    if programs:
-        start = time.perf_counter()
-        try:
-            times = profiler.device_times(list(programs.values()), calls)
-        except Exception as e:  # noqa: BLE001
-            return {**results, **{impl: {"error": f"trace: {reason(e)}"} for impl in programs}}, phases
-        phases["trace_s"] = time.perf_counter() - start
-        for impl, p in programs.items():
+        ready.programs[impl] = program
+        ready.held_bytes += _device_bytes(call_args[:n_state])
+        ready.compile_s[impl], ready.lower_s[impl] = lowering + compiling, lowering
+    return ready
+
+
+def _trace_cases(group: list[_Prepared], calls: int, labels_of) -> None:
+    """Every program of the prepared cases timed in one profiler trace (a trace costs ~0.5-1 s of the host's time,
+    whatever it holds), their results filled in; the trace's seconds shared out by program. A failing trace is taken
+    again case by case, so that one case's failure stays its own. `labels_of(case)` -> {impl: column label}."""
+    programs = [p for ready in group for p in ready.programs.values()]
+    if not programs:
+        return
+    start = time.perf_counter()
+    try:
+        times = profiler.device_times(programs, calls)
+    except Exception as e:  # noqa: BLE001
+        if len(group) > 1:
+            for ready in group:
+                _trace_cases([ready], calls, labels_of)
+            return
+        group[0].results.update({impl: {"error": f"trace: {reason(e)}"} for impl in group[0].programs})
+        return
+    per_program = (time.perf_counter() - start) / len(programs)
+    for ready in group:
+        labels = labels_of(ready.case)
+        ready.phases["trace_s"] = per_program * len(ready.programs)
+        for impl, p in ready.programs.items():
             t = times[p.name]
-            results[impl] = {
+            ready.results[impl] = {
                 "label": labels[impl],
                 "median_s": statistics.median(t),
                 "mean_s": statistics.fmean(t),
                 "min_s": min(t),
                 "stddev_s": statistics.pstdev(t),
                 "rounds": len(t),
-                "compile_s": compile_s[impl],
-                "lower_s": lower_s[impl],
+                "compile_s": ready.compile_s[impl],
+                "lower_s": ready.lower_s[impl],
                 "timing": "device time (profiler)",
                 **({"in_place": "state donated, carried from call to call"} if p.state else {}),
             }
-    return results, phases
+        ready.programs = {}  # the inputs and state go with the programs' arguments
 
 
 def case_line(case_id: str, phases: dict, results: dict) -> str:
@@ -414,30 +466,46 @@ def run(
         )
         if after_plan is not None:
             after_plan()
+        group: list[_Prepared] = []  # prepared cases waiting for their trace
+
+        def labels_of(case):
+            return {impl: kernel_label if impl == "kernel" else default_label for impl in case.op.impls(case.shape)}
+
+        def trace_group():
+            _trace_cases(group, calls, labels_of)
+            for ready in group:
+                for impl, entry in ready.results.items():
+                    if "median_s" in entry:
+                        entry["compile_workers"] = compile_workers
+                    stats[(ready.case.id, impl)] = entry
+                if phases is not None:
+                    phases[ready.case.id] = ready.phases
+                if bar is not None and hasattr(bar, "write"):  # where a slow run's host time goes, as it goes
+                    bar.write(case_line(ready.case.id, ready.phases, ready.results))
+                if on_case is not None:
+                    on_case(dict(stats))
+                if bar is not None:
+                    bar.update(1)
+            group.clear()
+
         for position, case in enumerate(cases):
             if deadline is not None and time.monotonic() > deadline:
+                trace_group()
                 why = f"not timed: the run's time budget was spent ({len(cases) - position} of {len(cases)} cases left)"
                 for later in cases[position:]:
                     for impl, why_not in later.op.impls(later.shape).items():
                         stats[(later.id, impl)] = {"na": why_not or why}
                 plan.cancel()
                 break
-            labels = {impl: kernel_label if impl == "kernel" else default_label for impl in case.op.impls(case.shape)}
-            results, case_phases = _time_case(position, case, plan, make_args, calls, labels)
-            for impl, entry in results.items():
-                if "median_s" in entry:
-                    entry["compile_workers"] = compile_workers
-                stats[(case.id, impl)] = entry
-            if phases is not None:
-                phases[case.id] = case_phases
-            if bar is not None and hasattr(bar, "write"):  # where a slow run's host time goes, as it goes
-                bar.write(case_line(case.id, case_phases, results))
+            if sum(r.held_bytes for r in group) + plan.input_bytes.get(case.id, 0) > TRACE_GROUP_BYTES:
+                trace_group()  # the group's inputs freed before a case whose own would take it past the bound
+            ready = _prepare_case(position, case, plan, make_args)
             for impl in (*case.op.impls(case.shape), *BUILDERS):  # drop the case's executables: host memory
                 plan.compiles.pop((case.id, impl), None)
-            if on_case is not None:
-                on_case(dict(stats))
-            if bar is not None:
-                bar.update(1)
+            group.append(ready)
+            held = sum(r.held_bytes for r in group)
+            if len(group) >= TRACE_GROUP_CASES or held >= TRACE_GROUP_BYTES or position == len(cases) - 1:
+                trace_group()
         plan.cancel()
     finally:
         # Compiles still running when the budget ended the run (a later case's) are not waited for: the next kernel

@@ -45,7 +45,7 @@ def case_arrays(case: _suite.Case, seed: int = 0):
     if case.op.arrays is not None:
         return case.op.arrays(case.shape, seed)
     specs = case.op.specs(case.shape)
-    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(specs))))
+    keys = iter(inputs.keys(seed, len(jax.tree.leaves(specs))))
     return jax.tree.map(lambda s: inputs.normal(next(keys), s.shape, s.dtype), specs)
 
 

@@ -18,11 +18,11 @@ IMPLS = _suite.IMPLS
 CHUNK = 12  # functions per compile subprocess (a progress step each chunk; bounds a crash's loss)
 
 
-def case_item(case: _suite.Case, impl: str, blocks=None):
+def case_item(case: _suite.Case, impl: str):
     """(the function, the model's arguments) of `case`'s `impl`: what the model compiles for it."""
     op = case.op
     args = op.model_args(case.shape) if op.model_args else op.specs(case.shape)
-    return op.function(impl, case.shape, blocks=blocks), args
+    return op.function(impl, case.shape), args
 
 
 def run(cases: list[_suite.Case], gen: str, *, bar=None, workers: int | None = None) -> dict:

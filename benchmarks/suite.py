@@ -83,6 +83,10 @@ class Op:
     candidates: Callable[[Shape, str], list] | None = None  # (shape, generation) -> the tilings `--sweep` models:
     # the kernel's `blocks=` values from its tuning module's candidate_blocks, the table's choice first
     in_place: InPlace | None = None  # measured on a TPU with donated state (see InPlace)
+    # Whether the op's inputs follow the kernel's tiling: its specs, arrays and model_args then take `blocks=` (the
+    # kernel's tiling) and `impls=` (the implementations whose inputs to build). A backward whose residuals come from
+    # the forward: flash attention's carry the backward's visit lists and an lse laid out by the heads a step.
+    tiling_inputs: bool = False
 
     def impls(self, shape: Shape) -> dict[str, str | None]:
         """{impl: None if it applies to `shape`, else the reason it does not}: kernel, default, then baselines."""

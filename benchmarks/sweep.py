@@ -84,7 +84,8 @@ def run_sweep(kernel: str, gens, *, full: bool = False, shapes=None, workers=Non
                 continue
             case = _suite.Case(op, shape)
             for i, blocks in enumerate(cands):
-                items.append(((case.id, i), lambda case=case, blocks=blocks: modeled.case_item(case, "kernel", blocks)))
+                tiling = _suite.Case(variant(op, i, blocks), shape)  # the kernel and its inputs at that tiling
+                items.append(((case.id, i), lambda tiling=tiling: modeled.case_item(tiling, "kernel")))
         if bar is not None:
             bar.total = (bar.total or 0) + len(items)
             bar.set_description(f"{kernel}: sweeping ({gen})")
@@ -98,8 +99,21 @@ def run_sweep(kernel: str, gens, *, full: bool = False, shapes=None, workers=Non
 def variant(op: _suite.Op, index: int, blocks) -> _suite.Op:
     """The op as a measured sweep times it at its `index`-th candidate tiling: its kernel at `blocks`, nothing else
     (named "<op> #<index>")."""
+    inputs = {}
+    if op.tiling_inputs:  # its inputs built for the kernel alone at this tiling (a backward's residuals)
+        bound = dict(blocks=blocks, impls=("kernel",))
+        inputs = dict(
+            specs=functools.partial(op.specs, **bound),
+            arrays=op.arrays and functools.partial(op.arrays, **bound),
+            model_args=op.model_args and functools.partial(op.model_args, **bound),
+        )
     return dataclasses.replace(
-        op, name=f"{op.name} #{index}", kernel=functools.partial(op.kernel, blocks=blocks), default=None, baselines=()
+        op,
+        name=f"{op.name} #{index}",
+        kernel=functools.partial(op.kernel, blocks=blocks),
+        default=None,
+        baselines=(),
+        **inputs,
     )
 
 
@@ -160,7 +174,9 @@ def run_measured_sweep(
     }
     swept = [op for op in suite.ops if op.name not in result["missing"]]
     plans, cases = [], []
-    inputs_of = {}  # a tiling's case -> its op's at the shape: every tiling takes the same inputs, built by one program
+    # a tiling's case -> its op's at the shape: the tilings take the same inputs, built by one program (unless the
+    # op's inputs follow the tiling: each its own)
+    inputs_of = {}
     for op in swept:
         for shape in shapes:
             try:
@@ -172,7 +188,8 @@ def run_measured_sweep(
             variants = [variant(op, i, b) for i, b in enumerate(cands)]
             plans.append((op, shape, cands, variants))
             cases += [_suite.Case(v, shape) for v in variants]
-            inputs_of.update({_suite.Case(v, shape).id: _suite.Case(op, shape).id for v in variants})
+            shared = None if op.tiling_inputs else _suite.Case(op, shape).id
+            inputs_of.update({_suite.Case(v, shape).id: shared or _suite.Case(v, shape).id for v in variants})
     if bar is not None:
         bar.total = (bar.total or 0) + len(cases)
         bar.set_description(f"{kernel}: sweeping ({label})")

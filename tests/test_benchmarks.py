@@ -593,14 +593,14 @@ def test_flash_backward_inputs_name_the_implementations_whose_forward_fails(monk
     shape = min((s for s in fa.SUITE.shapes if s["model"] == "qwen3-30b-a3b"), key=lambda s: s.batch)
     monkeypatch.setattr(fa, "FORWARDS", dict.fromkeys(fa.FORWARDS, plain))
     monkeypatch.setattr(fa, "TOKENS", 2 * shape.batch)  # two sequences, not the suite's 32768 tokens
-    fa.residual_specs.cache_clear()
+    fa._residual_specs.cache_clear()
     try:
         specs = fa.residual_specs(shape)
         assert set(specs) == {"kernel", "default", "jax_flash", "splash", "tokamax"}
         fa.FORWARDS["splash"] = refuses
         built = fa._arrays("backward", shape, seed=int(np.random.default_rng().integers(1 << 16)))
     finally:
-        fa.residual_specs.cache_clear()  # the stand-ins' specs must not outlive the test
+        fa._residual_specs.cache_clear()  # the stand-ins' specs must not outlive the test
     assert isinstance(built, suite.PartialInputs)
     assert list(built.failed) == ["baseline:splash"]
     assert built.failed["baseline:splash"].startswith("its forward (for the residuals): RuntimeError: RESOURCE_EXH")
@@ -610,6 +610,32 @@ def test_flash_backward_inputs_name_the_implementations_whose_forward_fails(monk
         nan = [bool(jnp.isnan(x).all()) for x in given]
         assert all(nan) if impl == "splash" else not any(nan), impl  # placeholders for splash alone
     assert float(jnp.abs(residuals["kernel"][0]).max()) > 0  # the others computed from q, k, v
+
+
+def test_flash_backward_tilings_run_on_residuals_of_their_own_forward():
+    """A backward tiling's residuals come from the forward at that tiling (Op.tiling_inputs): they carry the
+    backward's visit lists, sized by its blocks, and an lse laid out by the kv heads a step, so the table's would not
+    fit it (on the v5e the sweep's Gemma 4 sliding tilings at 4 kv heads a step failed Mosaic's block-shape check on
+    them). Here such a tiling lowers for the v5e on the inputs the sweep gives it."""
+    import jax
+
+    from benchmarks import perf_model, sweep
+    from benchmarks.ops import flash_attention as fa
+
+    op = next(o for o in fa.SUITE.ops if o.name == "backward")
+    shape = next(s for s in fa.SUITE.quick_shapes if s["model"] == "gemma4-sliding")
+    with jax.default_device(perf_model.trace_device("v5e")):
+        candidates = op.candidates(shape, "v5e")
+        index, blocks = next(
+            (i, b) for i, b in enumerate(candidates) if b.kv_heads_per_step != candidates[0].kv_heads_per_step
+        )
+        tiling = suite.Case(sweep.variant(op, index, blocks), shape)
+        specs = tiling.op.model_args(shape)
+        assert list(specs[-1]) == ["kernel"]  # the kernel's residuals alone
+        table = fa.residual_specs(shape, ("kernel",))["kernel"]
+        assert [x.shape for x in specs[-1]["kernel"]] != [x.shape for x in table]
+        lowered = jax.jit(tiling.op.function("kernel", shape)).lower(*specs)
+    assert "tpu_custom_call" in lowered.as_text()
 
 
 def test_flash_benchmark_implementations_agree_with_sinks_and_a_window(monkeypatch):

@@ -116,8 +116,10 @@ TPU = device.Device("tpu", "TPU v5 lite", "measured TPU v5 lite", "measured TPU 
 @pytest.fixture
 def fake_chip(monkeypatch):
     """device_times stood in for: every program runs `calls` times for real, then reads a known device time (the
-    i-th program of a trace i+1 µs, so the kernel is 1 µs and the default 2 µs)."""
+    i-th program of a trace i+1 µs, so the kernel is 1 µs and the default 2 µs: a trace per case, as
+    test_small_cases_share_a_trace_within_their_bounds lifts)."""
     traced = []
+    monkeypatch.setattr(device_timing, "TRACE_GROUP_CASES", 1)
 
     def device_times(programs, calls):
         for p in programs:
@@ -198,6 +200,36 @@ def test_a_default_that_fails_leaves_its_row_out_of_the_measured_target(fake_chi
     assert target["not_compared"] == [f"double_nodefault {SHAPE.id}"]
     line = [x for x in report.format_table(result).splitlines() if x.startswith("target (")][0]
     assert line.endswith(f"not compared (the default did not run): double_nodefault {SHAPE.id})")
+
+
+def test_small_cases_share_a_trace_within_their_bounds(fake_chip, monkeypatch):
+    """Consecutive cases share one profiler trace (each costs the host ~0.7 s on the v5e's) up to TRACE_GROUP_CASES
+    cases and TRACE_GROUP_BYTES of inputs held; a case whose inputs would pass the bytes' bound is traced after the
+    group before it is built; a failing shared trace is taken again case by case, its failure kept to its case."""
+    sizes = [64, 64, 64, 64, 2048, 64]  # tokens; hidden 256, bf16: 32 KiB a case, the fifth 1 MiB
+    cases = [suite.Case(OP, dataclasses.replace(SHAPE, batch=n)) for n in sizes]
+    monkeypatch.setattr(device_timing, "TRACE_GROUP_CASES", 3)
+    monkeypatch.setattr(device_timing, "TRACE_GROUP_BYTES", 512 << 10)
+    stats = device_timing.run(cases, measured.case_arrays, kernel_label="k", default_label="d", calls=2)
+    assert [len(names) // 2 for names in fake_chip] == [3, 1, 1, 1]  # two programs a case; the fifth alone
+    assert all("median_s" in stats[(c.id, impl)] for c in cases for impl in ("kernel", "default"))
+    fake_chip.clear()
+
+    real = profiler.device_times
+    traces = []
+
+    def fails_with_the_second_case(programs, calls):
+        traces.append(len(programs))
+        if any(p.args[0].shape[0] == 128 for p in programs):
+            raise RuntimeError("the trace holds 19 executions")
+        return real(programs, calls)
+
+    monkeypatch.setattr(profiler, "device_times", fails_with_the_second_case)
+    three = [suite.Case(OP, dataclasses.replace(SHAPE, batch=n)) for n in (64, 128, 192)]
+    failing = device_timing.run(three, measured.case_arrays, kernel_label="k", default_label="d", calls=2)
+    assert "median_s" in failing[(three[0].id, "kernel")] and "median_s" in failing[(three[2].id, "default")]
+    assert failing[(three[1].id, "kernel")] == {"error": "trace: RuntimeError: the trace holds 19 executions"}
+    assert traces == [6, 2, 2, 2]  # the three together, then each alone
 
 
 def test_inputs_come_from_a_builder_compiled_ahead(fake_chip):
@@ -429,6 +461,54 @@ def test_a_sweeps_tilings_are_traced_in_worker_processes(monkeypatch):
     # fourth tiling's trace fails there and here
     assert any(line.startswith("  programs lowered from the workers' exports: 4, here: 1;") for line in lines), lines
     assert any("input builders 1," in line for line in lines), lines
+
+
+def _tiling_inputs(s, seed=0, *, blocks=None, impls=None):
+    """The inputs of an op whose inputs follow its tiling (a backward's residuals): x and the tiling it was made for
+    (None: the table's), with the implementations asked for."""
+    assert impls == ("kernel",), impls  # a sweep builds the kernel's inputs alone
+    return jnp.ones((s["tokens"], s["hidden"]), jnp.bfloat16), jnp.full((), -1 if blocks is None else blocks)
+
+
+def _tiling_input_specs(s, *, blocks=None, impls=None):
+    return jax.eval_shape(lambda: _tiling_inputs(s, blocks=blocks, impls=impls))
+
+
+def _made_for(x, made_for, *, blocks):
+    """Its tiling where its inputs were made for it, else -1 (as a measured µs: 0 would not tell)."""
+    return jnp.where(made_for == blocks, jnp.full_like(x, blocks), -jnp.ones_like(x))
+
+
+# The tiled op whose inputs follow the tiling: each tiling's program reads as its tiling only on inputs made for it.
+TILED_INPUTS = dataclasses.replace(
+    OP,
+    kernel=_made_for,
+    specs=_tiling_input_specs,
+    arrays=_tiling_inputs,
+    candidates=lambda shape, gen: [4, 2, 8],
+    tiling_inputs=True,
+)
+
+
+def test_a_sweeps_tilings_get_inputs_made_for_each_where_the_op_says_they_follow_it(monkeypatch):
+    """Where an op's inputs follow the kernel's tiling (Op.tiling_inputs: a backward whose residuals come from the
+    forward at that tiling) each tiling's inputs are built for it (one input builder each), the kernel's alone;
+    elsewhere the tilings share one builder (the test above)."""
+    from benchmarks import sweep
+
+    monkeypatch.setattr(profiler, "device_times", _tiling_as_device_time)
+    monkeypatch.setattr(suite, "get", lambda kernel: dataclasses.replace(SUITE, ops=(TILED_INPUTS,)))
+    lines = []
+    bar = types.SimpleNamespace(
+        write=lines.append, update=lambda n: None, total=0, set_description=lambda d: None, refresh=lambda: None
+    )
+    result = sweep.run_measured_sweep("double", TPU, shapes=[SHAPE], calls=2, lower_workers=0, bar=bar)
+    (row,) = result["rows"]
+    assert [c.get("us") for c in row["candidates"]] == [pytest.approx(4), pytest.approx(2), pytest.approx(8)]
+    assert any("input builders 3," in line for line in lines), lines
+    # the modeled sweep's arguments: the same inputs, made for each tiling
+    variant = sweep.variant(TILED_INPUTS, 2, 8)
+    assert variant.specs(SHAPE)[1].shape == () and variant.arrays(SHAPE, 0)[1] == 8
 
 
 def test_shape_filters_pick_the_shapes_whose_id_holds_each(fake_chip, monkeypatch, tmp_path):

@@ -484,9 +484,20 @@ def _unsupported(impl, s) -> str | None:
     return None
 
 
+def _forward_of(impl, cfg: Config, blocks=None):
+    """impl's forward for cfg; the kernel's at `blocks` (None: its table's)."""
+    options = {"blocks": blocks} if impl == "kernel" and blocks is not None else {}
+    return functools.partial(FORWARDS[impl], cfg=cfg, **options)
+
+
+def residual_specs(s, impls=None, blocks=None) -> dict:
+    """{impl: [residual specs]} of every implementation that applies to shape s (or of those of `impls`); the
+    kernel's from its forward at `blocks` (its residuals carry the backward's visit lists, sized by its blocks)."""
+    return _residual_specs(s, impls, blocks)
+
+
 @functools.cache
-def residual_specs(s) -> dict:
-    """{impl: [residual specs]} of every implementation that applies to shape s."""
+def _residual_specs(s, impls, blocks) -> dict:
     from .. import perf_model
 
     cfg = config(s)
@@ -494,23 +505,25 @@ def residual_specs(s) -> dict:
     # traced as for a TPU (tokamax refuses other devices); the residuals' shapes do not depend on the generation
     device = perf_model.trace_device("v6e")
     with jax.default_device(device) if device is not None else contextlib.nullcontext():
-        for impl, forward in FORWARDS.items():
+        for impl in FORWARDS if impls is None else impls:
             if _unsupported(impl, s) is None:
-                residuals = functools.partial(_residuals, functools.partial(forward, cfg=cfg))
+                residuals = functools.partial(_residuals, _forward_of(impl, cfg, blocks))
                 out[impl] = jax.eval_shape(residuals, *_inputs(s))
     return out
 
 
-def _specs(op, s):
+def _specs(op, s, blocks=None, impls=None):
+    """The op's argument specs; the backward's residuals those of `impls` (default: every implementation that
+    applies), the kernel's at `blocks` (op.tiling_inputs)."""
     inputs = _inputs(s)
     if op == "forward":
         return inputs
-    return (*inputs, inputs[0], residual_specs(s))
+    return (*inputs, inputs[0], residual_specs(s, impls, blocks))
 
 
-def _arrays(op, s, seed):
-    """Random q, k, v (and do) made on the device; for the backward each implementation's residuals from its own
-    forward on them."""
+def _arrays(op, s, seed, blocks=None, impls=None):
+    """Random q, k, v (and do) made on the device; for the backward each implementation's residuals (those of
+    `impls`, default every one that applies) from its own forward on them, the kernel's at `blocks`."""
     keys = iter(inputs.keys(seed, 4))
     args = _concrete_cu(
         s, tuple(inputs.normal(next(keys), x.shape, x.dtype) if x.dtype == BF16 else x for x in _inputs(s))
@@ -519,9 +532,9 @@ def _arrays(op, s, seed):
         return args
     cfg = config(s)
     residuals, failed = {}, {}
-    for impl, specs in residual_specs(s).items():
+    for impl, specs in residual_specs(s, impls, blocks).items():
         try:
-            residuals[impl] = jax.jit(functools.partial(_residuals, functools.partial(FORWARDS[impl], cfg=cfg)))(*args)
+            residuals[impl] = jax.jit(functools.partial(_residuals, _forward_of(impl, cfg, blocks)))(*args)
         except Exception as e:  # noqa: BLE001 - this implementation's forward does not compile here: it shows why
             failed[impl if impl in FORWARDS_OF_OWN else BASELINE_PREFIX + impl] = (
                 f"its forward (for the residuals): {reason(e)}"
@@ -619,6 +632,10 @@ def custom_targets(rows: list[dict]) -> list[dict]:
 
 
 # -------------------------------------------------------------------------------------------------------- suite
+def _model_args(op, s, **inputs_options):
+    return _concrete_cu(s, _specs(op, s, **inputs_options))
+
+
 def _op(name):
     backward = name == "backward"
 
@@ -630,7 +647,7 @@ def _op(name):
         kernel=impl("kernel"),
         default=impl("default") if backward else xla_forward,
         specs=functools.partial(_specs, name),
-        model_args=lambda s: _concrete_cu(s, _specs(name, s)),
+        model_args=functools.partial(_model_args, name),
         arrays=functools.partial(_arrays, name),
         hbm_bytes=functools.partial(_hbm_bytes, name),
         mxu_flops=functools.partial(_flops, name),
@@ -640,6 +657,7 @@ def _op(name):
         ),
         static=lambda s: {"cfg": config(s)},
         candidates=functools.partial(_candidates, name),
+        tiling_inputs=backward,
     )
 
 
