@@ -363,8 +363,10 @@ def _prepare_case(position, case, plan: _Plan, make_args) -> _Prepared:
                 phases["lower_s"] += here_s
                 phases["export_s"] += export_s
             start = time.perf_counter()
-            compiled, name, lowering, compiling = plan.compiles[key].result()
-            phases["compile_wait_s"] += time.perf_counter() - start
+            try:
+                compiled, name, lowering, compiling = plan.compiles[key].result()
+            finally:  # a compile that fails counts too (an out-of-memory compile can take a minute to say so)
+                phases["compile_wait_s"] += time.perf_counter() - start
             start = time.perf_counter()
             program = profiler.Program(name, compiled, call_args, state=n_state)
             jax.block_until_ready(profiler.run_calls(program, 1))  # the first run, outside the trace

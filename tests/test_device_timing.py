@@ -361,7 +361,10 @@ def test_the_measuring_budget_is_shared_out_by_expected_cost_cheapest_first(monk
     assert started == ["rms_norm", "kv_cache", "flash_attention"]
     assert following == ["kv_cache", "flash_attention", None]  # each kernel's run prefetches the next one's
     costs = [cli.expected_cost_s(k, cli.case_count(k, False)) for k in started]
-    assert all(c > 0 for c in costs) and costs[2] / cli.case_count("flash_attention", False) == 25.0
+    assert (
+        all(c > 0 for c in costs)
+        and costs[2] / cli.case_count("flash_attention", False) == cli.HOST_S_PER_CASE["flash_attention"]
+    )
     # shares of what is left when each kernel starts, the budget counted from the run's start (between `before` and
     # the first kernel's start: the run's own set-up, which a loaded machine stretches, is the tolerance)
     slack = starts[0] - before + 0.05
@@ -378,7 +381,9 @@ def test_budget_shares():
     assert cli.share_s(100.0, [1.0, 3.0]) == 25.0
     assert cli.share_s(-5.0, [1.0, 3.0]) == 0.0  # the budget already spent: no time at all
     assert cli.share_s(90.0, [0.0, 0.0, 0.0]) == 30.0  # no costs known: equal shares
-    assert cli.measuring_order(["unknown", "moe", "rms_norm"]) == ["rms_norm", "unknown", "moe"]
+    assert cli.HOST_S_PER_CASE["rms_norm"] < cli.HOST_S_PER_CASE["moe"] < cli.DEFAULT_HOST_S_PER_CASE
+    assert cli.measuring_order(["unknown", "moe", "rms_norm"]) == ["rms_norm", "moe", "unknown"]
+    assert cli.measuring_order(["paged_attention", "flash_attention"]) == ["paged_attention", "flash_attention"]
 
 
 def test_cases_are_measured_shape_by_shape_every_op_in_turn(fake_chip, monkeypatch, tmp_path):
