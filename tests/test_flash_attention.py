@@ -1007,8 +1007,8 @@ def test_table_blocks_capped_by_the_sequences(monkeypatch):
 @pytest.mark.cpu_only
 def test_candidate_blocks_vary_the_tiles_and_the_heads_a_step():
     """tuning.candidate_blocks (the tilings --sweep times): the table's choice first, that direction's tiles, then
-    the table's blocks at every other legal count of kv heads a step (Gemma 4 sliding on v5e: 1, 2 and 4 beside the
-    table's 8), all distinct."""
+    the table's blocks at every other legal count of that direction's kv heads a step (Gemma 4 sliding on v5e: 1, 2
+    and 4 beside the table's 8), all distinct."""
     shape = dict(q_rows=32768, kv_rows=32768, q_heads=16, kv_heads=8, head_dim=256, v_head_dim=256, itemsize=2)
     v5e = chip.tpu_info_for("v5e")
     fields = ("block_q", "block_kv", "backward_block_q", "backward_block_kv")
@@ -1018,7 +1018,10 @@ def test_candidate_blocks_vary_the_tiles_and_the_heads_a_step():
         assert table == tuning.resolve_blocks(None, **shape, info=v5e) and table.kv_heads_per_step == 8
         assert len(set(candidates)) == len(candidates) > 4
         at_table = [c for c in candidates if all(getattr(c, f) == getattr(table, f) for f in fields)]
-        assert sorted(c.kv_heads_per_step for c in at_table) == [1, 2, 4, 8], (direction, candidates)
+        count = "kv_heads_per_step" if direction == "forward" else "backward_kv_heads_per_step"
+        assert sorted(getattr(c, count) for c in at_table) == [1, 2, 4, 8], (direction, candidates)
+        if direction == "backward":  # the forward's count stays the table's
+            assert {c.kv_heads_per_step for c in at_table} == {8}
 
 
 def test_small_windows_take_their_own_blocks(rand, monkeypatch):
@@ -1111,6 +1114,61 @@ def test_windows_up_to_window_keys_take_their_own_forward_blocks(monkeypatch):
 
     given = tk.FlashAttentionBlocks(block_q=256, block_kv=256)
     assert forward_grids((1023, 0)) == forward_grids((1023, 0), given) != forward_grids((-1, 0))
+
+
+def test_the_backward_takes_its_own_kv_heads_a_step(rand):
+    """blocks.backward_kv_heads_per_step: the backward's kernels take their own count of kv heads a step, the forward's
+    lse regrouped for them (and the lse's cotangent): with a step's query heads in place on one side and merged on the
+    other, fused and unfused, with sinks and a window, the gradients (q, k, v, sinks; lse returned and differentiated)
+    match the reference. A count that is no divisor, or not lane-legal, is refused naming the field."""
+    q, k, v = _inputs(rand, 1, 384, 384, 8, 4, 128)
+    sinks = rand.normal((8,), scale=2.0)
+    options = dict(causal=True, window_size=(200, 0))
+
+    def with_lse(fn):
+        def both(q, k, v, s):
+            out, lse = fn(q, k, v, s)
+            return out, jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+        return both
+
+    reference = with_lse(lambda q, k, v, s: attention_reference(q, k, v, sinks=s, return_lse=True, **options))
+    for forward_count, backward_count, fused in ((4, 1, True), (1, 4, True), (2, 1, False)):
+        blocks = tk.FlashAttentionBlocks(
+            block_q=128,
+            block_kv=128,
+            kv_heads_per_step=forward_count,
+            backward_kv_heads_per_step=backward_count,
+            fused_backward=fused,
+        )
+        kernel = with_lse(
+            lambda q, k, v, s, blocks=blocks: tk.flash_attention(
+                q, k, v, sinks=s, return_lse=True, blocks=blocks, **options
+            )
+        )
+        _check_f32_gradients(kernel, reference, (q, k, v, sinks), names=("q", "k", "v", "sinks"), rand=rand)
+    for bad, message in ((3, "expected a divisor of the 4 kv heads, got 3"), (0, "backward_kv_heads_per_step")):
+        with pytest.raises(ValueError, match=message):
+            tk.flash_attention(q, k, v, blocks=tk.FlashAttentionBlocks(backward_kv_heads_per_step=bad), **options)
+
+
+def test_gemma4_sliding_backward_takes_its_own_heads_a_step_on_v5e():
+    """Under a window of 257-1024 keys the v5e's backward takes WINDOW_BACKWARD_QUERY_HEADS' query heads a step
+    (Gemma 4 sliding: 4, i.e. 2 kv heads; measured 14853 against 19156 us at the forward's 8), the forward keeping
+    its own (8 kv heads); a caller's kv_heads_per_step serves both directions; elsewhere the two counts agree."""
+
+    def resolved(generation="v5e", window_keys=1024, **given):
+        shape = dict(q_rows=32768, kv_rows=32768, q_heads=16, kv_heads=8, head_dim=256, v_head_dim=256, itemsize=2)
+        blocks = tk.FlashAttentionBlocks(**given) if given else None
+        chosen = tuning.resolve_blocks(blocks, **shape, info=chip.tpu_info_for(generation), window_keys=window_keys)
+        return chosen.kv_heads_per_step, chosen.backward_kv_heads_per_step
+
+    assert tuning.WINDOW_BACKWARD_QUERY_HEADS["v5e"][256] == 4
+    assert resolved() == (8, 2)
+    assert resolved(kv_heads_per_step=4) == (4, 4)
+    assert resolved(backward_kv_heads_per_step=8) == (8, 8)
+    assert resolved(window_keys=None) == resolved(window_keys=2048) == (8, 8)
+    assert resolved("v6e") == (8, 8)
 
 
 def test_head_dim_64_runs_padded_to_128(rand, monkeypatch):

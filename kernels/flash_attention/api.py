@@ -106,7 +106,10 @@ def _setup(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap, **
         softcap=softcap,
     )
     backward_geometry = dataclasses.replace(
-        forward_geometry, block_q=blocks.backward_block_q, block_kv=blocks.backward_block_kv
+        forward_geometry,
+        block_q=blocks.backward_block_q,
+        block_kv=blocks.backward_block_kv,
+        kv_heads_per_step=blocks.backward_kv_heads_per_step,
     )
     for g in (forward_geometry, backward_geometry):
         if max(g.num_q_blocks, g.num_kv_blocks) > schedule.MAX_BLOCKS:
@@ -215,17 +218,29 @@ def _attention_fwd(setup, with_lse, static_counts, dq_slots, q3d, k3d, v3d, sink
     # as it lies), which inference, not differentiating, never runs. k and v are saved as they lie (the backward
     # merges them, or its dk/dv kernel takes them so where the forward does). out is saved in the layout the backward
     # reads it in: as it lies where the fused backward's delta kernel takes it so (backward.backward), else merged.
-    # Both and lse are per row, whatever the backward's blocks.
+    # Both and lse are per row, whatever the backward's blocks; where the backward takes another count of kv heads a
+    # step, it regroups lse and merges out itself (_regrouped, backward.backward), so its figure counts them.
     q2d = q3d.reshape(g.q_rows, g.q_heads * g.head_dim)
     if not (dq_slots > 0 and forward.heads_in_place(g)):
         out = out.reshape(g.q_rows, g.q_heads * g.v_head_dim)
     return result, (q2d, k3d, v3d, sinks, plans[1], out, lse)
 
 
+def _regrouped(stat, geometry: Geometry):
+    """A per-row statistic [head groups, Tq, heads per step] (the lse, or its cotangent) in `geometry`'s head groups:
+    the forward's where the backward takes another count of kv heads a step (head h is group h // heads per step,
+    place h % heads per step in both)."""
+    if stat is None or stat.shape[0] == geometry.head_groups:
+        return stat
+    by_head = stat.transpose(1, 0, 2).reshape(stat.shape[1], geometry.q_heads)
+    return by_head.reshape(stat.shape[1], geometry.head_groups, geometry.heads_per_step).transpose(1, 0, 2)
+
+
 def _attention_bwd(setup, with_lse, static_counts, dq_slots, residuals, cotangents):
     q2d, k3d, v3d, sinks, plan, out, lse = residuals
     d_out, d_lse = cotangents
     g = setup.backward
+    lse, d_lse = _regrouped(lse, g), _regrouped(d_lse, g)
     d_out = d_out.reshape(g.q_rows, g.q_heads, g.v_head_dim)
     dq, dk, dv, dsinks = backward.backward(
         q2d,

@@ -85,6 +85,11 @@ SMALL_WINDOW_TABLE = {"v5e": {64: (128, 256)}, "v6e": {64: (128, 256)}, "v7x": {
 # the v5e at this shape, cannot choose for them).
 WINDOW_KEYS = 1024
 WINDOW_TABLE = {"v5e": {256: (256, 256)}}
+# The backward's query heads a step under such a window (in place of QUERY_HEADS_PER_STEP's), by generation and head
+# dim. Measured on the v5e (the same Gemma 4 sliding shape, the backward alone at 512 x 512 on residuals of its own
+# count, `--sweep`), kv heads a step 1: 15635 us, 2 (4 query heads): 14853, 4: 22933, 8 (the forward's): 19156; the
+# forward at 256 x 256 keeps 8 (4536 us; 4: 5163, 2: 7069, 1: 7890).
+WINDOW_BACKWARD_QUERY_HEADS = {"v5e": {256: 4}}
 # Head dims the kernels run zero-padded to a wider one (q, K and V padded with zero lanes, the output's sliced off; the
 # scores and the softmax are unchanged), by generation: (head dim, V head dim) -> the width both run at. At head dim
 # 64 two kv heads share each 128-lane block and a kept score costs the kernels about 2.8 times what it costs at 128
@@ -162,7 +167,10 @@ class FlashAttentionBlocks:
         blocks must be whole multiples of 128 lanes (at head dim 64: an even count) or cover all heads. None: the
         table's (QUERY_HEADS_PER_STEP: by generation and head dim, the most whose query heads stay within the table's
         and whose working set fits VMEM at the resolved blocks, at least the fewest legal; v7x keeps two head groups
-        for its two cores). The same in both directions (the residuals are laid out by head group).
+        for its two cores).
+    backward_kv_heads_per_step: the same for the backward's kernels (its residual lse is regrouped from the forward's
+        head groups where the two differ, an XLA transpose of [Tq, Hq] f32). None: kv_heads_per_step when given, else
+        the table's (WINDOW_BACKWARD_QUERY_HEADS where it applies, else as the forward's).
     vmem_limit_bytes: the scoped VMEM every kernel may use; None: derived from the widest working set of either
         direction at its own blocks.
     fused_backward: True: the dk/dv kernel also computes dq (per key block partials, summed in XLA); False: a
@@ -177,6 +185,7 @@ class FlashAttentionBlocks:
     fused_backward: bool | None = None
     backward_block_q: int | None = None
     backward_block_kv: int | None = None
+    backward_kv_heads_per_step: int | None = None
 
 
 def check_blocks_type(blocks):
@@ -249,11 +258,14 @@ def _small_window_blocks(generation: str, widest_head_dim: int, window_keys: int
     return small and widest_head_dim in SMALL_WINDOW_TABLE.get(generation, {})
 
 
-def _table_kv_heads_per_step(generation: str, head_dim: int, *, kv_heads: int, group: int, fewest: int, fits) -> int:
-    """The table's kv heads per step (QUERY_HEADS_PER_STEP, MIN_HEAD_GROUPS): the most legal count (a multiple of the
-    fewest legal that divides the kv heads) within the table's query heads and head groups whose working set
-    fits(count), else the fewest."""
-    most_heads = _table_entry(generation, head_dim, QUERY_HEADS_PER_STEP)
+def _table_kv_heads_per_step(
+    generation: str, head_dim: int, *, kv_heads: int, group: int, fewest: int, fits, most_heads: int | None = None
+) -> int:
+    """The table's kv heads per step (QUERY_HEADS_PER_STEP, or `most_heads` query heads; MIN_HEAD_GROUPS): the most
+    legal count (a multiple of the fewest legal that divides the kv heads) within those query heads and the table's
+    head groups whose working set fits(count), else the fewest."""
+    if most_heads is None:
+        most_heads = _table_entry(generation, head_dim, QUERY_HEADS_PER_STEP)
     min_groups = MIN_HEAD_GROUPS.get(generation, 1)
     counts = [
         n
@@ -363,43 +375,68 @@ def resolve_blocks(
     group = q_heads // kv_heads
     shape = dict(group=group, head_dim=head_dim, v_head_dim=v_head_dim, itemsize=itemsize)
 
-    def need(per_step):
-        # one scoped VMEM limit for every kernel, that of the widest of either direction at its own blocks
-        return max(
-            working_set(block_q, block_kv, kv_heads_per_step=per_step, **shape, direction="forward"),
-            working_set(
-                backward_q,
-                backward_kv,
-                kv_heads_per_step=per_step,
-                **shape,
-                fused=fused,
-                direction="backward",
-                # forward.kv_heads_in_place: a step takes every kv head, whole sublane tiles of them
-                kv_in_place=fused and per_step == kv_heads and kv_heads % 8 == 0,
-            ),
+    def forward_need(per_step):
+        return working_set(block_q, block_kv, kv_heads_per_step=per_step, **shape, direction="forward")
+
+    def backward_need(per_step):
+        return working_set(
+            backward_q,
+            backward_kv,
+            kv_heads_per_step=per_step,
+            **shape,
+            fused=fused,
+            direction="backward",
+            # forward.kv_heads_in_place: a step takes every kv head, whole sublane tiles of them
+            kv_in_place=fused and per_step == kv_heads and kv_heads % 8 == 0,
         )
 
     fewest = min_kv_heads_per_step(kv_heads, head_dim, v_head_dim, group)
-    if blocks.kv_heads_per_step is None:
-        most = int(info.vmem_capacity_bytes * VMEM_SHARE)
-        if blocks.vmem_limit_bytes is not None:
-            most = check_tile("blocks", "vmem_limit_bytes", blocks.vmem_limit_bytes)
-        per_step = _table_kv_heads_per_step(
-            generation, widest, kv_heads=kv_heads, group=group, fewest=fewest, fits=lambda n: need(n) <= most
+    most = int(info.vmem_capacity_bytes * VMEM_SHARE)
+    if blocks.vmem_limit_bytes is not None:
+        most = check_tile("blocks", "vmem_limit_bytes", blocks.vmem_limit_bytes)
+
+    def table_count(need, most_heads=None):
+        return _table_kv_heads_per_step(
+            generation,
+            widest,
+            kv_heads=kv_heads,
+            group=group,
+            fewest=fewest,
+            fits=lambda n: need(n) <= most,
+            most_heads=most_heads,
         )
-    else:
-        per_step = check_tile("blocks", "kv_heads_per_step", blocks.kv_heads_per_step, at_most=kv_heads)
+
+    def checked_count(field):
+        per_step = check_tile("blocks", field, getattr(blocks, field), at_most=kv_heads)
         if kv_heads % per_step:
-            raise ValueError(f"blocks.kv_heads_per_step: expected a divisor of the {kv_heads} kv heads, got {per_step}")
+            raise ValueError(f"blocks.{field}: expected a divisor of the {kv_heads} kv heads, got {per_step}")
         if per_step != kv_heads and (per_step * head_dim % LANES or per_step * v_head_dim % LANES):
             raise ValueError(
-                f"blocks.kv_heads_per_step: expected a count whose K/V lane blocks ({per_step} x {head_dim} and "
+                f"blocks.{field}: expected a count whose K/V lane blocks ({per_step} x {head_dim} and "
                 f"{per_step} x {v_head_dim}) are multiples of 128 lanes, or all {kv_heads} kv heads, got {per_step}"
             )
+        return per_step
+
+    per_step = backward_per_step = None
+    if blocks.kv_heads_per_step is not None:
+        per_step = checked_count("kv_heads_per_step")
+    if blocks.backward_kv_heads_per_step is not None:
+        backward_per_step = checked_count("backward_kv_heads_per_step")
+    elif per_step is not None:
+        backward_per_step = per_step  # a caller's count serves both directions unless the backward's is given too
+    elif window and widest in WINDOW_BACKWARD_QUERY_HEADS.get(generation, {}):
+        backward_per_step = table_count(backward_need, WINDOW_BACKWARD_QUERY_HEADS[generation][widest])
+    if per_step is None:  # the table's: where the backward shares it, both directions' working sets must fit
+        per_step = table_count(
+            forward_need if backward_per_step is not None else lambda n: max(forward_need(n), backward_need(n))
+        )
+    if backward_per_step is None:
+        backward_per_step = per_step
+    need = max(forward_need(per_step), backward_need(backward_per_step))
     vmem_limit = blocks.vmem_limit_bytes
     if vmem_limit is None:
-        vmem_limit = min(int(info.vmem_capacity_bytes * VMEM_SHARE), chip.scoped_vmem_limit(info, need(per_step)))
-    check_vmem_fit("blocks", need(per_step), vmem_limit, info)
+        vmem_limit = min(int(info.vmem_capacity_bytes * VMEM_SHARE), chip.scoped_vmem_limit(info, need))
+    check_vmem_fit("blocks", need, vmem_limit, info)
     return FlashAttentionBlocks(
         block_q=block_q,
         block_kv=block_kv,
@@ -408,6 +445,7 @@ def resolve_blocks(
         fused_backward=fused,
         backward_block_q=backward_q,
         backward_block_kv=backward_kv,
+        backward_kv_heads_per_step=backward_per_step,
     )
 
 
@@ -423,8 +461,8 @@ def candidate_blocks(
     head_dim, v_head_dim, itemsize) for one direction's kernels: the table's choice first, then every pair of that
     direction's CANDIDATE_TILES (or `tiles`: (query tiles, key tiles)) (the other direction's blocks left to the
     table) that fits this generation's VMEM (resolve_blocks checks it), distinct after clipping to the rows; then the
-    table's blocks at every other legal count of kv heads a step that fits (QUERY_HEADS_PER_STEP's choice is the
-    model's, and the chip measured the model optimistic where a step takes 16 query heads)."""
+    table's blocks at every other legal count of that direction's kv heads a step that fits (QUERY_HEADS_PER_STEP's
+    choice is the model's, and the chip measured the model optimistic where a step takes 16 query heads)."""
     info = info or chip.current_tpu_info()
     table = resolve_blocks(None, **shape, info=info)
     fields = ("block_q", "block_kv", "backward_block_q", "backward_block_kv")
@@ -444,11 +482,12 @@ def candidate_blocks(
                 seen.add(pair)
                 candidates.append(blocks)
     kv_heads = shape["kv_heads"]
+    count = "kv_heads_per_step" if direction == "forward" else "backward_kv_heads_per_step"
     for per_step in range(1, kv_heads + 1):
-        if kv_heads % per_step or per_step == table.kv_heads_per_step:
+        if kv_heads % per_step or per_step == getattr(table, count):
             continue
         try:
-            candidates.append(resolve_blocks(FlashAttentionBlocks(kv_heads_per_step=per_step), **shape, info=info))
+            candidates.append(resolve_blocks(FlashAttentionBlocks(**{count: per_step}), **shape, info=info))
         except ValueError:  # not a legal lane block at this head dim, or too large for the VMEM limit
             continue
     return candidates
