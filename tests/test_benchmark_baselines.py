@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ladder
 import numpy as np
 import pytest
 
@@ -134,6 +135,35 @@ def test_a_missing_package_is_a_reason(monkeypatch):
     finally:
         monkeypatch.undo()
         forget()
+
+
+@pytest.mark.cpu_only
+def test_large_inputs_are_drawn_in_chunks_whose_bits_bound_the_temporaries(monkeypatch):
+    """An array of more than inputs.CHUNK_ELEMENTS is drawn in chunks of leading rows, each with a key of its own (the
+    rbg PRNG's bits are written out whole: a 1.5 GiB bf16 cache held 3 GiB of temporaries compiled for the v5e, and the
+    paged attention suite's largest inputs failed to allocate on the chip). Here with small chunks: the values are
+    the seed's, the chunks differ, and rows that divide no chunk evenly (a prime count) are drawn a row at a time;
+    deviceless for the v5e, a 1.5 GiB array's temporaries stay within a chunk's bits."""
+    monkeypatch.setattr(inputs, "CHUNK_ELEMENTS", 1024)
+    inputs._normal.clear_cache()
+    try:
+        a = np.asarray(inputs.normal(SEED_A, (64, 4, 128), jnp.float32))  # 32768 elements: 32 chunks of 2 rows
+        assert a.shape == (64, 4, 128) and np.array_equal(a, np.asarray(inputs.normal(SEED_A, (64, 4, 128))))
+        assert not np.array_equal(a[:2], a[2:4])
+        assert abs(float(a.std()) - 1.0) < 0.05
+        odd = np.asarray(inputs.uniform(SEED_B, (13, 3, 512), -1.0, 1.0))  # 13 rows of 1536 elements: one a chunk
+        assert odd.shape == (13, 3, 512) and -1.0 <= odd.min() and odd.max() < 1.0
+        assert not np.array_equal(odd[0], odd[1])
+    finally:
+        inputs._normal.clear_cache()
+        inputs._uniform.clear_cache()
+    monkeypatch.undo()
+    with jax.default_device(ladder.tpu_device("v5e")):
+        compiled = jax.jit(lambda: inputs.normal(SEED_A, (12288, 64, 8, 128), jnp.bfloat16)).lower().compile()
+    memory = compiled.memory_analysis()
+    assert memory.output_size_in_bytes == 12288 * 64 * 8 * 128 * 2
+    # a chunk's u32 bits (and the loop's keys): not the array's (3 GiB unchunked)
+    assert memory.temp_size_in_bytes <= inputs.CHUNK_ELEMENTS * 4 + (1 << 20), memory.temp_size_in_bytes
 
 
 def test_inputs_are_made_on_the_device_and_follow_the_seed():
