@@ -138,6 +138,25 @@ def test_a_missing_package_is_a_reason(monkeypatch):
 
 
 @pytest.mark.cpu_only
+def test_jax_ragged_paged_attention_gets_the_scoped_vmem_our_kernels_may_take():
+    """JAX's ragged paged attention at Qwen3's pages of 64 (B = 64, context 4096: a quick shape) ran out of VMEM at its
+    default scoped limit on the v5e with its tuned blocks; given the ceiling our kernels may ask for, it compiles
+    (deviceless, v5e) and the column has a figure to compare with."""
+    from benchmarks.ops import paged_attention
+
+    shape = next(
+        s
+        for s in paged_attention.SUITE.quick_shapes
+        if s["model"] == "qwen3-30b-a3b" and s.batch == 64 and s["page"] == 64 and s.dtype == "bfloat16"
+    )
+    op = paged_attention.SUITE.ops[0]
+    args = op.model_args(shape)  # concrete page tables and lengths, made on this host
+    with jax.default_device(ladder.tpu_device("v5e")):
+        assert paged_attention._scoped_vmem_ceiling() == 96 << 20
+        jax.jit(op.function("baseline:jax_rpa", shape)).lower(*args).compile()  # raised CompileTimeScopedVmemOom
+
+
+@pytest.mark.cpu_only
 def test_large_inputs_are_drawn_in_chunks_whose_bits_bound_the_temporaries(monkeypatch):
     """An array of more than inputs.CHUNK_ELEMENTS is drawn in chunks of leading rows, each with a key of its own (the
     rbg PRNG's bits are written out whole: a 1.5 GiB bf16 cache held 3 GiB of temporaries compiled for the v5e, and the

@@ -26,7 +26,8 @@ Implementations (compiled in the same run, modeled on one TensorCore):
   masked attention with f32 scores and softmax. Sequences are grouped by query length, which XLA needs static (as the
   flash attention suite's varlen XLA path has its lengths at trace time), and chunked so that one chunk gathers at
   most XLA_GATHER_BYTES and materialises at most XLA_MAX_SCORES scores.
-- jax_rpa: jax.experimental.pallas.ops.tpu.ragged_paged_attention (its tuned blocks) on its own cache layout, K and V
+- jax_rpa: jax.experimental.pallas.ops.tpu.ragged_paged_attention (its tuned blocks; the scoped VMEM our kernels may
+  take, at its default limit it ran out of VMEM at pages of 64) on its own cache layout, K and V
   interleaved as kv heads of one cache [pages, page, 2 Hkv, D]. The conversion from flash-attn's layout is NOT timed:
   the program receives the cache already interleaved. It reads every page of a context even under a window.
 - jax_paged: jax.experimental.pallas.ops.tpu.paged_attention (decode only, no window, no fp8 scales) on its layout
@@ -422,6 +423,14 @@ def _rpa_options(cfg: Config) -> dict:
     return dict(sm_scale=cfg.softmax_scale, sliding_window=window, k_scale=cfg.kv_scale, v_scale=cfg.kv_scale)
 
 
+def _scoped_vmem_ceiling() -> int:
+    """The most scoped VMEM our kernels ask for on the traced-for chip (chip.scoped_vmem_limit's ceiling), which JAX's
+    ragged paged attention is given too: at its own default scoped limit (16 MiB) it ran out of VMEM at Qwen3's pages
+    of 64 on the v5e (the quick shapes, its tuned or default blocks: 64 or 128 pages of 64 keys a block); at 64 MiB all
+    compile (deviceless, v5e)."""
+    return chip.scoped_vmem_limit(chip.current_tpu_info(), 1 << 40)
+
+
 def jax_rpa_attention(q, caches, kv_lens, page_indices, cu_q_lens, num_seqs, *, cfg: Config):
     from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
 
@@ -436,6 +445,7 @@ def jax_rpa_attention(q, caches, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
         **_rpa_options(cfg),
         num_kv_pages_per_block=pages_per_block,
         num_queries_per_block=queries_per_block,
+        vmem_limit_bytes=_scoped_vmem_ceiling(),
     )
 
 
