@@ -85,7 +85,7 @@ class Op:
     in_place: InPlace | None = None  # measured on a TPU with donated state (see InPlace)
     # Whether the op's inputs follow the kernel's tiling: its specs, arrays and model_args then take `blocks=` (the
     # kernel's tiling) and `impls=` (the implementations whose inputs to build). A backward whose residuals come from
-    # the forward: flash attention's carry the backward's visit lists and an lse laid out by the heads a step.
+    # the forward: flash attention's output and lse are laid out by the forward's kv heads a step.
     tiling_inputs: bool = False
 
     def impls(self, shape: Shape) -> dict[str, str | None]:
