@@ -319,11 +319,17 @@ class _Prepared:
 
 
 def _device_bytes(tree) -> int:
-    """The bytes of the arrays (or ShapeDtypeStructs) in `tree`."""
+    """The bytes of the arrays (or ShapeDtypeStructs) in `tree`; an extended dtype's (a PRNG key's) count as none."""
     import jax
     import numpy as np
 
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+    def nbytes(x):
+        try:
+            return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+        except TypeError:
+            return 0
+
+    return sum(nbytes(x) for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
 
 
 def _prepare_case(position, case, plan: _Plan, make_args) -> _Prepared:
@@ -331,9 +337,9 @@ def _prepare_case(position, case, plan: _Plan, make_args) -> _Prepared:
     run once: everything before its trace."""
     import jax
 
-    ready = _Prepared(case, {impl: entry for (case_id, impl), entry in plan.results.items() if case_id == case.id}, {})
-    ready.phases = phases = dict.fromkeys(PHASES, 0.0)
-    results = ready.results
+    results = {impl: entry for (case_id, impl), entry in plan.results.items() if case_id == case.id}
+    phases = dict.fromkeys(PHASES, 0.0)
+    ready = _Prepared(case, results, phases)
     runnable = [impl for (case_id, impl) in plan.functions if case_id == case.id]
     plan.submit_through(position)
     phases["lower_s"], phases["export_s"] = plan.take_lower_s()
