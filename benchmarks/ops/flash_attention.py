@@ -493,7 +493,7 @@ def _forward_of(impl, cfg: Config, blocks=None):
 def residual_specs(s, impls=None, blocks=None) -> dict:
     """{impl: [residual specs]} of every implementation that applies to shape s (or of those of `impls`); the
     kernel's from its forward at `blocks` (its output and lse are laid out by the forward's kv heads a step)."""
-    return _residual_specs(s, impls, blocks)
+    return _residual_specs(s, None if impls is None else tuple(impls), blocks)
 
 
 @functools.cache

@@ -424,11 +424,11 @@ def _rpa_options(cfg: Config) -> dict:
 
 
 def _scoped_vmem_ceiling() -> int:
-    """The most scoped VMEM our kernels ask for on the traced-for chip (chip.scoped_vmem_limit's ceiling), which JAX's
-    ragged paged attention is given too: at its own default scoped limit (16 MiB) it ran out of VMEM at Qwen3's pages
-    of 64 on the v5e (the quick shapes, its tuned or default blocks: 64 or 128 pages of 64 keys a block); at 64 MiB all
+    """The most scoped VMEM our kernels ask for on the traced-for chip (chip.scoped_vmem_ceiling), which JAX's ragged
+    paged attention is given too: at its own default scoped limit (16 MiB) it ran out of VMEM at Qwen3's pages of 64
+    on the v5e (the quick shapes, its tuned or default blocks: 64 or 128 pages of 64 keys a block); at 64 MiB all
     compile (deviceless, v5e)."""
-    return chip.scoped_vmem_limit(chip.current_tpu_info(), 1 << 40)
+    return chip.scoped_vmem_ceiling(chip.current_tpu_info())
 
 
 def jax_rpa_attention(q, caches, kv_lens, page_indices, cu_q_lens, num_seqs, *, cfg: Config):

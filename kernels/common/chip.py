@@ -32,10 +32,15 @@ def tpu_info_for(generation: str) -> pltpu.TpuInfo:
     return pltpu.get_tpu_info_for_chip(_GENERATIONS[generation], 1)
 
 
+def scoped_vmem_ceiling(info: pltpu.TpuInfo) -> int:
+    """The most scoped VMEM a kernel asks for: 3/4 of the core's VMEM."""
+    return int(info.vmem_capacity_bytes * 0.75)
+
+
 def scoped_vmem_limit(info: pltpu.TpuInfo, working_set: int, slack_bytes: int = 0) -> int:
     """The `vmem_limit_bytes` a kernel asks for: its working set with 50 % headroom (+ `slack_bytes`), at least the
-    16 MiB default scoped limit, at most 3/4 of the core's VMEM."""
-    return min(int(info.vmem_capacity_bytes * 0.75), max(working_set * 3 // 2 + slack_bytes, 16 << 20))
+    16 MiB default scoped limit, at most scoped_vmem_ceiling."""
+    return min(scoped_vmem_ceiling(info), max(working_set * 3 // 2 + slack_bytes, 16 << 20))
 
 
 def current_tpu_info() -> pltpu.TpuInfo:

@@ -28,10 +28,12 @@ MAX_VISITS = 32768
 MIN_ROWS = 8
 
 
-def _rows_at_least(x, rows: int):
-    """x [R, ...] with zero rows appended up to `rows` (x itself when it has as many)."""
-    pad = rows - x.shape[0]
-    return x if pad <= 0 else jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
+def _padded(x, *, rows: int, width: int):
+    """x [R, ..., D] with zero rows appended up to `rows` (MIN_ROWS) and zero lanes up to `width`
+    (tuning.run_head_dims: zero q / K lanes add nothing to the scores, zero V lanes give output lanes that are sliced
+    off); x itself when it has as many."""
+    pads = [(0, max(0, rows - x.shape[0]))] + [(0, 0)] * (x.ndim - 2) + [(0, max(0, width - x.shape[-1]))]
+    return jnp.pad(x, pads) if any(after for _, after in pads) else x
 
 
 def _planner(qkv, options, *, q_rows: int, kv_rows: int, **sequences):
@@ -60,18 +62,11 @@ def _planner(qkv, options, *, q_rows: int, kv_rows: int, **sequences):
     return setup_for, d_run, dv_run
 
 
-def _lanes_at_least(x, width: int):
-    """x [..., D] with zero lanes appended up to `width` (tuning.run_head_dims: zero q / K lanes add nothing to the
-    scores, zero V lanes give output lanes that are sliced off)."""
-    pad = width - x.shape[-1]
-    return x if pad <= 0 else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, pad),))
-
-
 # ---------------------------------------------------------------------------------------------------- the kernels
 @dataclasses.dataclass(frozen=True)
 class _Setup:
-    """The static choices of one call: each direction's geometry (the same but for their blocks), the scoped VMEM
-    limit of every kernel, and whether the backward fuses dq."""
+    """The static choices of one call: each direction's geometry (the same but for their blocks and kv heads a step),
+    the scoped VMEM limit of every kernel, and whether the backward fuses dq."""
 
     forward: Geometry
     backward: Geometry
@@ -375,9 +370,9 @@ def flash_attention(
         if setup.fused:
             setup = _choose_backward(blocks, setup_for, setup, slots_of)
         out, lse = _call(
-            _rows_at_least(_lanes_at_least(q.reshape(batch * sq, hq, d), d_run), MIN_ROWS),
-            _rows_at_least(_lanes_at_least(k.reshape(batch * sk, hkv, d), d_run), MIN_ROWS),
-            _rows_at_least(_lanes_at_least(v.reshape(batch * sk, hkv, dv), dv_run), MIN_ROWS),
+            _padded(q.reshape(batch * sq, hq, d), rows=MIN_ROWS, width=d_run),
+            _padded(k.reshape(batch * sk, hkv, d), rows=MIN_ROWS, width=d_run),
+            _padded(v.reshape(batch * sk, hkv, dv), rows=MIN_ROWS, width=dv_run),
             sinks,
             lo,
             hi,
@@ -478,9 +473,9 @@ def flash_attention_varlen(
         backward_size, slot_bound = bounds(setup.backward)
     lo, hi = schedule.key_ranges(cu_seqlens_q, cu_seqlens_k, q_rows, causal=causal, window_size=window)
     out, lse = _call(
-        _rows_at_least(_lanes_at_least(q, d_run), MIN_ROWS),
-        _rows_at_least(_lanes_at_least(k, d_run), MIN_ROWS),
-        _rows_at_least(_lanes_at_least(v, dv_run), MIN_ROWS),
+        _padded(q, rows=MIN_ROWS, width=d_run),
+        _padded(k, rows=MIN_ROWS, width=d_run),
+        _padded(v, rows=MIN_ROWS, width=dv_run),
         sinks,
         lo,
         hi,

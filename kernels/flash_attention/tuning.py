@@ -343,13 +343,15 @@ def resolve_blocks(
     rows = dict(q_rows=q_rows, kv_rows=kv_rows)
 
     small_window = _small_window_blocks(generation, widest, window_keys)
+    # a window of up to WINDOW_KEYS keys: its tables' entries where they have this generation and head dim
     window = not small_window and window_keys is not None and window_keys <= WINDOW_KEYS
-    window = window and widest in WINDOW_TABLE.get(generation, {})
+    window_forward = window and widest in WINDOW_TABLE.get(generation, {})
+    window_backward_heads = WINDOW_BACKWARD_QUERY_HEADS.get(generation, {}).get(widest) if window else None
 
     def table_pair(direction, table):
         if small_window:
             table = SMALL_WINDOW_TABLE  # both directions
-        elif window and direction == "forward":
+        elif window_forward and direction == "forward":
             table = WINDOW_TABLE
         pair = _table_entry(generation, widest, table)
         if longest_sequence is not None:
@@ -424,8 +426,8 @@ def resolve_blocks(
         backward_per_step = checked_count("backward_kv_heads_per_step")
     elif per_step is not None:
         backward_per_step = per_step  # a caller's count serves both directions unless the backward's is given too
-    elif window and widest in WINDOW_BACKWARD_QUERY_HEADS.get(generation, {}):
-        backward_per_step = table_count(backward_need, WINDOW_BACKWARD_QUERY_HEADS[generation][widest])
+    elif window_backward_heads is not None:
+        backward_per_step = table_count(backward_need, window_backward_heads)
     if per_step is None:  # the table's: where the backward shares it, both directions' working sets must fit
         per_step = table_count(
             forward_need if backward_per_step is not None else lambda n: max(forward_need(n), backward_need(n))
