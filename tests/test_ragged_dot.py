@@ -224,6 +224,45 @@ def test_special_group_layouts_and_static_grid(rand):
     )
 
 
+# (gated, rhs_transposed, static_grid, group sizes): every layout of the weight streams the kernel's own prefetch
+# reads; the window (groups 1-5) holds an even number of non-empty groups, then an odd one (the buffers' alternation
+# across n tiles differs).
+PREFETCH_CASES = [
+    (None, True, False, (9, 0, 30, 5, 17, 4)),
+    ("concatenated", True, True, (9, 0, 30, 5, 17, 0)),
+    ("interleaved", False, False, (9, 3, 30, 0, 17, 4)),
+]
+
+
+@pytest.mark.parametrize("gated,transposed,static,sizes", PREFETCH_CASES, ids=[str(c[:3]) for c in PREFETCH_CASES])
+def test_weight_prefetch_across_groups_and_n_tiles(rand, gated, transposed, static, sizes):
+    """With all of K in one block the kernel fetches each group's weight blocks itself, a run of visits ahead and on
+    into the next n tile (kernel._prefetched_weights, two buffers alternating): groups spanning several m tiles and
+    sharing tiles, an empty group, rows past the groups and before the window (zero visits), three n tiles of one
+    or two weight streams, against the reference. A block read from the wrong buffer, group or n tile, or a DMA left
+    unwaited (strict interpret mode), fails here."""
+    m, k, n_out, groups = 72, 128, 384, 6
+    n = 2 * n_out if gated else n_out
+    lhs = rand.normal((m, k))
+    rhs = rand.normal(rhs_shape(groups, k, n, transposed), scale=0.2)
+    fill = sum(sizes)  # of 72 rows; tiles of 8 rows shared by groups
+    sizes = jnp.asarray(sizes, jnp.int32)
+    kw = dict(rhs_transposed=transposed, group_offset=1, num_local_groups=5)
+    if gated:
+        kw.update(gated=gated, activation="silu")
+    blocks = RaggedDotBlocks(forward=MatmulBlocks(tm=8, tk=k, tn=128))
+    out = ladder.check_against_reference(
+        jax.jit(lambda l, r, s: tk.ragged_dot(l, r, s, blocks=blocks, static_grid=static, **kw)),
+        jax.jit(lambda l, r, s: ragged_dot_reference(l, r, s, **kw)),
+        (lhs, rhs, sizes),
+        dtype=F32,
+        rand=rand,
+        **F32_TOL,
+    )
+    assert out.shape == (m, n_out)
+    assert all_zero(out, slice(0, 9)) and all_zero(out, slice(fill, None)), "rows outside the window are not zero"
+
+
 def test_k_zero_gives_bias_or_zero(rand):
     lhs, rhs, sizes = rand.normal((10, 0)), rand.normal((3, 0, 128)), jnp.asarray([4, 0, 5], jnp.int32)
     bias = rand.normal((3, 128))
@@ -1191,6 +1230,17 @@ def test_metadata_kernel_equals_the_jax_visit_list(rand):
         actual, count = ladder.run_kernel(lambda s: metadata.forward_metadata(s, **kwargs)[:2], sizes)
         np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected), err_msg=f"{kwargs} sizes={sizes}")
         assert int(count) == int(expected_count)
+        # The weight prefetch's fields, against a plain walk over the visits' groups: runs of one group alternate
+        # buffers, and each visit names the group of the run after its own (-1 after the last).
+        V = (len(expected) - 1) // metadata.NUM_FIELDS
+        field = lambda f: [int(x) for x in np.asarray(expected)[f * V : (f + 1) * V]]  # noqa: E731
+        groups_of_visits, slots, nexts = field(metadata.F_GROUP), field(metadata.F_WSLOT), field(metadata.F_NEXT_GROUP)
+        slot = 0
+        for v in range(V):
+            if v and groups_of_visits[v] != groups_of_visits[v - 1]:
+                slot = 1 - slot
+            later = [g for g in groups_of_visits[v:] if g != groups_of_visits[v]]
+            assert slots[v] == slot and nexts[v] == (later[0] if later else -1), (v, groups_of_visits, slots, nexts)
 
 
 # (E, rows, cols) weights: Gemma 4's down_proj, its transpose, and small shapes where one orientation pads less.

@@ -18,8 +18,11 @@ from ..common.index_math import div_nonnegative as _div
 from ..common.manual_axes import out_struct
 
 # Fields of the forward metadata, each a run of V int32 in one flat SMEM array.
-F_TILE, F_FETCH_TILE, F_GROUP, F_KPIN, F_LO, F_HI, F_FIRST = range(7)
-NUM_FIELDS = 7
+F_TILE, F_FETCH_TILE, F_GROUP, F_KPIN, F_LO, F_HI, F_FIRST, F_WSLOT, F_NEXT_GROUP = range(9)
+NUM_FIELDS = 9
+# F_WSLOT and F_NEXT_GROUP serve the forward kernel's own weight prefetch (kernel.py): consecutive visits with the same
+# F_GROUP form a *run*; F_WSLOT is the parity of the visit's run (the weight buffer its group's block sits in) and
+# F_NEXT_GROUP the F_GROUP of the next run, or -1 after the last.
 
 
 def group_bounds(group_sizes, m, group_offset, num_local_groups):
@@ -112,6 +115,12 @@ def forward_metadata_reference(
     fields[F_LO] = row_lo
     fields[F_HI] = row_hi
     fields[F_FIRST] = first
+    group_field = fields[F_GROUP]
+    changes = jnp.concatenate([jnp.zeros((1,), jnp.int32), (group_field[1:] != group_field[:-1]).astype(jnp.int32)])
+    run = jnp.cumsum(changes)
+    run_group = jnp.zeros((V + 1,), jnp.int32).at[run].set(group_field)
+    fields[F_WSLOT] = run % 2
+    fields[F_NEXT_GROUP] = jnp.where(run + 1 <= run[-1], run_group[jnp.minimum(run + 1, V)], -1)
     meta = jnp.concatenate([f.astype(jnp.int32) for f in fields] + [nv.reshape(1).astype(jnp.int32)])
     return meta, nv.astype(jnp.int32), V
 
@@ -205,16 +214,29 @@ def _metadata_kernel(
         fields = {f: jnp.where(real, value, prev[f]) for f, value in visit_fields.items()}
         fields[F_KPIN] = jnp.where(real, jnp.where(is_grp, -1, jnp.where(is_pre, 0, suffix_kpin)), tiles_k - 1)
         fields[F_FIRST] = jnp.logical_and(real, tile != prev[F_TILE]).astype(i32)
+        new_run = jnp.logical_and(s > 0, fields[F_GROUP] != prev[F_GROUP])
+        fields[F_WSLOT] = jnp.where(new_run, 1 - prev[F_WSLOT], prev[F_WSLOT])
         for f, value in fields.items():  # stores only: no branch in the loop body
             meta_ref[f * V + s] = value
         step = jnp.logical_and(real, is_grp)
         group_done = _div(gs, tm) + u + 1 > _div(ge - 1, tm)
         k = jnp.where(jnp.logical_and(step, group_done), k + 1, k)
         u = jnp.where(step, jnp.where(group_done, 0, u + 1), u)
-        return {f: fields[f] for f in visit_fields}, k, u
+        return {f: fields[f] for f in (*visit_fields, F_WSLOT)}, k, u
 
-    start = {f: i32(-1 if f == F_TILE else 0) for f in (F_TILE, F_FETCH_TILE, F_GROUP, F_LO, F_HI)}
+    start = {f: i32(-1 if f == F_TILE else 0) for f in (F_TILE, F_FETCH_TILE, F_GROUP, F_LO, F_HI, F_WSLOT)}
     jax.lax.fori_loop(0, V, visit, (start, i32(0), i32(0)))
+
+    def next_run(r, carry):  # backwards: the group of the run after each visit's
+        later_group, later_next = carry
+        s = V - 1 - r
+        group = meta_ref[F_GROUP * V + s]
+        nxt = jnp.where(group != later_group, later_group, later_next)
+        meta_ref[F_NEXT_GROUP * V + s] = nxt
+        return group, nxt
+
+    last = meta_ref[F_GROUP * V + V - 1]
+    jax.lax.fori_loop(0, V, next_run, (last, i32(-1)))
     meta_ref[NUM_FIELDS * V] = nv
     count_ref[0] = nv
 
