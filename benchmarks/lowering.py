@@ -78,9 +78,11 @@ def export(kernel: str, case_id: str, impl: str | None, make_args, specs) -> tup
     import jax
 
     start = time.perf_counter()
-    case = _case(kernel, case_id)
-    fn = (lambda: make_args(case)) if impl is None else case.op.function(impl, case.shape)
+    # Under the chip's device from the start: a sweep's case is rebuilt from its tuning module's candidates, which read
+    # the traced-for chip (outside, a worker's jax answers with the default generation's tables).
     with jax.default_device(_device):
+        case = _case(kernel, case_id)
+        fn = (lambda: make_args(case)) if impl is None else case.op.function(impl, case.shape)
         exported = jax.export.export(jax.jit(fn), platforms=(_platform,))(*specs)
     return exported.serialize(), time.perf_counter() - start
 

@@ -98,7 +98,8 @@ def run_sweep(kernel: str, gens, *, full: bool = False, shapes=None, workers=Non
 
 def variant(op: _suite.Op, index: int, blocks) -> _suite.Op:
     """The op as a measured sweep times it at its `index`-th candidate tiling: its kernel at `blocks`, nothing else
-    (named "<op> #<index>")."""
+    (named "<op> #<index> [<tiling>]": the id names the tiling, so a process that rebuilds the case from its id
+    (variant_case) and finds another tiling at that index fails instead of timing it under this one's label)."""
     inputs = {}
     if op.tiling_inputs:  # its inputs built for the kernel alone at this tiling (a backward's residuals)
         bound = dict(blocks=blocks, impls=("kernel",))
@@ -109,7 +110,7 @@ def variant(op: _suite.Op, index: int, blocks) -> _suite.Op:
         )
     return dataclasses.replace(
         op,
-        name=f"{op.name} #{index}",
+        name=f"{op.name} #{index} [{blocks_label(blocks)}]",
         kernel=functools.partial(op.kernel, blocks=blocks),
         default=None,
         baselines=(),
@@ -118,12 +119,14 @@ def variant(op: _suite.Op, index: int, blocks) -> _suite.Op:
 
 
 def variant_case(suite: _suite.Suite, case_id: str, generation: str) -> _suite.Case | None:
-    """The measured sweep's case of that id ("<op> #<index> <shape id>"), rebuilt from the op's candidates at the
-    shape for `generation` (candidates are a function of the two: how a tracing worker finds the case); None if the
-    suite has none of that id."""
+    """The measured sweep's case of that id ("<op> #<index> [<tiling>] <shape id>"), rebuilt from the op's candidates
+    at the shape for `generation` (candidates are a function of the two: how a tracing worker finds the case; call it
+    under the generation's device, which the tuning tables read); None if the suite has none of that id, or if the
+    candidate at that index is another tiling."""
     for shape in dict.fromkeys((*suite.shapes, *(suite.quick_shapes or ()), *(suite.sweep_shapes or ()))):
         suffix = f" {shape.id}"
-        name, _, index = case_id.removesuffix(suffix).rpartition(" #")
+        name, _, rest = case_id.removesuffix(suffix).rpartition(" #")
+        index = rest.split(" ", 1)[0]
         if not case_id.endswith(suffix) or not index.isdigit():
             continue
         for op in suite.ops:

@@ -446,10 +446,12 @@ def test_a_sweeps_tilings_are_traced_in_worker_processes(monkeypatch):
     again here, where its error is reported."""
     from benchmarks import lowering, sweep
 
-    ids = [f"double #{i} {SHAPE.id}" for i in range(4)]
+    ids = [f"double #{i} [blocks={b}] {SHAPE.id}" for i, b in enumerate([4, 2, 3, 8])]
     assert [sweep.variant_case(_tiled_suite("double"), i, "v5e").id for i in ids] == ids
-    assert sweep.variant_case(_tiled_suite("double"), f"double #4 {SHAPE.id}", "v5e") is None  # no fifth tiling
-    assert sweep.variant_case(_tiled_suite("double"), f"other #0 {SHAPE.id}", "v5e") is None
+    assert sweep.variant_case(_tiled_suite("double"), f"double #4 [blocks=4] {SHAPE.id}", "v5e") is None  # no fifth
+    assert sweep.variant_case(_tiled_suite("double"), f"other #0 [blocks=4] {SHAPE.id}", "v5e") is None
+    # another tiling at that index (candidates asked of another chip) is not this case
+    assert sweep.variant_case(_tiled_suite("double"), f"double #1 [blocks=4] {SHAPE.id}", "v5e") is None
     monkeypatch.setattr(profiler, "device_times", _tiling_as_device_time)
     monkeypatch.setattr(suite, "get", _tiled_suite)
     lines = []
@@ -466,6 +468,34 @@ def test_a_sweeps_tilings_are_traced_in_worker_processes(monkeypatch):
     # fourth tiling's trace fails there and here
     assert any(line.startswith("  programs lowered from the workers' exports: 4, here: 1;") for line in lines), lines
     assert any("input builders 1," in line for line in lines), lines
+
+
+def _chip_candidates(shape, gen):
+    """Candidates as a tuning module lists them: read from the traced-for chip (a v5e lists other tilings)."""
+    from tpu_kernels_jax.common import chip
+
+    return [4, 2] if chip.current_tpu_info().chip_version.value == "v5e" else [8, 4]
+
+
+def _chip_tiled_suite(kernel):
+    return dataclasses.replace(SUITE, ops=(dataclasses.replace(TILED, candidates=_chip_candidates),))
+
+
+def test_a_worker_rebuilds_a_sweeps_tiling_for_the_chip_it_traces_for():
+    """A worker rebuilds a sweep's tiling from its id under the chip's device, where tuning modules read that chip
+    (outside it, a worker's jax answers with the default generation's tables: the v5e's sweep then timed v6e tilings
+    under the v5e's labels); the id names the tiling, so a rebuild that finds another one fails instead."""
+    from benchmarks import lowering, sweep
+
+    case_id = f"double #1 [blocks=2] {SHAPE.id}"
+    pool = lowering.Pool("v5e", 1, platform="cpu", resolve=_chip_tiled_suite)
+    try:
+        blob, _ = pool.submit("double", case_id, "kernel", None, OP.specs(SHAPE)).result()
+    finally:
+        pool.close()
+    x = jnp.ones((SHAPE["tokens"], SHAPE["hidden"]), jnp.bfloat16)
+    assert float(np.asarray(lowering.deserialized_call(blob)(x)).ravel()[0]) == 2  # the v5e's second tiling
+    assert sweep.variant_case(_chip_tiled_suite("double"), f"double #1 [blocks=8] {SHAPE.id}", "v5e") is None
 
 
 def _tiling_inputs(s, seed=0, *, blocks=None, impls=None):
