@@ -228,20 +228,25 @@ def test_special_group_layouts_and_static_grid(rand):
 # reads; the window (groups 1-5) holds an even number of non-empty groups, then an odd one (the buffers' alternation
 # across n tiles differs).
 PREFETCH_CASES = [
-    (None, True, False, (9, 0, 30, 5, 17, 4)),
-    ("concatenated", True, True, (9, 0, 30, 5, 17, 0)),
-    ("interleaved", False, False, (9, 3, 30, 0, 17, 4)),
+    (None, True, False, (9, 0, 30, 5, 17, 4), 384, 128),
+    ("concatenated", True, True, (9, 0, 30, 5, 17, 0), 384, 128),
+    ("interleaved", False, False, (9, 3, 30, 0, 17, 4), 384, 128),
+    # a last n tile narrower than the rest: 640 columns in blocks of 256 (interleaved: 2 x 320 in blocks of 256)
+    (None, False, True, (9, 0, 30, 5, 17, 4), 640, 256),
+    ("interleaved", True, False, (9, 3, 30, 0, 17, 0), 320, 128),
 ]
 
 
-@pytest.mark.parametrize("gated,transposed,static,sizes", PREFETCH_CASES, ids=[str(c[:3]) for c in PREFETCH_CASES])
-def test_weight_prefetch_across_groups_and_n_tiles(rand, gated, transposed, static, sizes):
+@pytest.mark.parametrize(
+    "gated,transposed,static,sizes,n_out,tn", PREFETCH_CASES, ids=[str(c[:3] + c[4:]) for c in PREFETCH_CASES]
+)
+def test_weight_prefetch_across_groups_and_n_tiles(rand, gated, transposed, static, sizes, n_out, tn):
     """With all of K in one block the kernel fetches each group's weight blocks itself, a run of visits ahead and on
     into the next n tile (kernel._prefetched_weights, two buffers alternating): groups spanning several m tiles and
     sharing tiles, an empty group, rows past the groups and before the window (zero visits), three n tiles of one
-    or two weight streams, against the reference. A block read from the wrong buffer, group or n tile, or a DMA left
-    unwaited (strict interpret mode), fails here."""
-    m, k, n_out, groups = 72, 128, 384, 6
+    or two weight streams (the last one narrower where N is no whole number of blocks), against the reference. A
+    block read from the wrong buffer, group or n tile, or a DMA left unwaited (strict interpret mode), fails here."""
+    m, k, groups = 72, 128, 6
     n = 2 * n_out if gated else n_out
     lhs = rand.normal((m, k))
     rhs = rand.normal(rhs_shape(groups, k, n, transposed), scale=0.2)
@@ -250,7 +255,7 @@ def test_weight_prefetch_across_groups_and_n_tiles(rand, gated, transposed, stat
     kw = dict(rhs_transposed=transposed, group_offset=1, num_local_groups=5)
     if gated:
         kw.update(gated=gated, activation="silu")
-    blocks = RaggedDotBlocks(forward=MatmulBlocks(tm=8, tk=k, tn=128))
+    blocks = RaggedDotBlocks(forward=MatmulBlocks(tm=8, tk=k, tn=tn))
     out = ladder.check_against_reference(
         jax.jit(lambda l, r, s: tk.ragged_dot(l, r, s, blocks=blocks, static_grid=static, **kw)),
         jax.jit(lambda l, r, s: ragged_dot_reference(l, r, s, **kw)),

@@ -108,7 +108,7 @@ def matmul_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _prefetched_weights(meta_ref, rhs_refs, scratch_refs, *, V, transposed, shifts, tiles_n):
+def _prefetched_weights(meta_ref, rhs_refs, scratch_refs, *, V, transposed, shifts, tiles_n, last_width):
     """The weight blocks of this visit's group, fetched by the kernel itself one run of visits ahead.
 
     Pallas' pipeline fetches a block one grid step ahead, so the next group's weights (MiBs a block) load during the
@@ -119,7 +119,10 @@ def _prefetched_weights(meta_ref, rhs_refs, scratch_refs, *, V, transposed, shif
     first) into the other of two buffers, then waits for its own: the load overlaps every visit of the current
     group, and two DMAs are in flight at a run's start as in the pipeline (decode streams weights back to back). The
     buffer of a run alternates across n tiles too: (run parity + n * runs) mod 2, so the next n tile's first run
-    never lands on the buffer in use. Returns the refs to read this visit's blocks from.
+    never lands on the buffer in use. A last n tile narrower than the others (last_width columns: N not a whole
+    number of blocks) is fetched at its own width into the buffer's first columns, as the pipeline fetches an edge
+    block; the rest of the buffer holds an earlier block's columns, which reach only output columns past N (never
+    written; the interleaved epilogue zeroes them first). Returns the refs to read this visit's blocks from.
     """
     n_streams = len(rhs_refs)
     buffers, sems = scratch_refs[:n_streams], scratch_refs[n_streams]
@@ -131,38 +134,43 @@ def _prefetched_weights(meta_ref, rhs_refs, scratch_refs, *, V, transposed, shif
     following = meta_ref[F_NEXT_GROUP * V + v]
     run_start = jnp.logical_or(v == 0, group != meta_ref[F_GROUP * V + jnp.maximum(v - 1, 0)])
 
-    def copies(g, tile_n, into):
-        out = []
-        for i, (src, buf) in enumerate(zip(rhs_refs, buffers)):
-            # Offsets on the lanes (or sublanes) of a tiled HBM array: say they are whole tiles (tn is a multiple of
-            # 128 whenever there are several n tiles; with one, the offset is static).
-            start = shifts[i] * wn if tiles_n == 1 else pl.multiple_of((tile_n + shifts[i]) * wn, 128)
-            cols = pl.ds(start, wn)
-            block = src.at[g, cols, :] if transposed else src.at[g, :, cols]
-            out.append(pltpu.make_async_copy(block, buf.at[into], sems.at[i, into]))
-        return out
+    def transfer(action, g, tile_n, into):
+        """start or wait the DMAs of group g's blocks at n tile tile_n into buffer `into`."""
+
+        def at_width(width):
+            for i, (src, buf) in enumerate(zip(rhs_refs, buffers)):
+                # Offsets on the lanes (or sublanes) of a tiled HBM array: say they are whole tiles (tn is a multiple
+                # of 128 whenever there are several n tiles; with one, the offset is static).
+                start = shifts[i] * wn if tiles_n == 1 else pl.multiple_of((tile_n + shifts[i]) * wn, 128)
+                cols, head = pl.ds(start, width), pl.ds(0, width)
+                block = src.at[g, cols, :] if transposed else src.at[g, :, cols]
+                dst = buf.at[into, head, :] if transposed else buf.at[into, :, head]
+                getattr(pltpu.make_async_copy(block, dst, sems.at[i, into]), action)()
+
+        if last_width == wn:
+            at_width(wn)
+            return
+        is_last = tile_n == tiles_n - 1
+        pl.when(is_last)(lambda: at_width(last_width))
+        pl.when(jnp.logical_not(is_last))(lambda: at_width(wn))
 
     @pl.when(jnp.logical_and(v == 0, n == 0))  # the first run of all: nothing fetched it ahead
     def _():
-        for c in copies(group, n, slot):
-            c.start()
+        transfer("start", group, n, slot)
 
     @pl.when(run_start)
     def _():
         @pl.when(following >= 0)
         def _():
-            for c in copies(jnp.maximum(following, 0), n, 1 - slot):
-                c.start()
+            transfer("start", jnp.maximum(following, 0), n, 1 - slot)
 
         if tiles_n > 1:
 
             @pl.when(jnp.logical_and(following < 0, n + 1 < tiles_n))
             def _():
-                for c in copies(meta_ref[F_GROUP * V], n + 1, 1 - slot):
-                    c.start()
+                transfer("start", meta_ref[F_GROUP * V], n + 1, 1 - slot)
 
-        for c in copies(group, n, slot):
-            c.wait()
+        transfer("wait", group, n, slot)
 
     return [buf.at[slot] for buf in buffers]
 
@@ -189,6 +197,7 @@ def _forward_kernel(
     mxfp4_blocks=False,
     stream_shifts=None,
     tiles_n=1,
+    last_width=None,
 ):
     n_rhs = 2 if gated == "concatenated" else 1  # interleaved: one stream of 2 * tn columns, gate and up alternating
     rhs_refs = refs[:n_rhs]
@@ -226,7 +235,14 @@ def _forward_kernel(
     weight_refs = rhs_refs
     if prefetch:
         weight_refs = _prefetched_weights(
-            meta_ref, rhs_refs, scratch_refs, V=V, transposed=transposed, shifts=stream_shifts, tiles_n=tiles_n
+            meta_ref,
+            rhs_refs,
+            scratch_refs,
+            V=V,
+            transposed=transposed,
+            shifts=stream_shifts,
+            tiles_n=tiles_n,
+            last_width=last_width,
         )
 
     def weights():
@@ -426,8 +442,11 @@ def ragged_dot_forward(
     wn = 2 * tn if gated == "interleaved" else tn  # rhs columns per block: gate and up alternate within one block
     wshape = (None, wn, tk) if rhs_transposed else (None, tk // 2 if mx else tk, wn)
     # With all of K in one block, the kernel fetches each group's weight blocks itself, a run of visits ahead
-    # (_prefetched_weights); its DMAs are whole blocks, so N must hold a whole number of them.
-    prefetch = tiles_k == 1 and n_full % wn == 0
+    # (_prefetched_weights); a last n tile short of a whole block (N not a multiple of the block: only without the
+    # concatenated layout, whose tn divides N / 2) is fetched at its width, which Mosaic slices in VMEM only in
+    # whole 128-column tiles (else the pipeline fetches, as it does edge blocks).
+    last_width = wn if gated == "concatenated" else n_full - (pl.cdiv(n_out, tn) - 1) * wn
+    prefetch = tiles_k == 1 and (last_width == wn or last_width % 128 == 0)
     for s in shifts:
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY) if prefetch else pl.BlockSpec(wshape, rhs_map(s)))
         operands.append(rhs)
@@ -470,6 +489,7 @@ def ragged_dot_forward(
         mxfp4_blocks=mx,
         stream_shifts=tuple(shifts) if prefetch else None,
         tiles_n=tiles_n,
+        last_width=last_width,
     )
     grid_v = V if static_grid else nv
     rhs_bytes = num_local_groups * rhs.shape[1] * rhs.shape[2] * rhs.dtype.itemsize
