@@ -439,6 +439,9 @@ def _grouped(layout: _Layout, hidden_states, top_k_index, top_k_weights, weights
     # activations' dtype as transformers' eager path does, and the combine is one gather + sum over k in f32.
     valid = (top_k_index >= 0) & (top_k_index < num_experts)
     routing = jnp.where(valid, top_k_weights.astype(jnp.float32), 0.0).reshape(-1)
+    row_routing = routing.at[rows_pair].get(mode="promise_in_bounds")
+    if layout.align_tm:  # padding rows weigh zero
+        row_routing = jnp.where(pairs >= 0, row_routing, 0.0)
     y = ragged_dot_api.ragged_dot(
         h,
         weights.down_proj,
@@ -446,17 +449,13 @@ def _grouped(layout: _Layout, hidden_states, top_k_index, top_k_weights, weights
         rhs_transposed=not layout.weights_transposed,
         bias=weights.down_bias,
         rhs_scale=weights.down_scale,
-        row_scale=_padded_rows_zero(routing.at[rows_pair].get(mode="promise_in_bounds"), pairs, layout.align_tm),
+        row_scale=row_routing,
         preferred_element_type=hidden_states.dtype,
         blocks=layout.down_blocks,
     )
     position = jnp.zeros_like(order).at[order].set(dest)  # each (token, slot) pair's row of y
     per_slot = y.at[position].get(mode="promise_in_bounds").reshape(tokens, top_k, hidden)
     return per_slot.astype(jnp.float32).sum(axis=1).astype(hidden_states.dtype)
-
-
-def _padded_rows_zero(row_scale, pairs, align_tm):
-    return jnp.where(pairs >= 0, row_scale, 0.0) if align_tm else row_scale
 
 
 def _small_batch_forward(plan, layout: _Layout, hidden_states, top_k_index, top_k_weights, weights: _Weights):

@@ -13,11 +13,12 @@ tile of each grid step.
 Grid (n tiles, visits, k tiles). The output block (tile, n) stays in VMEM while consecutive visits share the tile,
 so the masked writes of several groups merge before one write-back. The weight block (group, k, n) stays in VMEM
 while consecutive visits share the group and tk = K, so a group's weights are read once per n tile however many m
-tiles it spans. With tk = K (and N a whole number of weight blocks) the kernel fetches those blocks itself instead
-of through the pipeline, a run of visits ahead: the first visit of each group starts the next group's DMA into the
-other of two buffers, so the load overlaps all of the current group's visits, not one grid step's
-(_prefetched_weights). Zero visits pin their lhs/weight block indices to those of the adjacent real visit, so they
-cause no DMA. By default the visit axis is sized by the real visit count (a dynamic grid bound, read from the metadata);
+tiles it spans. With tk = K the kernel fetches those blocks itself instead of through the pipeline (unless a last,
+narrower n tile is no whole number of 128-column tiles), a run of visits ahead: the first visit of each group starts
+the next group's DMA into the other of two buffers, so the load overlaps all of the current group's visits, not one
+grid step's (_prefetched_weights). Zero visits pin their lhs/weight block indices to those of the adjacent real
+visit, so they cause no DMA. By default the visit axis is sized by the real visit count (a dynamic grid bound, read
+from the metadata);
 `static_grid=True` instead sizes it by the worst case (tiles_m + groups - 1), the surplus steps repeat the last
 visit's block indices (no DMA) and skip all work under `pl.when`.
 
@@ -445,7 +446,7 @@ def ragged_dot_forward(
     # (_prefetched_weights); a last n tile short of a whole block (N not a multiple of the block: only without the
     # concatenated layout, whose tn divides N / 2) is fetched at its width, which Mosaic slices in VMEM only in
     # whole 128-column tiles (else the pipeline fetches, as it does edge blocks).
-    last_width = wn if gated == "concatenated" else n_full - (pl.cdiv(n_out, tn) - 1) * wn
+    last_width = wn if gated == "concatenated" else n_full - (tiles_n - 1) * wn
     prefetch = tiles_k == 1 and (last_width == wn or last_width % 128 == 0)
     for s in shifts:
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY) if prefetch else pl.BlockSpec(wshape, rhs_map(s)))
