@@ -29,6 +29,7 @@ from tpu_kernels_jax.api import ExpertsBlocks, MatmulBlocks, RaggedDotBlocks, Tr
 from tpu_kernels_jax.common import mxfp4, quantization
 from tpu_kernels_jax.common.activation import ClampedSwiGLU
 from tpu_kernels_jax.moe import api, touched
+from tpu_kernels_jax.moe import routing as row_routing
 from tpu_kernels_jax.moe import tuning as moe_tuning
 from tpu_kernels_jax.moe.reference import experts_forward_reference, gate_and_up
 from tpu_kernels_jax.ragged_dot.reference import gating_reference
@@ -323,69 +324,26 @@ def test_experts_forward_gradients(rand, case, path):
     assert out.shape == args[0].shape and out.dtype == dtype
 
 
-def test_aligned_rows_start_each_expert_on_a_tile(rand):
-    """aligned_rows: each expert's rows keep their order from a multiple of tm, rows past the groups follow the last
-    padded group, every destination distinct and inside the static bound."""
-    tm, rows, routed = 8, 61, 56  # 5 rows past the groups (sentinel slots)
-    cuts = np.sort(rand.rng.integers(0, routed + 1, 5))
-    sizes = np.diff(np.concatenate([[0], cuts, [routed]])).astype(np.int32)
-    empty = int(rand.rng.integers(0, 5))
-    sizes[empty + 1] += sizes[empty]
-    sizes[empty] = 0  # an empty expert
-    dest, padded, bound = (
-        np.asarray(a) if hasattr(a, "shape") else a for a in api.aligned_rows(jnp.asarray(sizes), rows, tm)
-    )
-    assert bound == rows + 6 * (tm - 1) and len(set(dest.tolist())) == rows and dest.max() < bound
-    np.testing.assert_array_equal(padded, (sizes + tm - 1) // tm * tm)
-    start, padded_start = 0, 0
-    for size, psize in zip(sizes, padded):
-        assert padded_start % tm == 0
-        np.testing.assert_array_equal(dest[start : start + size], padded_start + np.arange(size))
-        start, padded_start = start + size, padded_start + psize
-    np.testing.assert_array_equal(dest[start:], padded_start + np.arange(rows - start))
+def test_row_layout_groups_pairs_by_expert_in_token_order(rand):
+    """row_layout against a stable sort by expert: each expert's pairs in token order, sentinels (ids past the
+    experts or negative) after every expert, an empty expert, pairs over several of the rank matmul's chunks and not a
+    whole number of them; `pair` inverts `position`."""
+    tokens, top_k, experts = 75, 8, 16
+    pairs = tokens * top_k
+    assert pairs > 2 * row_routing.RANK_CHUNK and pairs % row_routing.RANK_CHUNK
+    flat = rand.rng.integers(0, experts, pairs)
+    flat[flat == 3] = 4  # an empty expert
+    flat[rand.rng.random(pairs) < 0.05] = experts + 3
+    flat[rand.rng.random(pairs) < 0.02] = -1
+    layout = row_routing.row_layout(jnp.asarray(flat.reshape(tokens, top_k), jnp.int32), experts)
+    position, pair, sizes = (np.asarray(a) for a in layout)
+    valid = (flat >= 0) & (flat < experts)
+    np.testing.assert_array_equal(sizes, np.bincount(flat[valid], minlength=experts))
+    expected = np.argsort(np.where(valid, flat, experts), kind="stable")  # the pair at each row
+    np.testing.assert_array_equal(pair, expected)
+    np.testing.assert_array_equal(position[expected], np.arange(pairs))
 
 
-def test_grouped_path_with_experts_aligned_to_tiles(rand):
-    """Where experts average a whole row tile (tuning.group_aligned_tm), the grouped path lays each expert's rows out
-    from a multiple of the grouped matmuls' row tile: the output and every gradient still match the reference, with
-    expert-parallel sentinels among the slots (f32, biases, 8-row tiles so that 24 tokens x 3 slots align)."""
-    tokens, experts, top_k, hidden, inter = 24, 6, 3, 128, 128
-    x = rand.normal((tokens, hidden))
-    index = jnp.asarray(np.argsort(rand.rng.random((tokens, experts)), axis=1)[:, :top_k], jnp.int32)
-    index = jnp.where(jnp.asarray(rand.rng.random(index.shape) < 0.1), experts + 2, index)  # some sentinels
-    w = jnp.asarray(rand.rng.random((tokens, top_k)) + 0.1, jnp.float32)
-    gate_up, down, gate_up_bias, down_bias = weights(
-        rand, experts, hidden, inter, gated=True, transposed=False, bias=True, dtype=F32
-    )
-    tile = RaggedDotBlocks(forward=MatmulBlocks(tm=8))
-    blocks = ExpertsBlocks(path="grouped", gate_up=tile, down=tile)
-    assert (
-        moe_tuning.group_aligned_tm(
-            tokens * top_k, experts, F32, weights_transposed=False, gate_up_blocks=tile, down_blocks=tile
-        )
-        == 8
-    )
-    kw = dict(activation="silu", gate_layout="concatenated")
-    args = (x, index, w, gate_up, down, gate_up_bias, down_bias)
-    bound = tokens * top_k + experts * 7  # the aligned layout's static rows: the gathered rows take that size
-    assert f"f32[{bound},{hidden}]" in str(
-        jax.make_jaxpr(functools.partial(tk.experts_forward, blocks=blocks, **kw))(*args)
-    )
-    out = ladder.check_forward_and_gradients(
-        functools.partial(tk.experts_forward, blocks=blocks, **kw),
-        functools.partial(experts_forward_reference, **kw),
-        args,
-        argnums=(0, 2, 3, 4, 5, 6),
-        names=GRAD_NAMES,
-        rand=rand,
-        dtype=F32,
-        out_tolerance=F32_TOL,
-        grad_tolerance=dict(rtol=1e-4, atol=1e-4),
-    )
-    assert out.shape == x.shape
-
-
-# ------------------------------------------------------------------------------------------------ random draws
 @ladder.random_draws
 def test_random_draw(rand, draw):
     """Tokens (one token, several sublane tiles), experts (most of them empty at few tokens), top-k, sizes, dtype,

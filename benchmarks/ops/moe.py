@@ -99,13 +99,25 @@ def _bf16_weights(gate_up_proj, down_proj, scales):
     return tuple((w.astype(F32) * c[:, :, None]).astype(BF16) for w, c in zip((gate_up_proj, down_proj), scales))
 
 
+def _sorted_by_expert(top_k_index, num_experts):
+    """Sort (token, slot) pairs by expert, as transformers' grouped experts do (a stable argsort and the experts'
+    counts). Returns (order, group_sizes): order[i] is the flat pair index at sorted position i; sentinel ids are
+    counted nowhere and sorted last."""
+    flat = top_k_index.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    key = jnp.where(valid, flat, num_experts)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[jnp.where(valid, flat, 0)].add(valid.astype(jnp.int32))
+    return order, group_sizes
+
+
 def _composed(ragged_dot, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, gate_layout):
-    """experts_forward's grouped composition (route, gather, gate/up + epilogue, down, weight, combine) on
-    `ragged_dot`, with the same in-bounds row gathers as kernels/moe/api.py, so the comparison is of the grouped
-    matmuls (XLA's and tokamax's have no row-scale epilogue: the weighting is one XLA multiply, fused where XLA can)."""
+    """The grouped composition transformers' grouped experts lower to (sort by expert, gather, gate/up + epilogue,
+    down, weight, combine) on `ragged_dot`, with in-bounds row gathers (XLA's and tokamax's ragged dots have no
+    row-scale epilogue: the weighting is one XLA multiply, fused where XLA can)."""
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
-    order, group_sizes = moe_api.route(top_k_index, gate_up_proj.shape[0])
+    order, group_sizes = _sorted_by_expert(top_k_index, gate_up_proj.shape[0])
     x = hidden_states.at[order // top_k].get(mode="promise_in_bounds")
     h = ragged_dot(x, gate_up_proj, group_sizes, out_dtype=F32)
     h = _moe.gated_epilogue(h, _activation(activation), hidden_states.dtype, gate_layout)

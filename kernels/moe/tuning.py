@@ -42,9 +42,6 @@ F32_TEMPORARIES = 3
 
 
 PATHS = ("small_batch", "grouped")
-# The grouped path lays each expert's rows out from a multiple of the grouped matmuls' row tile once every expert
-# averages at least this many tiles of rows (group_aligned_tm).
-GROUP_ALIGN_MIN_TILES = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,39 +409,3 @@ def candidate_blocks(
             continue
         candidates.append(candidate)
     return candidates
-
-
-def group_aligned_tm(
-    rows: int,
-    num_experts: int,
-    dtype,
-    *,
-    weights_transposed: bool,
-    gate_up_blocks: RaggedDotBlocks | None,
-    down_blocks: RaggedDotBlocks | None,
-    info: pltpu.TpuInfo | None = None,
-) -> int | None:
-    """The row tile the grouped path aligns each expert's rows to, or None to keep them packed.
-
-    Packed, an m tile of the grouped matmuls that straddles two experts' rows is computed once for each: with
-    random routing every expert boundary costs a whole extra tile (1.5x the useful MXU work at Qwen3's 32768-row
-    prefill, tm 128; 2x at 256). Laid out from multiples of tm (the sort's gather places them; the padding rows are
-    computed and dropped), a tile holds one expert's rows and the waste is each expert's last partial tile, about
-    half a tile an expert. Measured on the v5e, 128 experts of 256 rows: 1,363 us aligned against 1,963 packed under
-    Qwen3's random routing at the same tm (docs/moe.md). Worth it once experts average GROUP_ALIGN_MIN_TILES tiles
-    (below that the padding outgrows the rows, and those matmuls are weight-bound anyway). The tile is the one both
-    grouped matmuls' forwards run: the blocks given for them, else the ragged dot table's for this call; None when
-    the two are given different ones.
-    """
-    given = {b.forward.tm for b in (gate_up_blocks, down_blocks) if b is not None and b.forward is not None}
-    given.discard(None)
-    if len(given) > 1:
-        return None
-    if given:
-        tm = given.pop()
-    else:
-        generation = ragged_dot_tuning.generation_of(info or chip.current_tpu_info())
-        tm = ragged_dot_tuning.choose_tm(rows, num_experts, dtype, generation, rhs_transposed=not weights_transposed)
-    if tm >= rows or rows < GROUP_ALIGN_MIN_TILES * tm * num_experts:
-        return None
-    return tm
