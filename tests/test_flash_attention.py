@@ -1423,15 +1423,29 @@ def test_compiles_long_sequence_backward_at_benchmark_blocks(model, generation, 
     BACKWARD_TABLE's (seq 32768 unmasked and causal): fused on LONG_BACKWARD_TABLE's blocks (v6e head dim 128: 512 x
     4096), else unfused (a dq kernel beside the dk/dv kernel) on UNFUSED_BACKWARD_TABLE's (v6e 1024 x 1024 at head
     dim 128, 512 x 2048 at 512; v7x 256 x 512, the least VMEM): the same kernel bodies as seq 32768's, compiled at
-    seq 4096 where the visit lists are 64 times shorter."""
+    seq 4096 where the visit lists are 64 times shorter. The gradient's forward kernel runs at 128 x 128 (the
+    table's forward is test_compiles_at_benchmark_shapes'; at its blocks it was ~45 % of this compile's time), every
+    backward field as the default call resolves it."""
     dims = FLASH_ATTENTION_MODELS[model]
     q = ((8, 4096, dims["q_heads"], dims["head_dim"]), jnp.bfloat16)
     k = ((8, 4096, dims["kv_heads"], dims["head_dim"]), jnp.bfloat16)
-    if fused:
-        pair = tuning.LONG_BACKWARD_TABLE[generation][dims["head_dim"]]
-        blocks = tk.FlashAttentionBlocks(fused_backward=True, backward_block_q=pair[0], backward_block_kv=pair[1])
-    else:
-        blocks = tk.FlashAttentionBlocks(fused_backward=False)
+    table = tuning.LONG_BACKWARD_TABLE if fused else tuning.UNFUSED_BACKWARD_TABLE
+    pair = table[generation][dims["head_dim"]]
+    blocks = tk.FlashAttentionBlocks(fused_backward=fused, backward_block_q=pair[0], backward_block_kv=pair[1])
+    with jax.default_device(ladder.tpu_device(generation)):
+        resolved = tuning.resolve_blocks(
+            blocks,
+            q_rows=4096,
+            kv_rows=4096,
+            q_heads=dims["q_heads"],
+            kv_heads=dims["kv_heads"],
+            head_dim=dims["head_dim"],
+            v_head_dim=dims["head_dim"],
+            itemsize=2,
+            sequence_rows=(4096, 4096),
+        )
+    assert (resolved.backward_block_q, resolved.backward_block_kv, resolved.fused_backward) == (*pair, fused)
+    blocks = dataclasses.replace(resolved, block_q=128, block_kv=128)
     label = f"flash_attention {'fused' if fused else 'unfused'} long {model}"
     ladder.compile_for_tpu(_grad_fn(causal=True, blocks=blocks), generation, q, k, k, label=label, min_kernels=3)
 
