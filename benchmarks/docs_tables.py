@@ -32,7 +32,13 @@ def block(result: dict) -> str:
             f"{prov['platform_version'] or 'libtpu'}: "
             f'`make bench-tpu BENCH_ARGS="--kernel {result["kernel"]}"` on one chip (the quick shapes). Every '
             "implementation ran in the same process on the same inputs; vs X = X's device time / ours (> 1: ours is "
-            "faster).",
+            "faster)."
+            + (
+                f" **A partial run** ({result['partial']}, stopped before its end): the shapes without figures were "
+                "not measured."
+                if result.get("partial")
+                else ""
+            ),
             width=120,
             break_on_hyphens=False,
         ),

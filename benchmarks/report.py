@@ -179,6 +179,27 @@ def _markdown(head: list[str], rows: list[list[str]]) -> list[str]:
     return [fmt_row(head), sep, *(fmt_row(r) for r in rows)]
 
 
+def why_not_timed(result: dict) -> list[str]:
+    """One footnote per (n/a or error, implementation, reason): the shapes it applies to (up to 3 by name), "every
+    measured shape" only where it is every one of more."""
+    why = {}
+    for r in result["rows"]:
+        for impl, e in (r["measured"] or {}).items():
+            for kind in ("na", "error"):
+                if kind in e:
+                    why.setdefault((kind, _impl_name(impl, [r]), e[kind]), []).append(r["shape_id"])
+    lines, total = [], sum(1 for r in result["rows"] if r["measured"])
+    for (kind, name, text), shape_ids in sorted(why.items()):
+        if len(shape_ids) <= 3:
+            where = "; ".join(shape_ids)
+        elif len(shape_ids) == total:
+            where = "every measured shape"
+        else:
+            where = f"{len(shape_ids)} of the {total} shapes ({'; '.join(shape_ids)})"
+        lines.append(f"{'n/a' if kind == 'na' else 'error'}: {name} at {where}: {text}")
+    return lines
+
+
 def format_measured(result: dict) -> list[str]:
     """The measured (TPU) table of each op, its footnotes (why an implementation did not run) and targets."""
     dtypes = sorted({r["shape"].get("dtype", "") for r in result["rows"]})
@@ -186,15 +207,7 @@ def format_measured(result: dict) -> list[str]:
     for op, rows, cells in measured_table_rows(result):
         lines += [f"\n{result['kernel']} / {op} ({', '.join(dtypes)}) — {result['measured_label']}, device time"]
         lines += _markdown(measured_columns(result, rows), cells)
-    why = {}
-    for r in result["rows"]:
-        for impl, e in (r["measured"] or {}).items():
-            for kind in ("na", "error"):
-                if kind in e:
-                    why.setdefault((kind, _impl_name(impl, [r]), e[kind]), []).append(r["shape_id"])
-    for (kind, name, text), shape_ids in sorted(why.items()):
-        where = "every measured shape" if len(shape_ids) > 3 else "; ".join(shape_ids)
-        lines.append(f"{'n/a' if kind == 'na' else 'error'}: {name} at {where}: {text}")
+    lines += why_not_timed(result)
     timed = [e for r in result["rows"] for e in (r["measured"] or {}).values() if "us" in e]
     if timed:
         rounds = sorted({e["rounds"] for e in timed})

@@ -607,6 +607,11 @@ def test_docs_take_the_measured_tables_under_their_title(fake_chip, tmp_path):
     assert text.endswith(docs_tables.END + "\n\nDesign text.\n")
     assert "| measured TPU v5 lite µs kernel |" in text and "- n/a: absent at" in text
     assert max(len(line) for line in text.splitlines() if not line.startswith("|")) <= 120
+    assert "partial" not in text
+    # a run stopped midway (its JSON holds the cases timed so far) says so
+    (tmp_path / "double.json").write_text(json.dumps(result | {"partial": "1 of 2 timed cases so far"}))
+    assert docs_tables.main([str(tmp_path), "--docs", str(docs)]) == 0
+    assert "**A partial run** (1 of 2 timed cases so far" in " ".join((docs / "double.md").read_text().split())
 
 
 def test_every_program_compiles_ahead_and_the_host_time_is_accounted(fake_chip, monkeypatch):
@@ -911,3 +916,18 @@ def test_the_kernel_measured_next_is_prefetched_once_this_ones_exports_are_queue
     case_id = suite.Case(OP, SHAPE).id
     assert result["rows"][0]["measured"]["kernel"]["us"] > 0
     assert set(queued) == {("double", case_id, impl) for impl in (None, "kernel", "default", "baseline:broken")}
+
+
+def test_a_footnote_says_every_shape_only_where_it_is_every_one():
+    """An implementation failing at 4 of 6 shapes is footnoted with those 4, not as failing at every measured shape;
+    one failing at all 6 is."""
+    rows = []
+    for i in range(6):
+        measured = {"kernel": {"us": 1.0}, "baseline:peer": {"us": 2.0} if i < 2 else {"error": "no compile"}}
+        measured["baseline:other"] = {"na": "decode only"}
+        rows.append({"shape_id": f"batch={i}", "measured": measured})
+    notes = report.why_not_timed({"rows": rows})
+    assert notes == [
+        "error: peer at 4 of the 6 shapes (batch=2; batch=3; batch=4; batch=5): no compile",
+        "n/a: other at every measured shape: decode only",
+    ]
