@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 DEVICE_PLANE = "/device:TPU:0"
 MODULES_LINE = "XLA Modules"
+OPS_LINE = "XLA Ops"
 PREFIX = "tkbench_"
 
 
@@ -89,6 +90,21 @@ def module_durations(profile, names: Sequence[str], *, plane: str = DEVICE_PLANE
                 out[name].append(float(e.duration_ns))
                 break
     return out
+
+
+def op_times(profile, name: str, *, plane: str = DEVICE_PLANE) -> tuple[list[float], dict[str, float]]:
+    """Where the executions of program jit_<name> spent their device time: ([duration_ns of each execution],
+    {XLA op: total duration_ns over them}), each `XLA Ops` event of `plane` counted in the execution whose
+    `XLA Modules` event holds its start."""
+    pattern = _pattern(name)
+    runs = [
+        (e.start_ns, e.start_ns + e.duration_ns) for e in module_events(profile, plane=plane) if pattern.search(e.name)
+    ]
+    totals: dict[str, float] = {}
+    for e in module_events(profile, plane=plane, line=OPS_LINE):
+        if any(start <= e.start_ns < end for start, end in runs):
+            totals[e.name] = totals.get(e.name, 0.0) + float(e.duration_ns)
+    return [float(end - start) for start, end in runs], totals
 
 
 def lean_options():

@@ -931,3 +931,36 @@ def test_a_footnote_says_every_shape_only_where_it_is_every_one():
         "error: peer at 4 of the 6 shapes (batch=2; batch=3; batch=4; batch=5): no compile",
         "n/a: other at every measured shape: decode only",
     ]
+
+
+def test_op_times_count_each_op_in_the_execution_that_holds_it():
+    """XLA Ops events are summed per op over the executions of the named program only: ops of another program, or
+    between executions, are left out."""
+    a, other = profiler.program_name(3), profiler.program_name(4)
+    modules = [_event(f"jit_{a}", 100, 50.0), _event(f"jit_{other}", 200, 50.0), _event(f"jit_{a}(2)", 300, 40.0)]
+    ops = [
+        _event("%fusion.1 = f32[8] fusion(...)", 100, 10.0),
+        _event("%ragged_dot_fwd = custom-call(...)", 120, 30.0),
+        _event("%fusion.1 = f32[8] fusion(...)", 210, 20.0),  # inside the other program
+        _event("%copy = f32[8] copy(...)", 160, 1.0),  # between executions
+        _event("%fusion.1 = f32[8] fusion(...)", 300, 12.0),
+        _event("%ragged_dot_fwd = custom-call(...)", 315, 25.0),
+    ]
+    plane = types.SimpleNamespace(
+        name=profiler.DEVICE_PLANE,
+        lines=[
+            types.SimpleNamespace(name=profiler.MODULES_LINE, events=modules),
+            types.SimpleNamespace(name=profiler.OPS_LINE, events=ops),
+        ],
+    )
+    runs, totals = profiler.op_times(types.SimpleNamespace(planes=[plane]), a)
+    assert runs == [50.0, 40.0]
+    assert totals == {"%fusion.1 = f32[8] fusion(...)": 22.0, "%ragged_dot_fwd = custom-call(...)": 55.0}
+
+
+def test_op_breakdown_needs_a_tpu(capsys):
+    from benchmarks import op_breakdown
+
+    with pytest.raises(SystemExit):
+        op_breakdown.main(["--kernel", "rms_norm"])
+    assert "needs a TPU" in capsys.readouterr().err
