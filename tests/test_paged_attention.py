@@ -166,6 +166,27 @@ def test_every_head_at_once(rand, feature, hkv, d, queries, per_step):
     _check(rand, batch, blocks=blocks, tol=F32_TOL, **options)
 
 
+@pytest.mark.parametrize(
+    "hkv,queries,feature,per_step", [(4, 40, "everything", 2), (8, 16, "window_both_sides_not_causal", 1)]
+)
+def test_prefill_blocks_read_each_head_by_strided_loads(rand, hkv, queries, feature, per_step):
+    """bf16 caches of 4 or 8 kv heads of 128 (passed as rows): blocks with more query rows than a merged visit takes
+    read one kv head at a time, its rows by strided loads from either page buffer slot (kernel.strided_head_rows; a
+    load of the next head's rows fails this). Masked and unmasked visits, a query block shared by several sequences,
+    padding rows, two visits a step in the first."""
+    options = dict(FEATURES[feature])
+    hq = 2 * hkv
+    heads = kernel.visit_heads(
+        hkv=hkv, head_dim=128, v_head_dim=128, block_rows=queries * 2, page_size=16, cache_dtype=jnp.bfloat16
+    )
+    assert heads == (0, True, True), heads
+    batch = Batch(rand, Q_LENS, KV_LENS, hq=hq, hkv=hkv, d=128, dtype=jnp.bfloat16)
+    if options.pop("sinks", False):
+        options["sinks"] = rand.normal((hq,), scale=2.0)
+    blocks = tk.PagedAttentionBlocks(queries_per_block=queries, pages_per_block=2, visits_per_step=per_step)
+    _check(rand, batch, dtype=jnp.bfloat16, blocks=blocks, **options)
+
+
 # (D, Dv, Hq, Hkv): head dims 64 to 512, GQA 1, 2 and 8 (MQA), a V head dim other than Q/K's (head dim 128: the
 # mixed-batch tests).
 HEAD_LAYOUTS = [(64, 64, 2, 2), (256, 128, 8, 1), (512, 512, 2, 1)]
@@ -586,6 +607,8 @@ COMPILE_CASES = [
     # full's mixed batch)
     ("qwen3_decode_p64_256_seqs_128_pages", 256, 256, 32, 4, 128, 64, 128, jnp.bfloat16, {}),
     ("qwen3_mixed_p64_fp8", 2108, 64, 32, 4, 128, 64, 64, FP8, {}),
+    # bf16: the prefill visits read each kv head's rows by strided loads (kernel.strided_head_rows), per buffer slot
+    ("qwen3_mixed_p64", 2108, 64, 32, 4, 128, 64, 64, jnp.bfloat16, {}),
     ("gemma4_sliding_decode_p64", 64, 64, 16, 8, 256, 64, 64, jnp.bfloat16, dict(window_size=(1023, 0))),
     ("gemma4_full_mixed_p256", 2108, 64, 16, 2, 512, 256, 16, jnp.bfloat16, dict(softmax_scale=1.0)),
     # float8 with 2 kv heads: XLA lays the caches out head-major, read so, one head at a time (kernel.head_major_cache)
@@ -610,7 +633,12 @@ COMPILE_CASES = [
 # generation) Qwen3 decode at the end of the SMEM budget, Gemma 4 full's float8 decode and gpt-oss (head dim 64, sinks);
 # on v5e (the least scoped VMEM) and v7x (the least VMEM) the widest working sets, the fp8 mixed batch, Gemma 4 full's
 # head dim 512 and Gemma 4 sliding's decode (its VMEM limit is the lowest there).
-COMPILE_ELSEWHERE = {"qwen3_mixed_p64_fp8": "v5e", "gemma4_full_mixed_p256": "v7x", "gemma4_sliding_decode_p64": "v7x"}
+COMPILE_ELSEWHERE = {
+    "qwen3_mixed_p64_fp8": "v5e",
+    "qwen3_mixed_p64": "v5e",
+    "gemma4_full_mixed_p256": "v7x",
+    "gemma4_sliding_decode_p64": "v7x",
+}
 COMPILE_ELSEWHERE["gpt_oss_sinks_decode_p256"] = COMPILE_ELSEWHERE["gpt_oss_padded_decode_p256"] = "v5e"
 COMPILES = [(case, COMPILE_ELSEWHERE.get(case[0], "v6e")) for case in COMPILE_CASES]
 

@@ -89,11 +89,9 @@ def ragged_paged_attention(
     padded = -(-tokens // block_q) * block_q
     itemsize = k_cache.dtype.itemsize
     head_major = kernel.head_major_cache(hkv=hkv, page_size=page_size, cache_itemsize=itemsize)
-    merged = 0  # a head-major buffer holds each head's keys as rows: one head at a time reads it plainly
-    if not head_major:
-        merged = kernel.merges_heads(
-            hkv=hkv, head_dim=d, v_head_dim=dv, block_rows=block_q * group, cache_itemsize=itemsize
-        )
+    merged, merged_view, strided_heads = kernel.visit_heads(
+        hkv=hkv, head_dim=d, v_head_dim=dv, block_rows=block_q * group, page_size=page_size, cache_dtype=k_cache.dtype
+    )
     layout = kernel.Layout(
         scales=static_scales,
         tokens=padded,
@@ -109,9 +107,9 @@ def ragged_paged_attention(
         softcap=softcap,
         window_size=(window[0], 0 if causal else window[1]),
         merged=merged,
-        merged_view=merged == hkv  # pairs of heads read the buffer as it lies
-        and kernel.merged_cache_view(hkv=hkv, head_dim=d, v_head_dim=dv, cache_itemsize=itemsize),
+        merged_view=merged_view,
         head_major=head_major,
+        strided_heads=strided_heads,
         parts=chosen.visits_per_step,
     )
     size = schedule.visit_bound(

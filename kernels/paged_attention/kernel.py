@@ -9,8 +9,9 @@ next visit's pages arrive while this one computes. A grid step takes `parts` vis
 own pages_per_block page slots of the buffer (at decode both sequences of a block of 2 tokens: half the grid steps,
 each a fixed cost). Decode-like blocks (few query rows) read the whole buffer as rows, token-major with the kv heads
 minor, and take every head in one matmul (merges_heads), except a float8 buffer of 4 kv heads as rows, whose heads are
-split from its 32-bit words (splits_words); prefill blocks take pairs of heads so; head dims that are not whole lane
-tiles read one kv head as a sublane-strided load of the buffer.
+split from its 32-bit words (splits_words); prefill blocks take pairs of heads so, except bf16 buffers of 4 or 8 kv
+heads of 128 as rows, which read one head at a time by strided loads (strided_head_rows); head dims that are not
+whole lane tiles read one kv head as a sublane-strided load of the buffer.
 
 Queries come as they are, [tokens, q_heads, head_dim], a block of tokens with every head, and the output leaves so
 (no transposes in XLA around the kernel); a query block's first visit lays each kv head's rows out in VMEM as
@@ -59,6 +60,7 @@ class Layout:
     merged: int = 0  # kv heads a matmul takes at once (merges_heads); 0: one at a time
     merged_view: bool = False  # caches passed as [pages, page_size * kv_heads, head_dim] (merged_cache_view)
     head_major: bool = False  # caches passed as [pages, kv_heads, page_size, head_dim] (head_major_cache)
+    strided_heads: bool = False  # one head at a time, its rows by strided loads of the rows buffer (strided_head_rows)
     scales: tuple[float, float] | None = (1.0, 1.0)  # static (k, v) cache scales; None: a traced operand
     parts: int = 1  # visits a grid step takes (consecutive list entries of one query block, each its own page slots)
 
@@ -128,6 +130,43 @@ def merges_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int, c
     if hkv * block_rows <= (MERGED_PAIR_ROWS if hkv == 2 else MERGED_ROWS) and (view or lanes_whole):
         return hkv
     return 2 if lanes_whole and 2 * block_rows <= MERGED_PAIR_ROWS else 0
+
+
+def strided_head_rows(*, hkv: int, head_dim: int, v_head_dim: int, cache_dtype) -> bool:
+    """Whether visits that take one kv head at a time read its keys and values by sublane-strided loads: in a bf16
+    cache of 4 or 8 kv heads of 128 passed as rows (merged_cache_view: token-major, the kv heads minor) head h's rows
+    are every kv_heads-th row, which the load unit reads with a stride (one lane tile a row, as Mosaic's strided loads
+    need; and with the page buffer's slot a static index, as they need for packed rows: such visits are compiled once
+    per slot). Otherwise a head's rows are a sublane gather, which the merged visits avoid by computing every head's
+    (or each pair's) scores against all of its heads' keys, the cross-head part wasted: modeled v5e, Qwen3's mixed
+    batch (4 prefill chunks of 512 + 60 decodes, page 64) 8,531 us in pairs, 2,597 us by strided loads."""
+    return (
+        jnp.dtype(cache_dtype) == jnp.bfloat16
+        and hkv in (4, 8)
+        and head_dim == v_head_dim == LANES
+        and merged_cache_view(hkv=hkv, head_dim=head_dim, v_head_dim=v_head_dim, cache_itemsize=2)
+    )
+
+
+def visit_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int, page_size: int, cache_dtype):
+    """How a call's visits take the kv heads: (merged, merged_view, strided_heads), the Layout fields. Head-major
+    caches one head at a time as rows; else every head (or each pair) at once where merges_heads says so, except that
+    blocks with more rows (prefill) read one head at a time by strided loads where strided_head_rows says they can."""
+    itemsize = jnp.dtype(cache_dtype).itemsize
+    if head_major_cache(hkv=hkv, page_size=page_size, cache_itemsize=itemsize):
+        return 0, False, False
+    merged = merges_heads(
+        hkv=hkv, head_dim=head_dim, v_head_dim=v_head_dim, block_rows=block_rows, cache_itemsize=itemsize
+    )
+    strided = merged < hkv and strided_head_rows(
+        hkv=hkv, head_dim=head_dim, v_head_dim=v_head_dim, cache_dtype=cache_dtype
+    )
+    if strided:
+        merged = 0
+    view = (merged == hkv or strided) and merged_cache_view(
+        hkv=hkv, head_dim=head_dim, v_head_dim=v_head_dim, cache_itemsize=itemsize
+    )
+    return merged, view, strided
 
 
 _E4M3FN = jnp.dtype(jnp.float8_e4m3fn)
@@ -370,6 +409,13 @@ def _kernel(
         x = buf[slot, pages, j] if lay.head_major else buf[slot, pages, :, j, :]
         return widen(x, compute_dtype).reshape(bk, width)
 
+    def head_rows(buf, buffer_slot: int, part, j):
+        """Head j's rows of the visit's page buffer (rows, token-major, kv heads minor): every kv_heads-th row, one
+        sublane-strided load (Mosaic's strided loads of packed rows need the slot as a static index)."""
+        pages = pl.ds(part * lay.pages_per_block, lay.pages_per_block)
+        rows = pl.ds(j, lay.page_size, stride=lay.kv_heads)
+        return buf[buffer_slot, pages, rows, :].reshape(bk, -1).astype(compute_dtype)
+
     split = splits_words(
         merged=lay.merged,
         merged_view=lay.merged_view,
@@ -380,7 +426,7 @@ def _kernel(
     # a decode-like block's few rows a head: every head's scores live at once is the merged visit's score rows at most
     scores_first = split or lay.head_major and lay.kv_heads * lay.block_rows <= MERGED_ROWS
 
-    def accumulate(masked: bool, visit, word, part: int):
+    def accumulate(masked: bool, visit, word, part: int, buffer_slot: int | None = None):
         row = jax.lax.broadcasted_iota(jnp.int32, (lay.block_rows, 1), 0)
         pages = pl.ds(part * lay.pages_per_block, lay.pages_per_block)
         if split:  # every head's rows at once, split per head from their words (their keys in _split_order)
@@ -403,6 +449,10 @@ def _kernel(
         def scores_of(j):
             if split:
                 k, v = widen(k_heads[j], compute_dtype), widen(v_heads[j], compute_dtype)
+            elif lay.strided_heads:
+                k, v = head_rows(k_buf, buffer_slot, part, j), head_rows(v_buf, buffer_slot, part, j)
+                if masked:
+                    v = jnp.where(fetched, v, jnp.zeros_like(v))
             else:
                 k = block_of(k_buf, pages, j, d)
                 v = block_of(v_buf, pages, j, dv)
@@ -506,8 +556,13 @@ def _kernel(
         visit = step * lay.parts + part
         word = words_ref[visit]
         compute, masked = (word & schedule.COMPUTE) != 0, (word & schedule.MASKED) != 0
-        pl.when(compute & masked)(functools.partial(accumulate_visit, True, visit, word, part))
-        pl.when(compute & ~masked)(functools.partial(accumulate_visit, False, visit, word, part))
+        if lay.strided_heads:  # each head's strided load from a static page buffer slot: the visit compiled per slot
+            for s in (0, 1):
+                pl.when(compute & masked & (slot == s))(functools.partial(accumulate, True, visit, word, part, s))
+                pl.when(compute & ~masked & (slot == s))(functools.partial(accumulate, False, visit, word, part, s))
+        else:
+            pl.when(compute & masked)(functools.partial(accumulate_visit, True, visit, word, part))
+            pl.when(compute & ~masked)(functools.partial(accumulate_visit, False, visit, word, part))
 
     @pl.when((words_ref[step * lay.parts + lay.parts - 1] & schedule.LAST) != 0)
     def _finalize():

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ..common import chip
 from ..common.blocks import check_tile, check_vmem_fit, sublane_multiple
-from .kernel import head_major_cache, merged_cache_view, merges_heads
+from .kernel import head_major_cache, visit_heads
 
 KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
 # Decode-like batches: a visit's fixed cost (the online-softmax chain, the grid step) is a large part of a block of few
@@ -84,9 +84,10 @@ def working_set(
     head_dim,
     v_head_dim,
     q_itemsize,
-    cache_itemsize,
+    cache_dtype,
     visits_per_step=1,
 ) -> int:
+    cache_itemsize = jnp.dtype(cache_dtype).itemsize
     rows = queries_per_block * group
     keys = pages_per_block * page_size
     # a token's kv heads are the second-minor dim of the page buffer: Mosaic tiles 8-bit rows in fours and 16-bit rows
@@ -107,13 +108,13 @@ def working_set(
     # V of both visit branches (masked, unmasked) in its internal scratch: counted for every head unless the caches are
     # passed as rows (an upper bound with more heads: Mosaic reuses some of the room). Every head at once multiplies the
     # score temporaries by kv_heads squared (every head's rows against every head's keys).
-    merged = 0  # a head-major buffer is read one head at a time
-    if not head_major:
-        merged = merges_heads(
-            hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, block_rows=rows, cache_itemsize=cache_itemsize
-        )
-    view = merged == kv_heads and merged_cache_view(
-        hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, cache_itemsize=cache_itemsize
+    merged, view, _ = visit_heads(
+        hkv=kv_heads,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        block_rows=rows,
+        page_size=page_size,
+        cache_dtype=cache_dtype,
     )
     widened = 0
     if cache_itemsize == 1:
@@ -189,7 +190,7 @@ def resolve_blocks(
         head_dim=head_dim,
         v_head_dim=v_head_dim,
         q_itemsize=jnp.dtype(q_dtype).itemsize,
-        cache_itemsize=jnp.dtype(cache_dtype).itemsize,
+        cache_dtype=cache_dtype,
     )
     per_step = blocks.visits_per_step
     if per_step is None:
