@@ -53,6 +53,7 @@ smoke=(
     "test_rope_and_write_fp8_with_traced_scales_and_long_decode_rows"
     "(test_flash_attention.py and everything and not gradients)"
     "(test_paged_attention.py and everything and test_mixed_batch)"
+    "(test_prefill_blocks_read_each_head_by_strided_loads and 256)"
     "test_rms_norm_sharded"
 )
 selection=$(printf ' or %s' "${smoke[@]}")

@@ -167,20 +167,22 @@ def test_every_head_at_once(rand, feature, hkv, d, queries, per_step):
 
 
 @pytest.mark.parametrize(
-    "hkv,queries,feature,per_step", [(4, 40, "everything", 2), (8, 16, "window_both_sides_not_causal", 1)]
+    "hkv,d,queries,feature,per_step",
+    [(4, 128, 40, "everything", 2), (8, 128, 16, "window_both_sides_not_causal", 1), (8, 256, 16, "everything", 1)],
 )
-def test_prefill_blocks_read_each_head_by_strided_loads(rand, hkv, queries, feature, per_step):
+def test_prefill_blocks_read_each_head_by_strided_loads(rand, hkv, d, queries, feature, per_step):
     """bf16 caches of 4 or 8 kv heads of 128 (passed as rows): blocks with more query rows than a merged visit takes
     read one kv head at a time, its rows by strided loads from either page buffer slot (kernel.strided_head_rows; a
-    load of the next head's rows fails this). Masked and unmasked visits, a query block shared by several sequences,
-    padding rows, two visits a step in the first."""
+    load of the next head's rows fails this), a head dim of 256 from each lane tile's own page buffer (Gemma 4
+    sliding's 8 x 256). Masked and unmasked visits, a query block shared by several sequences, padding rows, two
+    visits a step in the first."""
     options = dict(FEATURES[feature])
     hq = 2 * hkv
     heads = kernel.visit_heads(
-        hkv=hkv, head_dim=128, v_head_dim=128, block_rows=queries * 2, page_size=16, cache_dtype=jnp.bfloat16
+        hkv=hkv, head_dim=d, v_head_dim=d, block_rows=queries * 2, page_size=16, cache_dtype=jnp.bfloat16
     )
     assert heads == (0, True, True), heads
-    batch = Batch(rand, Q_LENS, KV_LENS, hq=hq, hkv=hkv, d=128, dtype=jnp.bfloat16)
+    batch = Batch(rand, Q_LENS, KV_LENS, hq=hq, hkv=hkv, d=d, dtype=jnp.bfloat16)
     if options.pop("sinks", False):
         options["sinks"] = rand.normal((hq,), scale=2.0)
     blocks = tk.PagedAttentionBlocks(queries_per_block=queries, pages_per_block=2, visits_per_step=per_step)
@@ -609,6 +611,8 @@ COMPILE_CASES = [
     ("qwen3_mixed_p64_fp8", 2108, 64, 32, 4, 128, 64, 64, FP8, {}),
     # bf16: the prefill visits read each kv head's rows by strided loads (kernel.strided_head_rows), per buffer slot
     ("qwen3_mixed_p64", 2108, 64, 32, 4, 128, 64, 64, jnp.bfloat16, {}),
+    # and at head dim 256, each lane tile of a page its own DMA and page buffer
+    ("gemma4_sliding_mixed_p64", 2108, 64, 16, 8, 256, 64, 64, jnp.bfloat16, dict(window_size=(1023, 0))),
     ("gemma4_sliding_decode_p64", 64, 64, 16, 8, 256, 64, 64, jnp.bfloat16, dict(window_size=(1023, 0))),
     ("gemma4_full_mixed_p256", 2108, 64, 16, 2, 512, 256, 16, jnp.bfloat16, dict(softmax_scale=1.0)),
     # float8 with 2 kv heads: XLA lays the caches out head-major, read so, one head at a time (kernel.head_major_cache)
@@ -636,6 +640,7 @@ COMPILE_CASES = [
 COMPILE_ELSEWHERE = {
     "qwen3_mixed_p64_fp8": "v5e",
     "qwen3_mixed_p64": "v5e",
+    "gemma4_sliding_mixed_p64": "v5e",
     "gemma4_full_mixed_p256": "v7x",
     "gemma4_sliding_decode_p64": "v7x",
 }

@@ -78,6 +78,12 @@ class Layout:
         return self.page_size * self.pages_per_block
 
     @property
+    def lane_chunks(self) -> int:
+        """Lane tiles of the head dim a strided visit's page buffer holds apart ([pages, chunks, rows, 128]: a strided
+        load needs rows of one lane tile); 0 for the other buffers ([pages, ...] as the cache is passed)."""
+        return self.head_dim // LANES if self.strided_heads else 0
+
+    @property
     def blocks_per_seq(self) -> int:
         return -(-self.pages_per_seq // self.pages_per_block)
 
@@ -134,16 +140,18 @@ def merges_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int, c
 
 def strided_head_rows(*, hkv: int, head_dim: int, v_head_dim: int, cache_dtype) -> bool:
     """Whether visits that take one kv head at a time read its keys and values by sublane-strided loads: in a bf16
-    cache of 4 or 8 kv heads of 128 passed as rows (merged_cache_view: token-major, the kv heads minor) head h's rows
-    are every kv_heads-th row, which the load unit reads with a stride (one lane tile a row, as Mosaic's strided loads
-    need; and with the page buffer's slot a static index, as they need for packed rows: such visits are compiled once
-    per slot). Otherwise a head's rows are a sublane gather, which the merged visits avoid by computing every head's
-    (or each pair's) scores against all of its heads' keys, the cross-head part wasted: modeled v5e, Qwen3's mixed
-    batch (4 prefill chunks of 512 + 60 decodes, page 64) 8,531 us in pairs, 2,597 us by strided loads."""
+    cache of 4 or 8 kv heads passed as rows (merged_cache_view: token-major, the kv heads minor) head h's rows are
+    every kv_heads-th row, which the load unit reads with a stride. Mosaic's strided loads need rows of one lane tile
+    (a wider head dim's page buffer holds each lane tile apart: one DMA a page and lane tile) and, for packed rows,
+    the page buffer's slot as a static index (such visits are compiled once per slot). Otherwise a head's rows are a
+    sublane gather, which the merged visits avoid by computing every head's (or each pair's) scores against all of
+    its heads' keys, the cross-head part wasted: modeled v5e, Qwen3's mixed batch (4 prefill chunks of 512 + 60
+    decodes, page 64) 8,531 us in pairs, 2,597 us by strided loads."""
     return (
         jnp.dtype(cache_dtype) == jnp.bfloat16
         and hkv in (4, 8)
-        and head_dim == v_head_dim == LANES
+        and head_dim == v_head_dim
+        and head_dim % LANES == 0
         and merged_cache_view(hkv=hkv, head_dim=head_dim, v_head_dim=v_head_dim, cache_itemsize=2)
     )
 
@@ -297,8 +305,10 @@ def _start(step, slot, refs, layout: Layout):
             def _():
                 page = jnp.clip(pages_ref[base + i], 0, last_page)  # device page tables are not checked
                 at = part * layout.pages_per_block + i
-                pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, at], sems.at[slot, 0]).start()
-                pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, at], sems.at[slot, 1]).start()
+                for src, dst in _page_copies(k_hbm.at[page], k_buf.at[slot, at], layout):
+                    pltpu.make_async_copy(src, dst, sems.at[slot, 0]).start()
+                for src, dst in _page_copies(v_hbm.at[page], v_buf.at[slot, at], layout):
+                    pltpu.make_async_copy(src, dst, sems.at[slot, 1]).start()
 
 
 def _wait(step, slot, refs, layout: Layout):
@@ -314,8 +324,18 @@ def _wait(step, slot, refs, layout: Layout):
 
             @pl.when(_fetched(i, rows, layout))
             def _():
-                pltpu.make_async_copy(k_hbm.at[0], k_buf.at[slot, at], sems.at[slot, 0]).wait()
-                pltpu.make_async_copy(v_hbm.at[0], v_buf.at[slot, at], sems.at[slot, 1]).wait()
+                for src, dst in _page_copies(k_hbm.at[0], k_buf.at[slot, at], layout):
+                    pltpu.make_async_copy(src, dst, sems.at[slot, 0]).wait()
+                for src, dst in _page_copies(v_hbm.at[0], v_buf.at[slot, at], layout):
+                    pltpu.make_async_copy(src, dst, sems.at[slot, 1]).wait()
+
+
+def _page_copies(page, slot, layout: Layout):
+    """(source, destination) of the DMAs of one page into its page slot: the page whole, or each lane tile of the
+    head dim apart where the buffer holds them apart (Layout.lane_chunks)."""
+    if not layout.lane_chunks:
+        return [(page, slot)]
+    return [(page.at[:, pl.ds(c * LANES, LANES)], slot.at[c]) for c in range(layout.lane_chunks)]
 
 
 def _rows_of_sequence(word, block, cu_ref, lay: Layout, row):
@@ -414,7 +434,10 @@ def _kernel(
         sublane-strided load (Mosaic's strided loads of packed rows need the slot as a static index)."""
         pages = pl.ds(part * lay.pages_per_block, lay.pages_per_block)
         rows = pl.ds(j, lay.page_size, stride=lay.kv_heads)
-        return buf[buffer_slot, pages, rows, :].reshape(bk, -1).astype(compute_dtype)
+        tiles = [buf[buffer_slot, pages, c, rows, :].reshape(bk, LANES) for c in range(lay.lane_chunks)]
+        return (
+            jnp.concatenate(tiles, axis=1).astype(compute_dtype) if len(tiles) > 1 else tiles[0].astype(compute_dtype)
+        )
 
     split = splits_words(
         merged=lay.merged,
@@ -583,6 +606,14 @@ def _kernel(
             )
 
 
+def _page_slot(page_shape, layout: Layout) -> tuple:
+    """The shape of one page slot of a page buffer: the page's, or [lane tiles, rows, 128] (Layout.lane_chunks)."""
+    if not layout.lane_chunks:
+        return tuple(page_shape)
+    rows, width = page_shape
+    return (width // LANES, rows, LANES)
+
+
 def paged_attention(
     q_rows,
     k_pages,
@@ -641,8 +672,8 @@ def paged_attention(
             in_specs=in_specs,
             out_specs=pl.BlockSpec((lay.block_q, lay.q_heads, lay.v_head_dim), q_map),
             scratch_shapes=[
-                pltpu.VMEM((2, lay.parts * lay.pages_per_block, *k_pages.shape[1:]), k_pages.dtype),
-                pltpu.VMEM((2, lay.parts * lay.pages_per_block, *v_pages.shape[1:]), v_pages.dtype),
+                pltpu.VMEM((2, lay.parts * lay.pages_per_block, *_page_slot(k_pages.shape[1:], lay)), k_pages.dtype),
+                pltpu.VMEM((2, lay.parts * lay.pages_per_block, *_page_slot(v_pages.shape[1:], lay)), v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.VMEM((hkv, rows_per_block, lay.head_dim), compute_dtype),
                 pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),
