@@ -32,6 +32,7 @@ _KERNEL_FAMILIES = {
     "kv_cache": "chip_kv_cache_kernel",
     "ragged_dot": "chip_ragged_dot_kernel",
     "moe": "chip_moe_kernel",
+    "paged_attention": "chip_paged_attention_kernel",
 }
 _DEFAULT_FAMILIES = {
     "rms_norm": "chip_xla_fusion",
@@ -39,6 +40,7 @@ _DEFAULT_FAMILIES = {
     "kv_cache": "chip_xla_scatter",
     "ragged_dot": "chip_xla_ragged_dot",
     "moe": "chip_xla_ragged_dot",
+    "paged_attention": "chip_xla_paged_attention",
 }
 _BASELINE_FAMILIES = {
     "our rope + XLA scatter": "chip_xla_scatter",  # our rotary kernel, then XLA's scatter: the scatter dominates
@@ -46,6 +48,9 @@ _BASELINE_FAMILIES = {
     "tokamax": "chip_tokamax_ragged_dot",
     "vllm": "chip_vllm_moe",
     "dense masked": "chip_xla_dense_moe",
+    "jax_rpa": "chip_jax_rpa",
+    "jax_paged": "chip_jax_paged_attention",
+    "vllm_rpa": "chip_vllm_rpa",
 }
 
 # Families out of the fit: the measured ratio (modeled v5e / measured TPU v5e device time, over the family) and the
@@ -78,6 +83,21 @@ OUT_OF_FIT = {
         "cycle estimate and is not an elementwise op the model times from its schedule, so it counts 0; on the chip "
         "it writes a row per DMA, ~70 ns each (4096 rows of 1 KiB in 298 µs), far above the 2.6 ns per DMA the model "
         "takes from XLA's cost model"
+    ),
+    "chip_xla_paged_attention": (
+        "modeled/measured 0.25-1.17 (median 0.51): XLA's gather of each sequence's pages and its masked attention; the "
+        "gathers are timed by XLA's own estimate, not by the per-row DMAs the chip spends on them (as XLA's scatter): "
+        "not examined further"
+    ),
+    "chip_jax_rpa": (
+        "modeled/measured 0.98-63.1 (median 2.95): 0.98-0.99 at decode batch 8, 2.9-9.0 at 64-256, 63 for the mixed "
+        "batch: JAX's ragged_paged_attention walks sequences and blocks in loops sized at run time, which the model "
+        "cannot pair with their trip counts: not examined"
+    ),
+    "chip_jax_paged_attention": "modeled/measured 1.43-2.18 (median 1.45): JAX's paged_attention: not examined",
+    "chip_vllm_rpa": (
+        "modeled/measured 0.48-1.39 (median 0.63): bf16 0.48-0.67 (the model sees vLLM's RPA v3 at about twice its "
+        "chip speed), float8 0.90-1.39: not examined (K and V in one cache, its own DMA pipeline)"
     ),
 }
 # Single points out of the fit within an in-fit family: programs of a few µs, where fixed costs the model does not
@@ -120,6 +140,8 @@ QUICK = (
     "intermediate=768 activation=silu bfloat16",
     "moe/experts_forward kernel tokens=8 phase=decode model=qwen3-30b-a3b experts=128 top_k=8 hidden=2048 "
     "intermediate=768 activation=silu bfloat16",
+    "paged_attention/ragged_paged_attention kernel batch=64 model=gemma4-sliding phase=decode context=4096 page=64 "
+    "q_heads=16 kv_heads=8 head_dim=256 window=1024 bfloat16",
 )
 
 
