@@ -10,8 +10,8 @@ own pages_per_block page slots of the buffer (at decode both sequences of a bloc
 each a fixed cost). Decode-like blocks (few query rows) read the whole buffer as rows, token-major with the kv heads
 minor, and take every head in one matmul (merges_heads), except a float8 buffer of 4 kv heads as rows, whose heads are
 split from its 32-bit words (splits_words); prefill blocks take pairs of heads so, except bf16 buffers of 4 or 8 kv
-heads of 128 as rows, which read one head at a time by strided loads (strided_head_rows); head dims that are not
-whole lane tiles read one kv head as a sublane-strided load of the buffer.
+heads as rows, which read one head at a time by strided loads (strided_head_rows); head dims that are not whole lane
+tiles read one kv head as a sublane-strided load of the buffer.
 
 Queries come as they are, [tokens, q_heads, head_dim], a block of tokens with every head, and the output leaves so
 (no transposes in XLA around the kernel); a query block's first visit lays each kv head's rows out in VMEM as
@@ -435,9 +435,8 @@ def _kernel(
         pages = pl.ds(part * lay.pages_per_block, lay.pages_per_block)
         rows = pl.ds(j, lay.page_size, stride=lay.kv_heads)
         tiles = [buf[buffer_slot, pages, c, rows, :].reshape(bk, LANES) for c in range(lay.lane_chunks)]
-        return (
-            jnp.concatenate(tiles, axis=1).astype(compute_dtype) if len(tiles) > 1 else tiles[0].astype(compute_dtype)
-        )
+        head = tiles[0] if len(tiles) == 1 else jnp.concatenate(tiles, axis=1)  # the lane tiles side by side
+        return head.astype(compute_dtype)
 
     split = splits_words(
         merged=lay.merged,
