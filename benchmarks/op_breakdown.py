@@ -12,11 +12,8 @@ from benchmarks import device
 device.prepare_environment()  # before jax is imported
 
 import argparse  # noqa: E402
-import glob  # noqa: E402
-import os  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 
 from benchmarks import measured, profiler, suite  # noqa: E402
 
@@ -33,16 +30,11 @@ def breakdown(case: suite.Case, impl: str, calls: int) -> tuple[float, list[tupl
     name = profiler.program_name(0)
     compiled = jax.jit(profiler.named(case.op.function(impl, case.shape), name)).lower(*args).compile()
     jax.block_until_ready(compiled(*args))
-    with tempfile.TemporaryDirectory(prefix="tpu-kernels-ops-") as trace_dir:
-        jax.profiler.start_trace(trace_dir)
-        try:
-            for _ in range(calls):
-                out = compiled(*args)
-            jax.block_until_ready(out)
-        finally:
-            jax.profiler.stop_trace()
-        (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-        runs, totals = profiler.op_times(jax.profiler.ProfileData.from_file(path), name)
+
+    program = profiler.Program(name, compiled, args)
+    runs, totals = profiler.traced(
+        lambda: jax.block_until_ready(profiler.run_calls(program, calls)), lambda p: profiler.op_times(p, name)
+    )
     if len(runs) != calls:
         raise RuntimeError(f"the trace holds {len(runs)} executions of jit_{name}, expected {calls}")
     ops = sorted(((op, ns / calls / 1e3) for op, ns in totals.items()), key=lambda item: -item[1])

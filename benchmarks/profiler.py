@@ -122,7 +122,9 @@ def lean_options():
 _LEAN = {"works": True}  # set False for the process once a lean trace held no device plane
 
 
-def _trace(run, names: Sequence[str], options) -> dict[str, list[float]]:
+def traced(run, analyse, options=None):
+    """analyse(profile) of one profiler trace taken while `run()` runs (`options`: jax.profiler.ProfileOptions, None for
+    jax's defaults); the profile is read from the trace's one .xplane.pb, in a directory removed afterwards."""
     import jax
 
     with tempfile.TemporaryDirectory(prefix="tpu-kernels-trace-") as trace_dir:
@@ -134,8 +136,11 @@ def _trace(run, names: Sequence[str], options) -> dict[str, list[float]]:
         files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
         if len(files) != 1:
             raise RuntimeError(f"expected one .xplane.pb under the trace directory, found {len(files)}")
-        profile = jax.profiler.ProfileData.from_file(files[0])
-        return module_durations(profile, names)
+        return analyse(jax.profiler.ProfileData.from_file(files[0]))
+
+
+def _trace(run, names: Sequence[str], options) -> dict[str, list[float]]:
+    return traced(run, lambda profile: module_durations(profile, names), options)
 
 
 def module_times(names: Sequence[str], run) -> dict[str, list[float]]:

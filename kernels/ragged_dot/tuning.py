@@ -151,7 +151,7 @@ def _tile_options(dim: int, cap: int, multiple: int, *, prefer_divisors: bool) -
     return list(dict.fromkeys(out)) or [multiple]
 
 
-def generation_of(info) -> str:
+def _generation(info) -> str:
     """The generation whose tables apply to `info`'s chip (v6e's for one the tables do not list)."""
     g = chip.generation_name(info)
     return g if g in TM_MAX else "v6e"
@@ -212,7 +212,7 @@ MXFP4_TN_OTHERS = (512, 1024)  # narrower ones the MoE sweep models (wider split
 
 def tn_options(n: int, info, gated: bool, half_n) -> list[int]:
     """The output tiles (tn) the forward's table considers for n output columns on `info`'s generation."""
-    return _tn_options(n, generation_of(info), gated, half_n)
+    return _tn_options(n, _generation(info), gated, half_n)
 
 
 def _tk_options(k: int, gen: str) -> list[int]:
@@ -244,7 +244,7 @@ def choose_blocks(
     layout and held fixed while the table chooses the others, and the result is checked to fit VMEM.
     """
     info = info or chip.current_tpu_info()
-    gen = generation_of(info)
+    gen = _generation(info)
     fixed = fixed or MatmulBlocks()
     sub = max(sublane_multiple(lhs_dtype), sublane_multiple(out_dtype))
     tm = _given_tile(owner, "tm", fixed.tm, m, sub, f"the sublane tile of {_dtype_names(lhs_dtype, out_dtype)}", "M")
@@ -298,7 +298,7 @@ def candidate_blocks(
     size against lhs re-reads), and tk split (when the table keeps all of K) or all of K (when it splits it).
     """
     info = info or chip.current_tpu_info()
-    gen = generation_of(info)
+    gen = _generation(info)
     kwargs = dict(
         num_groups=num_groups,
         lhs_dtype=lhs_dtype,
@@ -354,7 +354,7 @@ def choose_transposed_blocks(
     `fixed` and `owner` as in choose_blocks.
     """
     info = info or chip.current_tpu_info()
-    gen = generation_of(info)
+    gen = _generation(info)
     fixed = fixed or TransposedMatmulBlocks()
     sub = max(sublane_multiple(a_dtype), sublane_multiple(b_dtype))
     tm = _given_tile(owner, "tm", fixed.tm, m, sub, f"the sublane tile of {_dtype_names(a_dtype, b_dtype)}", "M")
