@@ -596,8 +596,14 @@ def _attention(q, k, v, kv_lens, pages, cu, num_seqs, sinks=None, k_scale=None, 
 
 
 @pytest.mark.cpu_only
-def test_exports_for_tpu():
-    specs = [jax.ShapeDtypeStruct(*sd) for sd in _specs(40, 8, 16, 2, 128, 16, 8, jnp.bfloat16)]
+@pytest.mark.parametrize("hkv", [2, 4], ids=["merged", "strided"])
+def test_exports_for_tpu(hkv):
+    """A mixed batch of bf16 caches: with 2 kv heads its visits merge them; with 4 they read each head by strided
+    loads (kernel.strided_head_rows)."""
+    assert kernel.visit_heads(
+        hkv=hkv, head_dim=128, v_head_dim=128, block_rows=128, page_size=16, cache_dtype=jnp.bfloat16
+    )[2] == (hkv == 4)
+    specs = [jax.ShapeDtypeStruct(*sd) for sd in _specs(40, 8, 16, hkv, 128, 16, 8, jnp.bfloat16)]
     ladder.export_for_tpu(_attention, *specs, window_size=(63, 0), softcap=10.0)
 
 
