@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..common import chip
 from ..common.blocks import LANES
+from ..common.interpret import interpret_mode_forced
 from ..common.manual_axes import out_struct
 from ..flash_attention.geometry import LOG2_E, MAX_INIT, dot_nn, dot_nt, lanes, row_stat
 from . import schedule
@@ -141,12 +142,14 @@ def merges_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int, c
 def strided_head_rows(*, hkv: int, head_dim: int, v_head_dim: int, cache_dtype) -> bool:
     """Whether visits that take one kv head at a time read its keys and values by sublane-strided loads: in a bf16
     cache of 4 or 8 kv heads passed as rows (merged_cache_view: token-major, the kv heads minor) head h's rows are
-    every kv_heads-th row, which the load unit reads with a stride. Mosaic's strided loads need rows of one lane tile
-    (a wider head dim's page buffer holds each lane tile apart: one DMA a page and lane tile) and, for packed rows,
-    the page buffer's slot as a static index (such visits are compiled once per slot). Otherwise a head's rows are a
-    sublane gather, which the merged visits avoid by computing every head's (or each pair's) scores against all of
-    its heads' keys, the cross-head part wasted: modeled v5e, Qwen3's mixed batch (4 prefill chunks of 512 + 60
-    decodes, page 64) 8,531 us in pairs, 2,597 us by strided loads."""
+    every kv_heads-th row, which the load unit reads with a stride. Mosaic strided-loads 32-bit rows of one lane tile
+    only: the buffer is read as 32-bit words, each a token's pair of heads, and the pair's halves split in registers
+    (head_pair_words); a wider head dim's page buffer holds each lane tile apart (one DMA a page and lane tile), and
+    the strided loads take the page buffer's slot as a static index (such visits are compiled once per slot).
+    Otherwise a head's rows are a sublane gather, which the merged visits avoid by computing every head's (or each
+    pair's) scores against all of its heads' keys, the cross-head part wasted. Measured v5e, the mixed batch (4
+    prefill chunks of 512 + 60 decodes, context 4096, page 64): Qwen3 10,146 us in pairs, 2,571 us by strided loads;
+    Gemma 4 sliding 5,185 -> 1,360 us."""
     return (
         jnp.dtype(cache_dtype) == jnp.bfloat16
         and hkv in (4, 8)
@@ -429,14 +432,35 @@ def _kernel(
         x = buf[slot, pages, j] if lay.head_major else buf[slot, pages, :, j, :]
         return widen(x, compute_dtype).reshape(bk, width)
 
-    def head_rows(buf, buffer_slot: int, part, j):
-        """Head j's rows of the visit's page buffer (rows, token-major, kv heads minor): every kv_heads-th row, one
-        sublane-strided load (Mosaic's strided loads of packed rows need the slot as a static index)."""
+    def head_pair_words(buf, buffer_slot: int, part, pair: int):
+        """Kv heads 2 pair and 2 pair + 1 of the visit's page buffer (rows, token-major, kv heads minor) as 32-bit words
+        [block_kv, head_dim], head 2 pair in the low halves. Mosaic strided-loads 32-bit rows only, so the buffer is
+        read through a uint32 view (a word holds rows 2i and 2i + 1, the even row in its low half): every
+        (kv_heads / 2)-th word row is one token's pair, a sublane-strided load (from a static page buffer slot, as
+        Mosaic lowers them). TPU interpret mode cannot read through a ref bitcast: there the same words are packed from
+        the two heads' bf16 rows, each read with a stride."""
         pages = pl.ds(part * lay.pages_per_block, lay.pages_per_block)
-        rows = pl.ds(j, lay.page_size, stride=lay.kv_heads)
-        tiles = [buf[buffer_slot, pages, c, rows, :].reshape(bk, LANES) for c in range(lay.lane_chunks)]
-        head = tiles[0] if len(tiles) == 1 else jnp.concatenate(tiles, axis=1)  # the lane tiles side by side
-        return head.astype(compute_dtype)
+
+        def tile(c):
+            if interpret_mode_forced():
+                halves = [
+                    buf[buffer_slot, pages, c, pl.ds(2 * pair + h, lay.page_size, stride=lay.kv_heads), :]
+                    for h in (0, 1)
+                ]
+                low, high = (jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) for x in halves)
+                words = low | (high << 16)
+            else:
+                rows = pl.ds(pair, lay.page_size, stride=lay.kv_heads // 2)
+                words = buf.bitcast(jnp.uint32)[buffer_slot, pages, c, rows, :]
+            return words.reshape(bk, LANES)
+
+        tiles = [tile(c) for c in range(lay.lane_chunks)]
+        return tiles[0] if len(tiles) == 1 else jnp.concatenate(tiles, axis=1)  # the lane tiles side by side
+
+    def word_half(words, j: int):
+        """Head j's bf16 values out of its pair's words (head_pair_words), exact, as compute_dtype."""
+        bits = words & jnp.uint32(0xFFFF0000) if j % 2 else words << 16
+        return pltpu.bitcast(bits, jnp.float32).astype(compute_dtype)
 
     split = splits_words(
         merged=lay.merged,
@@ -468,11 +492,15 @@ def _kernel(
         else:  # every key kept for the sequence's rows; other sequences' rows keep their statistics
             ours = _rows_of_sequence(word, kv_blocks_ref[visit], cu_ref, lay, row)
 
+        pair_words = []  # the strided visits' words of the current pair of heads, K and V
+
         def scores_of(j):
             if split:
                 k, v = widen(k_heads[j], compute_dtype), widen(v_heads[j], compute_dtype)
             elif lay.strided_heads:
-                k, v = head_rows(k_buf, buffer_slot, part, j), head_rows(v_buf, buffer_slot, part, j)
+                if j % 2 == 0:  # a pair's words serve both of its heads
+                    pair_words[:] = [head_pair_words(buf, buffer_slot, part, j // 2) for buf in (k_buf, v_buf)]
+                k, v = (word_half(words, j) for words in pair_words)
                 if masked:
                     v = jnp.where(fetched, v, jnp.zeros_like(v))
             else:
