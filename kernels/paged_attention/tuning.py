@@ -27,6 +27,12 @@ KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
 # Under a window the block is the window's span: gpt-oss decode (window 128, page 16) B = 8 at 4096, modeled v6e:
 # kernel 172.1 us at 1024 keys, 56.5 at 256, 41.0 at 128.
 DECODE_KEYS_PER_BLOCK = {"v5e": 1024, "v6e": 1024, "v7x": 1024}
+# ... in at most this many pages: each page is two copies (K, V) and a decode step takes two visits, and more copies a
+# step than about 96 cost more than they hide. Measured on the v5e (device time), bf16 decode at context 4096, pages of
+# 16, pages a block 64 (1024 keys) -> 24: Qwen3 B = 8 119.4 -> 97.6 us, B = 64 929.9 -> 755.7, B = 256 3,708.6 ->
+# 3,030.4; Gemma 4 sliding B = 64 984.6 -> 731.0; Gemma 4 full B = 64 2,132.6 -> 1,557.7 (Qwen3 B = 64 at 16, 20, 28,
+# 32 pages: 832.5, 791.0, 839.9, 799.6). Pages of 64 keep 16 (at 8: 734.3 against 728.2 us).
+DECODE_MAX_PAGES_PER_BLOCK = 24
 PREFILL_ROWS = {"v5e": 128, "v6e": 128, "v7x": 128}
 # Decode steps take 2 visits (a block of 2 tokens: both sequences' pages) where the grid steps that saves pay for the
 # last step's one more visit computed unhidden: half the sequences x the key blocks a sequence visits, each step's cost
@@ -47,7 +53,8 @@ class PagedAttentionBlocks:
     queries_per_block: query tokens per block; times the query heads per kv head it must be a multiple of the sublane
         tile (16 rows for 16-bit queries, 8 for float32) unless it covers all tokens. None: the table's.
     pages_per_block: KV pages gathered per visit (at most the page table's width). None: about 512 keys (1024 for a
-        decode-like batch, at most 2 tokens a sequence, or under a window the power of two that holds it).
+        decode-like batch, at most 2 tokens a sequence, in at most 24 pages; under a window the power of two that
+        holds it).
     vmem_limit_bytes: the scoped VMEM the kernel may use; None: derived from the working set.
     visits_per_step: 1 or 2 (query block, key block) visits of one query block a grid step takes, each into page
         buffers of its own. None: 2 for a decode-like batch (a decode block of 2 tokens is 2 sequences: one step fetches
@@ -172,6 +179,8 @@ def resolve_blocks(
         if decode and left >= 0 and right >= 0:  # a decode token sees its window's keys: no larger blocks
             keys = min(keys, 1 << (left + right).bit_length())  # the power of two >= left + right + 1
         pages = max(1, keys // page_size)
+        if decode:
+            pages = min(pages, DECODE_MAX_PAGES_PER_BLOCK)
     else:
         pages = check_tile(owner, "pages_per_block", blocks.pages_per_block)
     pages = min(pages, pages_per_seq)
