@@ -291,14 +291,6 @@ def _fetched(i: int, rows, layout: Layout):
     return (i * layout.page_size + layout.page_size > first) & (i * layout.page_size < end)
 
 
-def _whole_block(rows, layout: Layout):
-    """Whether a visit fetches every page of its key block (its row range is one run: the first and last pages are
-    fetched), as every visit inside a context does: such a visit's copies need no per-page conditions and its waits
-    are one per cache (pages of 16 are 64 copies a cache of a decode visit, and their per-page scalar work bounded
-    the visit rather than its DMA)."""
-    return _fetched(0, rows, layout) & _fetched(layout.pages_per_block - 1, rows, layout)
-
-
 def _start(step, slot, refs, layout: Layout):
     """Start the copies of the pages the step's visits fetch, K and V one DMA a page, visit p's pages into page slots
     p * pages_per_block on. A visit's fetched rows end at its sequence's (clamped) context, so a fetched page lies
@@ -310,49 +302,30 @@ def _start(step, slot, refs, layout: Layout):
         seq, block_in_seq = _split_block(kv_blocks_ref[visit], layout)
         rows = rows_ref[visit]
         base = seq * layout.pages_per_seq + block_in_seq * layout.pages_per_block
+        for i in range(layout.pages_per_block):
 
-        def copy(i, part=part, base=base):
-            page = jnp.clip(pages_ref[base + i], 0, last_page)  # device page tables are not checked
-            at = part * layout.pages_per_block + i
-            for src, dst in _page_copies(k_hbm.at[page], k_buf.at[slot, at], layout):
-                pltpu.make_async_copy(src, dst, sems.at[slot, 0]).start()
-            for src, dst in _page_copies(v_hbm.at[page], v_buf.at[slot, at], layout):
-                pltpu.make_async_copy(src, dst, sems.at[slot, 1]).start()
-
-        whole = _whole_block(rows, layout)
-
-        @pl.when(whole)
-        def _():
-            for i in range(layout.pages_per_block):
-                copy(i)
-
-        @pl.when(~whole)
-        def _():
-            for i in range(layout.pages_per_block):
-                pl.when(_fetched(i, rows, layout))(functools.partial(copy, i))
+            @pl.when(_fetched(i, rows, layout))
+            def _():
+                page = jnp.clip(pages_ref[base + i], 0, last_page)  # device page tables are not checked
+                at = part * layout.pages_per_block + i
+                for src, dst in _page_copies(k_hbm.at[page], k_buf.at[slot, at], layout):
+                    pltpu.make_async_copy(src, dst, sems.at[slot, 0]).start()
+                for src, dst in _page_copies(v_hbm.at[page], v_buf.at[slot, at], layout):
+                    pltpu.make_async_copy(src, dst, sems.at[slot, 1]).start()
 
 
 def _wait(step, slot, refs, layout: Layout):
-    """A wait needs the copy's size and semaphore, not its source: every page's copy has the same, and a visit that
-    fetches its whole key block waits once a cache for all of its pages' bytes. A visit that computes nothing fetches
-    no rows (its rows word is 0), so it waits on nothing: no condition around the page waits as a whole, whose regions
-    the compiler predicates (a `pl.when(compute)` around them kept a branch region of the kernel's that the schedule
-    did not have, and the performance model then counted both visit branches at every step)."""
+    """A wait needs the copy's size and semaphore, not its source: every page's copy has the same. A visit that
+    computes nothing fetches no rows (its rows word is 0), so it waits on nothing: no condition around the page waits,
+    whose regions the compiler predicates (a `pl.when(compute)` around them kept a branch region of the kernel's that
+    the schedule did not have, and the performance model then counted both visit branches at every step)."""
     _, rows_ref, _, k_hbm, v_hbm, k_buf, v_buf, sems = refs
     for part in range(layout.parts):
         rows = rows_ref[step * layout.parts + part]
-        whole = _whole_block(rows, layout)
-        block = pl.ds(part * layout.pages_per_block, layout.pages_per_block)
-
-        @pl.when(whole)
-        def _():
-            for c, buf in enumerate((k_buf, v_buf)):  # the block's page slots: the bytes of all of its copies
-                pltpu.make_async_copy(buf.at[slot, block], buf.at[slot, block], sems.at[slot, c]).wait()
-
         for i in range(layout.pages_per_block):
             at = part * layout.pages_per_block + i
 
-            @pl.when(~whole & _fetched(i, rows, layout))
+            @pl.when(_fetched(i, rows, layout))
             def _():
                 for src, dst in _page_copies(k_hbm.at[0], k_buf.at[slot, at], layout):
                     pltpu.make_async_copy(src, dst, sems.at[slot, 0]).wait()
