@@ -31,7 +31,8 @@ DECODE_KEYS_PER_BLOCK = {"v5e": 1024, "v6e": 1024, "v7x": 1024}
 # step than about 96 cost more than they hide. Measured on the v5e (device time), bf16 decode at context 4096, pages of
 # 16, pages a block 64 (1024 keys) -> 24: Qwen3 B = 8 119.4 -> 97.6 us, B = 64 929.9 -> 755.7, B = 256 3,708.6 ->
 # 3,030.4; Gemma 4 sliding B = 64 984.6 -> 731.0; Gemma 4 full B = 64 2,132.6 -> 1,557.7 (Qwen3 B = 64 at 16, 20, 28,
-# 32 pages: 832.5, 791.0, 839.9, 799.6). Pages of 64 keep 16 (at 8: 734.3 against 728.2 us).
+# 32 pages: 832.5, 791.0, 839.9, 799.6). Pages of 64 keep 16 (at 8: 734.3 against 728.2 us). Measured with a visit's
+# copies of a whole block unconditioned and waited once, not kept (1.6 % at 64 pages of 16: 945.4 -> 929.9 us).
 DECODE_MAX_PAGES_PER_BLOCK = 24
 PREFILL_ROWS = {"v5e": 128, "v6e": 128, "v7x": 128}
 # Decode steps take 2 visits (a block of 2 tokens: both sequences' pages) where the grid steps that saves pay for the
