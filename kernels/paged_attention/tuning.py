@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ..common import chip
 from ..common.blocks import check_tile, check_vmem_fit, sublane_multiple
-from .kernel import head_major_cache, visit_heads
+from .kernel import head_major_cache, strided_head_rows, visit_heads
 
 KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
 # Decode-like batches: a visit's fixed cost (the online-softmax chain, the grid step) is a large part of a block of few
@@ -27,14 +27,23 @@ KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
 # Under a window the block is the window's span: gpt-oss decode (window 128, page 16) B = 8 at 4096, modeled v6e:
 # kernel 172.1 us at 1024 keys, 56.5 at 256, 41.0 at 128.
 DECODE_KEYS_PER_BLOCK = {"v5e": 1024, "v6e": 1024, "v7x": 1024}
-# ... in at most this many pages: each page is two copies (K, V) and a decode step takes two visits, and more copies a
-# step than about 96 cost more than they hide. Measured on the v5e (device time), bf16 decode at context 4096, pages of
+# Blocks take at most PAGE_COPIES_PER_STEP / 4 pages at decode, / 2 otherwise: each page is two copies (K, V), a decode
+# step takes two visits, and more copies a step than about 96 cost more than they hide. Measured on the v5e (device time), bf16 decode at context 4096, pages of
 # 16, pages a block 64 (1024 keys) -> 24: Qwen3 B = 8 119.4 -> 97.6 us, B = 64 929.9 -> 755.7, B = 256 3,708.6 ->
 # 3,030.4; Gemma 4 sliding B = 64 984.6 -> 731.0; Gemma 4 full B = 64 2,132.6 -> 1,557.7 (Qwen3 B = 64 at 16, 20, 28,
 # 32 pages: 832.5, 791.0, 839.9, 799.6). Pages of 64 keep 16 (at 8: 734.3 against 728.2 us). Measured with a visit's
 # copies of a whole block unconditioned and waited once, not kept (1.6 % at 64 pages of 16: 945.4 -> 929.9 us).
-DECODE_MAX_PAGES_PER_BLOCK = 24
+PAGE_COPIES_PER_STEP = 96
 PREFILL_ROWS = {"v5e": 128, "v6e": 128, "v7x": 128}
+# Prefill visits that read each kv head by strided loads (kernel.strided_head_rows) with no window take twice the rows
+# and keys: each query block reads its sequence's context again, and a strided visit's cost is its pages' DMA and the
+# split of each pair of heads' words, both per key, so more rows a block read the context fewer times. Measured on the
+# v5e (device time), Qwen3's mixed batch (4 prefill chunks of 512 + 60 decodes, context 4096, page 64), query tokens x
+# pages a block: 16 x 8 (128 rows x 512 keys) 2,576 us, 32 x 8 1,985, 32 x 16 1,876, 32 x 32 1,836, 24 x 16 1,857,
+# 48 x 16 2,187, 64 x 8 2,780. Under a window the block spans it: Gemma 4 sliding (window 1024, 2 query heads a kv
+# head) 64 tokens x 8 pages 1,361 us, 32 x 8 1,711 (modeled v5e 128 x 8 1,349, 128 x 16 1,483; not changed).
+STRIDED_PREFILL_ROWS = {"v5e": 256, "v6e": 256, "v7x": 256}
+STRIDED_PREFILL_KEYS = {"v5e": 1024, "v6e": 1024, "v7x": 1024}
 # Decode steps take 2 visits (a block of 2 tokens: both sequences' pages) where the grid steps that saves pay for the
 # last step's one more visit computed unhidden: half the sequences x the key blocks a sequence visits, each step's cost
 # (0.14 us in the model, about 160 KiB of page DMA at its rate), against half a visit's pages' DMA (a decode visit's
@@ -54,8 +63,8 @@ class PagedAttentionBlocks:
     queries_per_block: query tokens per block; times the query heads per kv head it must be a multiple of the sublane
         tile (16 rows for 16-bit queries, 8 for float32) unless it covers all tokens. None: the table's.
     pages_per_block: KV pages gathered per visit (at most the page table's width). None: about 512 keys (1024 for a
-        decode-like batch, at most 2 tokens a sequence, in at most 24 pages; under a window the power of two that
-        holds it).
+        decode-like batch, at most 2 tokens a sequence, in at most 24 pages; 1024 for prefill visits that read
+        heads by strided loads with no window, in at most 48 pages; under a window the power of two that holds it).
     vmem_limit_bytes: the scoped VMEM the kernel may use; None: derived from the working set.
     visits_per_step: 1 or 2 (query block, key block) visits of one query block a grid step takes, each into page
         buffers of its own. None: 2 for a decode-like batch (a decode block of 2 tokens is 2 sequences: one step fetches
@@ -162,8 +171,15 @@ def resolve_blocks(
     owner = "PagedAttentionBlocks"
     min_q = min_queries_per_block(group, q_dtype)
     decode = tokens <= 2 * num_seqs
+    left, right = window_size
+    strided_prefill = (
+        not decode
+        and left < 0
+        and strided_head_rows(hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, cache_dtype=cache_dtype)
+    )
     if blocks.queries_per_block is None:
-        target = min_q if decode else max(min_q, PREFILL_ROWS.get(generation, 128) // group)
+        rows = (STRIDED_PREFILL_ROWS if strided_prefill else PREFILL_ROWS).get(generation, 128)
+        target = min_q if decode else max(min_q, rows // group)
         queries = -(-target // min_q) * min_q
     else:
         queries = check_tile(owner, "queries_per_block", blocks.queries_per_block)
@@ -175,13 +191,12 @@ def resolve_blocks(
             )
     queries = min(queries, -(-tokens // min_q) * min_q)
     if blocks.pages_per_block is None:
-        keys = (DECODE_KEYS_PER_BLOCK if decode else KEYS_PER_BLOCK).get(generation, 512)
-        left, right = window_size
+        table = DECODE_KEYS_PER_BLOCK if decode else STRIDED_PREFILL_KEYS if strided_prefill else KEYS_PER_BLOCK
+        keys = table.get(generation, 512)
         if decode and left >= 0 and right >= 0:  # a decode token sees its window's keys: no larger blocks
             keys = min(keys, 1 << (left + right).bit_length())  # the power of two >= left + right + 1
         pages = max(1, keys // page_size)
-        if decode:
-            pages = min(pages, DECODE_MAX_PAGES_PER_BLOCK)
+        pages = min(pages, PAGE_COPIES_PER_STEP // (4 if decode else 2))
     else:
         pages = check_tile(owner, "pages_per_block", blocks.pages_per_block)
     pages = min(pages, pages_per_seq)
