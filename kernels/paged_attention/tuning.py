@@ -4,10 +4,11 @@ A visit multiplies one query block (queries_per_block tokens x the group's query
 (pages_per_block pages, every kv head) gathered into VMEM. The key block sets the DMA per visit, which must hide the
 ~0.14 us cost of a grid step and the page copies' issue: 512 keys a visit (2 pages of 256, 32 of 16) is the default,
 1024 at decode, where a visit's few query rows leave its fixed cost (the online-softmax chain) exposed, but no more
-than a decode token's window spans (gpt-oss's 128: blocks of 128 keys, not 1024 of which the window keeps 128). The
-query
-block sets the vector work per visit: decode batches (about one token per sequence) take the fewest tokens whose rows
-fill a sublane tile, so that a visit's scores stay a few vregs; prefill-heavy batches take blocks of about 128 rows.
+than a decode token's window spans (gpt-oss's 128: blocks of 128 keys, not 1024 of which the window keeps 128), and in
+few enough pages that a step issues at most about 96 page copies. The query block sets the vector work per visit:
+decode batches (about one token per sequence) take the fewest tokens whose rows fill a sublane tile, so that a visit's
+scores stay a few vregs; prefill-heavy batches take blocks of about 128 rows, 256 rows x 1024 keys where their visits
+read each kv head by strided loads with no window (each query block reads the context again).
 Every entry is proven by the deviceless compile test on v5e, v6e and v7x.
 """
 
@@ -28,11 +29,12 @@ KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
 # kernel 172.1 us at 1024 keys, 56.5 at 256, 41.0 at 128.
 DECODE_KEYS_PER_BLOCK = {"v5e": 1024, "v6e": 1024, "v7x": 1024}
 # Blocks take at most PAGE_COPIES_PER_STEP / 4 pages at decode, / 2 otherwise: each page is two copies (K, V), a decode
-# step takes two visits, and more copies a step than about 96 cost more than they hide. Measured on the v5e (device time), bf16 decode at context 4096, pages of
-# 16, pages a block 64 (1024 keys) -> 24: Qwen3 B = 8 119.4 -> 97.6 us, B = 64 929.9 -> 755.7, B = 256 3,708.6 ->
-# 3,030.4; Gemma 4 sliding B = 64 984.6 -> 731.0; Gemma 4 full B = 64 2,132.6 -> 1,557.7 (Qwen3 B = 64 at 16, 20, 28,
-# 32 pages: 832.5, 791.0, 839.9, 799.6). Pages of 64 keep 16 (at 8: 734.3 against 728.2 us). Measured with a visit's
-# copies of a whole block unconditioned and waited once, not kept (1.6 % at 64 pages of 16: 945.4 -> 929.9 us).
+# step takes two visits, and more copies a step than about 96 cost more than they hide. Measured on the v5e (device
+# time), bf16 decode at context 4096, pages of 16, pages a block 64 (1024 keys) -> 24: Qwen3 B = 8 119.4 -> 97.6 us,
+# B = 64 929.9 -> 755.7, B = 256 3,708.6 -> 3,030.4; Gemma 4 sliding B = 64 984.6 -> 731.0; Gemma 4 full B = 64
+# 2,132.6 -> 1,557.7 (Qwen3 B = 64 at 16, 20, 28, 32 pages: 832.5, 791.0, 839.9, 799.6). Pages of 64 keep 16 (at 8:
+# 734.3 against 728.2 us). Measured with a visit's copies of a whole block unconditioned and waited once, not kept
+# (1.6 % at 64 pages of 16: 945.4 -> 929.9 us).
 PAGE_COPIES_PER_STEP = 96
 PREFILL_ROWS = {"v5e": 128, "v6e": 128, "v7x": 128}
 # Prefill visits that read each kv head by strided loads (kernel.strided_head_rows) with no window take twice the rows
