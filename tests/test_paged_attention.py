@@ -481,6 +481,39 @@ def test_prefill_blocks_by_how_visits_read_heads(page, window, dtype, blocks):
 
 
 @pytest.mark.cpu_only
+@pytest.mark.parametrize("tokens", [64, 2108], ids=["decode", "mixed"])
+def test_candidate_blocks_vary_pages_and_prefill_query_blocks(tokens):
+    """tuning.candidate_blocks (what --sweep times): the table's choice first, distinct blocks each as resolve_blocks
+    gives them (so legal), pages a block around the table's; query blocks varied for a prefill-heavy batch only. The
+    benchmark's op asks for them with the arguments the api resolves its own blocks from (its first is the api's)."""
+    from benchmarks.ops import paged_attention as bench
+
+    info = chip.tpu_info_for("v5e")
+    shape = dict(tokens=tokens, num_seqs=64, group=8, page_size=16, pages_per_seq=256, kv_heads=4, head_dim=128)
+    shape.update(v_head_dim=128, q_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, window_size=(-1, 0))
+    candidates = tuning.candidate_blocks(info=info, **shape)
+    table = candidates[0]
+    assert table == tuning.resolve_blocks(None, info=info, **shape)
+    assert len(set(candidates)) == len(candidates) >= 5, candidates
+    for blocks in candidates:
+        assert tuning.resolve_blocks(blocks, info=info, **shape) == blocks
+    assert {b.pages_per_block for b in candidates} > {table.pages_per_block}
+    queries = {b.queries_per_block for b in candidates}
+    assert queries == {table.queries_per_block} if tokens == 64 else len(queries) == 3, candidates
+    # the benchmark's op: Qwen3's quick shape of the same phase, its first candidate the api's own choice there
+    phase = "decode" if tokens == 64 else "mixed"
+    case = next(s for s in bench.SUITE.quick_shapes if s["model"] == "qwen3-30b-a3b" and s["phase"] == phase)
+    cfg = bench.config(case)
+    first = bench.SUITE.ops[0].candidates(case, "v5e")[0]
+    api_choice = tuning.resolve_blocks(
+        None, tokens=cfg.tokens, num_seqs=len(cfg.q_lens), group=8, page_size=cfg.page_size,
+        pages_per_seq=cfg.pages_per_seq, kv_heads=4, head_dim=128, v_head_dim=128, q_dtype=jnp.bfloat16,
+        cache_dtype=jnp.dtype(cfg.cache_dtype), window_size=(-1, 0), info=info,
+    )  # fmt: skip
+    assert first == api_choice, (first, api_choice)
+
+
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ["v5e", "v6e", "v7x"])
 @pytest.mark.parametrize("seqs,visits,allocated_mib", [(1, 1, 28.27), (64, 2, 36.34)])
 def test_vmem_limit_covers_a_head_dim_short_of_a_lane_tile(generation, seqs, visits, allocated_mib):

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpu_kernels_jax.common import chip
-from tpu_kernels_jax.paged_attention import api
+from tpu_kernels_jax.paged_attention import api, tuning
 
 from .. import inputs, shapes
 from ..suite import Baseline, Op, Suite, Targets
@@ -608,6 +608,27 @@ def custom_targets(rows: list[dict]) -> list[dict]:
     return [t for t in out if t is not None]
 
 
+def _candidates(s, gen):
+    """The kernel's candidate blocks at this shape for `gen`'s chip (tuning.candidate_blocks, the table's first), with
+    the arguments the api resolves its blocks from (kernel_attention: causal, the config's window)."""
+    cfg = config(s)
+    left, _ = cfg.window_size
+    return tuning.candidate_blocks(
+        tokens=cfg.tokens,
+        num_seqs=len(cfg.q_lens),
+        group=cfg.q_heads // cfg.kv_heads,
+        page_size=cfg.page_size,
+        pages_per_seq=cfg.pages_per_seq,
+        kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        v_head_dim=cfg.head_dim,
+        q_dtype=BF16,
+        cache_dtype=jnp.dtype(cfg.cache_dtype),
+        window_size=(left, 0),
+        info=chip.tpu_info_for(gen),
+    )
+
+
 # -------------------------------------------------------------------------------------------------------- suite
 SUITE = Suite(
     kernel="paged_attention",
@@ -628,6 +649,7 @@ SUITE = Suite(
                 Baseline("vllm_rpa", vllm_rpa_attention, _vllm_unsupported),
             ),
             static=lambda s: {"cfg": config(s)},
+            candidates=_candidates,
         ),
     ),
     shapes=shapes.PAGED_ATTENTION,

@@ -243,3 +243,47 @@ def resolve_blocks(
     return PagedAttentionBlocks(
         queries_per_block=queries, pages_per_block=pages, vmem_limit_bytes=limit, visits_per_step=per_step
     )
+
+
+# `candidate_blocks`' variations of the table's choice: pages a block scaled by these (whole pages, within the page
+# table), and for prefill-heavy batches query tokens a block halved and doubled (whole sublane tiles of rows).
+CANDIDATE_PAGE_FACTORS = (0.25, 0.5, 0.75, 1.5, 2.0)
+CANDIDATE_QUERY_FACTORS = (0.5, 2.0)
+
+
+def candidate_blocks(*, info=None, **shape) -> list[PagedAttentionBlocks]:
+    """Legal blocks worth timing at this call's shape (resolve_blocks' keyword arguments but `blocks`): the table's
+    choice first, then its pages a block times CANDIDATE_PAGE_FACTORS, and for a prefill-heavy batch its query tokens
+    a block times CANDIDATE_QUERY_FACTORS (with the table's pages, half and twice as many), each resolved for this
+    generation (visits a step and the VMEM limit as the table would set them); blocks that do not fit its VMEM are
+    left out. What `python -m benchmarks --sweep --kernel paged_attention` times on a TPU."""
+    info = info or chip.current_tpu_info()
+    choice = resolve_blocks(None, info=info, **shape)
+    min_q = min_queries_per_block(shape["group"], shape["q_dtype"])
+    pages = [choice.pages_per_block] + sorted(
+        {
+            min(shape["pages_per_seq"], max(1, round(choice.pages_per_block * factor)))
+            for factor in CANDIDATE_PAGE_FACTORS
+        }
+    )
+    queries = [choice.queries_per_block]
+    if shape["tokens"] > 2 * shape["num_seqs"]:  # prefill-heavy: the query block is the table's choice too
+        for factor in CANDIDATE_QUERY_FACTORS:
+            tokens = max(min_q, int(choice.queries_per_block * factor) // min_q * min_q)
+            if tokens not in queries:
+                queries.append(tokens)
+    candidates = [choice]
+    halved_and_doubled = [
+        p for p in pages if p in (choice.pages_per_block, *(round(choice.pages_per_block * f) for f in (0.5, 2.0)))
+    ]
+    for q in queries:
+        for p in pages if q == choice.queries_per_block else halved_and_doubled:
+            try:
+                blocks = resolve_blocks(
+                    PagedAttentionBlocks(queries_per_block=q, pages_per_block=p), info=info, **shape
+                )
+            except ValueError:  # past the scoped VMEM this generation gives
+                continue
+            if blocks not in candidates:
+                candidates.append(blocks)
+    return candidates
