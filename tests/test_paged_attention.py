@@ -236,6 +236,47 @@ def test_float8_cache_with_scales(rand, page, hkv):
     ladder.assert_close(out, expected, dtype=jnp.bfloat16, what="out", context=repr(rand))
 
 
+@pytest.mark.parametrize(
+    "page,hkv", [(16, 2), (32, 2), (16, 4), (16, 8)], ids=["p16_rows", "p32_head_major", "p16_split", "p16_eight_heads"]
+)
+def test_float8_blocks_into_the_matmuls_as_stored(rand, monkeypatch, page, hkv):
+    """With tuning.FLOAT8_OPERANDS on, float8 K and V blocks go into bf16 x float8 matmuls as stored (no widening in
+    the visit): every head at once with 2 kv heads (V widened there: its unfetched rows are zeroed as 32-bit words of
+    whole tokens, which 2 float8 heads do not fill) and with 8 (V as stored), head-major one head at a time (V widened:
+    zeroed by rows), 4 heads split from their words (both as stored); poisoned rows past each context."""
+    monkeypatch.setattr(tuning, "FLOAT8_OPERANDS", dict.fromkeys(tuning.FLOAT8_OPERANDS, True))
+    assert tuning.float8_operands(cache_dtype=FP8, compute_dtype=jnp.bfloat16)
+    assert not tuning.float8_operands(cache_dtype=FP8, compute_dtype=jnp.float32)
+    batch = Batch(rand, Q_LENS, KV_LENS, hq=2 * hkv, hkv=hkv, d=128, page=page, dtype=jnp.bfloat16, cache_dtype=FP8)
+    attention = functools.partial(tk.ragged_paged_attention, blocks=PAIRED, k_scale=0.5, v_scale=0.25)
+    out = ladder.run_kernel(_jit(attention), *batch.args)
+    expected = ragged_paged_attention_reference(*batch.args, k_scale=0.5, v_scale=0.25)
+    ladder.assert_close(out, expected, dtype=jnp.bfloat16, what="out", context=repr(rand))
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("label", ["qwen3_mixed_p64_fp8", "gemma4_full_decode_p64_fp8", "gemma4_sliding_decode_fp8"])
+def test_float8_operands_compile_for_v5e(monkeypatch, label):
+    """Float8 blocks as stored in bf16 x float8 matmuls compile for the v5e (the generation they are meant for): Qwen3's
+    mixed batch (split heads, and pairs of heads in its prefill visits), Gemma 4 full's head-major decode, Gemma 4
+    sliding's decode (8 heads at once, V as stored)."""
+    monkeypatch.setattr(tuning, "FLOAT8_OPERANDS", dict.fromkeys(tuning.FLOAT8_OPERANDS, True))
+    cases = {case[0]: case for case in COMPILE_CASES}
+    cases["gemma4_sliding_decode_fp8"] = (
+        "gemma4_sliding_decode_fp8", 64, 64, 16, 8, 256, 64, 64, FP8, dict(window_size=(1023, 0))
+    )  # fmt: skip
+    _, tokens, seqs, hq, hkv, d, page, pps, cache_dtype, options = cases[label]
+    ladder.compile_for_tpu(
+        functools.partial(_attention, **options),
+        "v5e",
+        *_specs(tokens, seqs, hq, hkv, d, page, pps, cache_dtype),
+        None,
+        ((1,), jnp.float32),
+        ((1,), jnp.float32),
+        label=f"paged_attention {label} float8 operands",
+    )
+
+
 def _widened_codes(codes_ref, bf16_ref, f32_ref):
     for ref in (bf16_ref, f32_ref):
         ref[...] = kernel.widen(codes_ref[...], ref.dtype)

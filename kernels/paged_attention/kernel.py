@@ -24,6 +24,8 @@ scores, lane-replicated per-row statistics). Visits that mask: rows of other seq
 sequences), causality and the window, and value rows past the fetched pages or the context (zeroed: their VMEM is
 stale, and zero weight times NaN is NaN). A float8 cache is widened in VMEM (`widen`, exact up to a power of two);
 its scales, times that power of two, are folded into the query scale (k_scale) and the output's normaliser (v_scale).
+Where Layout.float8_operands, its blocks go into bf16 x float8 matmuls as stored instead (Mosaic widens them on the
+way into the MXU), except V blocks whose unfetched rows must be zeroed by rows.
 """
 
 import dataclasses
@@ -64,6 +66,9 @@ class Layout:
     strided_heads: bool = False  # one head at a time, its rows by strided loads of the rows buffer (strided_head_rows)
     scales: tuple[float, float] | None = (1.0, 1.0)  # static (k, v) cache scales; None: a traced operand
     parts: int = 1  # visits a grid step takes (consecutive list entries of one query block, each its own page slots)
+    # float8 K / V blocks go into the matmuls as they are, bf16 x float8 dots that Mosaic widens on the way into the
+    # MXU, rather than widened by the vector unit first (float8_operands)
+    float8_operands: bool = False
 
     @property
     def group(self) -> int:
@@ -395,7 +400,8 @@ def _kernel(
     if has_sinks:
         sinks_ref, *refs = refs
     k_hbm, v_hbm, out_ref, k_buf, v_buf, sems, q_scaled_ref, m_ref, l_ref, acc_ref = refs
-    if widen_factor(k_buf.dtype) != 1.0:  # widened K and V are the values over it, a power of two: the scales take it
+    if widen_factor(k_buf.dtype) != 1.0 and not layout.float8_operands:  # widened K and V are the values over it, a
+        # power of two: the scales take it
         k_scale, v_scale = k_scale * widen_factor(k_buf.dtype), v_scale * widen_factor(v_buf.dtype)
     lay = layout
     d, dv, bk = lay.head_dim, lay.v_head_dim, lay.block_kv
@@ -428,9 +434,14 @@ def _kernel(
 
     _wait(step, slot, dma_refs, lay)
 
-    def block_of(buf, pages, j, width):
+    def to_compute(x):
+        """A block in the compute dtype: widened (`widen`), or where float8 blocks mostly stay as stored, the few that
+        do not cast as they are (no e4m3b11 reading: its power of two is not in the scales then)."""
+        return x.astype(compute_dtype) if lay.float8_operands else widen(x, compute_dtype)
+
+    def block_of(buf, pages, j, width, *, as_stored=False):
         x = buf[slot, pages, j] if lay.head_major else buf[slot, pages, :, j, :]
-        return widen(x, compute_dtype).reshape(bk, width)
+        return (x if as_stored else to_compute(x)).reshape(bk, width)
 
     def head_pair_words(buf, buffer_slot: int, part, pair: int):
         """Kv heads 2 pair and 2 pair + 1 of the visit's page buffer (rows, token-major, kv heads minor) as 32-bit words
@@ -496,7 +507,9 @@ def _kernel(
 
         def scores_of(j):
             if split:
-                k, v = widen(k_heads[j], compute_dtype), widen(v_heads[j], compute_dtype)
+                k, v = k_heads[j], v_heads[j]  # their unfetched rows zeroed as words, before the split
+                if not lay.float8_operands:
+                    k, v = to_compute(k), to_compute(v)
             elif lay.strided_heads:
                 if j % 2 == 0:  # a pair's words serve both of its heads
                     pair_words[:] = [head_pair_words(buf, buffer_slot, part, j // 2) for buf in (k_buf, v_buf)]
@@ -504,8 +517,8 @@ def _kernel(
                 if masked:
                     v = jnp.where(fetched, v, jnp.zeros_like(v))
             else:
-                k = block_of(k_buf, pages, j, d)
-                v = block_of(v_buf, pages, j, dv)
+                k = block_of(k_buf, pages, j, d, as_stored=lay.float8_operands)
+                v = block_of(v_buf, pages, j, dv)  # widened: its unfetched rows are zeroed by rows
                 if masked:
                     v = jnp.where(fetched, v, jnp.zeros_like(v))
             s = dot_nt(q_scaled_ref[j], k)
@@ -521,7 +534,7 @@ def _kernel(
             p = jnp.exp2(s - lanes(m_new, bk))
             alpha = jnp.exp2(m_prev - m_new)
             l_new = alpha * l_ref[j] + row_stat(jnp.sum(p, axis=1, keepdims=True))
-            acc_new = acc_ref[j] * lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
+            acc_new = acc_ref[j] * lanes(alpha, dv) + dot_nn(p.astype(compute_dtype), v)
             if not masked:
                 m_new = jnp.where(ours, m_new, m_prev)
                 l_new = jnp.where(ours, l_new, l_ref[j])
@@ -578,7 +591,12 @@ def _kernel(
                 at = (*at, heads)
             k = k_buf[at].reshape(cols, d)
             v = v_buf[at].reshape(cols, dv)
-            k, v = widen(k, compute_dtype), widen(v, compute_dtype)
+            # float8 operands stay as stored where V's unfetched rows can be zeroed as 32-bit words (whole tokens)
+            v_as_stored = lay.float8_operands and hkv % (4 // v.dtype.itemsize) == 0
+            if not lay.float8_operands:
+                k = to_compute(k)
+            if not v_as_stored:
+                v = to_compute(v)
             keep = same_head
             if masked:
                 key = first + (col >> shift)
@@ -592,7 +610,7 @@ def _kernel(
             p = jnp.exp2(s - lanes(m_new, cols))
             alpha = jnp.exp2(m - m_new)
             l = alpha * l + row_stat(jnp.sum(p, axis=1, keepdims=True))
-            acc = acc * lanes(alpha, dv) + dot_nn(p.astype(v.dtype), v)
+            acc = acc * lanes(alpha, dv) + dot_nn(p.astype(compute_dtype), v)
             m = m_new
         if not masked:  # every key kept for the sequence's rows; other sequences' rows keep their statistics
             ours = _rows_of_sequence(word, block, cu_ref, lay, row - row_head * rows_per_head)

@@ -54,8 +54,25 @@ STRIDED_PREFILL_KEYS = {"v5e": 1024, "v6e": 1024, "v7x": 1024}
 # 475.2 -> 458.2; Gemma 4 full bf16 B = 8 (32 visits of 4 MiB) 114.1 -> 113.2; Gemma 4 sliding bf16 B = 8 (8 visits of
 # 8 MiB) 58.7 -> 61.0, not paired; B = 64 (64 visits) 431.3 -> 429.8.
 STEP_COST_BYTES = 160 << 10
+# Float8 caches' K and V go into the matmuls as stored (kernel.Layout.float8_operands) on these generations: Mosaic
+# takes a float8 operand of a bf16 dot and widens it on its way into the MXU, where the visit otherwise widens every
+# block in the vector unit first (the v5e has no float8 arithmetic: Mosaic's e4m3fn conversion is about 7 vector ops a
+# float32 vreg, and Qwen3's float8 decode visits, modeled v5e, are bound by it: 5,900 cycles a step against 4,200 of
+# page DMA). Deviceless v5e compile of a toy decode visit (16 query rows, 1024 keys, head dim 128): 236 bundles as
+# stored, 620 widened first; vLLM's RPA v3 feeds its float8 K and V so. Off until measured on the chip.
+FLOAT8_OPERANDS = {"v5e": False, "v6e": False, "v7x": False}
 # Visit lists (three int32 words a visit) and the page table live in SMEM; beyond this, larger blocks are needed.
 SMEM_BUDGET_BYTES = 512 * 1024
+
+
+def float8_operands(*, cache_dtype, compute_dtype, info=None) -> bool:
+    """Whether visits take a float8 (e4m3fn) cache's blocks into bf16 matmuls as stored (FLOAT8_OPERANDS)."""
+    info = info or chip.current_tpu_info()
+    return (
+        jnp.dtype(cache_dtype) == jnp.float8_e4m3fn
+        and jnp.dtype(compute_dtype) == jnp.bfloat16
+        and FLOAT8_OPERANDS.get(chip.generation_name(info), False)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
