@@ -239,16 +239,15 @@ def test_float8_cache_with_scales(rand, page, hkv):
 @pytest.mark.parametrize(
     "page,hkv", [(16, 2), (32, 2), (16, 4), (16, 8)], ids=["p16_rows", "p32_head_major", "p16_split", "p16_eight_heads"]
 )
-def test_float8_blocks_into_the_matmuls_as_stored(rand, monkeypatch, page, hkv):
-    """With tuning.FLOAT8_OPERANDS on, float8 K and V blocks go into bf16 x float8 matmuls as stored (no widening in
-    the visit): every head at once with 2 kv heads (V widened there: its unfetched rows are zeroed as 32-bit words of
-    whole tokens, which 2 float8 heads do not fill) and with 8 (V as stored), head-major one head at a time (V widened:
-    zeroed by rows), 4 heads split from their words (both as stored); poisoned rows past each context."""
-    monkeypatch.setattr(tuning, "FLOAT8_OPERANDS", dict.fromkeys(tuning.FLOAT8_OPERANDS, True))
-    assert tuning.float8_operands(cache_dtype=FP8, compute_dtype=jnp.bfloat16)
-    assert not tuning.float8_operands(cache_dtype=FP8, compute_dtype=jnp.float32)
+def test_float8_blocks_into_the_matmuls_as_stored(rand, page, hkv):
+    """PagedAttentionBlocks(float8_operands=True): float8 K and V blocks go into bf16 x float8 matmuls as stored (no
+    widening in the visit): every head at once with 2 kv heads (V widened there: its unfetched rows are zeroed as
+    32-bit words of whole tokens, which 2 float8 heads do not fill) and with 8 (V as stored), head-major one head at a
+    time (V widened: zeroed by rows), 4 heads split from their words (both as stored); poisoned rows past each
+    context."""
     batch = Batch(rand, Q_LENS, KV_LENS, hq=2 * hkv, hkv=hkv, d=128, page=page, dtype=jnp.bfloat16, cache_dtype=FP8)
-    attention = functools.partial(tk.ragged_paged_attention, blocks=PAIRED, k_scale=0.5, v_scale=0.25)
+    blocks = dataclasses.replace(PAIRED, float8_operands=True)
+    attention = functools.partial(tk.ragged_paged_attention, blocks=blocks, k_scale=0.5, v_scale=0.25)
     out = ladder.run_kernel(_jit(attention), *batch.args)
     expected = ragged_paged_attention_reference(*batch.args, k_scale=0.5, v_scale=0.25)
     ladder.assert_close(out, expected, dtype=jnp.bfloat16, what="out", context=repr(rand))
@@ -257,10 +256,14 @@ def test_float8_blocks_into_the_matmuls_as_stored(rand, monkeypatch, page, hkv):
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("label", ["qwen3_mixed_p64_fp8", "gemma4_full_decode_p64_fp8", "gemma4_sliding_decode_fp8"])
 def test_float8_operands_compile_for_v5e(monkeypatch, label):
-    """Float8 blocks as stored in bf16 x float8 matmuls compile for the v5e (the generation they are meant for): Qwen3's
-    mixed batch (split heads, and pairs of heads in its prefill visits), Gemma 4 full's head-major decode, Gemma 4
-    sliding's decode (8 heads at once, V as stored)."""
+    """Float8 blocks as stored in bf16 x float8 matmuls compile for the v5e (the generation they are meant for), as
+    the table sets them (tuning.FLOAT8_OPERANDS on): Qwen3's mixed batch (split heads, and pairs of heads in its
+    prefill visits), Gemma 4 full's head-major decode, Gemma 4 sliding's decode (8 heads at once, V as stored)."""
     monkeypatch.setattr(tuning, "FLOAT8_OPERANDS", dict.fromkeys(tuning.FLOAT8_OPERANDS, True))
+    v5e = chip.tpu_info_for("v5e")
+    assert tuning.float8_operands(cache_dtype=FP8, compute_dtype=jnp.bfloat16, info=v5e)
+    assert not tuning.float8_operands(cache_dtype=FP8, compute_dtype=jnp.float32, info=v5e)
+    assert not tuning.float8_operands(cache_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16, info=v5e)
     cases = {case[0]: case for case in COMPILE_CASES}
     cases["gemma4_sliding_decode_fp8"] = (
         "gemma4_sliding_decode_fp8", 64, 64, 16, 8, 256, 64, 64, FP8, dict(window_size=(1023, 0))
@@ -552,6 +555,10 @@ def test_candidate_blocks_vary_pages_and_prefill_query_blocks(tokens):
         cache_dtype=jnp.dtype(cfg.cache_dtype), window_size=(-1, 0), info=info,
     )  # fmt: skip
     assert first == api_choice, (first, api_choice)
+    # a float8 cache: the table's choice with float8_operands the other way comes second
+    fp8 = tuning.candidate_blocks(info=info, **{**shape, "cache_dtype": FP8})
+    assert fp8[1] == dataclasses.replace(fp8[0], float8_operands=not fp8[0].float8_operands), fp8[:2]
+    assert all(b.float8_operands is False for b in candidates)
 
 
 @pytest.mark.cpu_only
@@ -660,6 +667,18 @@ BAD = [
         {"blocks": tk.PagedAttentionBlocks(queries_per_block=3)},
         ValueError,
         "PagedAttentionBlocks.queries_per_block",
+    ),
+    ladder.BadInput(
+        "float8_operands_of_bf16",
+        {"blocks": tk.PagedAttentionBlocks(float8_operands=True)},
+        ValueError,
+        "PagedAttentionBlocks.float8_operands: True needs a float8_e4m3fn cache and bfloat16 queries, got a",
+    ),
+    ladder.BadInput(
+        "float8_operands_type",
+        {"blocks": tk.PagedAttentionBlocks(float8_operands="no")},
+        TypeError,
+        "PagedAttentionBlocks.float8_operands: expected a bool or None, got str",
     ),
 ]
 

@@ -111,7 +111,7 @@ def ragged_paged_attention(
         head_major=head_major,
         strided_heads=strided_heads,
         parts=chosen.visits_per_step,
-        float8_operands=tuning.float8_operands(cache_dtype=k_cache.dtype, compute_dtype=compute_dtype, info=info),
+        float8_operands=chosen.float8_operands,
     )
     size = schedule.visit_bound(
         tokens=tokens,

@@ -88,12 +88,16 @@ class PagedAttentionBlocks:
     visits_per_step: 1 or 2 (query block, key block) visits of one query block a grid step takes, each into page
         buffers of its own. None: 2 for a decode-like batch (a decode block of 2 tokens is 2 sequences: one step fetches
         both sequences' pages) where the working set stays within 3/4 of the core's VMEM, else 1.
+    float8_operands: with a float8 (e4m3fn) cache and bf16 queries, whether its K / V blocks go into bf16 x float8
+        matmuls as stored (Mosaic widens them on the way into the MXU) rather than widened in the vector unit first.
+        None: the table's (FLOAT8_OPERANDS); False for any other cache.
     """
 
     queries_per_block: int | None = None
     pages_per_block: int | None = None
     vmem_limit_bytes: int | None = None
     visits_per_step: int | None = None
+    float8_operands: bool | None = None
 
 
 def check_blocks_type(blocks):
@@ -257,8 +261,23 @@ def resolve_blocks(
         # page buffers with one visit a step (one sequence), 4.3 MiB with two (64): half the working set again.
         short = head_dim % 128 or v_head_dim % 128
         limit = chip.scoped_vmem_limit(info, need, slack_bytes=need // 2 if short else 0)
+    operands = blocks.float8_operands
+    takes_float8 = jnp.dtype(cache_dtype) == jnp.float8_e4m3fn and jnp.dtype(q_dtype) == jnp.bfloat16
+    if operands is None:
+        operands = float8_operands(cache_dtype=cache_dtype, compute_dtype=q_dtype, info=info)
+    elif not isinstance(operands, bool):
+        raise TypeError(f"{owner}.float8_operands: expected a bool or None, got {type(operands).__name__}")
+    elif operands and not takes_float8:
+        raise ValueError(
+            f"{owner}.float8_operands: True needs a float8_e4m3fn cache and bfloat16 queries, got a "
+            f"{jnp.dtype(cache_dtype).name} cache and {jnp.dtype(q_dtype).name} queries"
+        )
     return PagedAttentionBlocks(
-        queries_per_block=queries, pages_per_block=pages, vmem_limit_bytes=limit, visits_per_step=per_step
+        queries_per_block=queries,
+        pages_per_block=pages,
+        vmem_limit_bytes=limit,
+        visits_per_step=per_step,
+        float8_operands=operands,
     )
 
 
@@ -271,7 +290,8 @@ CANDIDATE_QUERY_FACTORS = (0.5, 2.0)
 def candidate_blocks(*, info=None, **shape) -> list[PagedAttentionBlocks]:
     """Legal blocks worth timing at this call's shape (resolve_blocks' keyword arguments but `blocks`): the table's
     choice first, then its pages a block times CANDIDATE_PAGE_FACTORS, and for a prefill-heavy batch its query tokens
-    a block times CANDIDATE_QUERY_FACTORS (with the table's pages, half and twice as many), each resolved for this
+    a block times CANDIDATE_QUERY_FACTORS (with the table's pages, half and twice as many), and for a float8 cache the
+    table's choice with float8_operands the other way; each resolved for this
     generation (visits a step and the VMEM limit as the table would set them); blocks that do not fit its VMEM are
     left out. What `python -m benchmarks --sweep --kernel paged_attention` times on a TPU."""
     info = info or chip.current_tpu_info()
@@ -303,4 +323,7 @@ def candidate_blocks(*, info=None, **shape) -> list[PagedAttentionBlocks]:
                 continue
             if blocks not in candidates:
                 candidates.append(blocks)
+    if jnp.dtype(shape["cache_dtype"]) == jnp.float8_e4m3fn and jnp.dtype(shape["q_dtype"]) == jnp.bfloat16:
+        flipped = dataclasses.replace(choice, float8_operands=not choice.float8_operands)
+        candidates.insert(1, resolve_blocks(flipped, info=info, **shape))  # float8 widened first, or not
     return candidates
