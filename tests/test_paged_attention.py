@@ -260,11 +260,21 @@ def test_float8_blocks_into_the_matmuls_as_stored(rand, page, hkv):
 
 
 @pytest.mark.cpu_only
-@pytest.mark.parametrize("label", ["qwen3_mixed_p64_fp8", "gemma4_full_decode_p64_fp8", "gemma4_sliding_decode_fp8"])
-def test_float8_operands_compile_for_v5e(monkeypatch, label):
-    """Float8 blocks as stored in bf16 x float8 matmuls compile for the v5e (the generation they are meant for), as
-    the table sets them (tuning.FLOAT8_OPERANDS on): Qwen3's mixed batch (split heads, and pairs of heads in its
-    prefill visits), Gemma 4 full's head-major decode, Gemma 4 sliding's decode (8 heads at once, V as stored)."""
+@pytest.mark.parametrize(
+    "label,generation",
+    [
+        ("qwen3_mixed_p64_fp8", "v5e"),
+        ("qwen3_mixed_p64_fp8", "v6e"),
+        ("qwen3_mixed_p64_fp8", "v7x"),
+        ("gemma4_full_decode_p64_fp8", "v5e"),
+        ("gemma4_sliding_decode_fp8", "v5e"),
+    ],
+)
+def test_float8_operands_compile_for_tpu(monkeypatch, label, generation):
+    """Float8 blocks as stored in bf16 x float8 matmuls compile, as the table sets them (tuning.FLOAT8_OPERANDS on):
+    on the v5e (the generation they are meant for) Qwen3's mixed batch (split heads, and pairs of heads in its
+    prefill visits), Gemma 4 full's head-major decode, Gemma 4 sliding's decode (8 heads at once, V as stored); the
+    first on v6e and v7x too (a caller may ask for them anywhere)."""
     monkeypatch.setattr(tuning, "FLOAT8_OPERANDS", dict.fromkeys(tuning.FLOAT8_OPERANDS, True))
     v5e = chip.tpu_info_for("v5e")
     assert tuning.float8_operands(cache_dtype=FP8, compute_dtype=jnp.bfloat16, info=v5e)
@@ -277,12 +287,12 @@ def test_float8_operands_compile_for_v5e(monkeypatch, label):
     _, tokens, seqs, hq, hkv, d, page, pps, cache_dtype, options = cases[label]
     ladder.compile_for_tpu(
         functools.partial(_attention, **options),
-        "v5e",
+        generation,
         *_specs(tokens, seqs, hq, hkv, d, page, pps, cache_dtype),
         None,
         ((1,), jnp.float32),
         ((1,), jnp.float32),
-        label=f"paged_attention {label} float8 operands",
+        label=f"paged_attention {label} float8 operands {generation}",
     )
 
 

@@ -65,13 +65,16 @@ FLOAT8_OPERANDS = {"v5e": False, "v6e": False, "v7x": False}
 SMEM_BUDGET_BYTES = 512 * 1024
 
 
+def takes_float8_operands(*, cache_dtype, compute_dtype) -> bool:
+    """Whether a call can take float8 blocks into its matmuls as stored: an e4m3fn cache and bf16 queries."""
+    return jnp.dtype(cache_dtype) == jnp.float8_e4m3fn and jnp.dtype(compute_dtype) == jnp.bfloat16
+
+
 def float8_operands(*, cache_dtype, compute_dtype, info=None) -> bool:
     """Whether visits take a float8 (e4m3fn) cache's blocks into bf16 matmuls as stored (FLOAT8_OPERANDS)."""
     info = info or chip.current_tpu_info()
-    return (
-        jnp.dtype(cache_dtype) == jnp.float8_e4m3fn
-        and jnp.dtype(compute_dtype) == jnp.bfloat16
-        and FLOAT8_OPERANDS.get(chip.generation_name(info), False)
+    return takes_float8_operands(cache_dtype=cache_dtype, compute_dtype=compute_dtype) and FLOAT8_OPERANDS.get(
+        chip.generation_name(info), False
     )
 
 
@@ -262,12 +265,11 @@ def resolve_blocks(
         short = head_dim % 128 or v_head_dim % 128
         limit = chip.scoped_vmem_limit(info, need, slack_bytes=need // 2 if short else 0)
     operands = blocks.float8_operands
-    takes_float8 = jnp.dtype(cache_dtype) == jnp.float8_e4m3fn and jnp.dtype(q_dtype) == jnp.bfloat16
     if operands is None:
         operands = float8_operands(cache_dtype=cache_dtype, compute_dtype=q_dtype, info=info)
     elif not isinstance(operands, bool):
         raise TypeError(f"{owner}.float8_operands: expected a bool or None, got {type(operands).__name__}")
-    elif operands and not takes_float8:
+    elif operands and not takes_float8_operands(cache_dtype=cache_dtype, compute_dtype=q_dtype):
         raise ValueError(
             f"{owner}.float8_operands: True needs a float8_e4m3fn cache and bfloat16 queries, got a "
             f"{jnp.dtype(cache_dtype).name} cache and {jnp.dtype(q_dtype).name} queries"
@@ -297,12 +299,11 @@ def candidate_blocks(*, info=None, **shape) -> list[PagedAttentionBlocks]:
     info = info or chip.current_tpu_info()
     choice = resolve_blocks(None, info=info, **shape)
     min_q = min_queries_per_block(shape["group"], shape["q_dtype"])
-    pages = [choice.pages_per_block] + sorted(
-        {
-            min(shape["pages_per_seq"], max(1, round(choice.pages_per_block * factor)))
-            for factor in CANDIDATE_PAGE_FACTORS
-        }
-    )
+
+    def scaled(factor):  # the table's pages a block times factor: whole pages, within the page table
+        return min(shape["pages_per_seq"], max(1, round(choice.pages_per_block * factor)))
+
+    pages = [choice.pages_per_block] + sorted({scaled(factor) for factor in CANDIDATE_PAGE_FACTORS})
     queries = [choice.queries_per_block]
     if shape["tokens"] > 2 * shape["num_seqs"]:  # prefill-heavy: the query block is the table's choice too
         for factor in CANDIDATE_QUERY_FACTORS:
@@ -310,11 +311,8 @@ def candidate_blocks(*, info=None, **shape) -> list[PagedAttentionBlocks]:
             if tokens not in queries:
                 queries.append(tokens)
     candidates = [choice]
-    halved_and_doubled = [
-        p for p in pages if p in (choice.pages_per_block, *(round(choice.pages_per_block * f) for f in (0.5, 2.0)))
-    ]
     for q in queries:
-        for p in pages if q == choice.queries_per_block else halved_and_doubled:
+        for p in pages if q == choice.queries_per_block else (choice.pages_per_block, scaled(0.5), scaled(2.0)):
             try:
                 blocks = resolve_blocks(
                     PagedAttentionBlocks(queries_per_block=q, pages_per_block=p), info=info, **shape
@@ -323,7 +321,7 @@ def candidate_blocks(*, info=None, **shape) -> list[PagedAttentionBlocks]:
                 continue
             if blocks not in candidates:
                 candidates.append(blocks)
-    if jnp.dtype(shape["cache_dtype"]) == jnp.float8_e4m3fn and jnp.dtype(shape["q_dtype"]) == jnp.bfloat16:
+    if takes_float8_operands(cache_dtype=shape["cache_dtype"], compute_dtype=shape["q_dtype"]):
         flipped = dataclasses.replace(choice, float8_operands=not choice.float8_operands)
         candidates.insert(1, resolve_blocks(flipped, info=info, **shape))  # float8 widened first, or not
     return candidates
