@@ -29,6 +29,7 @@ from tpu_kernels_jax.api import ExpertsBlocks, MatmulBlocks, RaggedDotBlocks, Tr
 from tpu_kernels_jax.common import mxfp4, quantization
 from tpu_kernels_jax.common.activation import ClampedSwiGLU
 from tpu_kernels_jax.moe import api, touched
+from tpu_kernels_jax.moe import combine as moe_combine
 from tpu_kernels_jax.moe import routing as row_routing
 from tpu_kernels_jax.moe import tuning as moe_tuning
 from tpu_kernels_jax.moe.reference import experts_forward_reference, gate_and_up
@@ -322,6 +323,84 @@ def test_experts_forward_gradients(rand, case, path):
         grad_tolerance=tol,
     )
     assert out.shape == args[0].shape and out.dtype == dtype
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,hidden,dtype,block",
+    [(37, 8, 256, BF16, 16), (20, 2, 384, F32, 8), (5, 1, 128, BF16, 32), (40, 6, 2880, BF16, 16)],
+)
+def test_combine_rows(rand, tokens, top_k, hidden, dtype, block):
+    """The grouped path's combine kernel against a numpy gather and f32 sum: rows in a random order, a last token
+    block past T (37 of 16, 20 of 8, 40 of 16), fewer tokens than a block (5), top-1 and top-6, a hidden size off the
+    lane tile (2880)."""
+    rows = rand.normal((tokens * top_k, hidden), dtype)
+    position = jnp.asarray(rand.rng.permutation(tokens * top_k), jnp.int32)
+    out = ladder.run_kernel(
+        functools.partial(moe_combine.combine_rows, top_k=top_k, tokens_per_block=block), rows, position
+    )
+    expected = np.asarray(rows, np.float32)[np.asarray(position)].reshape(tokens, top_k, hidden).sum(axis=1)
+    assert out.shape == (tokens, hidden) and out.dtype == dtype
+    ladder.assert_close(out, expected, dtype=dtype, what="combined rows")
+
+
+@pytest.mark.cpu_only
+def test_combine_rows_block_must_be_whole_sublane_tiles():
+    rows = jax.ShapeDtypeStruct((64, 256), BF16)
+    position = jax.ShapeDtypeStruct((64,), jnp.int32)
+    with pytest.raises(ValueError, match=r"tokens_per_block: expected a multiple of 16 .* got 8"):
+        jax.eval_shape(functools.partial(moe_combine.combine_rows, top_k=2, tokens_per_block=8), rows, position)
+
+
+@pytest.mark.parametrize("combine", moe_tuning.COMBINES)
+def test_grouped_combines_agree(rand, combine):
+    """The grouped path with either combine against the reference, forward and every gradient (the kernel's custom
+    gradient gives each row its token's cotangent); sentinel slots included."""
+    tokens, experts, top_k, hidden, inter = 40, 8, 2, 256, 128
+    index, weights = routing(rand, tokens, experts, top_k, sentinels=6)
+    args = (
+        rand.normal((tokens, hidden)),
+        index,
+        weights,
+        rand.normal((experts, 2 * inter, hidden), scale=0.05),
+        rand.normal((experts, hidden, inter), scale=0.05),
+        None,
+        None,
+    )
+    fn = functools.partial(tk.experts_forward, blocks=ExpertsBlocks(path="grouped", combine=combine))
+    text = str(jax.make_jaxpr(fn)(*args))
+    assert ("moe_combine_rows" in text) == (combine == "kernel"), f"combine={combine!r} not taken"
+    ladder.check_forward_and_gradients(
+        fn,
+        experts_forward_reference,
+        args,
+        argnums=(0, 2, 3, 4),
+        names=GRAD_NAMES[:4],
+        rand=rand,
+        dtype=F32,
+        out_tolerance=F32_TOL,
+        grad_tolerance=dict(rtol=1e-4, atol=1e-4),
+    )
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+def test_combine_rows_compiles_for_tpu(generation):
+    """Qwen3's 4096-token prefill (32,768 rows of 2048, bf16: read as 32-bit words on a chip) and gpt-oss's 2880-wide
+    rows at top-4 (f32 rows: copied as they are)."""
+    ladder.compile_for_tpu(
+        functools.partial(moe_combine.combine_rows, top_k=8),
+        generation,
+        ((32768, 2048), BF16),
+        ((32768,), jnp.int32),
+        label="combine qwen3",
+    )
+    ladder.compile_for_tpu(
+        functools.partial(moe_combine.combine_rows, top_k=4),
+        generation,
+        ((4096, 2880), F32),
+        ((4096,), jnp.int32),
+        label="combine gpt-oss",
+    )
 
 
 def test_row_layout_groups_pairs_by_expert_in_token_order(rand):
@@ -679,6 +758,12 @@ BAD_INPUTS = [
         dict(blocks=ExpertsBlocks(path="fast")),
         ValueError,
         "blocks.path: expected None or one of ('small_batch', 'grouped'), got 'fast'",
+    ),
+    ladder.BadInput(
+        "blocks combine",
+        dict(blocks=ExpertsBlocks(combine="scatter")),
+        ValueError,
+        "blocks.combine: expected None or one of ('kernel', 'gather'), got 'scatter'",
     ),
     ladder.BadInput(
         "blocks chunk without the small-batch path",

@@ -30,7 +30,7 @@ from ..common.interpret import interpret_eager_cpu_calls
 from ..common.validation import FLOAT_DTYPES, check_array, check_bool, is_concrete
 from ..ragged_dot import api as ragged_dot_api
 from ..ragged_dot import tuning as ragged_dot_tuning
-from . import routing, small_batch, tuning
+from . import combine, routing, small_batch, tuning
 from .tuning import ExpertsBlocks
 
 INDEX_DTYPES = (jnp.dtype(jnp.int32),)
@@ -167,6 +167,8 @@ def _check_blocks(blocks) -> ExpertsBlocks:
     blocks = blocks or ExpertsBlocks()
     if blocks.path is not None and blocks.path not in tuning.PATHS:
         raise ValueError(f"blocks.path: expected None or one of {tuning.PATHS}, got {blocks.path!r}")
+    if blocks.combine is not None and blocks.combine not in tuning.COMBINES:
+        raise ValueError(f"blocks.combine: expected None or one of {tuning.COMBINES}, got {blocks.combine!r}")
     for field in ("chunk", "vmem_limit_bytes"):
         if getattr(blocks, field) is not None and blocks.path != "small_batch":
             raise ValueError(
@@ -251,6 +253,7 @@ def _plan(
         intermediate=intermediate,
         gate_up_blocks=blocks.gate_up,
         down_blocks=blocks.down,
+        combine=tuning.combine_choice(blocks, rows * hidden * jnp.dtype(dtype).itemsize),
     )
     return plan, layout
 
@@ -339,6 +342,7 @@ class _Layout:
     intermediate: int
     gate_up_blocks: ragged_dot_tuning.RaggedDotBlocks | None = None
     down_blocks: ragged_dot_tuning.RaggedDotBlocks | None = None
+    combine: str = "gather"  # tuning.COMBINES
 
 
 class _Weights(NamedTuple):
@@ -396,8 +400,28 @@ def _grouped(layout: _Layout, hidden_states, top_k_index, top_k_weights, weights
         preferred_element_type=hidden_states.dtype,
         blocks=layout.down_blocks,
     )
+    if layout.combine == "kernel":
+        return _combined(y, layout_rows.position, layout_rows.pair, top_k)
     per_slot = y.at[layout_rows.position].get(mode="promise_in_bounds").reshape(tokens, top_k, hidden)
     return per_slot.astype(jnp.float32).sum(axis=1).astype(hidden_states.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combined(rows, position, pair, top_k):
+    """Each token's top_k rows summed (combine.py); its gradient gives every row its token's cotangent."""
+    return combine.combine_rows(rows, position, top_k)
+
+
+def _combined_fwd(rows, position, pair, top_k):
+    return combine.combine_rows(rows, position, top_k), pair
+
+
+def _combined_bwd(top_k, pair, g):
+    # Row r holds pair pair[r] = token * top_k + slot: a gather of g's rows, whose table XLA keeps in VMEM.
+    return g.at[pair // top_k].get(mode="promise_in_bounds"), None, None
+
+
+_combined.defvjp(_combined_fwd, _combined_bwd)
 
 
 def _small_batch_forward(plan, layout: _Layout, hidden_states, top_k_index, top_k_weights, weights: _Weights):

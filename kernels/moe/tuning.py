@@ -42,6 +42,16 @@ F32_TEMPORARIES = 3
 
 
 PATHS = ("small_batch", "grouped")
+COMBINES = ("kernel", "gather")
+# The grouped path's combine (each token's k weighted rows summed): "kernel" is combine.py's row-DMA kernel, "gather"
+# XLA's row gather + sum. Measured on the v5e (device time), Qwen3's rows of 2048 bf16: at 4096 tokens (32,768 rows,
+# 128 MiB) XLA's gather + sum 1,333 us, the kernel 878 us (experts_forward 4,843 -> 4,386 us); at 512 tokens (4,096
+# rows, 16 MiB) XLA's took 38 us, its table held in VMEM, and the kernel's ~4k row copies cost more (experts_forward
+# ~1,850 -> 1,944 us). So the kernel takes rows of more than COMBINE_KERNEL_MIN_BYTES, where the table chooses it
+# (the crossover between the two sizes is unmeasured). v6e: the same single-core kernel and XLA gather, not measured;
+# v7x keeps XLA's gather, which can use both of its TensorCores, where the kernel runs its steps on one.
+COMBINE = {"v5e": "kernel", "v6e": "kernel", "v7x": "gather"}
+COMBINE_KERNEL_MIN_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +69,8 @@ class ExpertsBlocks:
     gate_up, down     the RaggedDotBlocks of the grouped path's two grouped matmuls (gate/up with act(gate) * up
                       fused; down with the routing weights as row scale). They also serve the backward of both paths:
                       the small-batch kernel's gradient is the grouped path's.
+    combine           the grouped path's combine: "kernel" (combine.py: one row DMA a (token, slot) pair, summed in
+                      VMEM), "gather" (XLA's row gather and sum) or None: the table's (COMBINE).
     """
 
     path: str | None = None
@@ -66,6 +78,7 @@ class ExpertsBlocks:
     vmem_limit_bytes: int | None = None
     gate_up: RaggedDotBlocks | None = None
     down: RaggedDotBlocks | None = None
+    combine: str | None = None
 
     def to_dict(self) -> dict:
         """These blocks as nested dicts of plain values (None fields stay None), e.g. to cross as JSON."""
@@ -94,6 +107,16 @@ def _from_dict(cls, value):
         item = value.get(field.name)
         fields[field.name] = _from_dict(part, item) if part is not None and isinstance(item, dict) else item
     return cls(**fields)
+
+
+def combine_choice(blocks: ExpertsBlocks, rows_bytes: int) -> str:
+    """The grouped path's combine for down-projection rows of `rows_bytes` in all: blocks.combine, else the table's
+    for the chip in use (XLA's gather up to COMBINE_KERNEL_MIN_BYTES)."""
+    if blocks.combine is not None:
+        return blocks.combine
+    if rows_bytes <= COMBINE_KERNEL_MIN_BYTES:
+        return "gather"
+    return COMBINE.get(chip.generation_name(chip.current_tpu_info()), "gather")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,108 @@
+"""The grouped path's combine as a Pallas kernel: out[t] = sum_j rows[position[t * k + j]], summed in f32.
+
+`rows` [R, H] are the down projection's weighted rows in expert order (HBM, never copied); `position` [T * k] names
+the row of each (token, slot) pair. XLA's gather of those rows runs at ~34 ns a row on the v5e (a scalar loop of
+row copies: 1.12 ms for Qwen3's 32,768 rows at 4096 tokens, about 6x the bytes' time). Here each grid step takes a
+block of tokens: one DMA per pair copies its row from HBM into VMEM, the next block's copies start before this
+block's are waited for (two buffers), and the block's k rows a token are summed in f32.
+
+Rows of 16-bit dtypes are packed two to a 32-bit word in HBM (XLA's (2, 1) sublane packing: word row i holds rows 2i
+and 2i + 1), and Mosaic slices such an array only at whole tiles. So on a chip the rows are read through a uint32
+view of the array, one word row a pair (the row and its neighbour: twice the bytes), and the row's half is taken by a
+shift (low half: the even row) into the high half of an f32 bit pattern, exact for bf16. TPU interpret mode cannot
+read through a ref bitcast: there each row is copied as it is (no packing to respect), the same values. 32-bit rows
+are copied as they are everywhere.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ..common.blocks import sublane_multiple
+from ..common.interpret import interpret_mode_forced
+from ..common.manual_axes import out_struct
+
+# Tokens a grid step: TOKENS * k row DMAs in flight per buffer (128 at top-8), a few µs of copies against a step's
+# fixed cost; the two row buffers stay small (2 x 128 x H words: 2 MiB at H = 2048).
+TOKENS = 32
+
+
+def _combine_kernel(pos_ref, next_pos_ref, shift_ref, rows_hbm, out_ref, buf, sem, *, top_k, tokens, words):
+    block, blocks = pl.program_id(0), pl.num_programs(0)
+    pairs = tokens * top_k
+    src = rows_hbm.bitcast(jnp.uint32) if words else rows_hbm
+
+    def start(positions, slot):
+        def copy(i, carry):
+            r = positions[0, 0, i]
+            row = r // 2 if words else r
+            pltpu.make_async_copy(src.at[pl.ds(row, 1)], buf.at[slot, pl.ds(i, 1)], sem.at[slot]).start()
+            return carry
+
+        jax.lax.fori_loop(0, pairs, copy, 0, unroll=8)
+
+    @pl.when(block == 0)
+    def _():
+        start(pos_ref, 0)
+
+    @pl.when(block + 1 < blocks)
+    def _():
+        start(next_pos_ref, (block + 1) % 2)
+
+    slot = block % 2
+    # One wait for the whole buffer: the semaphore counts the bytes of every row copy into it (a descriptor of the
+    # buffer's size; its source is not read).
+    pltpu.make_async_copy(buf.at[slot], buf.at[slot], sem.at[slot]).wait()
+    got = buf[slot]
+    if words:
+        # shift_ref [1, 1, pairs]: 16 for an even row (the word's low half), 0 for an odd one; as a column.
+        shift = jnp.broadcast_to(shift_ref[0], (8, pairs)).T[:, :1]
+        got = pltpu.bitcast(jnp.left_shift(got, shift.astype(jnp.uint32)) & jnp.uint32(0xFFFF0000), jnp.float32)
+    else:
+        got = got.astype(jnp.float32)
+    out_ref[...] = got.reshape(tokens, top_k, got.shape[-1]).sum(axis=1).astype(out_ref.dtype)
+
+
+def combine_rows(rows, position, top_k: int, *, tokens_per_block: int = TOKENS):
+    """out [T, H] in rows' dtype: out[t] = sum over j < top_k of rows[position[t * top_k + j]] (f32 sum).
+
+    rows [R, H]; position [T * top_k] int32, every value in [0, R) (a permutation's, as the grouped path's layout
+    gives: not checked here, the caller guarantees it). tokens_per_block: tokens a grid step, a multiple of the
+    output's sublane tile (8 rows of 32-bit, 16 of 16-bit) unless it covers all T tokens."""
+    num_rows, hidden = rows.shape
+    pairs_total = position.shape[0]
+    tokens = pairs_total // top_k
+    tb = min(tokens_per_block, tokens)
+    if tb < tokens and tb % sublane_multiple(rows.dtype):
+        raise ValueError(
+            f"tokens_per_block: expected a multiple of {sublane_multiple(rows.dtype)} (the {rows.dtype} output's "
+            f"sublane tile) or at least the {tokens} tokens, got {tokens_per_block}"
+        )
+    blocks = -(-tokens // tb)
+    pairs = tb * top_k
+    words = rows.dtype.itemsize == 2 and num_rows % 2 == 0 and not interpret_mode_forced()
+    # Token blocks past T read row 0 (their output rows fall outside the array and are dropped). The positions go
+    # to SMEM a block at a time, [blocks, 1, pairs]: a rank-1 SMEM block would have to be a power of two >= 128.
+    position = jnp.pad(position.astype(jnp.int32), (0, blocks * pairs - pairs_total))
+    shift = jnp.where(position % 2 == 0, 16, 0).astype(jnp.int32).reshape(blocks, 1, pairs)
+    smem = functools.partial(pl.BlockSpec, memory_space=pltpu.SMEM)
+    buffer_dtype = jnp.uint32 if words else rows.dtype
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, top_k=top_k, tokens=tb, words=words),
+        out_shape=out_struct((tokens, hidden), rows.dtype, rows, position),
+        grid=(blocks,),
+        in_specs=[
+            smem((1, 1, pairs), lambda b: (b, 0, 0)),
+            smem((1, 1, pairs), lambda b: (jnp.minimum(b + 1, blocks - 1), 0, 0)),
+            pl.BlockSpec((1, 1, pairs), lambda b: (b, 0, 0)),
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        out_specs=pl.BlockSpec((tb, hidden), lambda b: (b, 0)),
+        scratch_shapes=[pltpu.VMEM((2, pairs, hidden), buffer_dtype), pltpu.SemaphoreType.DMA((2,))],
+        # The next block's copies start in this step: the steps run in order on one core.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        name="moe_combine_rows",
+    )(position.reshape(blocks, 1, pairs), position.reshape(blocks, 1, pairs), shift, rows)
