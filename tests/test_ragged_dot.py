@@ -268,6 +268,47 @@ def test_weight_prefetch_across_groups_and_n_tiles(rand, gated, transposed, stat
     assert all_zero(out, slice(0, 9)) and all_zero(out, slice(fill, None)), "rows outside the window are not zero"
 
 
+ROW_CHUNK_CASES = [
+    # gated, dtype, tm, row_chunk, sizes (of 160 rows): groups starting and ending inside tiles of 64, one within one
+    # chunk, one over a whole tile, an empty one, rows past the groups
+    ("concatenated", BF16, 64, 32, (5, 40, 0, 70, 3, 30)),
+    (None, F32, 64, 16, (17, 1, 64, 0, 33, 20)),
+]
+
+
+@pytest.mark.parametrize("gated,dtype,tm,row_chunk,sizes", ROW_CHUNK_CASES, ids=[str(c[0]) for c in ROW_CHUNK_CASES])
+def test_row_chunks_of_partial_visits(rand, gated, dtype, tm, row_chunk, sizes):
+    """MatmulBlocks.row_chunk: visits to tiles shared by groups multiply only the chunks holding their rows (one
+    branch per chunk count). Against the reference, with a row scale and biases: rows of other groups in a chunk
+    masked, rows outside every visit's chunks zeroed by the tile's first visit, rows past the groups zero."""
+    m, k, n_out, groups = 160, 128, 256, 6
+    n = 2 * n_out if gated else n_out
+    lhs = rand.normal((m, k), dtype)
+    rhs = rand.normal(rhs_shape(groups, k, n, True), dtype, scale=0.2)
+    bias = rand.normal((groups, n), dtype)
+    row_scale = rand.uniform((m,), 0.5, 1.5)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    kw = dict(rhs_transposed=True, bias=bias, row_scale=row_scale)
+    if gated:
+        kw.update(gated=gated, activation="silu")
+    blocks = RaggedDotBlocks(forward=MatmulBlocks(tm=tm, tk=k, tn=128, row_chunk=row_chunk))
+    fn = lambda l, r, s: tk.ragged_dot(l, r, s, blocks=blocks, **kw)  # noqa: E731
+    # one chunk's lhs rows, read by the one-chunk branch: only a chunked kernel holds them
+    text = str(jax.make_jaxpr(fn)(lhs, rhs, sizes))
+    chunk_rows = f"{jnp.dtype(dtype).name.replace('float', 'f')}[{row_chunk},{k}]"
+    assert chunk_rows in text, "row_chunk did not reach the kernel"
+    out = ladder.check_against_reference(
+        jax.jit(fn),
+        jax.jit(lambda l, r, s: ragged_dot_reference(l, r, s, **kw)),
+        (lhs, rhs, sizes),
+        dtype=dtype,
+        rand=rand,
+        **(F32_TOL if dtype == F32 else {}),
+    )
+    assert out.shape == (m, n_out)
+    assert all_zero(out, slice(int(sum(sizes)), None)), "rows past the groups are not zero"
+
+
 def test_k_zero_gives_bias_or_zero(rand):
     lhs, rhs, sizes = rand.normal((10, 0)), rand.normal((3, 0, 128)), jnp.asarray([4, 0, 5], jnp.int32)
     bias = rand.normal((3, 128))
@@ -1031,6 +1072,19 @@ BAD_INPUTS = [
         "blocks.forward.tm: expected a positive int, got 0",
     ),
     ladder.BadInput(
+        "blocks row chunk not whole sublane tiles",
+        dict(blocks=RaggedDotBlocks(forward=MatmulBlocks(tm=16, row_chunk=12))),
+        ValueError,
+        "blocks.forward.row_chunk: expected 0 or a divisor of tm = 16 that is a multiple of 8 (the sublane tile of "
+        "float32), got 12",
+    ),
+    ladder.BadInput(
+        "blocks row chunk bool",
+        dict(blocks=RaggedDotBlocks(forward=MatmulBlocks(row_chunk=True))),
+        TypeError,
+        "blocks.forward.row_chunk: expected a non-negative int (0: whole tiles), got True",
+    ),
+    ladder.BadInput(
         "blocks tn float",
         dict(blocks=RaggedDotBlocks(forward=MatmulBlocks(tn=128.0))),
         TypeError,
@@ -1146,10 +1200,17 @@ def test_export_for_tpu():
 
 
 # ------------------------------------------------------------------------------------------------ rung 3
-def _gate_up(lhs, rhs, sizes, *, activation):
+def _gate_up(lhs, rhs, sizes, *, activation, blocks=None):
     """The MoE gate/up grouped matmul as benchmarked: transformers' [E, 2I, H] weights, act(gate) * up fused."""
     return api.ragged_dot(
-        lhs, rhs, sizes, rhs_transposed=True, activation=activation, gated="concatenated", preferred_element_type=BF16
+        lhs,
+        rhs,
+        sizes,
+        rhs_transposed=True,
+        activation=activation,
+        gated="concatenated",
+        preferred_element_type=BF16,
+        blocks=blocks,
     )
 
 
@@ -1158,10 +1219,42 @@ def _down(lhs, rhs, sizes):
     return api.ragged_dot(lhs, rhs, sizes, rhs_transposed=True, preferred_element_type=F32)
 
 
-def _down_weighted(lhs, rhs, sizes, scale):
+def _down_weighted(lhs, rhs, sizes, scale, *, blocks=None):
     """The down grouped matmul as experts_forward's grouped path runs it: rows scaled by their routing weights in
     the epilogue, written in bf16."""
-    return api.ragged_dot(lhs, rhs, sizes, rhs_transposed=True, row_scale=scale, preferred_element_type=BF16)
+    return api.ragged_dot(
+        lhs, rhs, sizes, rhs_transposed=True, row_scale=scale, preferred_element_type=BF16, blocks=blocks
+    )
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("generation", ladder.GENERATIONS)
+def test_row_chunks_compile_for_tpu(generation):
+    """Row chunks (MatmulBlocks.row_chunk = 32) at Qwen3's 4096-token prefill: gate/up with the fused SiLU gating and
+    the weighted down projection, whose chunked visits slice the lhs, row scale and output blocks at offsets of whole
+    bf16 tiles."""
+    dims = MOE_MODELS["qwen3-30b-a3b"]
+    h, i, rows = dims["hidden"], dims["intermediate"], 32768
+    chunked = RaggedDotBlocks(forward=MatmulBlocks(row_chunk=32))
+    sizes = ((MOE_EXPERTS,), jnp.int32)
+    ladder.compile_for_tpu(
+        functools.partial(_gate_up, blocks=chunked),
+        generation,
+        ((rows, h), BF16),
+        ((MOE_EXPERTS, 2 * i, h), BF16),
+        sizes,
+        label="ragged_dot gate_up row chunks",
+        activation=dims["activation"],
+    )
+    ladder.compile_for_tpu(
+        functools.partial(_down_weighted, blocks=chunked),
+        generation,
+        ((rows, i), BF16),
+        ((MOE_EXPERTS, h, i), BF16),
+        sizes,
+        ((rows,), F32),
+        label="ragged_dot down row chunks",
+    )
 
 
 # The prefill benchmark shapes whose Mosaic kernels differ: the rows change only tm (tuning.choose_tm: M / (2 * 128

@@ -23,6 +23,11 @@ from the metadata);
 visit's block indices (no DMA) and skip all work under `pl.when`.
 
 Accumulation is in f32: directly in registers when tk = K (one k step), else in a VMEM scratch over the k axis.
+
+Row chunks (blocks.row_chunk, with tk = K): a visit to a tile it shares with other groups multiplies only the chunks
+of row_chunk rows that hold its rows, so a tile straddling a boundary costs the MXU about its rows once, not the whole
+tile once per group (under random routing most groups start and end inside a tile: 1.5x the useful MXU work at
+groups of 256 rows and tm = 128, 2x at tm = 256). The tile's first visit zeroes the whole output block first.
 """
 
 import functools
@@ -199,6 +204,7 @@ def _forward_kernel(
     stream_shifts=None,
     tiles_n=1,
     last_width=None,
+    row_chunk=0,
 ):
     n_rhs = 2 if gated == "concatenated" else 1  # interleaved: one stream of 2 * tn columns, gate and up alternating
     rhs_refs = refs[:n_rhs]
@@ -270,10 +276,11 @@ def _forward_kernel(
             )
         return outs
 
-    def dots():
+    def dots(rows=None):
         if mxfp4_blocks:
             return mxfp4_dots()
-        x = mask_k(lhs_ref[...].astype(compute_dtype), 1)
+        x = lhs_ref[...] if rows is None else lhs_ref[rows, :]
+        x = mask_k(x.astype(compute_dtype), 1)
         outs = []
         for w in weights():
             # Quantized weights (int8 / e4m3) are widened here, in VMEM: exact in bf16 up to rhs_factor (a power of
@@ -286,7 +293,7 @@ def _forward_kernel(
             )
         return outs
 
-    def finalize(parts):
+    def finalize(parts, rows=None, offset=0, count=tm):
         if num_scale:
             # Per-output-column scale of quantized weights, on the f32 result: one multiply per output element.
             parts = [p * (s[...] * rhs_factor if rhs_factor != 1.0 else s[...]) for p, s in zip(parts, col_scale_refs)]
@@ -307,7 +314,19 @@ def _forward_kernel(
         else:
             r = apply_gating(parts[0], parts[1], activation)
         if has_row_scale:
-            r = r * scale_ref[...]  # (tm, 1) f32: one factor per row (the MoE routing weight)
+            r = r * (scale_ref[...] if rows is None else scale_ref[rows, :])  # (rows, 1) f32: the routing weight
+        if rows is not None:
+            # A partial visit over a window of the tile: the rows outside it are zeroed by the tile's first visit.
+            win = tile * tm + offset + jax.lax.broadcasted_iota(jnp.int32, (count, 1), 0)
+            mask = jnp.logical_and(win >= lo, win < hi)
+            rc = r.astype(out_ref.dtype)
+
+            @pl.when(first)
+            def _():
+                out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+            out_ref[rows, :] = jnp.where(mask, rc, out_ref[rows, :])
+            return
         start = tile * tm
         whole = jnp.logical_and(lo <= start, hi >= start + tm)
 
@@ -329,7 +348,28 @@ def _forward_kernel(
             def _():
                 out_ref[...] = jnp.where(mask, rc, out_ref[...])
 
-    if tiles_k == 1:
+    if tiles_k == 1 and 0 < row_chunk < tm and not mxfp4_blocks:
+        # A visit computes only the chunks of row_chunk rows of its tile that hold its rows, c0 .. c1 (exclusive): a
+        # tile straddling groups costs each group's visit its own rows' MXU passes, not the whole tile's. One branch
+        # per chunk count, each a matmul of static size at an aligned offset.
+        base = tile * tm
+        c0 = (jnp.maximum(lo, base) - base) // row_chunk
+        c1 = (jnp.minimum(hi, base + tm) - base + row_chunk - 1) // row_chunk
+        chunks = tm // row_chunk
+
+        @pl.when(jnp.logical_and(has_rows, c1 - c0 == chunks))
+        def _():
+            finalize(dots())
+
+        for count in range(1, chunks):
+
+            @pl.when(jnp.logical_and(has_rows, c1 - c0 == count))
+            def _(count=count):
+                offset = pl.multiple_of(c0 * row_chunk, row_chunk)
+                rows = pl.ds(offset, count * row_chunk)
+                finalize(dots(rows), rows, offset, count * row_chunk)
+
+    elif tiles_k == 1:
 
         @pl.when(has_rows)
         def _():
@@ -491,6 +531,7 @@ def ragged_dot_forward(
         stream_shifts=tuple(shifts) if prefetch else None,
         tiles_n=tiles_n,
         last_width=last_width,
+        row_chunk=blocks.row_chunk or 0,
     )
     grid_v = V if static_grid else nv
     rhs_bytes = num_local_groups * rhs.shape[1] * rhs.shape[2] * rhs.dtype.itemsize

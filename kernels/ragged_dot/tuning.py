@@ -45,6 +45,14 @@ VMEM_SHARE = {"v5e": 0.35, "v6e": 0.35, "v7x": 0.4}
 VMEM_SLACK_BYTES = 2 << 20
 # f32 (tm, tn) temporaries live in the kernel body besides the accumulator (dot result, epilogue values).
 F32_TEMPORARIES = 3
+# Row chunks of the forward kernel's partial visits (kernel.py; 0: every visit multiplies its whole tile). Measured on
+# the v5e (Qwen3 gate/up, 32,768 rows, device time): random routing 1,963 us at tm 128 against 1,363 us for the same
+# rows in groups that never straddle a tile; the straddling visits each multiply the whole tile. Chunked visits are
+# off until measured on the chip (the performance model does not time the per-count branches: it has the unchunked
+# kernel at 2.4x its measured time here); `python -m benchmarks --sweep --kernel ragged_dot` times both.
+ROW_CHUNK = {"v5e": 0, "v6e": 0, "v7x": 0}
+# The chunk the sweep tries: two bf16 sublane tiles.
+SWEEP_ROW_CHUNK = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +68,9 @@ class MatmulBlocks:
     tk: int | None = None  # contraction columns per grid step: a multiple of 128 (tk >= K: one step, no refetch)
     tn: int | None = None  # output columns per grid step (of each of gate and up when gated): a multiple of 128
     vmem_limit_bytes: int | None = None  # scoped VMEM asked of Mosaic; None: the working set + 50 % + slack
+    # forward kernel with tk = K: a visit sharing its tile with other groups multiplies only the chunks of row_chunk
+    # rows holding its rows (a divisor of tm, a multiple of the sublane tile); 0: the whole tile
+    row_chunk: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +285,22 @@ def choose_blocks(
     )
     ws = working_set(*chosen)
     limit = _vmem_limit(owner, ws, fixed.vmem_limit_bytes, info, checked=fixed != MatmulBlocks())
-    return MatmulBlocks(tm=tm, tk=chosen[0], tn=chosen[1], vmem_limit_bytes=limit)
+    row_chunk = _row_chunk(owner, fixed.row_chunk, tm, sub, ROW_CHUNK.get(gen, 0), lhs_dtype, out_dtype)
+    return MatmulBlocks(tm=tm, tk=chosen[0], tn=chosen[1], vmem_limit_bytes=limit, row_chunk=row_chunk)
+
+
+def _row_chunk(owner: str, given, tm: int, sub: int, table: int, lhs_dtype, out_dtype) -> int:
+    """The forward's row chunk: the caller's (checked) or the table's where it divides tm in whole sublane tiles."""
+    if given is None:
+        return table if table and table < tm and tm % table == 0 and table % sub == 0 else 0
+    if isinstance(given, bool) or not isinstance(given, int) or given < 0:
+        raise TypeError(f"{owner}.row_chunk: expected a non-negative int (0: whole tiles), got {given!r}")
+    if given and (given % sub or tm % given):
+        raise ValueError(
+            f"{owner}.row_chunk: expected 0 or a divisor of tm = {tm} that is a multiple of {sub} (the sublane tile "
+            f"of {_dtype_names(lhs_dtype, out_dtype)}), got {given}"
+        )
+    return 0 if given == tm else given
 
 
 def candidate_blocks(
@@ -319,6 +345,8 @@ def candidate_blocks(
         moves.append(MatmulBlocks(tk=smaller_k[0]))
     elif table.tk < k:
         moves.append(MatmulBlocks(tk=k))
+    if table.tk >= k:  # row chunks the other way (only with all of K in one step)
+        moves.append(MatmulBlocks(tm=table.tm, row_chunk=0 if table.row_chunk else SWEEP_ROW_CHUNK))
     candidates = [table]
     for move in moves:
         try:
