@@ -327,11 +327,11 @@ def test_experts_forward_gradients(rand, case, path):
 
 @pytest.mark.parametrize(
     "tokens,top_k,hidden,dtype,block",
-    [(37, 8, 256, BF16, 16), (20, 2, 384, F32, 8), (5, 1, 128, BF16, 32), (40, 6, 2880, BF16, 16)],
+    [(37, 8, 256, BF16, 16), (21, 1, 384, F32, 8), (6, 1, 128, BF16, 32), (40, 6, 2880, BF16, 16)],
 )
 def test_combine_rows(rand, tokens, top_k, hidden, dtype, block):
     """The grouped path's combine kernel against a numpy gather and f32 sum: rows in a random order, a last token
-    block past T (37 of 16, 20 of 8, 40 of 16), fewer tokens than a block (5), top-1 and top-6, a hidden size off the
+    block past T (37 of 16, 21 of 8, 40 of 16), fewer tokens than a block (6), top-1 and top-6, a hidden size off the
     lane tile (2880)."""
     rows = rand.normal((tokens * top_k, hidden), dtype)
     position = jnp.asarray(rand.rng.permutation(tokens * top_k), jnp.int32)
@@ -349,6 +349,33 @@ def test_combine_rows_block_must_be_whole_sublane_tiles():
     position = jax.ShapeDtypeStruct((64,), jnp.int32)
     with pytest.raises(ValueError, match=r"tokens_per_block: expected a multiple of 16 .* got 8"):
         jax.eval_shape(functools.partial(moe_combine.combine_rows, top_k=2, tokens_per_block=8), rows, position)
+
+
+@pytest.mark.cpu_only
+def test_combine_choice_serves_only_what_the_kernel_reads(monkeypatch):
+    """The table takes the kernel for float32 and bfloat16 rows past COMBINE_KERNEL_MIN_BYTES (an even count of
+    bfloat16 rows: read as word pairs) and XLA's gather otherwise; asked for where it cannot serve, the kernel is a
+    clear error. float16 rows are no truncated float32, so the shift that widens bfloat16 would give wrong values."""
+    monkeypatch.setitem(moe_tuning.COMBINE, "v6e", "kernel")
+    big, grouped = 32768, ExpertsBlocks()
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert moe_tuning.combine_choice(grouped, big, 2048, BF16) == "kernel"
+        assert moe_tuning.combine_choice(grouped, big, 2048, F32) == "kernel"
+        assert moe_tuning.combine_choice(grouped, 4096, 2048, BF16) == "gather"  # 16 MiB: XLA's
+        assert moe_tuning.combine_choice(grouped, big, 2048, jnp.float16) == "gather"
+        assert moe_tuning.combine_choice(grouped, big + 1, 2048, BF16) == "gather"
+        forced = ExpertsBlocks(combine="kernel")
+        assert moe_tuning.combine_choice(forced, 8, 128, BF16) == "kernel"
+        with pytest.raises(ValueError, match=r"blocks.combine: 'kernel' cannot serve these inputs: rows of float16"):
+            moe_tuning.combine_choice(forced, big, 2048, jnp.float16)
+        with pytest.raises(ValueError, match=r"blocks.combine: 'kernel' cannot serve these inputs: 7 bfloat16 rows"):
+            moe_tuning.combine_choice(forced, 7, 128, BF16)
+    with pytest.raises(ValueError, match=r"rows: rows of float16"):
+        jax.eval_shape(
+            functools.partial(moe_combine.combine_rows, top_k=2),
+            jax.ShapeDtypeStruct((64, 128), jnp.float16),
+            jax.ShapeDtypeStruct((64,), jnp.int32),
+        )
 
 
 @pytest.mark.parametrize("combine", moe_tuning.COMBINES)
@@ -385,8 +412,8 @@ def test_grouped_combines_agree(rand, combine):
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 def test_combine_rows_compiles_for_tpu(generation):
-    """Qwen3's 4096-token prefill (32,768 rows of 2048, bf16: read as 32-bit words on a chip) and gpt-oss's 2880-wide
-    rows at top-4 (f32 rows: copied as they are)."""
+    """Qwen3's 4096-token prefill (32,768 rows of 2048, bf16: read as 32-bit words on a chip), gpt-oss's 2880-wide
+    rows at top-4 (f32 rows: copied as they are) and DeepSeek-V3's 7168-wide rows (smaller token blocks)."""
     ladder.compile_for_tpu(
         functools.partial(moe_combine.combine_rows, top_k=8),
         generation,
@@ -400,6 +427,16 @@ def test_combine_rows_compiles_for_tpu(generation):
         ((4096, 2880), F32),
         ((4096,), jnp.int32),
         label="combine gpt-oss",
+    )
+    # DeepSeek-V3's rows (7168 wide, top-8): one bf16 tile of 16 tokens, row buffers of 7 MiB (the limit covers them)
+    assert moe_combine.default_tokens_per_block(8, 7168, BF16) == 16
+    assert moe_combine.default_tokens_per_block(8, 2048, BF16) == 32
+    ladder.compile_for_tpu(
+        functools.partial(moe_combine.combine_rows, top_k=8),
+        generation,
+        ((65536, 7168), BF16),
+        ((65536,), jnp.int32),
+        label="combine deepseek-v3",
     )
 
 

@@ -253,7 +253,7 @@ def _plan(
         intermediate=intermediate,
         gate_up_blocks=blocks.gate_up,
         down_blocks=blocks.down,
-        combine=tuning.combine_choice(blocks, rows * hidden * jnp.dtype(dtype).itemsize),
+        combine=tuning.combine_choice(blocks, rows, hidden, dtype),
     )
     return plan, layout
 

@@ -27,6 +27,7 @@ from ..common.blocks import LANES, check_tile, check_vmem_fit, sublane_multiple
 from ..common.quantization import is_quantized
 from ..ragged_dot import tuning as ragged_dot_tuning
 from ..ragged_dot.tuning import RaggedDotBlocks
+from . import combine
 from .small_batch import WeightStream
 
 SMALL_BATCH_MAX_TOKENS = {"v5e": 128, "v6e": 256, "v7x": 64}
@@ -109,12 +110,16 @@ def _from_dict(cls, value):
     return cls(**fields)
 
 
-def combine_choice(blocks: ExpertsBlocks, rows_bytes: int) -> str:
-    """The grouped path's combine for down-projection rows of `rows_bytes` in all: blocks.combine, else the table's
-    for the chip in use (XLA's gather up to COMBINE_KERNEL_MIN_BYTES)."""
+def combine_choice(blocks: ExpertsBlocks, rows: int, hidden: int, dtype) -> str:
+    """The grouped path's combine of `rows` down-projection rows of `hidden` in `dtype`: blocks.combine (the kernel
+    where it can serve them, else a ValueError naming the field), else the table's for the chip in use (XLA's gather
+    up to COMBINE_KERNEL_MIN_BYTES, and for rows the kernel cannot serve)."""
+    why = combine.unsupported(dtype, rows)
     if blocks.combine is not None:
+        if blocks.combine == "kernel" and why:
+            raise ValueError(f"blocks.combine: 'kernel' cannot serve these inputs: {why}")
         return blocks.combine
-    if rows_bytes <= COMBINE_KERNEL_MIN_BYTES:
+    if why or rows * hidden * jnp.dtype(dtype).itemsize <= COMBINE_KERNEL_MIN_BYTES:
         return "gather"
     return COMBINE.get(chip.generation_name(chip.current_tpu_info()), "gather")
 
