@@ -413,31 +413,22 @@ def test_grouped_combines_agree(rand, combine):
 @pytest.mark.parametrize("generation", ladder.GENERATIONS)
 def test_combine_rows_compiles_for_tpu(generation):
     """Qwen3's 4096-token prefill (32,768 rows of 2048, bf16: read as 32-bit words on a chip), gpt-oss's 2880-wide
-    rows at top-4 (f32 rows: copied as they are) and DeepSeek-V3's 7168-wide rows (smaller token blocks)."""
-    ladder.compile_for_tpu(
-        functools.partial(moe_combine.combine_rows, top_k=8),
-        generation,
-        ((32768, 2048), BF16),
-        ((32768,), jnp.int32),
-        label="combine qwen3",
-    )
-    ladder.compile_for_tpu(
-        functools.partial(moe_combine.combine_rows, top_k=4),
-        generation,
-        ((4096, 2880), F32),
-        ((4096,), jnp.int32),
-        label="combine gpt-oss",
-    )
-    # DeepSeek-V3's rows (7168 wide, top-8): one bf16 tile of 16 tokens, row buffers of 7 MiB (the limit covers them)
-    assert moe_combine.default_tokens_per_block(8, 7168, BF16) == 16
+    rows at top-4 (f32 rows: copied as they are) and DeepSeek-V3's 7168-wide rows at top-8 (one bf16 tile of 16
+    tokens a step, row buffers of 7 MiB: the scoped limit asked covers them)."""
     assert moe_combine.default_tokens_per_block(8, 2048, BF16) == 32
-    ladder.compile_for_tpu(
-        functools.partial(moe_combine.combine_rows, top_k=8),
-        generation,
-        ((65536, 7168), BF16),
-        ((65536,), jnp.int32),
-        label="combine deepseek-v3",
-    )
+    assert moe_combine.default_tokens_per_block(8, 7168, BF16) == 16
+    for label, top_k, rows, hidden, dtype in (
+        ("qwen3", 8, 32768, 2048, BF16),
+        ("gpt-oss", 4, 4096, 2880, F32),
+        ("deepseek-v3", 8, 65536, 7168, BF16),
+    ):
+        ladder.compile_for_tpu(
+            functools.partial(moe_combine.combine_rows, top_k=top_k),
+            generation,
+            ((rows, hidden), dtype),
+            ((rows,), jnp.int32),
+            label=f"combine {label}",
+        )
 
 
 def test_row_layout_groups_pairs_by_expert_in_token_order(rand):
