@@ -588,18 +588,21 @@ def test_mxfp4_widen_is_the_reference_bit_for_bit(rand):
     assert np.array_equal(back, np.asarray(reference), equal_nan=True)
 
 
-def test_mxfp4_rhs_matches_dequantized_reference(rand):
+@pytest.mark.parametrize("row_chunk", [None, 8])
+def test_mxfp4_rhs_matches_dequantized_reference(rand, row_chunk):
     """MXFP4 rhs (transformers' [G, N, K / 32, 16] uint8 blocks, e8m0 scales), widened in VMEM whole along K, against
     the reference on the dequantized rhs: f32 lhs (to f32 rounding), no epilogue, in a group window of an rhs holding
-    every group; rows outside the window and past the groups exactly zero. Its epilogue with biases: test_moe.py."""
+    every group; rows outside the window and past the groups exactly zero; the table's tiles, and tiles of 16 rows
+    in row chunks of 8. Its epilogue with biases: test_moe.py."""
     m, k, n, groups = 24, 128, 64, 4
     blocks = rand.integers(0, 256, (groups, n, k // 32, 16), jnp.uint8)
     scales = rand.integers(118, 125, (groups, n, k // 32), jnp.uint8)
     sizes = group_sizes(rand, groups, m - 3)
     kw = dict(rhs_transposed=True, group_offset=1, num_local_groups=2)
+    tiles = RaggedDotBlocks(forward=MatmulBlocks(tm=16, row_chunk=row_chunk)) if row_chunk else None
 
     def kernel(lhs, blocks, scales, sizes):
-        return tk.ragged_dot(lhs, blocks, sizes, rhs_scale=scales, **kw)
+        return tk.ragged_dot(lhs, blocks, sizes, rhs_scale=scales, blocks=tiles, **kw)
 
     def reference(lhs, blocks, scales, sizes):
         return ragged_dot_reference(lhs, mxfp4.dequantize(blocks, scales), sizes, **kw)
@@ -1077,6 +1080,16 @@ BAD_INPUTS = [
         ValueError,
         "blocks.forward.row_chunk: expected 0 or a divisor of tm = 16 that is a multiple of 8 (the sublane tile of "
         "float32), got 12",
+    ),
+    ladder.BadInput(
+        "blocks row chunk with k split",
+        lambda rand: dict(
+            lhs=rand.normal((32, 256)),
+            rhs=rand.normal((4, 256, 128)),
+            blocks=RaggedDotBlocks(forward=MatmulBlocks(tm=16, tk=128, row_chunk=8)),
+        ),
+        ValueError,
+        "blocks.forward.row_chunk: row chunks need all of K in one step (tk >= K = 256), got tk = 128",
     ),
     ladder.BadInput(
         "blocks row chunk bool",

@@ -47,7 +47,9 @@ TOKENS = 32
 BUFFER_BYTES = 4 << 20
 
 
-def _combine_kernel(pos_ref, next_pos_ref, shift_ref, rows_hbm, out_ref, buf, sem, *, top_k, tokens, words):
+def _combine_kernel(pos_ref, next_pos_ref, *refs, top_k, tokens, words):
+    # words: the rows' shifts come before them ([1, 1, pairs]: 16 for an even row, the word's low half; 0 for an odd)
+    shift_ref, rows_hbm, out_ref, buf, sem = refs if words else (None, *refs)
     block, blocks = pl.program_id(0), pl.num_programs(0)
     pairs = tokens * top_k
     src = rows_hbm.bitcast(jnp.uint32) if words else rows_hbm
@@ -75,8 +77,7 @@ def _combine_kernel(pos_ref, next_pos_ref, shift_ref, rows_hbm, out_ref, buf, se
     pltpu.make_async_copy(buf.at[slot], buf.at[slot], sem.at[slot]).wait()
     got = buf[slot]
     if words:
-        # shift_ref [1, 1, pairs]: 16 for an even row (the word's low half), 0 for an odd one; as a column.
-        shift = jnp.broadcast_to(shift_ref[0], (8, pairs)).T[:, :1]
+        shift = jnp.broadcast_to(shift_ref[0], (8, pairs)).T[:, :1]  # as a column
         got = pltpu.bitcast(jnp.left_shift(got, shift.astype(jnp.uint32)) & jnp.uint32(0xFFFF0000), jnp.float32)
     else:
         got = got.astype(jnp.float32)
@@ -116,9 +117,18 @@ def combine_rows(rows, position, top_k: int, *, tokens_per_block: int | None = N
     words = rows.dtype.itemsize == 2 and not interpret_mode_forced()
     # Token blocks past T read row 0 (their output rows fall outside the array and are dropped). The positions go
     # to SMEM a block at a time, [blocks, 1, pairs]: a rank-1 SMEM block would have to be a power of two >= 128.
-    position = jnp.pad(position.astype(jnp.int32), (0, blocks * pairs - pairs_total))
-    shift = jnp.where(position % 2 == 0, 16, 0).astype(jnp.int32).reshape(blocks, 1, pairs)
+    position = jnp.pad(position.astype(jnp.int32), (0, blocks * pairs - pairs_total)).reshape(blocks, 1, pairs)
     smem = functools.partial(pl.BlockSpec, memory_space=pltpu.SMEM)
+    in_specs = [
+        smem((1, 1, pairs), lambda b: (b, 0, 0)),
+        smem((1, 1, pairs), lambda b: (jnp.minimum(b + 1, blocks - 1), 0, 0)),
+    ]
+    operands = [position, position]
+    if words:
+        in_specs.append(pl.BlockSpec((1, 1, pairs), lambda b: (b, 0, 0)))
+        operands.append(jnp.where(position % 2 == 0, 16, 0).astype(jnp.int32))
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    operands.append(rows)
     buffer_dtype = jnp.uint32 if words else rows.dtype
     # The two row buffers, the output block twice and the f32 rows of a step's sum.
     working_set = 2 * pairs * hidden * 4 + 2 * tb * hidden * rows.dtype.itemsize + pairs * hidden * 4
@@ -126,12 +136,7 @@ def combine_rows(rows, position, top_k: int, *, tokens_per_block: int | None = N
         functools.partial(_combine_kernel, top_k=top_k, tokens=tb, words=words),
         out_shape=out_struct((tokens, hidden), rows.dtype, rows, position),
         grid=(blocks,),
-        in_specs=[
-            smem((1, 1, pairs), lambda b: (b, 0, 0)),
-            smem((1, 1, pairs), lambda b: (jnp.minimum(b + 1, blocks - 1), 0, 0)),
-            pl.BlockSpec((1, 1, pairs), lambda b: (b, 0, 0)),
-            pl.BlockSpec(memory_space=pl.ANY),
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((tb, hidden), lambda b: (b, 0)),
         scratch_shapes=[pltpu.VMEM((2, pairs, hidden), buffer_dtype), pltpu.SemaphoreType.DMA((2,))],
         # The next block's copies start in this step: the steps run in order on one core.
@@ -140,4 +145,4 @@ def combine_rows(rows, position, top_k: int, *, tokens_per_block: int | None = N
             vmem_limit_bytes=chip.scoped_vmem_limit(chip.current_tpu_info(), working_set),
         ),
         name="moe_combine_rows",
-    )(position.reshape(blocks, 1, pairs), position.reshape(blocks, 1, pairs), shift, rows)
+    )(*operands)

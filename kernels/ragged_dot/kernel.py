@@ -255,9 +255,12 @@ def _forward_kernel(
     def weights():
         return [r[...] for r in weight_refs]
 
-    def mxfp4_dots():
+    def lhs(rows):  # the tile's rows, or a row chunk's
+        return lhs_ref[...] if rows is None else lhs_ref[rows, :]
+
+    def mxfp4_dots(rows):
         # lhs arrives in the planes' column order (mxfp4.plane_order): plane p meets its K / 4 columns.
-        x = lhs_ref[...].astype(compute_dtype)
+        x = lhs(rows).astype(compute_dtype)
         quarter = x.shape[1] // 4
         outs = []
         for w_ref, s_ref in zip(weight_refs, block_scale_refs):
@@ -278,9 +281,8 @@ def _forward_kernel(
 
     def dots(rows=None):
         if mxfp4_blocks:
-            return mxfp4_dots()
-        x = lhs_ref[...] if rows is None else lhs_ref[rows, :]
-        x = mask_k(x.astype(compute_dtype), 1)
+            return mxfp4_dots(rows)
+        x = mask_k(lhs(rows).astype(compute_dtype), 1)
         outs = []
         for w in weights():
             # Quantized weights (int8 / e4m3) are widened here, in VMEM: exact in bf16 up to rhs_factor (a power of
@@ -348,7 +350,7 @@ def _forward_kernel(
             def _():
                 out_ref[...] = jnp.where(mask, rc, out_ref[...])
 
-    if tiles_k == 1 and 0 < row_chunk < tm and not mxfp4_blocks:
+    if tiles_k == 1 and 0 < row_chunk < tm:
         # A visit computes only the chunks of row_chunk rows of its tile that hold its rows, c0 .. c1 (exclusive): a
         # tile straddling groups costs each group's visit its own rows' MXU passes, not the whole tile's. One branch
         # per chunk count, each a matmul of static size at an aligned offset.

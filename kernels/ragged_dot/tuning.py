@@ -286,6 +286,12 @@ def choose_blocks(
     ws = working_set(*chosen)
     limit = _vmem_limit(owner, ws, fixed.vmem_limit_bytes, info, checked=fixed != MatmulBlocks())
     row_chunk = _row_chunk(owner, fixed.row_chunk, tm, sub, ROW_CHUNK.get(gen, 0), lhs_dtype, out_dtype)
+    if row_chunk and chosen[0] < k:
+        if fixed.row_chunk:
+            raise ValueError(
+                f"{owner}.row_chunk: row chunks need all of K in one step (tk >= K = {k}), got tk = {chosen[0]}"
+            )
+        row_chunk = 0
     return MatmulBlocks(tm=tm, tk=chosen[0], tn=chosen[1], vmem_limit_bytes=limit, row_chunk=row_chunk)
 
 
