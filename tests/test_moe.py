@@ -1317,6 +1317,10 @@ def test_export_for_tpu():
     ladder.export_for_tpu(api.experts_forward, *args, *biases, activation="silu")
     grad = jax.grad(lambda *a: ladder.vjp_loss(api.experts_forward(*a, activation="silu")), argnums=(0, 2, 3, 4))
     ladder.export_for_tpu(grad, *args)
+    # the grouped path with the combine kernel, forward and gradient
+    combined = functools.partial(api.experts_forward, blocks=ExpertsBlocks(path="grouped", combine="kernel"))
+    ladder.export_for_tpu(combined, *args)
+    ladder.export_for_tpu(jax.grad(lambda *a: ladder.vjp_loss(combined(*a)), argnums=(0, 2)), *args)
 
 
 # gpt-oss-20b's experts: hidden 2880, intermediate 2880 (not a multiple of 128: the grouped path's gate/up output

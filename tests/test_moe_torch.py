@@ -177,7 +177,7 @@ def test_experts_forward_matches_dense_experts_with_sentinels(rand, has_bias, is
     torch.testing.assert_close(out, _dense_experts(experts, x, index, weights), rtol=1e-5, atol=1e-5)
 
 
-def _op_args(experts, x, index, weights):
+def _op_args(experts, x, index, weights, blocks=""):
     return (
         x,
         index.int(),
@@ -191,17 +191,21 @@ def _op_args(experts, x, index, weights):
         "silu",
         "concatenated",
         False,
-        "",
+        blocks,
     )
 
 
-def test_experts_forward_op_checks(rand):
+# The table's path, and the grouped path with the combine kernel (its own custom gradient).
+OP_CHECK_BLOCKS = {"table": None, "grouped-combine-kernel": moe_ops.ExpertsBlocks(path="grouped", combine="kernel")}
+
+
+@pytest.mark.parametrize("blocks", list(OP_CHECK_BLOCKS.values()), ids=list(OP_CHECK_BLOCKS))
+def test_experts_forward_op_checks(rand, blocks):
     experts = _experts_module(rand, has_bias=True)
     x = _randn(rand, 6, 128).requires_grad_()
     index, weights = _routing(rand, 6, experts.num_experts, 2)
-    ladder.check_torch_op(
-        moe_ops.experts_forward_op, _op_args(experts, x, index, weights.requires_grad_()), expected_shapes=[(6, 128)]
-    )
+    args = _op_args(experts, x, index, weights.requires_grad_(), moe_ops.experts_blocks_json(blocks))
+    ladder.check_torch_op(moe_ops.experts_forward_op, args, expected_shapes=[(6, 128)])
 
 
 def test_experts_forward_derived_backward_op_checks(rand):

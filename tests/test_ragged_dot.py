@@ -1196,6 +1196,12 @@ def test_export_for_tpu():
     ladder.export_for_tpu(
         api.ragged_dot, lhs, rhs_t, sizes, rhs_transposed=True, activation="gelu_tanh", gated="interleaved"
     )
+    ladder.export_for_tpu(  # row chunks of partial visits
+        functools.partial(_gate_up, activation="silu", blocks=RaggedDotBlocks(forward=MatmulBlocks(row_chunk=32))),
+        lhs,
+        rhs_t,
+        sizes,
+    )
     ladder.export_for_tpu(
         lambda l, r, s, o: api.ragged_dot(l, r, s, group_offset=o, num_local_groups=16),
         lhs,

@@ -23,6 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..common import chip
 from ..common.blocks import sublane_multiple
+from ..common.index_math import div_nonnegative, rem_nonnegative
 from ..common.interpret import interpret_mode_forced
 from ..common.manual_axes import out_struct
 
@@ -57,7 +58,7 @@ def _combine_kernel(pos_ref, next_pos_ref, *refs, top_k, tokens, words):
     def start(positions, slot):
         def copy(i, carry):
             r = positions[0, 0, i]
-            row = r // 2 if words else r
+            row = div_nonnegative(r, 2) if words else r
             pltpu.make_async_copy(src.at[pl.ds(row, 1)], buf.at[slot, pl.ds(i, 1)], sem.at[slot]).start()
             return carry
 
@@ -69,9 +70,9 @@ def _combine_kernel(pos_ref, next_pos_ref, *refs, top_k, tokens, words):
 
     @pl.when(block + 1 < blocks)
     def _():
-        start(next_pos_ref, (block + 1) % 2)
+        start(next_pos_ref, rem_nonnegative(block + 1, 2))
 
-    slot = block % 2
+    slot = rem_nonnegative(block, 2)
     # One wait for the whole buffer: the semaphore counts the bytes of every row copy into it (a descriptor of the
     # buffer's size; its source is not read).
     pltpu.make_async_copy(buf.at[slot], buf.at[slot], sem.at[slot]).wait()

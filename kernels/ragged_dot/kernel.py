@@ -39,6 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..common import mxfp4, quantization
 from ..common.activation import apply_activation, apply_gating, deinterleaved_gating
+from ..common.index_math import div_nonnegative
 from ..common.manual_axes import out_struct
 from . import metadata
 from .metadata import (
@@ -355,8 +356,8 @@ def _forward_kernel(
         # tile straddling groups costs each group's visit its own rows' MXU passes, not the whole tile's. One branch
         # per chunk count, each a matmul of static size at an aligned offset.
         base = tile * tm
-        c0 = (jnp.maximum(lo, base) - base) // row_chunk
-        c1 = (jnp.minimum(hi, base + tm) - base + row_chunk - 1) // row_chunk
+        c0 = div_nonnegative(jnp.maximum(lo, base) - base, row_chunk)
+        c1 = div_nonnegative(jnp.minimum(hi, base + tm) - base + row_chunk - 1, row_chunk)
         chunks = tm // row_chunk
 
         @pl.when(jnp.logical_and(has_rows, c1 - c0 == chunks))
