@@ -44,8 +44,17 @@ def small_blocks(dtype) -> RaggedDotBlocks:
     )
 
 
-# What each block regime passes as blocks=: the tuning table's choice, or the tiny tiles.
-BLOCK_REGIMES = {"tuned_blocks": lambda dtype: None, "small_blocks": small_blocks}
+def row_chunk_blocks(dtype) -> RaggedDotBlocks:
+    """Tiles of two row chunks of one sublane tile each, all of K in one step, for the forward, the recomputation and
+    the lhs gradient (the forward kernel with rhs read the other way): at test sizes most tiles are shared by groups,
+    so every visit runs a chunked branch."""
+    sub = sublane_multiple(dtype)
+    chunked = MatmulBlocks(tm=2 * sub, tn=128, row_chunk=sub)
+    return RaggedDotBlocks(forward=chunked, recompute=chunked, lhs_grad=chunked)
+
+
+# What each block regime passes as blocks=: the tuning table's choice, the tiny tiles, or tiles in row chunks.
+BLOCK_REGIMES = {"tuned_blocks": lambda dtype: None, "small_blocks": small_blocks, "row_chunks": row_chunk_blocks}
 
 
 def group_sizes(rand, groups, fill):
@@ -483,7 +492,13 @@ ROW_SCALE_CASES = [
 ]
 # The plain kernel with small blocks (f32 8-row, 128-wide tiles: 3 m tiles, 2 n tiles, groups straddling tiles, one
 # empty, 3 tail rows), the epilogue paths with the table's.
-ROW_SCALE_REGIMES = [(ROW_SCALE_CASES[0], "small_blocks")] + [(c, "tuned_blocks") for c in ROW_SCALE_CASES[1:]]
+# Row chunks (the v5e table's choice at prefill sizes) in the forward and backward kernels: the bf16 epilogue and the
+# f32 interleaved one.
+ROW_SCALE_REGIMES = (
+    [(ROW_SCALE_CASES[0], "small_blocks")]
+    + [(c, "tuned_blocks") for c in ROW_SCALE_CASES[1:]]
+    + [(c, "row_chunks") for c in ROW_SCALE_CASES[1:]]
+)
 
 
 @pytest.mark.parametrize("case,regime", ROW_SCALE_REGIMES, ids=[f"{c[0]}-{r}" for c, r in ROW_SCALE_REGIMES])

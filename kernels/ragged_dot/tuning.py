@@ -13,6 +13,8 @@ tk covers all of K (its block index does not change, so the pipeline does not re
   tm <= M / (2 * groups), clamped to [TM_MIN, TM_MAX]; when M fits in one tile, tm = M. The floor TM_MIN = 128
   exists because each visit pushes a whole weight block through the MXU whatever its row count (see choose_tm);
   weights read transposed have a floor of 256 on v6e/v7x (TM_MIN_TRANSPOSED: the block's transpose must hide).
+  Where the generation cuts tiles into row chunks (ROW_CHUNKS_PER_TILE), a shared tile costs about its rows once and
+  tm <= M / groups instead.
 
 The working set (double-buffered lhs, weight and output blocks, the f32 accumulator and the body's f32 temporaries)
 must fit VMEM_SHARE of the core's VMEM; tk shrinks first (to a divisor of K that is a multiple of 128), then tn.
@@ -45,14 +47,23 @@ VMEM_SHARE = {"v5e": 0.35, "v6e": 0.35, "v7x": 0.4}
 VMEM_SLACK_BYTES = 2 << 20
 # f32 (tm, tn) temporaries live in the kernel body besides the accumulator (dot result, epilogue values).
 F32_TEMPORARIES = 3
-# Row chunks of the forward kernel's partial visits (kernel.py; 0: every visit multiplies its whole tile). Measured on
-# the v5e (Qwen3 gate/up, 32,768 rows, device time): random routing 1,963 us at tm 128 against 1,363 us for the same
-# rows in groups that never straddle a tile; the straddling visits each multiply the whole tile. Chunked visits are
-# off until measured on the chip (the performance model does not time the per-count branches: it has the unchunked
-# kernel at 2.4x its measured time here); `python -m benchmarks --sweep --kernel ragged_dot` times both.
-ROW_CHUNK = {"v5e": 0, "v6e": 0, "v7x": 0}
-# The chunk the sweep tries: two bf16 sublane tiles.
-SWEEP_ROW_CHUNK = 32
+# Row chunks of the forward kernel's partial visits (kernel.py): a visit to a tile it shares with other groups
+# multiplies only the chunks holding its rows. With random routing most tiles are shared, and each visit multiplied
+# the whole tile: Qwen3's gate/up at 32,768 rows took 1,963 us at tm 128 against 1,363 us for the same rows in groups
+# that never straddle a tile. The table cuts a tile into ROW_CHUNKS_PER_TILE chunks (0: whole tiles) and, as a
+# straddled tile then costs about its rows once, lets tm grow to a group's average rows (choose_tm). Measured on the
+# v5e (device time, `--sweep --kernel ragged_dot --full --shape phase=prefill`, Qwen3 / Gemma 4 expert shapes):
+# at 32,768 rows whole tiles of 128 take gate/up 1,965 / 2,467 us and down 1,596 / 1,762; tiles of 256 in 4 chunks
+# 1,460 / 1,994 and 1,165 / 1,563 (1.21-1.37x); at 131,072 rows (tm 256 either way) 0.99-1.15x whole tiles; at
+# 4,096 rows (tm 128) 1.00-1.10x. v6e and v7x stay on whole tiles until measured there (the performance model does
+# not time the per-count branches).
+ROW_CHUNKS_PER_TILE = {"v5e": 4, "v6e": 0, "v7x": 0}
+# One branch per chunk count, each its own unrolled matmul: past a point the kernel's code outgrows the core and every
+# visit slows severalfold (measured v5e: 4.6e9 multiply-adds over the branches, Gemma 4's gate/up in 8 chunks of 32,
+# 7,495 us against 2,269 at 4 chunks of 32; 3.6e9, Qwen3's, 1,414 us). The table keeps whole tiles beyond this.
+ROW_CHUNK_BRANCH_MACS_MAX = 4_000_000_000
+# The chunks the sweep tries: one, two and four bf16 sublane tiles.
+SWEEP_ROW_CHUNKS = (16, 32, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,9 +195,11 @@ def stored_minor_to_major_swapped(rows: int, cols: int) -> bool:
     return _padded_tiles(cols, rows) < _padded_tiles(rows, cols)
 
 
-def choose_tm(m: int, num_groups: int, dtype, generation: str, rhs_transposed: bool = False) -> int:
+def choose_tm(m: int, num_groups: int, dtype, generation: str, rhs_transposed: bool = False, chunked=False) -> int:
+    """Rows per m tile. Whole-tile visits: about half a group's average rows (a tile shared by groups is multiplied
+    once per group); `chunked` visits (row chunks) pay about a shared tile's rows once, so a group's average."""
     sub = sublane_multiple(dtype)
-    tm = pow2_floor(max(1, m // max(1, 2 * num_groups)))
+    tm = pow2_floor(max(1, m // max(1, num_groups if chunked else 2 * num_groups)))
     # At least TM_MIN rows: every visit pushes its group's whole weight block through the MXU, which costs the same
     # for 16 rows as for 128, so small tiles multiply that cost by the visits (tiles + groups - 1) while the masked
     # rows they save are nearly free. Modeled v6e (random top-8 of 128 experts), with the floor against the M / (2 *
@@ -266,41 +279,67 @@ def choose_blocks(
             f"{owner}.tn: expected a divisor of the gated output width {n} (the up half's blocks start at a whole "
             f"block), got {fixed.tn}"
         )
-    if tm is None:
-        tm = choose_tm(m, num_groups, lhs_dtype, gen, rhs_transposed)
     budget = int(info.vmem_capacity_bytes * VMEM_SHARE[gen])
     streams = 2 if gated else 1
 
-    def working_set(tk, tn):
-        return forward_working_set(
-            tm, tk, tn, k=k, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype, out_dtype=out_dtype, streams=streams
+    def fit(tm):
+        """(tk, tn) for tiles of tm rows: the first pair of the options that fits the VMEM budget."""
+        tn_options = [tn] if tn is not None else _tn_options(n, gen, gated, half_n)
+        tk_options = [tk] if tk is not None else _tk_options(k, gen)
+        fits = (
+            (tk_, tn_)
+            for tk_ in tk_options  # tk = K first: consecutive visits of a group share the weight block (no refetch)
+            for tn_ in tn_options
+            if forward_working_set(
+                tm, tk_, tn_, k=k, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype, out_dtype=out_dtype, streams=streams
+            )
+            <= budget
         )
+        return next(fits, (tk_options[-1], tn_options[-1]))
 
-    tn_options = [tn] if tn is not None else _tn_options(n, gen, gated, half_n)
-    tk_options = [tk] if tk is not None else _tk_options(k, gen)
-    # tk = K first: it lets consecutive visits of a group share the weight block (no refetch per m tile).
-    chosen = next(
-        ((tk, tn) for tk in tk_options for tn in tn_options if working_set(tk, tn) <= budget),
-        (tk_options[-1], tn_options[-1]),
-    )
-    ws = working_set(*chosen)
-    limit = _vmem_limit(owner, ws, fixed.vmem_limit_bytes, info, checked=fixed != MatmulBlocks())
-    row_chunk = _row_chunk(owner, fixed.row_chunk, tm, sub, ROW_CHUNK.get(gen, 0), lhs_dtype, out_dtype)
-    if row_chunk and chosen[0] < k:
-        if fixed.row_chunk:
+    _check_row_chunk_type(owner, fixed.row_chunk)
+    chunks = ROW_CHUNKS_PER_TILE.get(gen, 0) if fixed.row_chunk is None else 0
+    if tm is None:
+        tm = choose_tm(m, num_groups, lhs_dtype, gen, rhs_transposed, chunked=bool(chunks or fixed.row_chunk))
+    chosen = fit(tm)
+    if fixed.row_chunk is None:
+        row_chunk = _table_row_chunk(tm, sub, chunks, k, chosen, streams)
+        if not row_chunk and chunks and fixed.tm is None:
+            # the table would chunk but cannot here: whole tiles take the smaller tm of unchunked visits
+            tm = choose_tm(m, num_groups, lhs_dtype, gen, rhs_transposed)
+            chosen = fit(tm)
+    else:
+        row_chunk = _given_row_chunk(owner, fixed.row_chunk, tm, sub, lhs_dtype, out_dtype)
+        if row_chunk and chosen[0] < k:
             raise ValueError(
                 f"{owner}.row_chunk: row chunks need all of K in one step (tk >= K = {k}), got tk = {chosen[0]}"
             )
-        row_chunk = 0
+    ws = forward_working_set(
+        tm, *chosen, k=k, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype, out_dtype=out_dtype, streams=streams
+    )
+    limit = _vmem_limit(owner, ws, fixed.vmem_limit_bytes, info, checked=fixed != MatmulBlocks())
     return MatmulBlocks(tm=tm, tk=chosen[0], tn=chosen[1], vmem_limit_bytes=limit, row_chunk=row_chunk)
 
 
-def _row_chunk(owner: str, given, tm: int, sub: int, table: int, lhs_dtype, out_dtype) -> int:
-    """The forward's row chunk: the caller's (checked) or the table's where it divides tm in whole sublane tiles."""
-    if given is None:
-        return table if table and table < tm and tm % table == 0 and table % sub == 0 else 0
-    if isinstance(given, bool) or not isinstance(given, int) or given < 0:
+def _table_row_chunk(tm: int, sub: int, chunks: int, k: int, chosen, streams: int) -> int:
+    """The table's row chunk: tm / chunks where that is whole sublane tiles, all of K is one step, and the branches'
+    matmuls (one per chunk count, 1 + 2 + ... + chunks chunks of rows, each by K by the output columns) stay within
+    ROW_CHUNK_BRANCH_MACS_MAX; otherwise 0 (whole tiles)."""
+    if chunks < 2 or tm % chunks or (tm // chunks) % sub:
+        return 0
+    chunk = tm // chunks
+    tk, tn = chosen
+    branch_macs = chunks * (chunks + 1) // 2 * chunk * k * tn * streams
+    return chunk if tk >= k and branch_macs <= ROW_CHUNK_BRANCH_MACS_MAX else 0
+
+
+def _check_row_chunk_type(owner: str, given) -> None:
+    if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 0):
         raise TypeError(f"{owner}.row_chunk: expected a non-negative int (0: whole tiles), got {given!r}")
+
+
+def _given_row_chunk(owner: str, given: int, tm: int, sub: int, lhs_dtype, out_dtype) -> int:
+    """A caller's row chunk, checked: 0, or a divisor of tm in whole sublane tiles (tm itself means whole tiles)."""
     if given and (given % sub or tm % given):
         raise ValueError(
             f"{owner}.row_chunk: expected 0 or a divisor of tm = {tm} that is a multiple of {sub} (the sublane tile "
@@ -351,8 +390,9 @@ def candidate_blocks(
         moves.append(MatmulBlocks(tk=smaller_k[0]))
     elif table.tk < k:
         moves.append(MatmulBlocks(tk=k))
-    if table.tk >= k:  # row chunks the other way (only with all of K in one step)
-        moves.append(MatmulBlocks(tm=table.tm, row_chunk=0 if table.row_chunk else SWEEP_ROW_CHUNK))
+    if table.tk >= k:  # whole tiles and each sweep chunk (only with all of K in one step), at tm and at 2 tm
+        for tm in (table.tm, table.tm * 2):
+            moves += [MatmulBlocks(tm=tm, row_chunk=chunk) for chunk in (0, *SWEEP_ROW_CHUNKS) if chunk < tm]
     candidates = [table]
     for move in moves:
         try:
