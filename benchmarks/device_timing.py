@@ -39,6 +39,10 @@ CALLS = 20  # timed executions per program (the median is stable to ~1 % from 20
 # several times its unloaded time. The compile threads also run at a lower priority (COMPILE_NICE) than it.
 COMPILE_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 COMPILE_NICE = 10
+# Seconds a case waits for one implementation's compile before it goes on without it (reported as an error): a
+# baseline whose compile runs for minutes (JAX's ragged paged attention at its default blocks and head dim 512 took
+# ~2 min) would otherwise stall the whole run with no figure and no reason.
+COMPILE_TIMEOUT_S = 180.0
 
 
 def _lower_priority() -> None:
@@ -370,7 +374,10 @@ def _prepare_case(position, case, plan: _Plan, make_args) -> _Prepared:
                 phases["export_s"] += export_s
             start = time.perf_counter()
             try:
-                compiled, name, lowering, compiling = plan.compiles[key].result()
+                compiled, name, lowering, compiling = plan.compiles[key].result(timeout=COMPILE_TIMEOUT_S)
+            except concurrent.futures.TimeoutError:
+                # the compile thread cannot be stopped; the case goes on without this implementation
+                raise TimeoutError(f"compile still running after {COMPILE_TIMEOUT_S:.0f} s: not timed") from None
             finally:  # a compile that fails counts too (an out-of-memory compile can take a minute to say so)
                 phases["compile_wait_s"] += time.perf_counter() - start
             start = time.perf_counter()

@@ -157,6 +157,22 @@ def test_jax_ragged_paged_attention_gets_the_scoped_vmem_our_kernels_may_take():
 
 
 @pytest.mark.cpu_only
+def test_jax_ragged_paged_attention_default_blocks_are_capped_where_its_table_has_none():
+    """Where JAX's tuned table has no entry (here: the CPU's kind), its default of 128 pages a block is capped to
+    RPA_DEFAULT_BLOCK_KEY_ELEMENTS keys x head dim: Gemma 4's full layers (head dim 512) take 32 pages of 64 (at 64,
+    one compile took minutes), Qwen3's (head dim 128) all 64 of a 4096-token sequence, as JAX's default gives."""
+    from benchmarks.ops import paged_attention as pa_ops
+
+    def blocks(head_dim, q_heads, kv_heads, dtype):
+        q = jax.ShapeDtypeStruct((8, q_heads, head_dim), jnp.bfloat16)
+        pages = jax.ShapeDtypeStruct((600, 64, 2 * kv_heads, head_dim), dtype)
+        return pa_ops._rpa_blocks(q, pages, jax.ShapeDtypeStruct((8, 64), jnp.int32))
+
+    assert blocks(512, 16, 2, jnp.float8_e4m3fn) == (32, 8)
+    assert blocks(128, 32, 4, jnp.float8_e4m3fn) == (64, 8)
+    assert blocks(256, 16, 8, jnp.bfloat16) == (64, 8)
+
+
 def test_large_inputs_are_drawn_in_chunks_whose_bits_bound_the_temporaries(monkeypatch):
     """An array of more than inputs.CHUNK_ELEMENTS is drawn in chunks of leading rows, each with a key of its own (the
     rbg PRNG's bits are written out whole: a 1.5 GiB bf16 cache held 3 GiB of temporaries compiled for the v5e, and the

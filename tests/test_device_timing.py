@@ -268,6 +268,30 @@ def test_implementations_whose_inputs_fail_show_why_and_the_others_run(fake_chip
     assert fake_chip == [[n for n in fake_chip[0]]] and len(fake_chip[0]) == 1  # the kernel alone was traced
 
 
+def test_an_implementation_whose_compile_outlasts_the_timeout_says_so_and_the_others_run(fake_chip, monkeypatch):
+    """A compile still running after COMPILE_TIMEOUT_S (a baseline taking minutes) leaves its implementation out with
+    the reason, and the case's other implementations are timed: the run is not stalled."""
+    import threading
+
+    compile_one = device_timing._compile
+    release = threading.Event()
+
+    def default_hangs(lowered, name, lower_s, log=None, key=None, submitted=0.0):
+        if key is not None and key[1] == "default":
+            release.wait(30)  # held until the test ends (a compile thread cannot be stopped)
+        return compile_one(lowered, name, lower_s, log, key, submitted)
+
+    monkeypatch.setattr(device_timing, "_compile", default_hangs)
+    monkeypatch.setattr(device_timing, "COMPILE_TIMEOUT_S", 0.5)
+    try:
+        stats = device_timing.run(SUITE.cases(), measured.case_arrays, kernel_label="k", default_label="d", calls=2)
+    finally:
+        release.set()
+    case_id = SUITE.cases()[0].id
+    assert stats[(case_id, "default")] == {"error": "TimeoutError: compile still running after 0 s: not timed"}
+    assert stats[(case_id, "kernel")]["median_s"] > 0
+
+
 def test_the_run_says_which_input_builders_fell_back_to_eager_building(fake_chip, monkeypatch):
     """A case's input builder that fails to compile as one program: its inputs are built eagerly (each op's small
     compile on the chip's thread), and the run says so, with why."""

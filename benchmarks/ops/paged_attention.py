@@ -392,9 +392,18 @@ def _device_kind() -> str:
     return (dev if dev is not None and not isinstance(dev, str) else jax.devices()[0]).device_kind
 
 
+# Keys x head dim of one block of JAX's ragged paged attention where its tuned table has no entry. Its default block
+# (128 pages, capped at the sequence's) unrolls the whole block's cache unpacking: at Gemma 4's full layers (head dim
+# 512, float8 cache, 64 pages of 64) one compile took ~2 minutes and 5.8 GB of host memory (deviceless for v5e; 22 s
+# at 32 pages, 6 s at 16), and stalled a benchmark run on the chip. Qwen3's (head dim 128) and Gemma 4's sliding
+# layers (256) keep the default's 64 pages.
+RPA_DEFAULT_BLOCK_KEY_ELEMENTS = 1 << 20
+
+
 def _rpa_blocks(q, kv_pages, page_indices) -> tuple[int, int]:
     """(num_kv_pages_per_block, num_queries_per_block) from JAX's own tuned table for the traced-for chip (its lookup
-    asks jax.devices(), which is the CPU under the model's deviceless trace); its defaults where the table has none."""
+    asks jax.devices(), which is the CPU under the model's deviceless trace); its defaults where the table has none,
+    the pages capped to RPA_DEFAULT_BLOCK_KEY_ELEMENTS keys x head dim."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa_kernel
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tuned
 
@@ -413,7 +422,11 @@ def _rpa_blocks(q, kv_pages, page_indices) -> tuple[int, int]:
         )
     )
     name = " ".join(_device_kind().split()[:2])
-    bkv, bq = tuned.TUNED_BLOCK_SIZES.get(name, {}).get(key, (128, 32))
+    tuned_blocks = tuned.TUNED_BLOCK_SIZES.get(name, {}).get(key)
+    if tuned_blocks is None:
+        page_size, head_dim = kv_pages.shape[1], q.shape[2]
+        tuned_blocks = (min(128, max(1, RPA_DEFAULT_BLOCK_KEY_ELEMENTS // (page_size * head_dim))), 32)
+    bkv, bq = tuned_blocks
     return min(pages_per_seq, bkv), min(q.shape[0], bq)
 
 
