@@ -194,7 +194,7 @@ FLASH_ATTENTION_QUICK = _attention_sweep(FLASH_ATTENTION_QUICK_SEQS, ())
 
 # ------------------------------------------------------------------------------------------------- paged attention
 # One serving step over a paged KV cache (benchmarks/ops/paged_attention.py): the attention layers of Qwen3-30B-A3B,
-# Gemma 4's sliding (window 1024) and full layers; page sizes 16, 64, 256; bf16 and fp8 (e4m3) caches (the Shape's
+# Gemma 4's sliding (window 1024) and full layers; page sizes 16, 32, 64, 128, 256; bf16 and fp8 (e4m3) caches (the Shape's
 # dtype is the cache's; q is bf16). decode: `batch` sequences of one token at `context`; mixed: 60 decodes and 4
 # prefill chunks of 512 (`tokens` = 2108 query tokens of 64 sequences), every context `context`.
 PAGED_ATTENTION_MODELS = {
@@ -204,7 +204,7 @@ PAGED_ATTENTION_MODELS = {
 }
 PAGED_ATTENTION_BATCHES = (1, 8, 32, 64, 128, 256)
 PAGED_ATTENTION_CONTEXTS = (1024, 4096, 32768)
-PAGED_ATTENTION_PAGES = (16, 64, 256)
+PAGED_ATTENTION_PAGES = (16, 32, 64, 128, 256)
 PAGED_ATTENTION_DTYPES = ("bfloat16", "float8_e4m3fn")
 PAGED_ATTENTION_MIXED = {"decodes": 60, "prefill_chunks": 4, "chunk": 512}
 PAGED_ATTENTION_MIXED_TOKENS = PAGED_ATTENTION_MIXED["decodes"] + 4 * 512
