@@ -365,8 +365,9 @@ def candidate_blocks(
     """Legal forward-kernel blocks worth modeling at this shape (choose_blocks' arguments), the table's choice first.
 
     Each other candidate moves one tile a step from the table's choice and lets the table re-fit the rest to its
-    VMEM budget: tm halved and doubled (masking waste against per-visit cost), the next wider and narrower tn (step
-    size against lhs re-reads), and tk split (when the table keeps all of K) or all of K (when it splits it).
+    VMEM budget: tm halved and doubled (masking waste against per-visit cost), the next wider and narrower tn and all
+    of N (step size against lhs re-reads), tk split (when the table keeps all of K) or all of K (when it splits it),
+    and with all of K whole tiles and each of SWEEP_ROW_CHUNKS at tm and at 2 tm.
     """
     info = info or chip.current_tpu_info()
     gen = _generation(info)
@@ -385,6 +386,8 @@ def candidate_blocks(
     at = tn_options.index(table.tn) if table.tn in tn_options else 0
     moves = [MatmulBlocks(tm=table.tm // 2), MatmulBlocks(tm=table.tm * 2)]
     moves += [MatmulBlocks(tn=tn_options[i]) for i in (at - 1, at + 1) if 0 <= i < len(tn_options)]
+    if table.tn < n:  # all of N in one block, past the table's widest (lhs read once; a wide block's step cost)
+        moves.append(MatmulBlocks(tn=n))
     smaller_k = [t for t in _tk_options(k, gen) if t < k]
     if table.tk >= k and smaller_k:
         moves.append(MatmulBlocks(tk=smaller_k[0]))
