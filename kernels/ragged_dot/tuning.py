@@ -59,9 +59,11 @@ F32_TEMPORARIES = 3
 # not time the per-count branches).
 ROW_CHUNKS_PER_TILE = {"v5e": 4, "v6e": 0, "v7x": 0}
 # One branch per chunk count, each its own unrolled matmul: past a point the kernel's code outgrows the core and every
-# visit slows severalfold (measured v5e: 4.6e9 multiply-adds over the branches, Gemma 4's gate/up in 8 chunks of 32,
-# 7,495 us against 2,269 at 4 chunks of 32; 3.6e9, Qwen3's, 1,414 us). The table keeps whole tiles beyond this.
-ROW_CHUNK_BRANCH_MACS_MAX = 4_000_000_000
+# visit slows severalfold (measured v5e: 4.6e9 multiply-adds over the branches, Gemma 4's gate/up in 8 chunks of 32
+# at tm 256, 7,495 us against 2,269 in 4 chunks of 32 at tm 128; 3.6e9, Qwen3's gate/up in 8 chunks of 32 at tm 256,
+# 1,414 us, as fast as any tiling). The table keeps whole tiles past the largest count measured to run well
+# (gpt-oss's gate/up, 3.8e9 in 4 chunks of 64 at tm 256, keeps them until measured).
+ROW_CHUNK_BRANCH_MACS_MAX = (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8) * 32 * 2048 * (2 * 768)
 # The chunks the sweep tries: one, two and four bf16 sublane tiles.
 SWEEP_ROW_CHUNKS = (16, 32, 64)
 
