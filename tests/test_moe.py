@@ -343,6 +343,19 @@ def test_combine_rows(rand, tokens, top_k, hidden, dtype, block):
     ladder.assert_close(out, expected, dtype=dtype, what="combined rows")
 
 
+def test_combine_rows_never_reads_outside_its_rows(rand):
+    """Positions outside [0, R) (which the grouped path's permutation never gives) are clamped into the rows: the
+    kernel runs without Mosaic's bounds checks, and its copies still read nothing past the array."""
+    tokens, top_k, hidden = 16, 4, 256
+    rows = rand.normal((tokens * top_k, hidden), BF16)
+    position = np.asarray(rand.rng.permutation(tokens * top_k), np.int32)
+    position[[3, 17, 40]] = [-5, tokens * top_k, 1 << 30]
+    out = ladder.run_kernel(functools.partial(moe_combine.combine_rows, top_k=top_k), rows, jnp.asarray(position))
+    clamped = np.clip(position, 0, tokens * top_k - 1)
+    expected = np.asarray(rows, np.float32)[clamped].reshape(tokens, top_k, hidden).sum(axis=1)
+    ladder.assert_close(out, expected, dtype=BF16, what="combined rows at clamped positions")
+
+
 @pytest.mark.cpu_only
 def test_combine_rows_block_must_be_whole_sublane_tiles():
     rows = jax.ShapeDtypeStruct((64, 256), BF16)
