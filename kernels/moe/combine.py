@@ -5,9 +5,9 @@ the row of each (token, slot) pair. XLA's gather of those rows runs at ~34 ns a 
 row copies: 1.12 ms for Qwen3's 32,768 rows at 4096 tokens, about 6x the bytes' time). Here each grid step takes a
 block of tokens: one DMA per pair copies its row from HBM into VMEM, the next block's copies start before this
 block's are waited for (two buffers), and the block's k rows a token are summed in f32. The copies are issued by the
-scalar unit, one a row, which bounds the kernel: each row index is clamped here and the kernel runs without Mosaic's
-per-copy bounds check, and the buffer holds 8-row groups so that a copy's destination is a static row (compiled for
-the v5e: 13 bundles a copy, against 26 with the check and the index arithmetic of a dynamic row).
+scalar unit, one a row, which bounds the kernel: each row index is clamped here (one unsigned min) and the kernel runs
+without Mosaic's per-copy bounds check, and the buffer holds 8-row groups so that a copy's destination is a static row
+(compiled for the v5e: 11 bundles a copy, against 26 with the check and the index arithmetic of a dynamic row).
 
 Rows of 16-bit dtypes are packed two to a 32-bit word in HBM (XLA's (2, 1) sublane packing: word row i holds rows 2i
 and 2i + 1), and Mosaic slices such an array only at whole tiles. So on a chip the rows are read through a uint32
@@ -66,10 +66,11 @@ def _combine_kernel(pos_ref, next_pos_ref, *refs, top_k, tokens, words, num_rows
         def copy_group(j, carry):
             for k in range(group):
                 i = j * group + k
-                # Clamped into the rows: never a read outside them, whatever the positions (two scalar ops; the
-                # kernel runs without Mosaic's own bounds check of each copy, ~11 of ~26 bundles a copy on the v5e).
-                r = jnp.clip(positions[0, 0, i], 0, num_rows - 1)
-                row = jax.lax.shift_right_logical(r, 1) if words else r  # the word row (r >= 0: r // 2)
+                # At most the last row, negatives included (as unsigned): never a read outside the rows, whatever the
+                # positions (one scalar op; the kernel runs without Mosaic's own bounds check of each copy, ~11 of
+                # ~26 bundles a copy on the v5e).
+                r = jnp.minimum(positions[0, 0, i].astype(jnp.uint32), jnp.uint32(num_rows - 1))
+                row = (jax.lax.shift_right_logical(r, jnp.uint32(1)) if words else r).astype(jnp.int32)
                 dst = buf.at[slot, j, pl.ds(k, 1)] if group > 1 else buf.at[slot, pl.ds(i, 1)]
                 pltpu.make_async_copy(src.at[pl.ds(row, 1)], dst, sem.at[slot]).start()
             return carry
@@ -109,8 +110,8 @@ def combine_rows(rows, position, top_k: int, *, tokens_per_block: int | None = N
     """out [T, H] in rows' dtype: out[t] = sum over j < top_k of rows[position[t * top_k + j]] (f32 sum).
 
     rows [R, H] float32 or bfloat16 (R even; `unsupported` says why not); position [T * top_k] int32, every value in
-    [0, R) (a permutation's, as the grouped path's layout gives: not checked; a value outside is clamped into [0, R),
-    so the kernel never reads outside rows).
+    [0, R) (a permutation's, as the grouped path's layout gives: not checked; a value outside reads row R - 1, so
+    the kernel never reads outside rows).
     tokens_per_block: tokens a grid step, a multiple of the output's sublane tile (8 rows of 32-bit, 16 of 16-bit)
     unless it covers all T tokens; None: default_tokens_per_block."""
     num_rows, hidden = rows.shape
