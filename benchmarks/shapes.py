@@ -194,8 +194,8 @@ FLASH_ATTENTION_QUICK = _attention_sweep(FLASH_ATTENTION_QUICK_SEQS, ())
 
 # ------------------------------------------------------------------------------------------------- paged attention
 # One serving step over a paged KV cache (benchmarks/ops/paged_attention.py): the attention layers of Qwen3-30B-A3B,
-# Gemma 4's sliding (window 1024) and full layers; page sizes 16, 32, 64, 128, 256; bf16 and fp8 (e4m3) caches (the Shape's
-# dtype is the cache's; q is bf16). decode: `batch` sequences of one token at `context`; mixed: 60 decodes and 4
+# Gemma 4's sliding (window 1024) and full layers; page sizes 16, 32, 64, 128, 256; bf16 and fp8 (e4m3) caches (the
+# Shape's dtype is the cache's; q is bf16). decode: `batch` sequences of one token at `context`; mixed: 60 decodes and 4
 # prefill chunks of 512 (`tokens` = 2108 query tokens of 64 sequences), every context `context`.
 PAGED_ATTENTION_MODELS = {
     "qwen3-30b-a3b": {"q_heads": 32, "kv_heads": 4, "head_dim": 128, "window": -1},
