@@ -63,8 +63,6 @@ HEAD_MAJOR_TOKENS = 32
 # relayout of the cache (modeled v6e, Gemma 4 full float8, whole program: the word groups 18.5 us at 8 tokens and
 # 26.3 at 64 against the relayout's ~55 us, but 92.1 at 256 against the row path's 76.3: ~440 bundles a token).
 HEAD_MAJOR_MAX_TOKENS = 64
-# Tokens a step of the row path's copy loops issues (or waits for) between branches.
-UNROLL = 8
 
 
 def head_major_cache(*, hkv: int, page_size: int, cache_itemsize: int) -> bool:
@@ -287,10 +285,8 @@ def _kernel(slots_ref, *refs, cfg: WriteConfig, block_tokens: int):
 
         return carry
 
-    # The scalar unit issues a copy pair a token (the kernel's bound at prefill sizes): unrolled, the loops' branches
-    # and their delay slots are paid once per UNROLL tokens.
-    jax.lax.fori_loop(0, block_tokens, start, 0, unroll=min(UNROLL, block_tokens))
-    jax.lax.fori_loop(0, block_tokens, wait, 0, unroll=min(UNROLL, block_tokens))
+    jax.lax.fori_loop(0, block_tokens, start, 0)
+    jax.lax.fori_loop(0, block_tokens, wait, 0)
 
 
 def write(
@@ -405,9 +401,6 @@ def write(
             # head-major: a word group may be shared by tokens of two blocks, so the blocks run in order
             dimension_semantics=("parallel", "arbitrary" if cfg.page_size else "parallel"),
             vmem_limit_bytes=blocks.vmem_limit_bytes,
-            # Every cache copy runs under its token's validity (a slot in [0, num_slots), a token of the call), so
-            # Mosaic's check of each copy's bounds is redundant; it was ~60 % of the scalar bundles that issue them.
-            disable_bounds_checks=True,
         ),
         cost_estimate=cost,
         name="rope_and_write_kv_cache" if cfg.rope is not None else "write_kv_cache",
