@@ -51,17 +51,15 @@ TOKENS = 32
 BUFFER_BYTES = 4 << 20
 
 
-def _combine_kernel(pos_ref, next_pos_ref, *refs, top_k, tokens, words, num_rows):
+def _combine_kernel(pos_ref, next_pos_ref, *refs, top_k, tokens, words, num_rows, group):
     # words: the rows' shifts come before them ([1, 1, pairs]: 16 for an even row, the word's low half; 0 for an odd)
     shift_ref, rows_hbm, out_ref, buf, sem = refs if words else (None, *refs)
     block, blocks = pl.program_id(0), pl.num_programs(0)
     pairs = tokens * top_k
     src = rows_hbm.bitcast(jnp.uint32) if words else rows_hbm
 
-    # The buffer holds its rows in groups of `group` (a sublane tile of 32-bit rows where the pairs fill whole tiles):
-    # a copy's destination is then a static row of a group, whose address the scalar unit need not compute.
-    group = buf.shape[2] if len(buf.shape) == 4 else 1
-
+    # group > 1: the buffer holds its rows in groups of a sublane tile of 32-bit rows, [2, pairs / group, group, H],
+    # so a copy's destination is a static row of a group, whose address the scalar unit need not compute.
     def start(positions, slot):
         def copy_group(j, carry):
             for k in range(group):
@@ -146,12 +144,12 @@ def combine_rows(rows, position, top_k: int, *, tokens_per_block: int | None = N
     operands.append(rows)
     buffer_dtype = jnp.uint32 if words else rows.dtype
     tile = sublane_multiple(buffer_dtype)  # 8 rows of 32-bit words
-    grouped = jnp.dtype(buffer_dtype).itemsize == 4 and pairs % tile == 0
-    buffer_shape = (2, pairs // tile, tile, hidden) if grouped else (2, pairs, hidden)
+    group = tile if jnp.dtype(buffer_dtype).itemsize == 4 and pairs % tile == 0 else 1
+    buffer_shape = (2, pairs // group, group, hidden) if group > 1 else (2, pairs, hidden)
     # The two row buffers, the output block twice and the f32 rows of a step's sum.
     working_set = 2 * pairs * hidden * 4 + 2 * tb * hidden * rows.dtype.itemsize + pairs * hidden * 4
     return pl.pallas_call(
-        functools.partial(_combine_kernel, top_k=top_k, tokens=tb, words=words, num_rows=num_rows),
+        functools.partial(_combine_kernel, top_k=top_k, tokens=tb, words=words, num_rows=num_rows, group=group),
         out_shape=out_struct((tokens, hidden), rows.dtype, rows, position),
         grid=(blocks,),
         in_specs=in_specs,
