@@ -46,11 +46,12 @@ PATHS = ("small_batch", "grouped")
 COMBINES = ("kernel", "gather")
 # The grouped path's combine (each token's k weighted rows summed): "kernel" is combine.py's row-DMA kernel, "gather"
 # XLA's row gather + sum. Measured on the v5e (device time), Qwen3's rows of 2048 bf16: at 4096 tokens (32,768 rows,
-# 128 MiB) XLA's gather + sum 1,333 us, the kernel 878 us (experts_forward 4,843 -> 4,386 us); at 512 tokens (4,096
-# rows, 16 MiB) XLA's took 38 us, its table held in VMEM, and the kernel's ~4k row copies cost more (experts_forward
-# ~1,850 -> 1,944 us). So the kernel takes rows of more than COMBINE_KERNEL_MIN_BYTES, where the table chooses it
-# (the crossover between the two sizes is unmeasured). v6e: the same single-core kernel and XLA gather, not measured;
-# v7x keeps XLA's gather, which can use both of its TensorCores, where the kernel runs its steps on one.
+# 128 MiB) XLA's gather + sum 1,333 us, the kernel 442 us (its copies issued in ~11 bundles a row); at 512 tokens
+# (4,096 rows, 16 MiB) XLA's took 38 us, its table held in VMEM, and the kernel's ~4k row copies cost more
+# (experts_forward ~1,850 -> 1,944 us, at 26 bundles a copy). So the kernel takes rows of more than
+# COMBINE_KERNEL_MIN_BYTES, where the table chooses it (the crossover between the two sizes is unmeasured). v6e: the
+# same single-core kernel and XLA gather, not measured; v7x keeps XLA's gather, which can use both of its
+# TensorCores, where the kernel runs its steps on one.
 COMBINE = {"v5e": "kernel", "v6e": "kernel", "v7x": "gather"}
 COMBINE_KERNEL_MIN_BYTES = 16 << 20
 
