@@ -401,6 +401,10 @@ def write(
             # head-major: a word group may be shared by tokens of two blocks, so the blocks run in order
             dimension_semantics=("parallel", "arbitrary" if cfg.page_size else "parallel"),
             vmem_limit_bytes=blocks.vmem_limit_bytes,
+            # The flat layout's copies run only under their token's validity (a token of the call, a slot in the
+            # cache), so Mosaic's own check of each copy is redundant there, and it was most of the scalar unit's
+            # work, which issues the copies and bounds the write (docs/kv_cache.md). The head-major layout keeps it.
+            disable_bounds_checks=not cfg.page_size,
         ),
         cost_estimate=cost,
         name="rope_and_write_kv_cache" if cfg.rope is not None else "write_kv_cache",
