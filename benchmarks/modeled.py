@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import jax
+
 from . import perf_model
 from . import suite as _suite
 
@@ -19,9 +21,14 @@ CHUNK = 12  # functions per compile subprocess (a progress step each chunk; boun
 
 
 def case_item(case: _suite.Case, impl: str):
-    """(the function, the model's arguments) of `case`'s `impl`: what the model compiles for it."""
+    """(the function, the model's arguments) of `case`'s `impl`: what the model compiles for it. An op measured in
+    place (`Op.in_place`) is modeled in place too: its in-place function, the state's shapes first and donated."""
     op = case.op
     args = op.model_args(case.shape) if op.model_args else op.specs(case.shape)
+    if op.in_place is not None and impl in op.in_place.functions:
+        state = jax.eval_shape(lambda: op.in_place.state(case.shape, 0))  # shapes only: nothing is allocated
+        fn = perf_model.donated(op.in_place_function(impl, case.shape), range(op.in_place.n_state))
+        return fn, (*state, *args)
     return op.function(impl, case.shape), args
 
 

@@ -45,8 +45,9 @@ class InPlace:
     """How a TPU measures an op that updates state in place (the KV cache write), as a server runs it: each
     implementation's function takes `n_state` state arrays first, then the op's arguments, and returns the new state
     first; the state is donated, and each call's returned state is the next call's (benchmarks/device_timing.py).
-    The op's own `kernel` / `default` / baselines allocate the state in the program instead (the performance model
-    cannot donate, and a non-donated state is copied whole before an in-place write)."""
+    The performance model compiles the same functions with the state donated (benchmarks/modeled.py); the op's own
+    `kernel` / `default` / baselines allocate the state in the program instead (a CPU run, and any implementation
+    without an in-place function here)."""
 
     functions: dict[str, Callable]  # impl ("kernel", "default", "baseline:<name>") -> module-level function
     state: Callable[[Shape, int], tuple]  # (shape, seed) -> the initial state arrays, made on the device

@@ -1100,3 +1100,22 @@ def test_dmas_issued_by_one_loop_and_drained_by_another_are_not_pipeline_steps(c
         assert k.hbm_bytes_in - k.hbm_bytes_from_schedule == n * 16 * 1024 * 2
     chip = perf_model.get_chip("v6e")
     assert k_batch.modeled_s < k_round.modeled_s - 0.5 * n * chip.step_overhead_s
+
+
+def write_rows_in_place(cache, rows):
+    """rows over the first rows of cache: an in-place update where cache is donated, a whole copy where it is not."""
+    return jax.lax.dynamic_update_slice(cache, rows, (0, 0))
+
+
+def test_a_donated_state_is_modeled_without_the_copy_a_state_not_donated_costs():
+    """perf_model.donated compiles the function with those arguments donated (as a server runs an in-place write):
+    the program then updates its 64 MiB state in place; not donated, the state is copied whole first, and the model
+    charges that copy by its bytes."""
+    cache, rows = _sds((16384, 1024), jnp.float32), _sds((64, 1024), jnp.float32)
+    kept, donated = perf_model.model_functions(
+        [(write_rows_in_place, (cache, rows)), (perf_model.donated(write_rows_in_place, (0,)), (cache, rows))],
+        gen="v5e",
+    )
+    copy_s = 2 * 16384 * 1024 * 4 / perf_model.get_chip("v5e").hbm_bytes_per_s  # the state read and written
+    assert kept.modeled_s > 0.8 * copy_s, (kept.modeled_s, copy_s)
+    assert donated.modeled_s < 0.1 * kept.modeled_s, (donated.modeled_s, kept.modeled_s)

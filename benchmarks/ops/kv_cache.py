@@ -10,11 +10,11 @@ at distinct random slots and random positions < 32768; prefill: one chunk of 204
 in order (positions 0..2047).
 
 In place, as a server runs it: on a TPU every implementation is measured on caches it is given, donated, each call's
-caches the next call's (`IN_PLACE`, suite.InPlace). The performance model cannot donate (a non-donated cache is
-copied whole before an in-place write, by the kernel's aliasing and by XLA's scatter alike), so the programs it
-compiles allocate their caches themselves (`jax.lax.empty`: XLA's AllocateBuffer, no fill) and write into them. On
-the v5e those programs cost a whole-cache copy the donated ones do not: XLA moved the kernel's result cache to
-another memory space (copy-start / copy-done of the 16 MiB cache, in the compiled program), which made the kernel's
+caches the next call's (`IN_PLACE`, suite.InPlace), and the performance model compiles the same functions with the
+caches donated (a cache not donated is copied whole before an in-place write, by the kernel's aliasing and by XLA's
+scatter alike). The op's own functions allocate their caches themselves (`jax.lax.empty`: XLA's AllocateBuffer, no
+fill) and write into them; on the v5e such programs cost a whole-cache copy the donated ones do not (XLA moved the
+kernel's result cache to another memory space, copy-start / copy-done of the 16 MiB cache), which made the kernel's
 decode writes measure 0.03-1.07x XLA's scatter there.
 
 Roofline: the new rows read (K, V and for RoPE Q, bf16) + the rows written to the cache (cache dtype) + Q written
@@ -82,15 +82,15 @@ def config(s) -> Config:
 
 
 def _caches(cfg: Config):
-    """The caches, allocated in the program (no fill): stand-ins for donated caches (see the module docstring)."""
+    """The caches, allocated in the program (no fill), where no caches are given (see the module docstring)."""
     shape = (SLOTS // PAGE, PAGE, cfg.kv_heads, cfg.head_dim)
     return jax.lax.empty(shape, jnp.dtype(cfg.cache_dtype)), jax.lax.empty(shape, jnp.dtype(cfg.cache_dtype))
 
 
 # ------------------------------------------------------------------------------------------------ implementations
 # Each implementation is written once over the caches it is given (`..._into`: the caches first, returned first, what
-# a TPU measures in place with the caches donated, `IN_PLACE`), and once over caches the program allocates (what the
-# performance model compiles).
+# a TPU measures in place with the caches donated, `IN_PLACE`, and the performance model compiles with them donated),
+# and once over caches the program allocates (a CPU run's).
 def kernel_write_into(k_cache, v_cache, key, value, slots, *, cfg: Config, blocks=None):
     return api.write_kv_cache(k_cache, v_cache, key, value, slots, k_scale=cfg.scale, v_scale=cfg.scale, blocks=blocks)
 

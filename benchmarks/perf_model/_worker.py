@@ -59,7 +59,8 @@ def _compile_one(fn, arg_specs, dev, mesh=None, pspecs=None):
     ]
     args = jax.tree.unflatten(tree, args)
     with jax.default_device(dev), jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        compiled = jax.jit(fn).lower(*args).compile()
+        # donated arguments (model.donated): an in-place program's state, aliased to its outputs as a server runs it
+        compiled = jax.jit(fn, donate_argnums=getattr(fn, "donate_argnums", ())).lower(*args).compile()
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax returned a list of dicts
         cost = cost[0] if cost else {}

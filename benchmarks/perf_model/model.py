@@ -171,6 +171,16 @@ def compile_deviceless(
     return result
 
 
+def donated(fn, argnums) -> functools.partial:
+    """`fn` with its arguments at `argnums` donated where the model compiles it (jax.jit's donate_argnums): the state
+    of an in-place program, which a server donates call to call. A state not donated is copied whole before an
+    in-place write (XLA's scatter and a Pallas output aliased to its input alike), a copy the served program never
+    pays. The donation travels with the function (an attribute of the partial, pickled with it)."""
+    fn = functools.partial(fn)
+    fn.donate_argnums = tuple(argnums)
+    return fn
+
+
 def _pickle_item(fn, args):
     specs = _arg_specs(args)
     try:
