@@ -384,11 +384,13 @@ def test_the_measuring_budget_is_shared_out_by_expected_cost_cheapest_first(monk
     assert cli.main([*args, "--out", str(tmp_path)]) == 0
     assert started == ["rms_norm", "kv_cache", "flash_attention"]
     assert following == ["kv_cache", "flash_attention", None]  # each kernel's run prefetches the next one's
-    costs = [cli.expected_cost_s(k, cli.case_count(k, False)) for k in started]
+    costs = cli.expected_costs_s(started, [cli.case_count(k, False) for k in started])
     assert (
         all(c > 0 for c in costs)
         and costs[2] / cli.case_count("flash_attention", False) == cli.HOST_S_PER_CASE["flash_attention"]
     )
+    # the run's start is charged to the first kernel's share
+    assert costs[0] == cli.expected_cost_s("rms_norm", cli.case_count("rms_norm", False)) + cli.STARTUP_S > 0
     # shares of what is left when each kernel starts, the budget counted from the run's start (between `before` and
     # the first kernel's start: the run's own set-up, which a loaded machine stretches, is the tolerance)
     slack = starts[0] - before + 0.05

@@ -47,6 +47,7 @@ Targets, on the modeled v6e figures: forward >= 50 % of MXU peak at S >= 4096 fo
 S >= 4096; at least 1.1x splash attention and faster than XLA at every shape, forward and backward.
 """
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -532,9 +533,22 @@ def _arrays(op, s, seed, blocks=None, impls=None):
         return args
     cfg = config(s)
     residuals, failed = {}, {}
-    for impl, specs in residual_specs(s, impls, blocks).items():
+    specs_of = residual_specs(s, impls, blocks)
+    # Each implementation's forward is its own program, traced here and compiled side by side: where one fails (out
+    # of VMEM or HBM at a large head dim) its compile takes seconds to say so, and serially those added up to ~40 s
+    # of a case on the v5e host.
+    lowered = {}
+    for impl in specs_of:
         try:
-            residuals[impl] = jax.jit(functools.partial(_residuals, _forward_of(impl, cfg, blocks)))(*args)
+            lowered[impl] = jax.jit(functools.partial(_residuals, _forward_of(impl, cfg, blocks))).lower(*args)
+        except Exception as e:  # noqa: BLE001 - kept for the loop below, which shows why
+            lowered[impl] = e
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(lowered))) as pool:
+        compiled = {impl: pool.submit(lambda x=x: _raise_or(x).compile()) for impl, x in lowered.items()}
+        compiled = {impl: future.exception() or future.result() for impl, future in compiled.items()}
+    for impl, specs in specs_of.items():
+        try:
+            residuals[impl] = _raise_or(compiled[impl])(*args)
         except Exception as e:  # noqa: BLE001 - this implementation's forward does not compile here: it shows why
             failed[impl if impl in FORWARDS_OF_OWN else BASELINE_PREFIX + impl] = (
                 f"its forward (for the residuals): {reason(e)}"
@@ -542,6 +556,13 @@ def _arrays(op, s, seed, blocks=None, impls=None):
             residuals[impl] = [jnp.full(x.shape, jnp.nan, x.dtype) for x in specs]  # the other programs' placeholders
     args = (*args, inputs.normal(next(keys), args[0].shape, args[0].dtype), residuals)
     return PartialInputs(args, failed) if failed else args
+
+
+def _raise_or(x):
+    """x, or raised where it is the exception that making it raised."""
+    if isinstance(x, BaseException):
+        raise x
+    return x
 
 
 # A small window (at most tuning.SMALL_WINDOW_KEYS keys a row: gpt-oss's 128) also tries blocks of 128 rows: a 512 x
