@@ -4,11 +4,12 @@ intermediate dimension; None sends a call down the grouped-matmul path.
 The small-batch kernel multiplies every touched expert by all T tokens, so it wins while that extra MXU work hides
 under the weights' DMA: the routing ops it removes cost a fixed ~20 us, and its MXU work grows with T.
 SMALL_BATCH_MAX_TOKENS is the largest decode batch where it is faster than the grouped path at both benchmark
-models (modeled, benchmarks/ops/moe.py: Qwen3-30B-A3B and Gemma 4 26B-A4B shapes, random top-8 of 128, bf16):
-v6e wins at every batch up to 256 (B = 256: 98.9 / 99.0 % of the HBM roofline vs 84.5 / 84.9 %; at 512 it loses,
-81.2 / 56.9 % vs 84.8 / 83.1 %: the MXU work on unrouted tokens no longer hides under the DMA); v5e up to 128
-(97.6 / 98.0 % vs 90.4 / 88.3 %; at 256 its slower MXU makes it lose, 82.2 / 58.2 % vs 83.2 / 80.8 %); v7x up to
-64 (at 128 it is 80.8 / 80.4 % vs 79.1 / 81.2 %: a draw).
+models (benchmarks/ops/moe.py: Qwen3-30B-A3B and Gemma 4 26B-A4B shapes, random top-8 of 128, bf16). Measured on the
+v5e (device time): up to 128 tokens (1,602 / 2,020 us vs the grouped path's 1,660 / 2,093); at 256 the grouped path
+ties on Qwen3 (1,684 vs 1,685) and wins on Gemma 4 (2,148 vs 2,244). Modeled: v6e wins at every batch up to 256
+(B = 256: 98.9 / 99.0 % of the HBM roofline vs 84.5 / 84.9 %; at 512 it loses, 81.2 / 56.9 % vs 84.8 / 83.1 %: the
+MXU work on unrouted tokens no longer hides under the DMA); v5e up to 128 (as measured); v7x up to 64 (at 128 it is
+80.8 / 80.4 % vs 79.1 / 81.2 %: a draw).
 
 The chunk tc: the largest legal one whose weight blocks (gate, up and down columns of the chunk) stay within
 STEP_BYTES. The first block's DMA has nothing to overlap with and is paid in full, so blocks should not be large;
