@@ -4,6 +4,7 @@ out-of-range slots, fp8 round trips with traced scales, the fused RoPE against t
 type whose kernel path differs, flash-attn's block-table addressing, bad input, TPU export, deviceless compile for
 v5e / v6e / v7x, and the compiled program's aliasing (a donated cache is never copied)."""
 
+import functools
 import re
 
 import jax
@@ -197,12 +198,14 @@ def test_fp8_round_trip(rand, in_dtype, scale_kind):
         np.testing.assert_array_equal(np.abs(rows[~inside]), limit * np.ones_like(rows[~inside]))  # saturated
 
 
-def test_head_major_fp8_caches_are_written_by_word_groups(rand):
+@pytest.mark.parametrize("pages,tokens", [(4, 45), (12, 150)])
+def test_head_major_fp8_caches_are_written_by_word_groups(rand, pages, tokens):
     """float8 caches of 1 or 2 kv heads (head-major in XLA's layout): each row merged into the 32-bit words it shares
-    with three other page offsets. Consecutive slots in shuffled token order (tokens sharing a word group, some in
-    different blocks), slot -1, negative and past-the-cache traced slots: the written rows are the quantised rows,
-    every other byte of the caches (random bits, NaNs among them) unchanged."""
-    pages, page_size, heads, d, tokens = 4, 16, 2, 128, 45
+    with three other page offsets, at every token count (a decode batch, a prefill chunk of several blocks).
+    Consecutive slots in shuffled token order (tokens sharing a word group, some in different blocks), slot -1,
+    negative and past-the-cache traced slots: the written rows are the quantised rows, every other byte of the caches
+    (random bits, NaNs among them) unchanged."""
+    page_size, heads, d = 16, 2, 128
     k_cache, v_cache = (
         jax.lax.bitcast_convert_type(
             jnp.asarray(rand.rng.integers(0, 256, (pages, page_size, heads, d), np.uint8)), FP8
@@ -210,12 +213,13 @@ def test_head_major_fp8_caches_are_written_by_word_groups(rand):
         for _ in range(2)
     )
     key, value = rand.normal((tokens, heads, d), jnp.bfloat16), rand.normal((tokens, heads, d), jnp.bfloat16, scale=4.0)
-    start = int(rand.rng.integers(0, pages * page_size - 40))
-    slots = np.concatenate([np.arange(start, start + 30), rand.rng.permutation(pages * page_size)[:15]]).astype(
-        np.int32
-    )
+    run = 2 * tokens // 3  # consecutive slots (a prefill chunk), then random ones
+    start = int(rand.rng.integers(0, pages * page_size - run - 10))
+    slots = np.concatenate(
+        [np.arange(start, start + run), rand.rng.permutation(pages * page_size)[: tokens - run]]
+    ).astype(np.int32)
+    slots[np.flatnonzero(np.isin(slots[run:], slots[:run])) + run] = -1  # the random ones distinct from the run
     slots = slots[rand.rng.permutation(tokens)]
-    slots[np.flatnonzero(np.isin(slots[30:], slots[:30])) + 30] = -1  # the random ones distinct from the run
     slots[rand.rng.choice(tokens, 4, replace=False)] = [-1, -5, pages * page_size, 10**6]
     assert api.kernel.head_major_cache(hkv=heads, page_size=page_size, cache_itemsize=1)
     fn = jax.jit(lambda *a: api.write_kv_cache(*a, k_scale=0.5, v_scale=0.25, blocks=SMALL))
@@ -538,6 +542,12 @@ BAD_WRITES = [
     ladder.BadInput(
         "blocks_vmem", {"blocks": KVCacheBlocks(block_tokens=8, vmem_limit_bytes=1 << 40)}, ValueError, "vmem_limit"
     ),
+    ladder.BadInput(
+        "blocks_row_major_not_bool",
+        {"blocks": KVCacheBlocks(row_major_caches="no")},
+        TypeError,
+        "blocks.row_major_caches: expected a bool",
+    ),
 ]
 
 
@@ -804,26 +814,29 @@ def test_donated_caches_are_written_in_place(case):
 @pytest.mark.cpu_only
 def test_row_major_caches_are_written_in_place_where_xla_prefers_another_layout():
     """An fp8 cache of 2 kv heads (Gemma 4 full) defaults to a head-major layout in XLA, which the kernel cannot write
-    row by row: up to HEAD_MAJOR_MAX_TOKENS tokens it writes it in place by word groups (no copy, the caches aliased);
-    more tokens are written row by row, and XLA relayouts the whole cache around the kernel. A cache created in the
-    row-major layout (major_to_minor (0, 1, 2, 3)) is written in place, by the plain write and the fused RoPE (these
-    are the v6e deviceless compiles of this (model, dtype) body, see COMPILE_CASES)."""
-    small = _specs("gemma4_full", FP8, 8, 64, pages=512)
+    row by row: it writes it in place by word groups (no copy, the caches aliased) at every token count, a decode
+    batch (8) and a prefill chunk (256). A cache created in the row-major layout (major_to_minor (0, 1, 2, 3)) is
+    written in place too, row by row, by the plain write and the fused RoPE (these are the v6e deviceless compiles of
+    this (model, dtype) body, see COMPILE_CASES)."""
 
-    def write(*a):
-        return api.write_kv_cache(*a, **_scales(FP8))
+    def write(*a, blocks=None):
+        return api.write_kv_cache(*a, **_scales(FP8), blocks=blocks)
 
-    def fused(kc, vc, k, v, s):
-        return api.rope_and_write_kv_cache(k, k, v, kc, vc, s, s, theta=1e6, **_scales(FP8))[1:]
+    def fused(kc, vc, k, v, s, blocks=None):
+        return api.rope_and_write_kv_cache(k, k, v, kc, vc, s, s, theta=1e6, **_scales(FP8), blocks=blocks)[1:]
 
-    for fn in (write, fused):
-        text = _compiled_text(fn, small)
-        assert "tpu_custom_call" in text, "the compiled program holds no Mosaic kernel"
-        assert re.search(r"input_output_alias=\{ \{0\}: \(0, \{\}, may-alias\), \{1\}: \(1, \{\}, may-alias\) \}", text)
-        assert not _cache_copies(text, small), _cache_copies(text, small)
+    for tokens in (8, 256):
+        specs = _specs("gemma4_full", FP8, tokens, 64, pages=512)
+        for fn in (write, fused):
+            text = _compiled_text(fn, specs)
+            assert "tpu_custom_call" in text, "the compiled program holds no Mosaic kernel"
+            assert re.search(
+                r"input_output_alias=\{ \{0\}: \(0, \{\}, may-alias\), \{1\}: \(1, \{\}, may-alias\) \}", text
+            )
+            assert not _cache_copies(text, specs), (tokens, _cache_copies(text, specs))
     specs = _specs("gemma4_full", FP8, 256, 64, pages=512)
-    assert _cache_copies(_compiled_text(write, specs), specs), "XLA's default layout changed: update the docs"
-    for fn in (write, fused):
+    row_major = KVCacheBlocks(row_major_caches=True)
+    for fn in (functools.partial(write, blocks=row_major), functools.partial(fused, blocks=row_major)):
         text = _compiled_text(fn, specs, row_major=True)
         assert "tpu_custom_call" in text, "the compiled program holds no Mosaic kernel"
         assert not _cache_copies(text, specs), _cache_copies(text, specs)

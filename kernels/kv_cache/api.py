@@ -194,7 +194,9 @@ def _write(k_cache, v_cache, key, value, slot_mapping, scales, blocks, rope=None
     given = key.shape[0]
     shapes = k_cache.shape, v_cache.shape
     pages, page_size, hkv = k_cache.shape[:3]
-    head_major = key.shape[0] <= kernel.HEAD_MAJOR_MAX_TOKENS and kernel.head_major_cache(
+    # At every token count, unless the caller made the caches row-major: the row path would write through XLA's
+    # relayout of the whole cache before and after the kernel, a cost that grows with the cache, not the tokens.
+    head_major = not blocks.row_major_caches and kernel.head_major_cache(
         hkv=hkv, page_size=page_size, cache_itemsize=k_cache.dtype.itemsize
     )
     if head_major:  # XLA's own layout of such a cache: the same bytes (no copy), written by word groups

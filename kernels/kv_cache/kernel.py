@@ -11,7 +11,7 @@ block buffers are reused by the step after next). Tokens whose slot is negative 
 kernel never writes outside the cache, whatever the slot values.
 
 Float8 caches of 1 or 2 kv heads, which XLA lays out head-major (head_major_cache), are passed as
-[pages, kv_heads, page_size, D] (the same bytes) when a call has at most HEAD_MAJOR_MAX_TOKENS tokens: a row there
+[pages, kv_heads, page_size, D] (the same bytes; unless the caller made them row-major, KVCacheBlocks): a row there
 shares its 32-bit words with three other page offsets, so each token's word group is read, merged and written back
 (_head_major_writes) instead of a row DMA.
 
@@ -59,10 +59,6 @@ ROWS_PER_WORD = 4
 
 # The head-major path's token blocks are whole float8 tiles of the staging buffer (32 rows).
 HEAD_MAJOR_TOKENS = 32
-# Up to this many tokens a call writes head-major caches by word groups; more tokens are written row by row into XLA's
-# relayout of the cache (modeled v6e, Gemma 4 full float8, whole program: the word groups 18.5 us at 8 tokens and
-# 26.3 at 64 against the relayout's ~55 us, but 92.1 at 256 against the row path's 76.3: ~440 bundles a token).
-HEAD_MAJOR_MAX_TOKENS = 64
 
 
 def head_major_cache(*, hkv: int, page_size: int, cache_itemsize: int) -> bool:

@@ -32,10 +32,16 @@ class KVCacheBlocks:
     block_tokens: new tokens per grid step, a multiple of 8, or at least the token count (one block). None: the
         tuning table's.
     vmem_limit_bytes: the scoped VMEM the kernel may use; None: derived from the blocks' working set.
+    row_major_caches: True where the caches were created in the row-major layout (a `jax.experimental.layout.Format`
+        with major_to_minor (0, 1, 2, 3)): every cache is then written row by row, in place. False: the caches are in
+        XLA's default layout, in which float8 caches of 1 or 2 kv heads are head-major and are written by word groups
+        (docs/kv_cache.md). A jitted function cannot see its arguments' layout, so the caller says it; the wrong
+        choice costs XLA's relayout of the whole cache around the kernel, never a wrong answer.
     """
 
     block_tokens: int | None = None
     vmem_limit_bytes: int | None = None
+    row_major_caches: bool = False
 
 
 def check_blocks_type(blocks):
@@ -84,6 +90,8 @@ def resolve_blocks(
     check_blocks_type(blocks)
     info = info or chip.current_tpu_info()
     blocks = blocks or KVCacheBlocks()
+    if not isinstance(blocks.row_major_caches, bool):
+        raise TypeError(f"blocks.row_major_caches: expected a bool, got {blocks.row_major_caches!r}")
     requested = TABLE.get(chip.generation_name(info), TABLE["v6e"]) if blocks.block_tokens is None else None
     block_tokens = check_block_dim(
         "blocks",
@@ -107,4 +115,6 @@ def resolve_blocks(
     if vmem_limit is None:
         vmem_limit = min(int(info.vmem_capacity_bytes * 0.75), chip.scoped_vmem_limit(info, need))
     check_vmem_fit("blocks", need, vmem_limit, info)
-    return KVCacheBlocks(block_tokens=block_tokens, vmem_limit_bytes=int(vmem_limit))
+    return KVCacheBlocks(
+        block_tokens=block_tokens, vmem_limit_bytes=int(vmem_limit), row_major_caches=blocks.row_major_caches
+    )
