@@ -6,6 +6,7 @@ blocks with ragged last blocks."""
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -1518,3 +1519,30 @@ def test_eager_calls_on_host_arrays_run_on_a_cpu(rand):
     for args in [(q, k, v), tuple(jnp.asarray(x) for x in (q, k, v))]:
         out = tk.flash_attention(*args, causal=True)
         ladder.assert_close(out, expected, dtype=jnp.float32, context=repr(rand), **F32_TOL)
+
+
+def _backward_kernels(generation, q_shape, kv_shape, **options):
+    """The Pallas kernels' names in the gradient's jaxpr, traced for `generation` (abstract inputs: nothing runs)."""
+    specs = (_spec(q_shape), _spec(kv_shape), _spec(kv_shape))
+    with jax.default_device(ladder.tpu_device(generation)):
+        jaxpr = jax.make_jaxpr(_grad_fn(**options))(*specs)
+    return set(re.findall(r"flash_attention_\w+", str(jaxpr)))
+
+
+@pytest.mark.cpu_only
+def test_fused_backward_keeps_its_dq_slots_within_a_share_of_the_chips_hbm():
+    """The fused backward keeps one f32 copy of dq per slot in HBM. At Gemma 4 full's shape (8 x 4096 tokens, 16 heads
+    x 512: dq 1 GiB in f32) its eight slots would take 8 GiB, half of a v5e: there the default call takes the unfused
+    backward (a dq kernel, no slots); v6e's 32 GiB holds them (fused: delta, dk/dv with dq slots, the slots' sum).
+    Qwen3's eight slots (512 MiB each) stay fused on the v5e."""
+    assert (
+        tuning.max_dq_slots(1 << 30, chip.tpu_info_for("v5e"))
+        < 8
+        <= tuning.max_dq_slots(1 << 30, chip.tpu_info_for("v6e"))
+    )
+    gemma = ((8, 4096, 16, 512), (8, 4096, 2, 512))
+    assert "flash_attention_dq" in _backward_kernels("v5e", *gemma, causal=True)
+    assert "flash_attention_dq_sum" not in _backward_kernels("v5e", *gemma, causal=True)
+    assert "flash_attention_dq_sum" in _backward_kernels("v6e", *gemma, causal=True)
+    qwen3 = ((8, 4096, 32, 128), (8, 4096, 4, 128))
+    assert "flash_attention_dq_sum" in _backward_kernels("v5e", *qwen3, causal=False)

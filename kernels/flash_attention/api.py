@@ -115,16 +115,18 @@ def _setup(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap, **
     return _Setup(forward_geometry, backward_geometry, blocks.vmem_limit_bytes, blocks.fused_backward)
 
 
-def _choose_backward(blocks, setup_for, setup: _Setup, slots_of) -> _Setup:
+def _choose_backward(blocks, setup_for, setup: _Setup, slots_of, dq_bytes: int) -> _Setup:
     """The setup where the tuning table chose the fused backward (`setup`), kept unless its dq slots (f32 dq blocks of
     HBM per query block of the backward: the most key blocks one needs, or their bound for traced cu_seqlens;
-    slots_of(setup)) would be more than tuning.MAX_DQ_SLOTS and the caller left fused_backward to the table. Then
-    the fused backward on the long-sequence table's blocks (tuning.LONG_BACKWARD_TABLE: wider key blocks, fewer slots)
-    where they differ and their slots are within the limit, else the unfused backward."""
-    if slots_of(setup) <= tuning.MAX_DQ_SLOTS or (blocks is not None and blocks.fused_backward is not None):
+    slots_of(setup)) would be more than tuning.max_dq_slots (MAX_DQ_SLOTS, fewer where the slots, dq_bytes each,
+    would take too much of the chip's HBM) and the caller left fused_backward to the table. Then the fused backward on
+    the long-sequence table's blocks (tuning.LONG_BACKWARD_TABLE: wider key blocks, fewer slots) where they differ and
+    their slots are within the limit, else the unfused backward."""
+    limit = tuning.max_dq_slots(dq_bytes, chip.current_tpu_info())
+    if slots_of(setup) <= limit or (blocks is not None and blocks.fused_backward is not None):
         return setup
     long = setup_for(blocks, long_sequences=True)
-    if long.backward != setup.backward and slots_of(long) <= tuning.MAX_DQ_SLOTS:
+    if long.backward != setup.backward and slots_of(long) <= limit:
         return long
     return setup_for(dataclasses.replace(blocks or FlashAttentionBlocks(), fused_backward=False))
 
@@ -368,7 +370,7 @@ def flash_attention(
             return int(needed.sum(axis=1).max())
 
         if setup.fused:
-            setup = _choose_backward(blocks, setup_for, setup, slots_of)
+            setup = _choose_backward(blocks, setup_for, setup, slots_of, rows * hq * d_run * 4)
         out, lse = _call(
             _padded(q.reshape(batch * sq, hq, d), rows=MIN_ROWS, width=d_run),
             _padded(k.reshape(batch * sk, hkv, d), rows=MIN_ROWS, width=d_run),
@@ -468,7 +470,9 @@ def flash_attention_varlen(
     forward_size, _ = bounds(setup.forward)
     backward_size, slot_bound = bounds(setup.backward)
     if setup.fused:
-        setup = _choose_backward(blocks, setup_for, setup, lambda setup: bounds(setup.backward)[1])
+        setup = _choose_backward(
+            blocks, setup_for, setup, lambda setup: bounds(setup.backward)[1], q_rows * hq * d_run * 4
+        )
         # the chosen backward's blocks may differ (tuning.LONG_BACKWARD_TABLE, UNFUSED_BACKWARD_TABLE)
         backward_size, slot_bound = bounds(setup.backward)
     lo, hi = schedule.key_ranges(cu_seqlens_q, cu_seqlens_k, q_rows, causal=causal, window_size=window)

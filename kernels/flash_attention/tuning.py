@@ -132,6 +132,19 @@ FUSED_DQ = {
 # falls back to unfused (long sequences, packed batches whose query blocks may hold many sequences), so that the
 # slots take at most this many f32 copies of dq.
 MAX_DQ_SLOTS = 8
+# and the slots together take at most this share of the chip's HBM (pltpu.get_tpu_info): at Gemma 4 full's shape (16
+# heads x 512, 32768 tokens) dq in f32 is 1 GiB, and eight slots made the backward's program need 8.8 GiB of
+# temporaries (compiled for the v5e), which with its arguments left a 16 GiB v5e no room for the rest of a training
+# step (the benchmarks' program ran out of HBM on the chip); Qwen3's eight (4 GiB) stay within it.
+DQ_SLOTS_HBM_SHARE = 0.3
+
+
+def max_dq_slots(dq_bytes: int, info) -> int:
+    """The most dq slots the fused backward may take: MAX_DQ_SLOTS, fewer where dq_bytes (one f32 copy of dq) times
+    the slots would pass DQ_SLOTS_HBM_SHARE of the chip's HBM."""
+    return min(MAX_DQ_SLOTS, int(info.hbm_capacity_bytes * DQ_SLOTS_HBM_SHARE) // max(1, dq_bytes))
+
+
 # Packed batches (flash_attention_varlen): sequences start anywhere in a block, so a query block meets the ends of
 # several, every one of its visits is a masked one (no DIAGONAL pairs), and the larger the blocks the more of each visit
 # lies outside every sequence. The table's blocks are therefore capped by the longest sequence: at most longest /
