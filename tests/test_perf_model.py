@@ -392,6 +392,64 @@ def test_bundle_parser_finds_the_guard_after_a_fetch_once_branch():
     assert s.fill_cycles() == 53 - guard_skips
 
 
+def test_bundle_parser_counts_an_unrolled_inner_loop_by_its_step_and_the_guard_skips_its_trips():
+    """An inner loop unrolled 8 deep steps its induction variable by 8: bound 128 is 16 trips, not 128. The pipeline
+    guard around it skips the loop at every trip the body counts, so a fill/drain iteration costs only what lies
+    outside the guard."""
+    text = "\n".join(
+        [
+            "     0   :  { %1 = vsyncpa [#allocation4], 0 }",
+            "   0x1 LB: > { %2 = sadd.s32 1, %s1 }",
+            "   0x2   : > { %3 = sbr.rel (%p1) target bundleno = 20 (0x14), region = 5 }",
+            *[f"  {hex(a):>5}   :  {{}}" for a in range(0x3, 0x7)],
+            "   0x7 LB: >> { %s10_s3 = sadd.s32 8, %s9_s3 }",
+            "   0x8   : >> { %p5 = scmp.ge.s32.totalorder %s10_s3, 128 /* loop exit test */ }",
+            "   0x9   : >> { %11 = vmul.f32 %v1, %v2 }",
+            "   0xa   : > { %12 = sbr.rel (!%p5) target bundleno = 7 (0x7), region = 7 }",
+            *[f"  {hex(a):>5}   :  {{}}" for a in range(0xB, 0xF)],
+            *[f"  {hex(a):>5}   : > {{ %{a + 10} = vmul.f32 %v1, %v2 }}" for a in range(0xF, 0x14)],
+            "  0x14 PF: > { %p2 = scmp.ge.s32.totalorder %s2, 5 /* loop exit test */ }",
+            "  0x15   : > { %6 = sbr.rel (!%p2) target bundleno = 1 (0x1), region = 9 }",
+            *[f"  {hex(a):>5}   :  {{}}" for a in range(0x16, 0x1A)],
+            "  0x1a   :  { %7 = vsyncpa [#allocation4], 1 }",
+        ]
+    )
+    s = perf_bundles.analyze(perf_bundles.parse_bundles(text))
+    assert s.inner_loops == [(0x7, 0xF, 16)], s.inner_loops
+    loop_extra = 8 * 15  # the inner loop's 8 bundles, 15 trips beyond the one the code shows
+    assert s.trip_count == 5 and s.body == 25 + loop_extra, (s.trip_count, s.body)
+    assert s.guard is not None and s.guard.skipped == 0x14 - (0x2 + 1 + 4) + loop_extra, s.guard
+    assert s.fill_cycles() == 25 - (0x14 - (0x2 + 1 + 4)), s.fill_cycles()
+
+
+def test_branches_inside_an_output_copy_are_the_pipelines_when_pairing_regions():
+    """A partial last block's write-back into an output in VMEM is a branch of the pipeline with the compiler's own
+    branches (its masked rows, its loops) inside it: set aside with it, the kernel's regions pair with the rest."""
+    from benchmarks.perf_model import kernel_eval
+
+    def construct(dots):
+        c = kernel_eval.Construct("region", False, np.zeros(1), 0)
+        c.dots_within, c.predicable = dots, False
+        return c
+
+    regions = [construct(True), construct(False), construct(False)]  # a matmul region, then two vector ones
+    evaluated = kernel_eval.KernelEval.__new__(kernel_eval.KernelEval)
+    evaluated.cond_regions, evaluated.conds = regions, [np.ones(1, bool)] * 3
+    Region = perf_bundles.Region
+    conds = [
+        Region(0x10, 0x80, 100),  # the matmul region (a vmatmul at 0x20)
+        Region(0x30, 0x50, 20),
+        Region(0x90, 0xA0, 10),
+        Region(0xB0, 0x100, 60),  # the output copy, with two branches of the compiler's inside
+        Region(0xB8, 0xD0, 20),
+        Region(0xD8, 0xF0, 20),
+    ]
+    sched = perf_bundles.KernelSchedule.__new__(perf_bundles.KernelSchedule)
+    sched.conds, sched.output_copies, sched.mxu_ops_body = conds, [3], [(0x20, "vmatmul")]
+    pairs, set_aside, unpaired = perf_model_module._pair_grid_regions(evaluated, sched)
+    assert pairs == {0: 0, 1: 1, 2: 2} and set_aside == 0 and unpaired == 3, (pairs, set_aside, unpaired)
+
+
 def test_bundle_parser_marks_a_run_time_loop_bound_as_dynamic():
     """A grid sized from scalar prefetch compares against a register: no static trip count, the caller supplies it."""
     text = "\n".join(
@@ -764,6 +822,31 @@ def test_a_pipeline_too_long_to_evaluate_whole_is_sampled_and_scaled(monkeypatch
     assert k.hbm_bytes == pytest.approx(2 * 512 * 8 * 1024 * 4, rel=0.01)
     assert k.pipeline_steps == pytest.approx(512, rel=0.01)
     assert any("sample of its iterations" in n for n in sampled.notes), sampled.notes
+
+
+def test_a_kernel_past_its_evaluation_budget_scales_its_outer_loop_from_the_iterations_run(monkeypatch, compiled_once):
+    """Every equation evaluated counts against the kernel's budget (those in conditionals and nested loops too): past
+    it, an outermost loop of known trips stops and is scaled from the iterations it ran, so a kernel whose loops hold
+    branches and loops cannot take minutes; the figure is still the whole pipeline's, marked approximate."""
+    from benchmarks.perf_model import kernel_eval
+
+    x = _sds((512 * 8, 1024), jnp.float32)
+    monkeypatch.setattr(kernel_eval, "_MAX_EVALUATED", 2000)
+    counted = []
+    run = kernel_eval._Evaluator.run
+
+    def counting_run(self, jaxpr, *args, **kwargs):
+        out = run(self, jaxpr, *args, **kwargs)
+        counted.append(self.evaluated)
+        return out
+
+    monkeypatch.setattr(kernel_eval._Evaluator, "run", counting_run)
+    capped = perf_model.model_function(functools.partial(pallas_emit_pipeline_scale, block=8), (x,), gen="v5e")
+    (k,) = capped.kernels
+    assert max(counted) < 2 * 2000, max(counted)  # stopped just past the budget (all 512 steps: ~65,000)
+    assert k.hbm_bytes_bound == "approximate"
+    assert k.hbm_bytes == pytest.approx(2 * 512 * 8 * 1024 * 4, rel=0.01)
+    assert k.pipeline_steps == pytest.approx(512, rel=0.01)
 
 
 # ------------------------------------------------------------------ DMA shape: descriptors and contiguous runs

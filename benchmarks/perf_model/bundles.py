@@ -32,7 +32,7 @@ import re
 _ADDR_RE = re.compile(r"^\s*(0x[0-9a-fA-F]+|0)\s+(?:(LB|LH|LE|PB|PF|CT):\s*|:\s*)(>*)\s*\{(.*)$")
 _BRANCH_RE = re.compile(r"sbr\.rel\s*(\((!?)%(\w+)\))?\s*target bundleno = (\d+)")
 _EXIT_PRED_RE = re.compile(r"(%p\w+)\s*=\s*scmp\.\w+\.s32\.totalorder[^;]*?loop exit test")
-_EXIT_RE = re.compile(r"scmp\.(ge|gt|lt|le|eq|ne)\.s32\.totalorder\s+%\w+,\s*(-?\d+)\s*/\*\s*loop exit test")
+_EXIT_RE = re.compile(r"scmp\.(ge|gt|lt|le|eq|ne)\.s32\.totalorder\s+(%\w+),\s*(-?\d+)\s*/\*\s*loop exit test")
 _MXU_RE = re.compile(r"\bvmatmul\.[\w.]*")
 # "dma.hbm_to_vmem [thread:$0]  (!%p6), /*hbm=*/%s4, /*size_in_granules=*/98304, ..." (the predicate is optional)
 _DMA_RE = re.compile(r"=\s*dma\.(hbm|vmem|smem)_to_(hbm|vmem|smem)\b(?:\s*\[thread:[^\]]*\])?\s*(\(!?%p\w+\))?")
@@ -72,8 +72,13 @@ class Bundle:
         m = _EXIT_RE.search(self.text)
         if not m:
             return None
-        op, n = m.group(1), int(m.group(2))
+        op, n = m.group(1), int(m.group(3))
         return n + 1 if op == "gt" else n
+
+    def exit_register(self) -> str | None:
+        """The induction variable the loop's exit test compares."""
+        m = _EXIT_RE.search(self.text)
+        return m.group(2) if m else None
 
     def mxu_ops(self) -> list[str]:
         return _MXU_RE.findall(self.text)
@@ -140,7 +145,7 @@ class Region:
 
     branch_addr: int
     target: int
-    skipped: int  # bundles not executed when the branch is taken
+    skipped: int  # bundles not executed when the branch is taken (the inner loops in it at their static trips)
 
 
 @dataclasses.dataclass
@@ -221,6 +226,24 @@ class KernelSchedule:
         return ops
 
 
+def _inner_trip(loop: list[Bundle]) -> int | None:
+    """An inner loop's trip count from its exit test: the bound over the induction variable's step (an unrolled
+    fori_loop adds its unroll factor each iteration), counted from 0; None when the bound is not an immediate."""
+    bound = register = None
+    for b in loop:
+        if b.exit_trip() is not None:
+            bound, register = b.exit_trip(), b.exit_register()
+    if bound is None:
+        return None
+    step_re = re.compile(rf"{re.escape(register)} = sadd\.s32 (?:(\d+), %\w+|%\w+, (\d+))(?!\w)")
+    for b in loop:
+        m = step_re.search(b.text)
+        if m:
+            step = int(m.group(1) or m.group(2))
+            return -(-bound // step) if step > 0 else bound
+    return bound
+
+
 def _infer_delay_slots(bundles: list[Bundle], backedge: int) -> int:
     for j in range(backedge + 1, min(len(bundles), backedge + 12)):
         if bundles[j].depth == 0 and not bundles[j].empty:
@@ -269,11 +292,7 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
     for s, t, _ in branches:
         if start <= t < s < end and (outer is None or (t, s) != (start, outer[1])) and t != start:
             iend = min(s + 1 + delay, end)
-            itrip = None
-            for b in bundles[t:iend]:
-                if b.exit_trip() is not None:
-                    itrip = b.exit_trip()
-            inner.append((t, iend, itrip))
+            inner.append((t, iend, _inner_trip(bundles[t:iend])))
 
     # Forward conditional branches inside the body, not inside an inner loop.
     def in_inner(a):
@@ -289,17 +308,28 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
         lt, le, _ = inner[i]
         if t_ <= le - (delay + 1):  # inside the loop (not its exit, not past its back-edge)
             loop_regions.append((i, Region(s_, t_, max(0, t_ - (s_ + 1 + delay)))))
-    regions = [Region(s, t, max(0, t - (s + 1 + delay))) for s, t in fwd]
+
+    # A grid-level region skips the inner loops inside it at every trip they would have run (the body counts them
+    # so): a fill/drain iteration's guard skips the whole step, token loops and all.
+    def skipped(s, t):
+        first = s + 1 + delay
+        loops = sum((le - lt) * ((lt_trip or 1) - 1) for lt, le, lt_trip in inner if first <= lt and le <= t)
+        return max(0, t - first) + loops
+
+    regions = [Region(s, t, skipped(s, t)) for s, t in fwd]
     guard, pipeline_regions = None, []
     if outer is not None and regions:
         # The guard is the branch that skips most of the body; it need not come first: a block fetched once (a fixed
         # BlockSpec: norm weights, a table) puts its conditional DMA issue before it. Regions inside it are pl.when
         # bodies; regions outside it are the pipeline's own (the DMA issue of blocks whose index changes), not
         # pl.whens: they run on fill/drain iterations too and are counted at every step.
-        largest = max(regions, key=lambda r: r.skipped)
+        def extent(r):  # the region's bundles in the code, whatever its loops' trips
+            return max(0, r.target - (r.branch_addr + 1 + delay))
+
+        largest = max(regions, key=extent)
         others = [r for r in regions if r is not largest]
         encloses = all(largest.branch_addr < r.branch_addr and r.target <= largest.target for r in others)
-        if largest.skipped > 0.5 * (end - start) or (others and largest is regions[0] and encloses):
+        if extent(largest) > 0.5 * (end - start) or (others and largest is regions[0] and encloses):
             guard = largest
             regions = [r for r in others if largest.branch_addr < r.branch_addr and r.target <= largest.target]
             pipeline_regions = [r for r in others if r not in regions]

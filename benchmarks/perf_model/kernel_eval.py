@@ -30,6 +30,12 @@ _MAX_ELEMENTS = 4096
 _MAX_ITERATIONS = 5_000_000
 # Iterations a loop too long for the budget is sampled for, at least (its trip count known, the sample is scaled).
 _MIN_SAMPLE = 1024
+# Equations evaluated per kernel, every one counted (those in conditionals and nested loops too), past which an
+# outermost loop with a known trip count stops at the end of its current iteration and is scaled from the iterations
+# it ran (a while loop of unknown trips, at twice as many, is left with its trips unknown): the loop budget above
+# counts a loop body's own equations only, and a kernel with branches and loops inside its loops (vLLM's fused MoE)
+# took minutes (~60k equations a second).
+_MAX_EVALUATED = 3_000_000
 
 _INT_DIV = {
     "div": lambda a, b: np.where(b != 0, np.trunc(np.true_divide(a, np.where(b == 0, 1, b))), 0).astype(
@@ -93,6 +99,7 @@ class Construct:
     # compiler may if-convert it (predicated instructions inline in the enclosing code) instead of branching over it
     nests: bool = False  # a region with a conditional in it
     dots_within: bool = False  # a region with matmuls anywhere in its code (nested conditionals included)
+    described: bool = False  # the facts above have been read from its code
 
 
 @dataclasses.dataclass
@@ -157,6 +164,7 @@ class _Evaluator:
         self.dmas_upper = self.dmas_lower = False
         self.extrapolated = False  # a loop too long to evaluate whole was sampled and scaled
         self.budget = _MAX_ITERATIONS
+        self.evaluated = 0  # equations evaluated so far (`_MAX_EVALUATED`)
 
     # ------------------------------------------------------------------ values
     def _small(self, aval) -> bool:
@@ -299,6 +307,7 @@ class _Evaluator:
                 return literals[key][1]
             return env.get(v)
 
+        self.evaluated += len(jaxpr.eqns)
         for eqn in jaxpr.eqns:
             name, subs, small_outs = self._eqn_facts(eqn)
             outs = None
@@ -372,13 +381,15 @@ class _Evaluator:
             if grid_level:
                 self.conds.append(None if runs is None else ((weight == 0) | runs))
                 self.cond_regions.append(rec)
-            rec.vector_work = any(_vector_work(b.jaxpr) for b in code)
-            rec.dots = any(_vector_work(b.jaxpr, dots_only=True) for b in code)
-            rec.loops = any(_has_loop(b.jaxpr) for b in code)
-            rec.predicable = all(_predicable(b.jaxpr) for b in code)
-            # A cascade's "then" region holds the rest of the cascade: a conditional in it.
-            rec.nests = (which == "then" and len(branches) > 2) or any(_has_cond(b.jaxpr) for b in code)
-            rec.dots_within = any(_has_dot(b.jaxpr) for b in code)
+            if not rec.described:  # facts of its code, read once (a region in a loop is evaluated at every trip)
+                rec.vector_work = any(_vector_work(b.jaxpr) for b in code)
+                rec.dots = any(_vector_work(b.jaxpr, dots_only=True) for b in code)
+                rec.loops = any(_has_loop(b.jaxpr) for b in code)
+                rec.predicable = all(_predicable(b.jaxpr) for b in code)
+                # A cascade's "then" region holds the rest of the cascade: a conditional in it.
+                rec.nests = (which == "then" and len(branches) > 2) or any(_has_cond(b.jaxpr) for b in code)
+                rec.dots_within = any(_has_dot(b.jaxpr) for b in code)
+                rec.described = True
             if rec.executions is not None:
                 rec.executions = None if runs is None else rec.executions + weight * runs
 
@@ -448,15 +459,20 @@ class _Evaluator:
         if length * cost > self.budget // 2:
             sample = int(max(1, min(length, max(_MIN_SAMPLE, self.budget // 2 // cost))))
         self.budget -= sample * cost
-        before = self._snapshot() if sample < length else None
+        # The outermost loops may be cut short by the evaluation budget: they keep what to scale from.
+        capped = self.depth <= 1
+        before = self._snapshot() if sample < length or capped else None
         order = range(length - 1, -1, -1) if p.get("reverse") else range(length)
-        for i in list(order)[:sample]:
+        for ran, i in enumerate(list(order)[:sample], 1):
             x_i = [x[:, i] if isinstance(x, np.ndarray) and x.ndim >= 2 else None for x in xs]
             outs = self.run(
                 body.jaxpr, _bind_invars(body.jaxpr, consts + carry + x_i), weight, sure, False, body.consts
             )
             carry = outs[:n_carry]
-        if before is not None:
+            if capped and self.evaluated > _MAX_EVALUATED and ran < sample:
+                sample = ran
+                break
+        if sample < length:
             self._scale_since(before, np.full(self.steps, length / sample))
             self.extrapolated = True
             return None
@@ -476,9 +492,11 @@ class _Evaluator:
         # A loop too long to evaluate whole but with its trip count known (a fori_loop to a known bound: emit_pipeline's
         # loop over its steps): evaluate a sample of its iterations and scale what they added to the whole count.
         sample = None
+        capped = total is not None and self.depth <= 1  # as in _scan_body
+        before_loop = self._snapshot() if capped else None
         if total is not None and total.max() * cost > self.budget // 2:
             sample = int(max(1, min(total.max(), max(_MIN_SAMPLE, self.budget // 2 // cost))))
-            before = self._snapshot()
+            before = before_loop
         iterations = 0
         while True:
             (pred,) = self.run(cj.jaxpr, _bind_invars(cj.jaxpr, cconsts + carry), weight, sure, False, cj.consts)
@@ -486,6 +504,9 @@ class _Evaluator:
                 break
             active = active & pred.reshape(self.steps).astype(bool)
             done = not active.any()
+            if not done and capped and sample is None and self.evaluated > _MAX_EVALUATED and iterations:
+                sample = iterations  # the kernel's evaluation budget spent: scaled from the iterations run
+                before = before_loop
             if not done and sample is not None and iterations >= sample:
                 self._scale_since(before, np.where(trips > 0, total / np.maximum(trips, 1), 1.0))
                 self.extrapolated = True
@@ -495,7 +516,7 @@ class _Evaluator:
                     rec.executions = rec.executions + weight * trips
                 self._count_dma_loop(bj.jaxpr, weight * trips)
                 return carry if sample is None or iterations < sample else None
-            if sample is None and self.budget < cost:
+            if sample is None and (self.budget < cost or (not capped and self.evaluated > 2 * _MAX_EVALUATED)):
                 break
             self.budget -= cost  # a sampled loop evaluates its sample whatever is left
             iterations += 1

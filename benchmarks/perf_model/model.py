@@ -716,8 +716,9 @@ def _pair_grid_regions(evaluated, sched: B.KernelSchedule):
     """Pair the kernel's grid-level regions with the schedule's branch regions when their counts differ: regions whose
     code is scalar work and DMA starts/waits only (`Construct.predicable`) may have been if-converted (predicated
     instructions, no branch), and the pipeline's write-back into an output in VMEM is a branch of its own
-    (`KernelSchedule.output_copies`). Tried in order: the predicable regions with no conditional in them set aside
-    (their parent stays a branch), then every predicable region; the schedule with and without its output copies. The
+    (`KernelSchedule.output_copies`), with the compiler's branches inside it. Tried in order: the predicable regions
+    with no conditional in them set aside (their parent stays a branch), then every predicable region; the schedule
+    with its output copies, without them, then without them and the branches inside them. The
     first combination whose counts agree, with every pair agreeing on matmuls (a region with a matmul in its code and
     a branch with a vmatmul in it), pairs in program order. Returns ({schedule index: kernel index}, kernel regions
     set aside, schedule branches left unpaired), or None."""
@@ -731,7 +732,20 @@ def _pair_grid_regions(evaluated, sched: B.KernelSchedule):
         [i for i, r in enumerate(regions) if not r.predicable],
     ]
     branches = list(range(len(sched.conds)))
-    sched_sets = [branches] + ([[k for k in branches if k not in sched.output_copies]] if sched.output_copies else [])
+    # An output copy's own branches (a partial block's masked rows, its loops) are inside it: the pipeline's as well.
+    copies = [
+        k
+        for k in branches
+        if any(
+            sched.conds[c].branch_addr <= sched.conds[k].branch_addr and sched.conds[k].target <= sched.conds[c].target
+            for c in sched.output_copies
+        )
+    ]
+    sched_sets = [branches]
+    if sched.output_copies:
+        sched_sets.append([k for k in branches if k not in sched.output_copies])
+    if len(copies) > len(sched.output_copies):
+        sched_sets.append([k for k in branches if k not in copies])
     mxu = [addr for addr, _ in sched.mxu_ops_body]
 
     def has_mxu(k):
