@@ -57,6 +57,9 @@ class WriteConfig:
 ROWS_PER_WORD = 4
 
 
+# The flat layout's issue loop, unrolled this many tokens deep.
+ISSUE_UNROLL = 8
+
 # The head-major path's token blocks are whole float8 tiles of the staging buffer (32 rows).
 HEAD_MAJOR_TOKENS = 32
 
@@ -261,7 +264,7 @@ def _kernel(slots_ref, *refs, cfg: WriteConfig, block_tokens: int):
         valid = (token < cfg.tokens) & (slot >= 0) & (slot < cfg.num_slots)
         return slot, valid
 
-    def start(t, carry):
+    def start(t, started):
         slot, valid = slot_of(t)
 
         @pl.when(valid)
@@ -269,20 +272,19 @@ def _kernel(slots_ref, *refs, cfg: WriteConfig, block_tokens: int):
             for copy in copies(t, slot):
                 copy.start()
 
+        return started + valid.astype(jnp.int32)
+
+    def wait(_, carry):
+        # Every copy into one cache moves one row and signals that cache's semaphore, so any row's descriptor waits
+        # for one of them: no slot is loaded or checked again here.
+        for copy in copies(0, 0):
+            copy.wait()
         return carry
 
-    def wait(t, carry):
-        slot, valid = slot_of(t)
-
-        @pl.when(valid)
-        def _():
-            for copy in copies(t, slot):
-                copy.wait()
-
-        return carry
-
-    jax.lax.fori_loop(0, block_tokens, start, 0)
-    jax.lax.fori_loop(0, block_tokens, wait, 0)
+    # Unrolled: the scalar unit overlaps one token's slot load (SMEM latency) with the checks and DMA issue of the
+    # ones before it; the issue loop bounds the write (docs/kv_cache.md).
+    started = jax.lax.fori_loop(0, block_tokens, start, jnp.int32(0), unroll=min(ISSUE_UNROLL, block_tokens))
+    jax.lax.fori_loop(0, started, wait, 0)
 
 
 def write(
