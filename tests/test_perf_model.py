@@ -316,7 +316,26 @@ def test_gathers_and_scatters_are_charged_not_counted_as_zero(compiled_once):
     names = [x.name for x in m.xla_ops]
     assert len(names) >= 3, names
     assert all(x.estimated_cycles > 0 for x in m.xla_ops if x.basis != "bytes_moved")  # copies carry none
+    # The inverse permutation scatters single elements: not rows the chip was measured writing one DMA each.
+    assert not [x for x in m.xla_ops if x.basis == "scatter_rows"], m.xla_ops
     assert not [w for w in m.warnings if "estimate" in w or "as_text" in w], m.warnings
+
+
+def scatter_rows_program(cache, slots, rows):
+    """New rows written into a cache at their slots, as XLA's path writes a KV cache."""
+    return cache.at[slots].set(rows, mode="drop")
+
+
+@pytest.mark.parametrize("tokens", [512, 2048])
+def test_a_scatter_is_charged_by_the_rows_it_writes(tokens, compiled_once):
+    """XLA estimates a scatter at a few cycles whatever its rows; on the chip each row is a DMA of its own, one after
+    the other: the model charges the rows it counts in the program (chips.Calibration.xla_scatter_row_s each)."""
+    chip = perf_model.get_chip("v5e")
+    args = (_sds((16384, 4, 128), jnp.bfloat16), _sds((tokens,), jnp.int32), _sds((tokens, 4, 128), jnp.bfloat16))
+    m = perf_model.model_function(perf_model.donated(scatter_rows_program, [0]), args, gen="v5e")
+    scatters = [x for x in m.xla_ops if x.basis == "scatter_rows"]
+    assert len(scatters) == 1, m.xla_ops
+    assert scatters[0].modeled_s == pytest.approx(tokens * chip.xla_scatter_row_s)
 
 
 def test_bundle_parser_on_a_synthetic_schedule():

@@ -12,6 +12,7 @@ import functools
 import glob
 import hashlib
 import json
+import math
 import os
 import pickle
 import re
@@ -94,7 +95,8 @@ class XlaOpModel:
     estimated_cycles: int
     modeled_s: float
     basis: str = "estimated_cycles"  # or "bytes_moved": a layout copy or a prefetch, costed by the bytes it moves;
-    # or "schedule": an elementwise / reduction op, timed from its own schedule and DMAs as a kernel is
+    # or "schedule": an elementwise / reduction op, timed from its own schedule and DMAs as a kernel is; or
+    # "scatter_rows": a scatter, by the rows it writes (chips.Calibration.xla_scatter_row_s)
     bytes_moved: int | None = None
 
 
@@ -449,6 +451,45 @@ def _async_copy_models(chip, label: str, hlo: str, kernels: list, xla_ops: list)
         # XLA's pipelines read and write at one efficiency: the bytes' direction does not matter here
         extra = max(0.0, float(chip.stream_s(sum(b for _, b in inside) + copy_bytes)) - op_s)
         out += [XlaOpModel(label, n, 0, extra * copies[n] / copy_bytes, "bytes_moved", copies[n]) for n in names]
+    return out
+
+
+_SCATTER_RE = re.compile(r"=\s*\S+\s+scatter\(%[\w.\-]+,\s*%([\w.\-]+),\s*%([\w.\-]+)\).*?index_vector_dim=(\d+)", re.M)
+# The smallest update window charged by its rows: the chip's points scatter rows of 1-4 KiB; XLA's scatters of single
+# elements (MoE routing's inverse permutations) are not measured, and keep XLA's estimate.
+SCATTER_ROW_MIN_BYTES = 512
+
+
+def scatter_rows(hlo: str) -> dict[str, int]:
+    """{top-level op: rows it scatters} for each scatter of the program, fused or not, whose update windows (one per
+    index: the indices' elements over the index vector's) are rows of `SCATTER_ROW_MIN_BYTES` or more."""
+    computations = {m.group(1): m.group(0) for m in _COMPUTATION_RE.finditer(hlo)}
+    entry = re.search(r"^ENTRY .*?^\}", hlo, re.M | re.S)
+    entry_text = entry.group(0) if entry else ""
+    out = {}
+    for m in _INSTRUCTION_RE.finditer(entry_text):
+        called = re.search(r"calls=%([\w.\-]+)", m.group(2))
+        if " scatter(" in " " + m.group(2):
+            scope, lines = entry_text, [m.group(0)]
+        elif called and " scatter(" in computations.get(called.group(1), ""):
+            scope = computations[called.group(1)]
+            lines = [line for line in scope.splitlines() if " scatter(" in line]
+        else:
+            continue
+        rows = 0
+        for line in lines:
+            found = _SCATTER_RE.search(line)
+            shapes = found and [re.search(rf"%{re.escape(found.group(i))} = (\w+)\[([\d,]*)\]", scope) for i in (1, 2)]
+            if not shapes or not all(shapes):
+                continue
+            dims = [int(d) for d in shapes[0].group(2).split(",") if d]
+            vector = int(found.group(3))
+            count = math.prod(dims) // (dims[vector] if vector < len(dims) else 1)
+            updates = _type_bytes(shapes[1].group(1), shapes[1].group(2)) or 0
+            if count and updates // count >= SCATTER_ROW_MIN_BYTES:
+                rows += count
+        if rows:
+            out[m.group(1)] = rows
     return out
 
 
@@ -1191,9 +1232,12 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
     scheduled = set(scheduled_xla_ops(hlo))
     xla_ops = []
     estimated = xla_op_estimates(hlo)
-    # A copy XLA gives no estimate (e.g. an output written from VMEM to HBM twice) is still a copy: counted by bytes.
+    scattered = scatter_rows(hlo)
+    # A copy XLA gives no estimate (e.g. an output written from VMEM to HBM twice) is still a copy: counted by bytes;
+    # a scatter with none (the program's root), by its rows.
     seen = {n for n, _ in estimated}
     estimated += [(n, 0) for n in copies if n not in seen]
+    estimated += [(n, 0) for n in scattered if n not in seen and n not in copies]  # a scatter with no estimate
     for n, c in estimated:
         if n in mosaic_names:
             continue
@@ -1208,6 +1252,16 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
             k = _model_kernel(chip.xla_pipeline(), n, files, None, label, xla_op=True)
             warnings += [f"{n}: {w}" for w in k.warnings]
             xla_ops.append(XlaOpModel(label, n, c, k.modeled_s, "schedule", k.hbm_bytes))
+            continue
+        if n in scattered:
+            # A row a DMA, one after the other: far above XLA's estimate of a few cycles (chips.Calibration).
+            estimate_s = 0.0 if c >= _NO_ESTIMATE_CYCLES else c / chip.clock_hz
+            row_s = scattered[n] * chip.xla_scatter_row_s
+            xla_ops.append(
+                XlaOpModel(
+                    label, n, c, max(estimate_s, row_s), "scatter_rows" if row_s > estimate_s else "estimated_cycles"
+                )
+            )
             continue
         if c >= _NO_ESTIMATE_CYCLES:  # XLA's "no estimate" (INT64_MAX), e.g. a sort: not a time
             warnings.append(f"{n}: XLA gives no cycle estimate (estimated_cycles = {c}); counted as 0")
