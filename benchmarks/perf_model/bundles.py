@@ -311,10 +311,12 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
 
     # A grid-level region skips the inner loops inside it at every trip they would have run (the body counts them
     # so): a fill/drain iteration's guard skips the whole step, token loops and all.
+    def repeats(lo, hi):  # bundles of the inner loops in [lo, hi) run beyond their one pass in the code
+        return sum((le - lt) * ((lt_trip or 1) - 1) for lt, le, lt_trip in inner if lo <= lt and le <= hi)
+
     def skipped(s, t):
         first = s + 1 + delay
-        loops = sum((le - lt) * ((lt_trip or 1) - 1) for lt, le, lt_trip in inner if first <= lt and le <= t)
-        return max(0, t - first) + loops
+        return max(0, t - first) + repeats(first, t)
 
     regions = [Region(s, t, skipped(s, t)) for s, t in fwd]
     guard, pipeline_regions = None, []
@@ -341,9 +343,7 @@ def analyze(bundles: list[Bundle], has_grid: bool = True) -> KernelSchedule:
         if any(_OUTPUT_WINDOW in b.text for b in bundles[r.branch_addr : r.target])
         and not any(b.mxu_ops() for b in bundles[r.branch_addr : r.target])
     ]
-    body = end - start
-    for t, e, itrip in inner:
-        body += (e - t) * ((itrip or 1) - 1)
+    body = end - start + repeats(start, end)
     mxu = [(b.addr, op) for b in bundles[start:end] for op in b.mxu_ops()]
     return KernelSchedule(
         total_bundles=n,
