@@ -396,7 +396,8 @@ def _prepare_case(position, case, plan: _Plan, make_args) -> _Prepared:
 def _trace_cases(group: list[_Prepared], calls: int, labels_of) -> None:
     """Every program of the prepared cases timed in one profiler trace (a trace costs ~0.5-1 s of the host's time,
     whatever it holds), their results filled in; the trace's seconds shared out by program. A failing trace is taken
-    again case by case, so that one case's failure stays its own. `labels_of(case)` -> {impl: column label}."""
+    again case by case, and a case's failing trace program by program, so that one implementation's failure (XLA's
+    attention out of HBM, say) stays its own. `labels_of(case)` -> {impl: column label}."""
     programs = [p for ready in group for p in ready.programs.values()]
     if not programs:
         return
@@ -407,28 +408,50 @@ def _trace_cases(group: list[_Prepared], calls: int, labels_of) -> None:
         if len(group) > 1:
             for ready in group:
                 _trace_cases([ready], calls, labels_of)
-            return
-        group[0].results.update({impl: {"error": f"trace: {reason(e)}"} for impl in group[0].programs})
+        else:
+            _trace_alone(group[0], calls, labels_of, reason(e))
         return
     per_program = (time.perf_counter() - start) / len(programs)
     for ready in group:
         labels = labels_of(ready.case)
         ready.phases["trace_s"] = per_program * len(ready.programs)
         for impl, p in ready.programs.items():
-            t = times[p.name]
-            ready.results[impl] = {
-                "label": labels[impl],
-                "median_s": statistics.median(t),
-                "mean_s": statistics.fmean(t),
-                "min_s": min(t),
-                "stddev_s": statistics.pstdev(t),
-                "rounds": len(t),
-                "compile_s": ready.compile_s[impl],
-                "lower_s": ready.lower_s[impl],
-                "timing": "device time (profiler)",
-                **({"in_place": "state donated, carried from call to call"} if p.state else {}),
-            }
+            ready.results[impl] = _timing(ready, impl, times[p.name], labels[impl], p.state)
         ready.programs = {}  # the inputs and state go with the programs' arguments
+
+
+def _trace_alone(ready: _Prepared, calls: int, labels_of, why: str) -> None:
+    """A case whose trace failed, each of its programs in a trace of its own (a lone program's failure is `why`)."""
+    labels = labels_of(ready.case)
+    start = time.perf_counter()
+    for impl, p in ready.programs.items():
+        if len(ready.programs) == 1:
+            ready.results[impl] = {"error": f"trace: {why}"}
+            continue
+        try:
+            times = profiler.device_times([p], calls)
+        except Exception as e:  # noqa: BLE001
+            ready.results[impl] = {"error": f"trace: {reason(e)}"}
+            continue
+        ready.results[impl] = _timing(ready, impl, times[p.name], labels[impl], p.state)
+    ready.phases["trace_s"] = time.perf_counter() - start
+    ready.programs = {}
+
+
+def _timing(ready: _Prepared, impl: str, t: list[float], label: str, state) -> dict:
+    """One implementation's entry from its per-call device times."""
+    return {
+        "label": label,
+        "median_s": statistics.median(t),
+        "mean_s": statistics.fmean(t),
+        "min_s": min(t),
+        "stddev_s": statistics.pstdev(t),
+        "rounds": len(t),
+        "compile_s": ready.compile_s[impl],
+        "lower_s": ready.lower_s[impl],
+        "timing": "device time (profiler)",
+        **({"in_place": "state donated, carried from call to call"} if state else {}),
+    }
 
 
 def case_line(case_id: str, phases: dict, results: dict) -> str:

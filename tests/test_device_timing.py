@@ -229,7 +229,27 @@ def test_small_cases_share_a_trace_within_their_bounds(fake_chip, monkeypatch):
     failing = device_timing.run(three, measured.case_arrays, kernel_label="k", default_label="d", calls=2)
     assert "median_s" in failing[(three[0].id, "kernel")] and "median_s" in failing[(three[2].id, "default")]
     assert failing[(three[1].id, "kernel")] == {"error": "trace: RuntimeError: the trace holds 19 executions"}
-    assert traces == [6, 2, 2, 2]  # the three together, then each alone
+    assert traces == [6, 2, 2, 1, 1, 2]  # the three together, then each case alone (the failing one program by program)
+
+    # one implementation's failure (XLA's program out of HBM) leaves the case's others timed
+    together = []
+
+    def fails_with_the_second_program(programs, calls):
+        if len(programs) > 1:
+            together.extend(p.name for p in programs)
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM")
+        if programs[0].name == together[-1]:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM")
+        return real(programs, calls)
+
+    monkeypatch.setattr(profiler, "device_times", fails_with_the_second_program)
+    one = [suite.Case(OP, dataclasses.replace(SHAPE, batch=64))]
+    alone = device_timing.run(one, measured.case_arrays, kernel_label="k", default_label="d", calls=2)
+    assert len(together) == 2
+    assert alone[(one[0].id, "kernel")]["median_s"] > 0
+    assert alone[(one[0].id, "default")] == {
+        "error": "trace: RuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on HBM"
+    }
 
 
 def test_inputs_come_from_a_builder_compiled_ahead(fake_chip):
