@@ -33,6 +33,8 @@ UNFUSED = tk.FlashAttentionBlocks(block_q=128, block_kv=128, fused_backward=Fals
 # the backward on blocks of its own (as the tuning table may give it): query blocks twice the forward's, so that its
 # row ranges, visit lists and dq slots are built for other blocks than the forward's residuals were written in
 OWN_BACKWARD = tk.FlashAttentionBlocks(block_q=128, block_kv=128, fused_backward=True, backward_block_q=256)
+# the forward's kernels: the visit kernel (forward.py) and, under small windows, the band (band.py)
+FORWARD_KERNELS = {"flash_attention_fwd", "flash_attention_band_fwd"}
 # f32 kernel vs f32 reference: the online softmax sums in another order, and sharp softmaxes (scale 1.0, logits ~ 10)
 # carry the rounding of exp(s - max) to ~1e-4 relative.
 F32_TOL = dict(rtol=1e-4, atol=1e-5)
@@ -61,6 +63,23 @@ def _check_f32_gradients(kernel_fn, reference_fn, args, *, names, rand):
         atol=1e-4,
         rtol=1e-4,
     )
+
+
+def _check_default_call_with_sinks(rand, args, options, dtype=jnp.float32):
+    """flash_attention on the table's blocks against the reference at args (q, k, v, sinks): its output, and in
+    float32 its gradients in q, k, v and the sinks."""
+
+    def kernel(q, k, v, sinks):
+        return tk.flash_attention(q, k, v, sinks=sinks, **options)
+
+    def reference(q, k, v, sinks):
+        return attention_reference(q, k, v, sinks=sinks, **options)
+
+    f32 = dtype == jnp.float32
+    tol = F32_TOL if f32 else {}
+    ladder.check_against_reference(kernel, reference, args, dtype=dtype, rand=rand, **tol, jit_kernel=True)
+    if f32:
+        _check_f32_gradients(kernel, reference, args, names=["dq", "dk", "dv", "dsinks"], rand=rand)
 
 
 def _assert_lse_close(actual, expected, what, rand):
@@ -217,6 +236,94 @@ def test_gradients_match_reference(rand, feature):
         names=["dq", "dkv", "dsinks"] if sinks is not None else ["dq", "dkv"],
         rand=rand,
     )
+
+
+# Small windows on the table's blocks: the forward takes each query block over the band of key blocks its rows see
+# (band.py), where the row ranges are constants that allow it. Sequences not a multiple of the band's 128-row blocks,
+# so that sequences start inside blocks and the last block is ragged.
+BAND_CASES = {
+    # gpt-oss's sliding layers in small: window 128 (one block back), sinks, GQA 8, head dim 64
+    "gpt_oss_like": dict(batch=2, seq=300, hq=16, hkv=2, d=64, window=(127, 0), sinks=True, reach=1),
+    # a window of 256 keys: two blocks back
+    "two_blocks_back": dict(batch=1, seq=520, hq=4, hkv=1, d=64, window=(255, 0), reach=2),
+    # windows longer than the sequences, a softcap, head dim 128, no GQA
+    "window_past_the_sequence": dict(batch=3, seq=45, hq=4, hkv=4, d=128, window=(200, 0), softcap=5.0, reach=1),
+    # 1-token sequences: every block its own keys only
+    "one_token": dict(batch=5, seq=1, hq=2, hkv=1, d=64, window=(10, 0), sinks=True, reach=0),
+}
+
+
+def _band_call(rand, case, dtype=jnp.float32):
+    c = BAND_CASES[case]
+    q, k, v = _inputs(rand, c["batch"], c["seq"], c["seq"], c["hq"], c["hkv"], c["d"], dtype=dtype)
+    sinks = rand.normal((c["hq"],), scale=2.0) if c.get("sinks") else None
+    options = dict(causal=True, window_size=c["window"], softcap=c.get("softcap", 0.0))
+    return (q, k, v, sinks), options, c["reach"]
+
+
+@pytest.fixture
+def band_reaches(monkeypatch):
+    """The reach of every band forward traced (band.band_forward spied on)."""
+    from tpu_kernels_jax.flash_attention import api as attention_api
+
+    reaches = []
+    real = attention_api.band.band_forward
+
+    def spy(*args, **kwargs):
+        reaches.append(kwargs["reach"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_api.band, "band_forward", spy)
+    return reaches
+
+
+@pytest.mark.parametrize("case", BAND_CASES)
+def test_small_windows_run_as_a_band(rand, case, band_reaches):
+    args, options, reach = _band_call(rand, case)
+
+    def kernel(q, k, v, sinks):
+        return tk.flash_attention(q, k, v, sinks=sinks, return_lse=True, **options)
+
+    out, lse = ladder.run_kernel(jax.jit(kernel), *args)
+    assert band_reaches == [reach]
+    ref_out, ref_lse = ladder.run_reference(
+        lambda q, k, v, sinks: attention_reference(q, k, v, sinks=sinks, return_lse=True, **options), *args
+    )
+    ladder.assert_close(out, ref_out, dtype=jnp.float32, what="out", context=repr(rand), **F32_TOL)
+    _assert_lse_close(lse, ref_lse, "lse", rand)
+
+
+def test_band_bfloat16_and_gradients(rand, band_reaches):
+    """bfloat16 through the band; float32 gradients in q, k, v and the sinks, the backward (the visit kernels, at its
+    own blocks) reading the band's output and log-sum-exp."""
+    args, options, reach = _band_call(rand, "gpt_oss_like", dtype=jnp.bfloat16)
+    _check_default_call_with_sinks(rand, args, options, dtype=jnp.bfloat16)
+    args, options, _ = _band_call(rand, "gpt_oss_like")
+    _check_default_call_with_sinks(rand, args, options)
+    assert band_reaches and set(band_reaches) == {reach}
+
+
+def test_band_only_where_every_row_fits_it(rand, band_reaches):
+    """band_reach: the key blocks before a query block's own that its rows see, None where a row sees past its own
+    block (bottom-right causal with more keys than queries) or too far back; a caller's blocks keep the visit kernel."""
+    from tpu_kernels_jax.flash_attention import band
+
+    def reach(rows, window, cu=None):
+        cu = np.array([0, rows]) if cu is None else np.asarray(cu)
+        lo, hi = schedule.key_ranges(cu, cu, rows, causal=True, window_size=(window, 0), xp=np)
+        return band.band_reach(lo, hi, rows, rows)
+
+    assert reach(4096, 127) == 1 and reach(4096, 128) == 1 and reach(4096, 129) == 2 and reach(4096, 256) == 2
+    assert reach(4096, 257) is None  # three blocks back: past MAX_REACH
+    assert reach(4096, 0) == 0  # each row its own key
+    assert reach(4096, 4095) is None  # causal over the whole sequence
+    # a sequence of 100 rows from row 60: its rows see back to row 60, one block
+    assert reach(300, 1000, cu=[0, 60, 160, 300]) == 1
+    q, k, v = _inputs(rand, 1, 200, 300, 2, 1, 64)  # bottom-right causal: rows see keys past their own block
+    _check_default_call_with_sinks(rand, (q, k, v, rand.normal((2,))), dict(causal=True, window_size=(100, 0)))
+    q, k, v = _inputs(rand, 1, 256, 256, 2, 1, 64)
+    jax.block_until_ready(tk.flash_attention(q, k, v, causal=True, window_size=(127, 0), blocks=SMALL))
+    assert band_reaches == []
 
 
 # (Sq, Sk): fewer query or key rows than a sublane tile, against a wider other side (the api pads them: MIN_ROWS).
@@ -1060,28 +1167,20 @@ def test_small_windows_take_their_own_blocks(rand, monkeypatch):
         return [(c.name, c.grid) for c in ladder.pallas_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)]
 
     given = tk.FlashAttentionBlocks(**dict(zip(fields, small)))
-    assert grids(None) == grids(given) != grids(None, window_size=(511, 0))
+
+    def backward_grids(grids):
+        return [g for g in grids if g[0] not in FORWARD_KERNELS]
+
+    default = grids(None)
+    assert backward_grids(default) == backward_grids(grids(given)) != backward_grids(grids(None, window_size=(511, 0)))
+    # the default's forward is the band (each query block of 128 rows one step); the caller's blocks, the visits'
+    assert [(name, grid[1]) for name, grid in default if name in FORWARD_KERNELS] == [("flash_attention_band_fwd", 32)]
+    assert [name for name, _ in grids(given) if name in FORWARD_KERNELS] == ["flash_attention_fwd"]
     monkeypatch.delenv("TPU_KERNELS_TARGET")
 
     q, k, v = _inputs(rand, 1, 640, 640, 4, 2, 64)
     sinks = rand.normal((4,), scale=2.0)
-    options = dict(causal=True, window_size=(99, 0))
-    ladder.check_against_reference(
-        lambda q, k, v, s: tk.flash_attention(q, k, v, sinks=s, **options),
-        lambda q, k, v, s: attention_reference(q, k, v, sinks=s, **options),
-        (q, k, v, sinks),
-        dtype=jnp.float32,
-        rand=rand,
-        **F32_TOL,
-        jit_kernel=True,
-    )
-    _check_f32_gradients(
-        lambda q, k, v, s: tk.flash_attention(q, k, v, sinks=s, **options),
-        lambda q, k, v, s: attention_reference(q, k, v, sinks=s, **options),
-        (q, k, v, sinks),
-        names=["dq", "dk", "dv", "dsinks"],
-        rand=rand,
-    )
+    _check_default_call_with_sinks(rand, (q, k, v, sinks), dict(causal=True, window_size=(99, 0)))
 
 
 def test_windows_up_to_window_keys_take_their_own_forward_blocks(monkeypatch):
@@ -1192,7 +1291,8 @@ def test_head_dim_64_runs_padded_to_128(rand, monkeypatch):
             out = tk.flash_attention(q, k, v, causal=True, window_size=window_size)
             return out.astype(jnp.float32).sum()
 
-        _, outputs = _kernel_shapes(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)["flash_attention_fwd"]
+        shapes = _kernel_shapes(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+        ((_, outputs),) = (shapes[name] for name in FORWARD_KERNELS if name in shapes)
         return outputs[0][-1]  # the output's lanes a head as the forward kernel writes it ([T, Hq, Dv])
 
     assert (lanes((-1, -1)), lanes((127, 0))) == (128, 64)
@@ -1256,7 +1356,7 @@ def test_table_blocks_fit_every_benchmark_shape(generation, monkeypatch):
     for shape in FLASH_ATTENTION:
         loss, specs = _benchmark_call(shape)
         names = {c.name for c in ladder.pallas_calls(jax.grad(loss, argnums=(0, 1, 2)), *specs)}
-        assert "flash_attention_fwd" in names and "flash_attention_dkv" in names, (shape.id, names)
+        assert names & FORWARD_KERNELS and "flash_attention_dkv" in names, (shape.id, names)
         backward[shape.id] = "unfused" if "flash_attention_dq" in names else "fused"
     if generation == "v6e":
         # seq 32768: a query block needs 16 key blocks of 2048, over the 8 slots; Qwen3 (head dim 128) takes the fused
@@ -1409,6 +1509,22 @@ def test_compiles_for_tpu():
         ((9,), jnp.int32),
         ((9,), jnp.int32),
         label="flash_attention_varlen d64",
+    )
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("generation", ["v5e", "v6e", "v7x"])
+def test_band_compiles_for_tpu(generation):
+    """The band forward (a window of 256 keys: two key blocks back, sinks, GQA 8 at head dim 64) lowers and fits VMEM
+    on every generation; gpt-oss's sliding layers (one block back) compile in test_compiles_at_benchmark_shapes."""
+    ladder.compile_for_tpu(
+        lambda q, k, v, sinks: tk.flash_attention(q, k, v, causal=True, window_size=(255, 0), sinks=sinks),
+        generation,
+        ((2, 1024, 16, 64), jnp.bfloat16),
+        ((2, 1024, 2, 64), jnp.bfloat16),
+        ((2, 1024, 2, 64), jnp.bfloat16),
+        ((16,), jnp.float32),
+        label="flash_attention band",
     )
 
 

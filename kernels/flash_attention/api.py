@@ -13,7 +13,7 @@ import numpy as np
 from ..common import chip
 from ..common.interpret import interpret_eager_cpu_calls
 from ..common.manual_axes import cotangent_like
-from . import backward, checks, forward, schedule, tuning
+from . import backward, band, checks, forward, schedule, tuning
 from .geometry import Geometry
 from .tuning import FlashAttentionBlocks
 
@@ -72,9 +72,14 @@ class _Setup:
     backward: Geometry
     vmem_limit: int
     fused: bool
+    # a small window's forward on the table's choice may run as one band of key blocks per query block (band.py),
+    # where the call's row ranges are constants that allow it; band_reach is then its key blocks before a row's own
+    small_window: bool = False
+    band_reach: int | None = None
 
 
 def _setup(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap, **sequences) -> _Setup:
+    caller_blocks = blocks
     blocks = tuning.resolve_blocks(
         blocks,
         q_rows=q_rows,
@@ -112,7 +117,12 @@ def _setup(blocks, *, q_rows, kv_rows, hq, hkv, d, dv, dtype, scale, softcap, **
                 f"blocks: {g.num_q_blocks} query blocks and {g.num_kv_blocks} key blocks, more than the "
                 f"{schedule.MAX_BLOCKS} a visit can address; use larger blocks"
             )
-    return _Setup(forward_geometry, backward_geometry, blocks.vmem_limit_bytes, blocks.fused_backward)
+    window_keys = sequences.get("window_keys")
+    tables_forward = caller_blocks is None or (
+        caller_blocks.block_q is None and caller_blocks.block_kv is None and caller_blocks.kv_heads_per_step is None
+    )
+    small_window = tables_forward and window_keys is not None and window_keys <= tuning.SMALL_WINDOW_KEYS
+    return _Setup(forward_geometry, backward_geometry, blocks.vmem_limit_bytes, blocks.fused_backward, small_window)
 
 
 def _choose_backward(blocks, setup_for, setup: _Setup, slots_of, dq_bytes: int) -> _Setup:
@@ -197,19 +207,32 @@ def _attention_fwd(setup, with_lse, static_counts, dq_slots, q3d, k3d, v3d, sink
     g = setup.forward
     qinfo, _, q_visits, _, q_count, _, status, _, _ = plans[0]
     count = q_count if static_counts[0] is None else static_counts[0][0]
-    out, lse = forward.forward(
-        q3d,
-        k3d,
-        v3d,
-        qinfo,
-        q_visits,
-        count,
-        status,
-        sinks,
-        geometry=g,
-        with_lse=True,
-        vmem_limit_bytes=setup.vmem_limit,
-    )
+    if setup.band_reach is not None:
+        out, lse = band.band_forward(
+            q3d,
+            k3d,
+            v3d,
+            qinfo,
+            sinks,
+            geometry=g,
+            reach=setup.band_reach,
+            with_lse=True,
+            vmem_limit_bytes=setup.vmem_limit,
+        )
+    else:
+        out, lse = forward.forward(
+            q3d,
+            k3d,
+            v3d,
+            qinfo,
+            q_visits,
+            count,
+            status,
+            sinks,
+            geometry=g,
+            with_lse=True,
+            vmem_limit_bytes=setup.vmem_limit,
+        )
     result = (out, lse) if with_lse else (out, None)
     # the dk/dv kernel streams q with heads merged into lanes; merged here (an XLA relayout where the forward took q
     # as it lies), which inference, not differentiating, never runs. k and v are saved as they lie (the backward
@@ -275,6 +298,8 @@ def _call(q3d, k3d, v3d, sinks, lo, hi, xp, sizes, *, setup, with_lse, slot_boun
     """q3d [Tq, Hq, D], k3d [Tk, Hkv, D], v3d [Tk, Hkv, Dv] -> out [Tq, Hq, Dv], lse [Hq, Tq] or None. sizes: the
     (forward, backward) visit lists' static sizes (None, None for constant lists)."""
     g = setup.forward
+    if setup.small_window and xp is np:
+        setup = dataclasses.replace(setup, band_reach=band.band_reach(lo, hi, g.q_rows, g.kv_rows))
     compute_dtype = jnp.float32 if q3d.dtype == jnp.float16 else q3d.dtype  # float16 runs as float32 on TPU
     q = q3d.astype(compute_dtype)
     k = k3d.astype(compute_dtype)
