@@ -24,11 +24,15 @@ from .geometry import min_kv_heads_per_step
 # (seq 32768: -23 % forward, -8 % backward), but slower at seq 1024 (+7 % / +15 %; a 1024 block is one causal
 # triangle, half masked) and packed sequences (+4..38 %): a choice by sequence length would take both. Head dim 512:
 # 512 x 1024 on v6e (-16 % against 512 x 256), 256 x 512 on v7x (-16 % against 256 x 256; the dq kernel overflows its
-# 48 MiB at 512 x 256). v5e's 128-wide MXUs gain nothing from larger blocks. Head dim 64 has no benchmark shape.
+# 48 MiB at 512 x 256). v5e's 128-wide MXUs gain nothing from larger blocks, and at head dim 512 lose by them:
+# measured on the v5e (Gemma 4 full, 8 x 4096 tokens, 16 / 2 heads, causal; device time, the forward alone at each
+# tiling, `--sweep`), 512 x 512 28140 us, **256 x 512 13864**, 256 x 256 14010, 512 x 256 14509, 128 x 512 14727,
+# 128 x 256 14884, 256 x 128 15480, 512 x 128 15735, 128 x 1024 15810, 128 x 128 16363, 256 x 1024 19721, 512 x 1024
+# 22951, 1024 x 512 27407, 512 x 512 at 2 kv heads a step 24493. Head dim 64 has no benchmark shape.
 # Not keyed on the mask: at v6e head dim 128, Qwen3 causal seq 4096, the forward's 1024 x 1024 (3604 us, its DIAGONAL
 # pairs by chunks) models faster than 512 x 1024 (4369), 512 x 512 (4898) and 1024 x 2048 (4043).
 TABLE = {
-    "v5e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (512, 512)},
+    "v5e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (256, 512)},
     "v6e": {64: (512, 512), 128: (1024, 1024), 256: (512, 512), 512: (512, 1024)},
     "v7x": {64: (512, 512), 128: (1024, 512), 256: (512, 512), 512: (256, 512)},
 }
@@ -464,9 +468,13 @@ def resolve_blocks(
     )
 
 
-# Tile sizes `candidate_blocks` tries for each of block_q and block_kv (benchmarks' --sweep models every legal pair);
+# Tile sizes `candidate_blocks` tries for each of block_q and block_kv (benchmarks' --sweep models every legal pair):
+# the forward's from 128 (the v5e's MXU width; at head dim 512 its fastest blocks there have 256 query rows, measured),
 # the backward's key blocks also 2048 (half the dq slots of 1024).
-CANDIDATE_TILES = {"forward": ((256, 512, 1024), (256, 512, 1024)), "backward": ((256, 512, 1024), (512, 1024, 2048))}
+CANDIDATE_TILES = {
+    "forward": ((128, 256, 512, 1024), (128, 256, 512, 1024)),
+    "backward": ((256, 512, 1024), (512, 1024, 2048)),
+}
 
 
 def candidate_blocks(
