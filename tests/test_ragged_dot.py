@@ -285,6 +285,25 @@ ROW_CHUNK_CASES = [
 ]
 
 
+@pytest.mark.parametrize("m", [1, 12])
+def test_row_chunks_of_a_tile_cut_to_fewer_rows(rand, m):
+    """A caller's tile of 16 rows in chunks of 8, at M = 1 or 12: the tile is cut to the M rows there are, which the
+    chunks do not divide, and runs whole (no error: the caller's blocks fit every M)."""
+    k, n, groups = 128, 384, 8
+    lhs = rand.normal((m, k), F32)
+    rhs = rand.normal(rhs_shape(groups, k, n, False), F32, scale=0.2)
+    sizes = jnp.asarray([0, m] + [0] * (groups - 2), jnp.int32)
+    blocks = row_chunk_blocks(F32)
+    ladder.check_against_reference(
+        jax.jit(lambda l, r, s: tk.ragged_dot(l, r, s, blocks=blocks)),
+        jax.jit(lambda l, r, s: ragged_dot_reference(l, r, s)),
+        (lhs, rhs, sizes),
+        dtype=F32,
+        rand=rand,
+        **F32_TOL,
+    )
+
+
 @pytest.mark.parametrize("gated,dtype,tm,row_chunk,sizes", ROW_CHUNK_CASES, ids=[str(c[0]) for c in ROW_CHUNK_CASES])
 def test_row_chunks_of_partial_visits(rand, gated, dtype, tm, row_chunk, sizes):
     """MatmulBlocks.row_chunk: visits to tiles shared by groups multiply only the chunks holding their rows (one

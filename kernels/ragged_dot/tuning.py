@@ -311,7 +311,12 @@ def choose_blocks(
             tm = choose_tm(m, num_groups, lhs_dtype, gen, rhs_transposed)
             chosen = fit(tm)
     else:
-        row_chunk = _given_row_chunk(owner, fixed.row_chunk, tm, sub, lhs_dtype, out_dtype)
+        given_chunk = fixed.row_chunk
+        if fixed.tm is not None and tm < fixed.tm and tm % given_chunk:
+            # the caller's tile cut to the M rows there are (decode: one row): its row chunks do not divide the
+            # smaller tile, which runs whole
+            given_chunk = 0
+        row_chunk = _given_row_chunk(owner, given_chunk, tm, sub, lhs_dtype, out_dtype)
         if row_chunk and chosen[0] < k:
             raise ValueError(
                 f"{owner}.row_chunk: row chunks need all of K in one step (tk >= K = {k}), got tk = {chosen[0]}"
