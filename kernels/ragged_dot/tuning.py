@@ -312,7 +312,7 @@ def choose_blocks(
             chosen = fit(tm)
     else:
         given_chunk = fixed.row_chunk
-        if fixed.tm is not None and tm < fixed.tm and tm % given_chunk:
+        if given_chunk and fixed.tm is not None and tm < fixed.tm and tm % given_chunk:
             # the caller's tile cut to the M rows there are (decode: one row): its row chunks do not divide the
             # smaller tile, which runs whole
             given_chunk = 0
