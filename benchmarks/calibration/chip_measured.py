@@ -33,6 +33,7 @@ _KERNEL_FAMILIES = {
     "ragged_dot": "chip_ragged_dot_kernel",
     "moe": "chip_moe_kernel",
     "paged_attention": "chip_paged_attention_kernel",
+    "flash_attention": "chip_flash_attention_kernel",
 }
 _DEFAULT_FAMILIES = {
     "rms_norm": "chip_xla_fusion",
@@ -41,6 +42,7 @@ _DEFAULT_FAMILIES = {
     "ragged_dot": "chip_xla_ragged_dot",
     "moe": "chip_xla_ragged_dot",
     "paged_attention": "chip_xla_paged_attention",
+    "flash_attention": "chip_xla_attention",
 }
 _BASELINE_FAMILIES = {
     "our rope + XLA scatter": "chip_xla_scatter",  # our rotary kernel, then XLA's scatter: the scatter dominates
@@ -51,7 +53,11 @@ _BASELINE_FAMILIES = {
     "jax_rpa": "chip_jax_rpa",
     "jax_paged": "chip_jax_paged_attention",
     "vllm_rpa": "chip_vllm_rpa",
+    "splash": "chip_splash_attention",
+    "jax_flash": "chip_jax_flash_attention",
 }
+# Baselines whose name two kernels' suites share: tokamax's attention is not its ragged dot
+_KERNEL_BASELINE_FAMILIES = {"flash_attention": {"tokamax": "chip_tokamax_attention"}}
 
 # Families out of the fit: the measured ratio (modeled v5e / measured TPU v5e device time, over the family) and the
 # mechanism suspected.
@@ -89,6 +95,19 @@ OUT_OF_FIT = {
         "cannot pair with their trip counts: not examined"
     ),
     "chip_jax_paged_attention": "modeled/measured 1.43-2.18 (median 1.45): JAX's paged_attention: not examined",
+    "chip_splash_attention": (
+        "modeled/measured 1.05-1.51 (median 1.19): splash attention (MQA per kv head) at its own blocks, modeled about "
+        "a fifth slow, 1.44-1.51 at Qwen3 causal and gpt-oss full: not examined"
+    ),
+    "chip_jax_flash_attention": (
+        "modeled/measured 1.06-1.22 (median 1.08): JAX's flash attention at its default blocks, the forward 1.19-1.22: "
+        "not examined"
+    ),
+    "chip_tokamax_attention": "modeled/measured 1.05-1.92 (median 1.38, 3 points): tokamax's attention: not examined",
+    "chip_xla_attention": (
+        "modeled/measured 0.83-1.49 (median 1.26): XLA's attention materialises the scores (batch x heads x seq^2: "
+        "gigabytes of temporaries at seq 4096), its fusions timed by XLA's own estimates: not examined"
+    ),
     "chip_vllm_rpa": (
         "modeled/measured 0.48-1.39 (median 0.63): bf16 0.48-0.67 (the model sees vLLM's RPA v3 at about twice its "
         "chip speed), float8 0.90-1.39: not examined (K and V in one cache, its own DMA pipeline)"
@@ -161,6 +180,12 @@ def _excluded(fam: str, entry: dict) -> str:
             "costs the copies by their bytes at the DMA bandwidth, ~3x under the chip's time for these transposes, "
             "not examined"
         )
+    if fam == "chip_flash_attention_kernel" and shape.get("head_dim") == 512 and entry["op"] == "backward":
+        return (
+            "Gemma 4's full layers' backward at head dim 512 (the fused dq kernel on 512 x 512 blocks): "
+            "modeled/measured 0.69 (74.3 ms measured as the benchmark's backward program; the same backward timed "
+            "alone by the sweep 58.2 ms): not examined"
+        )
     if (
         fam == "chip_kv_cache_kernel"
         and shape.get("model") == "gemma4-full"
@@ -179,7 +204,8 @@ def family(kernel: str, impl: str) -> str:
         return _KERNEL_FAMILIES[kernel]
     if impl == "default":
         return _DEFAULT_FAMILIES[kernel]
-    return _BASELINE_FAMILIES[impl.removeprefix("baseline:")]
+    baseline = impl.removeprefix("baseline:")
+    return _KERNEL_BASELINE_FAMILIES.get(kernel, {}).get(baseline) or _BASELINE_FAMILIES[baseline]
 
 
 def key(entry: dict) -> str:
