@@ -161,6 +161,8 @@ QUICK = (
     "intermediate=768 activation=silu bfloat16",
     "paged_attention/ragged_paged_attention kernel batch=64 model=gemma4-sliding phase=decode context=4096 page=64 "
     "q_heads=16 kv_heads=8 head_dim=256 window=1024 bfloat16",
+    "flash_attention/forward kernel seq=4096 model=gemma4-sliding mask=causal layout=dense q_heads=16 kv_heads=8 "
+    "head_dim=256 window=1024 bfloat16",
     "kv_cache/write_kv_cache kernel tokens=2048 model=qwen3-30b-a3b phase=prefill q_heads=32 kv_heads=4 head_dim=128 "
     "bfloat16",
     "kv_cache/write_kv_cache default tokens=2048 model=gemma4-sliding phase=prefill q_heads=16 kv_heads=8 head_dim=256 "
