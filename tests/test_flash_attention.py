@@ -250,12 +250,16 @@ BAND_CASES = {
     "window_past_the_sequence": dict(batch=3, seq=45, hq=4, hkv=4, d=128, window=(200, 0), softcap=5.0, reach=1),
     # 1-token sequences: every block its own keys only
     "one_token": dict(batch=5, seq=1, hq=2, hkv=1, d=64, window=(10, 0), sinks=True, reach=0),
+    # every kv head a step (8): q, K and V taken as they lie, [T, H, D] blocks
+    "heads_as_they_lie": dict(batch=1, seq=200, hq=16, hkv=8, d=256, window=(127, 0), reach=1),
+    # V's head dim wider than Q/K's, q and the output as they lie, K and V merged
+    "wider_v": dict(batch=2, seq=150, hq=16, hkv=2, d=64, dv=128, window=(63, 0), sinks=True, reach=1),
 }
 
 
 def _band_call(rand, case, dtype=jnp.float32):
     c = BAND_CASES[case]
-    q, k, v = _inputs(rand, c["batch"], c["seq"], c["seq"], c["hq"], c["hkv"], c["d"], dtype=dtype)
+    q, k, v = _inputs(rand, c["batch"], c["seq"], c["seq"], c["hq"], c["hkv"], c["d"], c.get("dv"), dtype=dtype)
     sinks = rand.normal((c["hq"],), scale=2.0) if c.get("sinks") else None
     options = dict(causal=True, window_size=c["window"], softcap=c.get("softcap", 0.0))
     return (q, k, v, sinks), options, c["reach"]
