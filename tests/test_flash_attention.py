@@ -1577,8 +1577,9 @@ def _benchmark_cases():
     x 2048; at 512 the forward's 512 x 1024 and the backward's 512 x 2048; packed batches take the tables' blocks or
     smaller ones, tuning.packed_block_cap), Gemma 4's full layers on v7x (head dim 512, the fused backward's f32 dq
     blocks of 512 lanes, on the generation with the least VMEM), and Gemma 4's sliding layers on v5e, whose lowering
-    differs (128-wide MXUs). On v5e the tables take 512 x 512 at every head dim, within v6e's head dim 512 blocks in the
-    same 128 MiB of VMEM, so the v6e compile bounds v5e's largest working set; the v5e compile proves the generation's
+    differs (128-wide MXUs). On v5e the tables take 512 x 512 or less at every head dim (the forward 256 x 512 at head
+    dim 512), within v6e's head dim 512 blocks in the same 128 MiB of VMEM, so the v6e compile bounds v5e's largest
+    working set; the v5e compile proves the generation's
     lowering of every feature. Gemma 4's sliding layers take all 8 kv heads (16 query heads; q, K, V and their gradients
     as they lie) a step and 512 x 512 blocks both ways on v5e and v6e (one body; 66 MiB, within Gemma 4 full's 90 MiB on
     v6e, so the Gemma 4 full compiles bound their fit), and 4 kv heads (8 query heads, K and V merged) on v7x (37 MiB,
