@@ -1519,8 +1519,9 @@ def test_compiles_for_tpu():
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("generation", ["v5e", "v6e", "v7x"])
 def test_band_compiles_for_tpu(generation):
-    """The band forward (a window of 256 keys: two key blocks back, sinks, GQA 8 at head dim 64) lowers and fits VMEM
-    on every generation; gpt-oss's sliding layers (one block back) compile in test_compiles_at_benchmark_shapes."""
+    """The band forward (a window of 256 keys: two key blocks back, sinks, GQA 8 at head dim 64; and head dim 256 with
+    8 kv heads) lowers and fits VMEM on every generation; gpt-oss's sliding layers (one block back) compile in
+    test_compiles_at_benchmark_shapes."""
     ladder.compile_for_tpu(
         lambda q, k, v, sinks: tk.flash_attention(q, k, v, causal=True, window_size=(255, 0), sinks=sinks),
         generation,
@@ -1529,6 +1530,15 @@ def test_band_compiles_for_tpu(generation):
         ((2, 1024, 2, 64), jnp.bfloat16),
         ((16,), jnp.float32),
         label="flash_attention band",
+    )
+    # head dim 256 with 8 kv heads: every kv head a step where the table takes them (q, K and V as they lie)
+    ladder.compile_for_tpu(
+        lambda q, k, v: tk.flash_attention(q, k, v, causal=True, window_size=(127, 0)),
+        generation,
+        ((1, 1024, 16, 256), jnp.bfloat16),
+        ((1, 1024, 8, 256), jnp.bfloat16),
+        ((1, 1024, 8, 256), jnp.bfloat16),
+        label="flash_attention band d256",
     )
 
 
