@@ -424,8 +424,9 @@ def _trace_alone(ready: _Prepared, calls: int, labels_of, why: str) -> None:
     """A case whose trace failed, each of its programs in a trace of its own (a lone program's failure is `why`)."""
     labels = labels_of(ready.case)
     start = time.perf_counter()
+    alone = len(ready.programs) == 1
     for impl, p in ready.programs.items():
-        if len(ready.programs) == 1:
+        if alone:  # the failed trace held this program alone: its failure is known
             ready.results[impl] = {"error": f"trace: {why}"}
             continue
         try:

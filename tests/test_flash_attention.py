@@ -1487,6 +1487,8 @@ def test_exports_for_tpu():
     specs = (_spec((2, 1024, 8, 128)), _spec((2, 1024, 2, 128)), _spec((2, 1024, 2, 128)))
     ladder.export_for_tpu(lambda q, k, v: tk.flash_attention(q, k, v, causal=True), *specs)
     ladder.export_for_tpu(_grad_fn(causal=True, window_size=(256, 0), softcap=30.0), *specs)
+    # a window of 128 keys: the band forward (band.py) and the backward's visit kernels
+    ladder.export_for_tpu(_grad_fn(causal=True, window_size=(127, 0)), *specs)
     cu = _spec((5,), jnp.int32)
     ladder.export_for_tpu(
         lambda q, k, v, a, b: tk.flash_attention_varlen(q, k, v, a, b, 1024, 1024, causal=True),

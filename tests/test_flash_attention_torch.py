@@ -108,7 +108,7 @@ def test_op_functions_export_for_tpu(rand):
 # second.
 DENSE_CASES = {
     # everything at once: GQA (4 query heads over 1 kv head), Dv != D, Sq != Sk, a two-sided window, softcap, sinks, an
-    # explicit scale
+    # explicit scale; a window of 6 keys, so the forward runs as a band (kernels/flash_attention/band.py)
     "window-softcap-sinks": dict(
         sq=9,
         sk=14,

@@ -315,7 +315,8 @@ def _call(q3d, k3d, v3d, sinks, lo, hi, xp, sizes, *, setup, with_lse, slot_boun
         slot_bound=slot_bound,
         forward_list=setup.forward == setup.backward,
     )
-    if setup.forward == setup.backward:
+    if setup.forward == setup.backward or setup.band_reach is not None:
+        # the band forward reads only the row ranges, which the backward's plan holds: no visit list of its own
         forward_plan, forward_counts = backward_plan, backward_counts
     else:
         forward_plan, forward_counts, _ = _plan(g, lo, hi, xp, sizes[0], fused=False)

@@ -73,20 +73,22 @@ def _band_kernel(*refs, geometry: Geometry, reach: int, has_sinks: bool, with_ls
         q = q.reshape(bq, g.heads_per_step * d)  # [bq, heads, D] as the array lies, merged into lanes
     q = (q.astype(jnp.float32) * query_scale(g)).astype(q.dtype)
 
-    def band_rows(refs, width, j):
-        """Kv head j's rows of the band's blocks, stacked: (parts * bk, width), stale rows past the array zeroed."""
+    def band_rows(refs, width):
+        """The band's key blocks, read once a step with heads merged in lanes and stacked: (parts * bk, kv heads a
+        step * width), stale rows past the array zeroed."""
         blocks = []
         for part, ref in enumerate(refs):
             block = jnp.clip(q_block - reach + part, 0, last_kv_block)  # the block the index map fetched
             x = ref[...]
             if x.ndim == 3:
                 x = x.reshape(bk, g.kv_heads_per_step * width)
-            blocks.append(sanitize_rows(x[:, j * width : (j + 1) * width], block, bk, g.kv_rows))
+            blocks.append(sanitize_rows(x, block, bk, g.kv_rows))
         return jnp.concatenate(blocks, axis=0) if parts > 1 else blocks[0]
 
+    k_all, v_all = band_rows(k_refs, d), band_rows(v_refs, dv)
     outs = []
     for j in range(g.kv_heads_per_step):
-        k, v = band_rows(k_refs, d, j), band_rows(v_refs, dv, j)
+        k, v = k_all[:, j * d : (j + 1) * d], v_all[:, j * dv : (j + 1) * dv]
         for i in range(g.group):
             h = j * g.group + i
             s = jnp.where(keep, log2_scores(dot_nt(q[:, h * d : (h + 1) * d], k), g), -jnp.inf)

@@ -311,12 +311,7 @@ def choose_blocks(
             tm = choose_tm(m, num_groups, lhs_dtype, gen, rhs_transposed)
             chosen = fit(tm)
     else:
-        given_chunk = fixed.row_chunk
-        if given_chunk and fixed.tm is not None and tm < fixed.tm and tm % given_chunk:
-            # the caller's tile cut to the M rows there are (decode: one row): its row chunks do not divide the
-            # smaller tile, which runs whole
-            given_chunk = 0
-        row_chunk = _given_row_chunk(owner, given_chunk, tm, sub, lhs_dtype, out_dtype)
+        row_chunk = _given_row_chunk(owner, fixed.row_chunk, tm, sub, lhs_dtype, out_dtype, cut=tm < (fixed.tm or 0))
         if row_chunk and chosen[0] < k:
             raise ValueError(
                 f"{owner}.row_chunk: row chunks need all of K in one step (tk >= K = {k}), got tk = {chosen[0]}"
@@ -345,8 +340,12 @@ def _check_row_chunk_type(owner: str, given) -> None:
         raise TypeError(f"{owner}.row_chunk: expected a non-negative int (0: whole tiles), got {given!r}")
 
 
-def _given_row_chunk(owner: str, given: int, tm: int, sub: int, lhs_dtype, out_dtype) -> int:
-    """A caller's row chunk, checked: 0, or a divisor of tm in whole sublane tiles (tm itself means whole tiles)."""
+def _given_row_chunk(owner: str, given: int, tm: int, sub: int, lhs_dtype, out_dtype, *, cut: bool = False) -> int:
+    """A caller's row chunk, checked: 0, or a divisor of tm in whole sublane tiles (tm itself means whole tiles).
+    `cut`: the caller's tile was cut to the M rows there are (decode: one row), and a chunk that does not divide the
+    smaller tile runs it whole."""
+    if cut and given and tm % given:
+        return 0
     if given and (given % sub or tm % given):
         raise ValueError(
             f"{owner}.row_chunk: expected 0 or a divisor of tm = {tm} that is a multiple of {sub} (the sublane tile "
