@@ -612,6 +612,45 @@ def test_flash_backward_inputs_name_the_implementations_whose_forward_fails(monk
     assert float(jnp.abs(residuals["kernel"][0]).max()) > 0  # the others computed from q, k, v
 
 
+def test_flash_backward_inputs_build_as_one_program_ahead_of_the_case(monkeypatch):
+    """A measured run compiles a case's input builder and programs ahead from the inputs' shapes (jax.eval_shape of
+    the builder): the backward's builder traces as one program, its residuals in the specs' shapes and, run, each
+    forward's own on the builder's q, k, v; one forward that fails makes the traced builder fail (the run then builds
+    the inputs eagerly, where that implementation alone shows why). Stand-in forwards, as above."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.ops import flash_attention as fa
+
+    def plain(q, k, v, *cu, cfg):
+        return jnp.tanh(q) * 2.0
+
+    def refuses(q, k, v, *cu, cfg):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of HBM")
+
+    shape = min((s for s in fa.SUITE.shapes if s["model"] == "qwen3-30b-a3b"), key=lambda s: s.batch)
+    monkeypatch.setattr(fa, "FORWARDS", dict.fromkeys(fa.FORWARDS, plain))
+    monkeypatch.setattr(fa, "TOKENS", 2 * shape.batch)
+    seed = int(np.random.default_rng().integers(1 << 16))
+    fa._residual_specs.cache_clear()
+    try:
+        specs = fa.residual_specs(shape)
+        traced = jax.eval_shape(lambda: fa._arrays("backward", shape, seed))
+        built = jax.jit(lambda: fa._arrays("backward", shape, seed))()
+        fa.FORWARDS["tokamax"] = refuses
+        with pytest.raises(RuntimeError, match="out of HBM"):
+            jax.eval_shape(lambda: fa._arrays("backward", shape, seed))
+    finally:
+        fa._residual_specs.cache_clear()
+    assert {impl: [x.shape for x in given] for impl, given in traced[-1].items()} == {
+        impl: [x.shape for x in given] for impl, given in specs.items()
+    }
+    q = np.float32(built[0])
+    assert q.std() > 0.5  # random draws, not zeros
+    for impl, given in built[-1].items():  # each forward's residual (tanh's output) from the builder's own q
+        np.testing.assert_allclose(np.float32(given[0]), np.tanh(q), atol=2**-8, err_msg=impl)
+
+
 def test_flash_backward_tilings_run_on_residuals_of_their_own_forward():
     """A backward tiling's inputs come from the forward at that tiling (Op.tiling_inputs): the residuals' layout follows
     the forward's kv heads a step (the output as it lies or merged, the lse by head group), so a tiling at another

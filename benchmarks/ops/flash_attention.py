@@ -532,8 +532,15 @@ def _arrays(op, s, seed, blocks=None, impls=None):
     if op == "forward":
         return args
     cfg = config(s)
-    residuals, failed = {}, {}
+    do = inputs.normal(next(keys), args[0].shape, args[0].dtype)
     specs_of = residual_specs(s, impls, blocks)
+    if isinstance(args[0], jax.core.Tracer):
+        # traced as one program (a measured run's input builder, compiled ahead with the case's programs): every
+        # forward in it, each under a jit of its own as below so that its residuals are those the backward's
+        # program expects; where one of them fails the run builds the inputs eagerly, through the path below
+        forwards = {impl: jax.jit(functools.partial(_residuals, _forward_of(impl, cfg, blocks))) for impl in specs_of}
+        return (*args, do, {impl: forward(*args) for impl, forward in forwards.items()})
+    residuals, failed = {}, {}
     # Each implementation's forward is its own program, traced here and compiled side by side: where one fails (out
     # of VMEM or HBM at a large head dim) its compile takes seconds to say so, and serially those added up to ~40 s
     # of a case on the v5e host.
@@ -554,7 +561,7 @@ def _arrays(op, s, seed, blocks=None, impls=None):
                 f"its forward (for the residuals): {reason(e)}"
             )
             residuals[impl] = [jnp.full(x.shape, jnp.nan, x.dtype) for x in specs]  # the other programs' placeholders
-    args = (*args, inputs.normal(next(keys), args[0].shape, args[0].dtype), residuals)
+    args = (*args, do, residuals)
     return PartialInputs(args, failed) if failed else args
 
 
