@@ -575,11 +575,11 @@ def test_tokamax_configs_past_its_data_head_dims_are_scaled_from_entries_that_fi
     assert fa._tokamax_best(names[0], 8192, 256, False)["block_q"] == 4096  # in the data: its own tiles
 
 
-def test_flash_backward_inputs_name_the_implementations_whose_forward_fails(monkeypatch):
-    """The backward's inputs hold every implementation's residuals from its own forward; one forward that does not
-    compile at the shape (splash and tokamax at head dim 512 ran out of the v5e's scoped VMEM) fails that
-    implementation alone, with the reason, and leaves placeholders of its residuals' shapes for the other programs.
-    Stand-in forwards here (a residual each: tanh of q), nothing of the kernels compiled."""
+@pytest.fixture
+def stand_in_flash_forwards(monkeypatch):
+    """(the flash attention benchmark module, a small shape) with every implementation's forward a stand-in whose one
+    residual is tanh of q (nothing of the kernels compiled), over two sequences instead of the suite's 32768 tokens;
+    the residual specs cached under them are dropped after the test."""
     import jax.numpy as jnp
 
     from benchmarks.ops import flash_attention as fa
@@ -587,20 +587,29 @@ def test_flash_backward_inputs_name_the_implementations_whose_forward_fails(monk
     def plain(q, k, v, *cu, cfg):
         return jnp.tanh(q) * 2.0
 
+    shape = min((s for s in fa.SUITE.shapes if s["model"] == "qwen3-30b-a3b"), key=lambda s: s.batch)
+    monkeypatch.setattr(fa, "FORWARDS", dict.fromkeys(fa.FORWARDS, plain))
+    monkeypatch.setattr(fa, "TOKENS", 2 * shape.batch)
+    fa._residual_specs.cache_clear()
+    yield fa, shape
+    fa._residual_specs.cache_clear()
+
+
+def test_flash_backward_inputs_name_the_implementations_whose_forward_fails(stand_in_flash_forwards):
+    """The backward's inputs hold every implementation's residuals from its own forward; one forward that does not
+    compile at the shape (splash and tokamax at head dim 512 ran out of the v5e's scoped VMEM) fails that
+    implementation alone, with the reason, and leaves placeholders of its residuals' shapes for the other programs."""
+    import jax.numpy as jnp
+
+    fa, shape = stand_in_flash_forwards
+
     def refuses(q, k, v, *cu, cfg):
         raise RuntimeError("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: 17.2M of 16.0M")
 
-    shape = min((s for s in fa.SUITE.shapes if s["model"] == "qwen3-30b-a3b"), key=lambda s: s.batch)
-    monkeypatch.setattr(fa, "FORWARDS", dict.fromkeys(fa.FORWARDS, plain))
-    monkeypatch.setattr(fa, "TOKENS", 2 * shape.batch)  # two sequences, not the suite's 32768 tokens
-    fa._residual_specs.cache_clear()
-    try:
-        specs = fa.residual_specs(shape)
-        assert set(specs) == {"kernel", "default", "jax_flash", "splash", "tokamax"}
-        fa.FORWARDS["splash"] = refuses
-        built = fa._arrays("backward", shape, seed=int(np.random.default_rng().integers(1 << 16)))
-    finally:
-        fa._residual_specs.cache_clear()  # the stand-ins' specs must not outlive the test
+    specs = fa.residual_specs(shape)
+    assert set(specs) == {"kernel", "default", "jax_flash", "splash", "tokamax"}
+    fa.FORWARDS["splash"] = refuses
+    built = fa._arrays("backward", shape, seed=int(np.random.default_rng().integers(1 << 16)))
     assert isinstance(built, suite.PartialInputs)
     assert list(built.failed) == ["baseline:splash"]
     assert built.failed["baseline:splash"].startswith("its forward (for the residuals): RuntimeError: RESOURCE_EXH")
@@ -612,36 +621,25 @@ def test_flash_backward_inputs_name_the_implementations_whose_forward_fails(monk
     assert float(jnp.abs(residuals["kernel"][0]).max()) > 0  # the others computed from q, k, v
 
 
-def test_flash_backward_inputs_build_as_one_program_ahead_of_the_case(monkeypatch):
+def test_flash_backward_inputs_build_as_one_program_ahead_of_the_case(stand_in_flash_forwards):
     """A measured run compiles a case's input builder and programs ahead from the inputs' shapes (jax.eval_shape of
     the builder): the backward's builder traces as one program, its residuals in the specs' shapes and, run, each
     forward's own on the builder's q, k, v; one forward that fails makes the traced builder fail (the run then builds
-    the inputs eagerly, where that implementation alone shows why). Stand-in forwards, as above."""
+    the inputs eagerly, where that implementation alone shows why)."""
     import jax
-    import jax.numpy as jnp
 
-    from benchmarks.ops import flash_attention as fa
-
-    def plain(q, k, v, *cu, cfg):
-        return jnp.tanh(q) * 2.0
+    fa, shape = stand_in_flash_forwards
 
     def refuses(q, k, v, *cu, cfg):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of HBM")
 
-    shape = min((s for s in fa.SUITE.shapes if s["model"] == "qwen3-30b-a3b"), key=lambda s: s.batch)
-    monkeypatch.setattr(fa, "FORWARDS", dict.fromkeys(fa.FORWARDS, plain))
-    monkeypatch.setattr(fa, "TOKENS", 2 * shape.batch)
     seed = int(np.random.default_rng().integers(1 << 16))
-    fa._residual_specs.cache_clear()
-    try:
-        specs = fa.residual_specs(shape)
-        traced = jax.eval_shape(lambda: fa._arrays("backward", shape, seed))
-        built = jax.jit(lambda: fa._arrays("backward", shape, seed))()
-        fa.FORWARDS["tokamax"] = refuses
-        with pytest.raises(RuntimeError, match="out of HBM"):
-            jax.eval_shape(lambda: fa._arrays("backward", shape, seed))
-    finally:
-        fa._residual_specs.cache_clear()
+    specs = fa.residual_specs(shape)
+    traced = jax.eval_shape(lambda: fa._arrays("backward", shape, seed))
+    built = jax.jit(lambda: fa._arrays("backward", shape, seed))()
+    fa.FORWARDS["tokamax"] = refuses
+    with pytest.raises(RuntimeError, match="out of HBM"):
+        jax.eval_shape(lambda: fa._arrays("backward", shape, seed))
     assert {impl: [x.shape for x in given] for impl, given in traced[-1].items()} == {
         impl: [x.shape for x in given] for impl, given in specs.items()
     }
