@@ -69,6 +69,22 @@ BUILDERS = (INPUTS, STATE)
 PHASES = ("lower_s", "inputs_s", "compile_wait_s", "first_run_s", "trace_s", "export_s")
 
 
+def hbm_in_use() -> dict | None:
+    """The chip's memory now: {"in_use_gib", "peak_gib", "limit_gib"} from the device's memory_stats (None where the
+    device reports none, as the CPU does): what a case leaves held, and how near the chip's limit its peak came."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_in_use" not in stats:
+        return None
+    gib = 1 << 30
+    return {
+        "in_use_gib": stats["bytes_in_use"] / gib,
+        "peak_gib": stats.get("peak_bytes_in_use", 0) / gib,
+        "limit_gib": stats.get("bytes_limit", 0) / gib,
+    }
+
+
 def reason(e: BaseException, limit: int = 300) -> str:
     """An exception as one short line for a table footnote: its type and the first line of its message."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -225,7 +241,7 @@ class _Plan:
             lowered, _ = _lower(fn, name, args, self.state.get(key, 0))
         except Exception as e:  # noqa: BLE001 - reported with the implementation, as a compile failure is
             future = concurrent.futures.Future()
-            future.set_exception(e)
+            future.set_exception(e.with_traceback(None))  # its frames hold the arguments (arrays, where concrete)
             self.compiles[key] = future
             self.lower_s += time.perf_counter() - start
             return
@@ -374,12 +390,19 @@ def _prepare_case(position, case, plan: _Plan, make_args) -> _Prepared:
                 phases["export_s"] += export_s
             start = time.perf_counter()
             try:
-                compiled, name, lowering, compiling = plan.compiles[key].result(timeout=COMPILE_TIMEOUT_S)
+                # a failed compile's exception taken, not raised: raised, it would keep this frame (the case's inputs)
+                # in its traceback for as long as anything holds it (the HBM of a Gemma 4 paged attention case's
+                # inputs stayed held through the next cases, which then ran out of it on the v5e)
+                failure = plan.compiles[key].exception(timeout=COMPILE_TIMEOUT_S)
             except concurrent.futures.TimeoutError:
                 # the compile thread cannot be stopped; the case goes on without this implementation
                 raise TimeoutError(f"compile still running after {COMPILE_TIMEOUT_S:.0f} s: not timed") from None
             finally:  # a compile that fails counts too (an out-of-memory compile can take a minute to say so)
                 phases["compile_wait_s"] += time.perf_counter() - start
+            if failure is not None:
+                results[impl] = {"error": reason(failure)}
+                continue
+            compiled, name, lowering, compiling = plan.compiles[key].result()
             start = time.perf_counter()
             program = profiler.Program(name, compiled, call_args, state=n_state)
             jax.block_until_ready(profiler.run_calls(program, 1))  # the first run, outside the trace
@@ -455,14 +478,20 @@ def _timing(ready: _Prepared, impl: str, t: list[float], label: str, state) -> d
     }
 
 
-def case_line(case_id: str, phases: dict, results: dict) -> str:
+def case_line(case_id: str, phases: dict, results: dict, hbm: dict | None = None) -> str:
     """One log line for a timed case: its host seconds by phase and how many implementations ran, failed or did
-    not apply."""
+    not apply; with `hbm` (hbm_in_use() after the case's trace), the chip's memory it left held and the run's peak."""
     ran = sum("median_s" in r for r in results.values())
     failed = sum("error" in r for r in results.values())
     na = sum("na" in r for r in results.values())
     spent = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.1f} s" for k, v in phases.items())
-    return f"  {case_id}: {ran} timed, {failed} failed, {na} n/a; host {spent}"
+    line = f"  {case_id}: {ran} timed, {failed} failed, {na} n/a; host {spent}"
+    if hbm is not None:
+        line += (
+            f"; HBM held after it {hbm['in_use_gib']:.2f} GiB (peak so far {hbm['peak_gib']:.2f} of "
+            f"{hbm['limit_gib']:.2f})"
+        )
+    return line
 
 
 def run(
@@ -512,6 +541,7 @@ def run(
 
         def trace_group():
             _trace_cases(group, calls, labels_of)
+            hbm = hbm_in_use()  # the group's inputs and programs gone: what stays held is a leak
             for ready in group:
                 for impl, entry in ready.results.items():
                     if "median_s" in entry:
@@ -520,7 +550,7 @@ def run(
                 if phases is not None:
                     phases[ready.case.id] = ready.phases
                 if bar is not None and hasattr(bar, "write"):  # where a slow run's host time goes, as it goes
-                    bar.write(case_line(ready.case.id, ready.phases, ready.results))
+                    bar.write(case_line(ready.case.id, ready.phases, ready.results, hbm))
                 if on_case is not None:
                     on_case(dict(stats))
                 if bar is not None:

@@ -718,6 +718,11 @@ def test_each_timed_case_logs_where_its_host_time_went():
         "  rms_norm tokens=8: 2 timed, 1 failed, 1 n/a; host inputs 0.2 s, compile wait 3.0 s, first run 0.5 s, "
         "trace 1.2 s"
     )
+    hbm = {"in_use_gib": 0.5, "peak_gib": 11.25, "limit_gib": 15.75}
+    assert device_timing.case_line("rms_norm tokens=8", phases, results, hbm).endswith(
+        "trace 1.2 s; HBM held after it 0.50 GiB (peak so far 11.25 of 15.75)"
+    )
+    assert device_timing.hbm_in_use() is None  # the CPU reports no memory stats: the line says nothing of HBM
 
 
 def test_a_table_of_several_dtypes_names_each_rows_dtype(fake_chip, tmp_path):

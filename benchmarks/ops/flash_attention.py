@@ -549,16 +549,23 @@ def _arrays(op, s, seed, blocks=None, impls=None):
         try:
             lowered[impl] = jax.jit(functools.partial(_residuals, _forward_of(impl, cfg, blocks))).lower(*args)
         except Exception as e:  # noqa: BLE001 - kept for the loop below, which shows why
-            lowered[impl] = e
+            lowered[impl] = e.with_traceback(None)  # its frames hold q, k and v
     with concurrent.futures.ThreadPoolExecutor(max(1, len(lowered))) as pool:
         compiled = {impl: pool.submit(lambda x=x: _raise_or(x).compile()) for impl, x in lowered.items()}
         compiled = {impl: future.exception() or future.result() for impl, future in compiled.items()}
     for impl, specs in specs_of.items():
         try:
-            residuals[impl] = _raise_or(compiled[impl])(*args)
-        except Exception as e:  # noqa: BLE001 - this implementation's forward does not compile here: it shows why
+            # a failed compile's exception read, not raised: raised, it would keep this frame (q, k, v and the
+            # residuals so far) in its traceback, held as long as the exception is
+            if isinstance(compiled[impl], BaseException):
+                failure = compiled[impl]
+            else:
+                residuals[impl], failure = compiled[impl](*args), None
+        except Exception as e:  # noqa: BLE001 - this implementation's forward does not run here: it shows why
+            failure = e.with_traceback(None)
+        if failure is not None:
             failed[impl if impl in FORWARDS_OF_OWN else BASELINE_PREFIX + impl] = (
-                f"its forward (for the residuals): {reason(e)}"
+                f"its forward (for the residuals): {reason(failure)}"
             )
             residuals[impl] = [jnp.full(x.shape, jnp.nan, x.dtype) for x in specs]  # the other programs' placeholders
     args = (*args, do, residuals)
