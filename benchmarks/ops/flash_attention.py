@@ -491,6 +491,12 @@ def _forward_of(impl, cfg: Config, blocks=None):
     return functools.partial(FORWARDS[impl], cfg=cfg, **options)
 
 
+def _residuals_program(impl, cfg: Config, blocks=None):
+    """impl's forward as a program that returns its residuals (jitted on its own: traced inside another program, its
+    residuals are still those the backward's program, which traces the forward the same way, expects)."""
+    return jax.jit(functools.partial(_residuals, _forward_of(impl, cfg, blocks)))
+
+
 def residual_specs(s, impls=None, blocks=None) -> dict:
     """{impl: [residual specs]} of every implementation that applies to shape s (or of those of `impls`); the
     kernel's from its forward at `blocks` (its output and lse are laid out by the forward's kv heads a step)."""
@@ -508,8 +514,7 @@ def _residual_specs(s, impls, blocks) -> dict:
     with jax.default_device(device) if device is not None else contextlib.nullcontext():
         for impl in FORWARDS if impls is None else impls:
             if _unsupported(impl, s) is None:
-                residuals = functools.partial(_residuals, _forward_of(impl, cfg, blocks))
-                out[impl] = jax.eval_shape(residuals, *_inputs(s))
+                out[impl] = jax.eval_shape(_residuals_program(impl, cfg, blocks), *_inputs(s))
     return out
 
 
@@ -536,10 +541,8 @@ def _arrays(op, s, seed, blocks=None, impls=None):
     specs_of = residual_specs(s, impls, blocks)
     if isinstance(args[0], jax.core.Tracer):
         # traced as one program (a measured run's input builder, compiled ahead with the case's programs): every
-        # forward in it, each under a jit of its own as below so that its residuals are those the backward's
-        # program expects; where one of them fails the run builds the inputs eagerly, through the path below
-        forwards = {impl: jax.jit(functools.partial(_residuals, _forward_of(impl, cfg, blocks))) for impl in specs_of}
-        return (*args, do, {impl: forward(*args) for impl, forward in forwards.items()})
+        # forward in it; where one of them fails the run builds the inputs eagerly, through the path below
+        return (*args, do, {impl: _residuals_program(impl, cfg, blocks)(*args) for impl in specs_of})
     residuals, failed = {}, {}
     # Each implementation's forward is its own program, traced here and compiled side by side: where one fails (out
     # of VMEM or HBM at a large head dim) its compile takes seconds to say so, and serially those added up to ~40 s
@@ -547,22 +550,21 @@ def _arrays(op, s, seed, blocks=None, impls=None):
     lowered = {}
     for impl in specs_of:
         try:
-            lowered[impl] = jax.jit(functools.partial(_residuals, _forward_of(impl, cfg, blocks))).lower(*args)
+            lowered[impl] = _residuals_program(impl, cfg, blocks).lower(*args)
         except Exception as e:  # noqa: BLE001 - kept for the loop below, which shows why
             lowered[impl] = e.with_traceback(None)  # its frames hold q, k and v
     with concurrent.futures.ThreadPoolExecutor(max(1, len(lowered))) as pool:
         compiled = {impl: pool.submit(lambda x=x: _raise_or(x).compile()) for impl, x in lowered.items()}
         compiled = {impl: future.exception() or future.result() for impl, future in compiled.items()}
     for impl, specs in specs_of.items():
-        try:
-            # a failed compile's exception read, not raised: raised, it would keep this frame (q, k, v and the
-            # residuals so far) in its traceback, held as long as the exception is
-            if isinstance(compiled[impl], BaseException):
-                failure = compiled[impl]
-            else:
-                residuals[impl], failure = compiled[impl](*args), None
-        except Exception as e:  # noqa: BLE001 - this implementation's forward does not run here: it shows why
-            failure = e.with_traceback(None)
+        # a failed compile's exception read, not raised: raised, it would keep this frame (q, k, v and the residuals
+        # so far) in its traceback, held as long as the exception is
+        failure = compiled[impl] if isinstance(compiled[impl], BaseException) else None
+        if failure is None:
+            try:
+                residuals[impl] = compiled[impl](*args)
+            except Exception as e:  # noqa: BLE001 - this implementation's forward does not run here: it shows why
+                failure = e.with_traceback(None)
         if failure is not None:
             failed[impl if impl in FORWARDS_OF_OWN else BASELINE_PREFIX + impl] = (
                 f"its forward (for the residuals): {reason(failure)}"
