@@ -681,6 +681,38 @@ def test_docs_take_the_measured_tables_under_their_title(fake_chip, tmp_path):
     assert "**A partial run** (1 of 2 timed cases so far" in " ".join((docs / "double.md").read_text().split())
 
 
+def test_docs_take_a_later_runs_rows_in_place_of_the_same_cases(fake_chip, tmp_path):
+    """--rows-from: a later run's rows replace the same cases' (the targets recomputed over the rows, the provenance
+    naming the rows it gave); a later case the run does not have is an error naming it."""
+    import copy
+    import json
+
+    from benchmarks import docs_tables
+
+    result = harness.run_kernel("double", harness.Config(out=tmp_path, model=False, calls=2), dev=TPU)
+    assert result["measured_targets"][0]["met"]
+    later = copy.deepcopy(result) | {"provenance": {**result["provenance"], "date": "2027-01-02"}}
+    (row,) = later["rows"]
+    row["measured"]["kernel"]["us"] = 4.0  # slower than the default's 2 µs now
+    row["measured_speedups"]["default"] = 0.5
+    runs = {name: tmp_path / name for name in ("base", "later")}
+    for name, r in (("base", result), ("later", later)):
+        runs[name].mkdir()
+        (runs[name] / "double.json").write_text(json.dumps(r))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "double.md").write_text("# Double\n")
+    assert docs_tables.main([str(runs["base"]), "--docs", str(docs), "--rows-from", str(runs["later"])]) == 0
+    text = " ".join((docs / "double.md").read_text().split())
+    assert "| 4.0 |" in text and "| 1.0 |" not in text
+    assert f"The rows of {SHAPE.id} are from a later run (2027-01-02, with `--shape`)." in text
+    assert "faster than the default implementation at every shape: NOT MET" in text
+    row["case"] = "forward tokens=1"
+    (runs["later"] / "double.json").write_text(json.dumps(later))
+    with pytest.raises(SystemExit):
+        docs_tables.main([str(runs["base"]), "--docs", str(docs), "--rows-from", str(runs["later"])])
+
+
 def test_every_program_compiles_ahead_and_the_host_time_is_accounted(fake_chip, monkeypatch):
     """Programs are lowered on the calling thread (from the inputs' shapes), the run's first ones before the first
     case's inputs exist, and compiled on the pool, each case's input builder among them; the host's time is

@@ -800,6 +800,9 @@ DKV_DIAGONAL_CASES = {
     "wide_keys_bf16": dict(blocks=(512, 1024), dtype=jnp.bfloat16),
     # query blocks twice the key blocks: the query chunks past the key block see all of it, unmasked
     "tall_queries_bf16": dict(blocks=(1024, 512), dtype=jnp.bfloat16),
+    # key blocks four times the query blocks (the v5e's table at head dim 128): four query blocks a key block, the
+    # diagonals of the last three run through it as masked visits
+    "wider_keys_f32": dict(blocks=(256, 1024), dtype=jnp.float32),
 }
 
 

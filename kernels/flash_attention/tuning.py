@@ -29,10 +29,13 @@ from .geometry import min_kv_heads_per_step
 # tiling, `--sweep`), 512 x 512 28140 us, **256 x 512 13864**, 256 x 256 14010, 512 x 256 14509, 128 x 512 14727,
 # 128 x 256 14884, 256 x 128 15480, 512 x 128 15735, 128 x 1024 15810, 128 x 128 16363, 256 x 1024 19721, 512 x 1024
 # 22951, 1024 x 512 27407, 512 x 512 at 2 kv heads a step 24493. Head dim 64 has no benchmark shape.
+# Head dim 128 on the v5e, measured likewise (Qwen3, 8 x 4096 tokens, 32 / 4 heads; causal / unmasked): **512 x 1024
+# 8166 / 13459 us**, 512 x 512 8300 / 14193, 512 x 512 at 2 kv heads a step 8206 / 13939, 256 x 1024 8757 / 13930,
+# 256 x 512 8458 / 14493, 1024 x 1024 18219 / 29733, 128-row or -key blocks 9688 and more / 15368 and more.
 # Not keyed on the mask: at v6e head dim 128, Qwen3 causal seq 4096, the forward's 1024 x 1024 (3604 us, its DIAGONAL
 # pairs by chunks) models faster than 512 x 1024 (4369), 512 x 512 (4898) and 1024 x 2048 (4043).
 TABLE = {
-    "v5e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (256, 512)},
+    "v5e": {64: (512, 512), 128: (512, 1024), 256: (512, 512), 512: (256, 512)},
     "v6e": {64: (512, 512), 128: (1024, 1024), 256: (512, 512), 512: (512, 1024)},
     "v7x": {64: (512, 512), 128: (1024, 512), 256: (512, 512), 512: (256, 512)},
 }
@@ -46,9 +49,12 @@ TABLE = {
 # 5316, 512 x 256 8151; the fused backward's 1024 x 1024 does not fit VMEM at 8 kv heads); at 1 kv head 1024 x 1024 had
 # won, 6301 -> 5981 us (512 x 1024 6356, 256 x 1024 7342), and at 4 kv heads 4947 us (512 x 512 5003, 256 x 1024 5205).
 # Head dim 128 (Qwen3), with DIAGONAL pairs: 1024 x 2048, unmasked 14986 -> 13962 us, causal 8743 -> 8892 against 1024 x
-# 1024 (-3.7 % together); 512 x 2048 14171 / 9978. v5e, v7x and head dim 64: not swept, the forward's.
+# 1024 (-3.7 % together); 512 x 2048 14171 / 9978. v7x and head dim 64: not swept, the forward's. v5e head dim 128,
+# measured on the chip (Qwen3, 8 x 4096 tokens, the fused backward alone at each tiling, `--sweep`; causal /
+# unmasked): **256 x 1024 21239 / 33980 us** (-3.6 % together), 512 x 512 20793 / 36467, 256 x 512 22209 / 38036,
+# 1024 x 2048 26536 / 42518, 512 x 1024 32550 / 55622; 2 or 4 kv heads a step 33151 us and more causal.
 BACKWARD_TABLE = {
-    "v5e": {64: (512, 512), 128: (512, 512), 256: (512, 512), 512: (512, 512)},
+    "v5e": {64: (512, 512), 128: (256, 1024), 256: (512, 512), 512: (512, 512)},
     "v6e": {64: (512, 512), 128: (1024, 2048), 256: (512, 512), 512: (512, 2048)},
     "v7x": {64: (512, 512), 128: (1024, 512), 256: (512, 512), 512: (256, 512)},
 }
