@@ -101,9 +101,9 @@ OUT_OF_FIT = {
     ),
     "chip_tokamax_attention": "modeled/measured 1.05-1.92 (median 1.38, 3 points): tokamax's attention: not examined",
     "chip_xla_attention": (
-        "modeled/measured 0.75-1.25 (median 1.17): XLA's attention materialises the scores (batch x heads x seq^2: "
+        "modeled/measured 0.73-1.23 (median 1.15): XLA's attention materialises the scores (batch x heads x seq^2: "
         "gigabytes of temporaries at seq 4096), its matmuls timed from their schedules, its softmax's fusions from "
-        "theirs: Gemma 4 sliding's forward 0.75, Qwen3's unmasked 1.25: not examined"
+        "theirs: Gemma 4 sliding's forward 0.73, Qwen3's unmasked 1.23: not examined"
     ),
     "chip_vllm_rpa": (
         "modeled/measured 0.48-1.39 (median 0.63): bf16 0.48-0.67 (the model sees vLLM's RPA v3 at about twice its "
