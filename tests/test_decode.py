@@ -412,7 +412,7 @@ def test_chip_model_composes_the_measured_layers_as_the_v6e8_table_does():
     (row,) = chip_model.side_by_side([point, {**point, "model": "gpt-oss-20b"}], figures)
     assert row["measured_over_modeled"] == pytest.approx(5000.0 / row["modeled_us"])
     assert chip_model.summary([row])["ours"]["n"] == 1
-    assert "| gemma4-26b-a4b | 64 | 7 | all ours | 5,000.0 |" in "\n".join(chip_model.markdown([row]))
+    assert "| gemma4-26b-a4b | 64 | 4096 | 7 | all ours | 5,000.0 |" in "\n".join(chip_model.markdown([row]))
 
 
 def test_measured_decode_points_carry_their_provenance():

@@ -94,14 +94,15 @@ NAMES = {"default": "XLA's path", "ours": "all ours", "experts": "experts only"}
 
 def markdown(rows: list[dict]) -> list[str]:
     lines = [
-        "| model | batch | layers | implementation | measured v5e µs | modeled v5e µs | measured / modeled |",
-        "|---|---:|---:|---|---:|---:|---:|",
+        "| model | batch | context | layers | implementation | measured v5e µs | modeled v5e µs | measured / modeled |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
     ]
-    for r in sorted(rows, key=lambda r: (r["model"], r["batch"], IMPLS.index(r["impl"]))):
+    for r in sorted(rows, key=lambda r: (r["model"], r["context"], r["batch"], IMPLS.index(r["impl"]))):
         modeled = f"{r['modeled_us']:,.1f}" if "modeled_us" in r else r.get("error", "—")
         ratio = f"{r['measured_over_modeled']:.2f}" if "measured_over_modeled" in r else "—"
         lines.append(
-            f"| {r['model']} | {r['batch']} | {r['layers']} | {NAMES[r['impl']]} | {r['measured_us']:,.1f} | "
+            f"| {r['model']} | {r['batch']} | {r['context']} | {r['layers']} | {NAMES[r['impl']]} | "
+            f"{r['measured_us']:,.1f} | "
             f"{modeled} | {ratio} |"
         )
     return lines
