@@ -72,7 +72,8 @@ class Calibration:
     dma_run_s: float  # DMA-engine time per contiguous run of a DMA in HBM beyond its first (a strided block or slice:
     # dma_shape.hbm_runs), on top of its bytes
     xla_scatter_row_s: float  # XLA's scatter, per row it updates: each row is written by a DMA of its own, one after
-    # the other (XLA's cycle estimate for a scatter is a few cycles whatever its rows)
+    # the other (XLA's cycle estimate for a scatter is a few cycles whatever its rows); likewise each whole-tile row XLA
+    # gathers (a gather it gives no estimate: a paged cache's pages)
     provenance: str
 
 

@@ -534,6 +534,49 @@ def scatter_rows(hlo: str) -> dict[str, int]:
     return out
 
 
+_GATHER_RE = re.compile(r"=\s*(\w+)\[([\d,]*)\]\{[^}]*\}\s+gather\(%([\w.\-]+),.*?slice_sizes=\{([\d,]*)\}")
+
+
+def gather_rows(hlo: str) -> dict[str, tuple[int, int]]:
+    """{top-level op: (rows it gathers, their bytes)} for each gather of the program, fused or not, whose windows (one
+    per index) are rows of `SCATTER_ROW_MIN_BYTES` or more made of whole tiles: the operand's two minor dimensions
+    entire (a paged cache's pages, [page, heads, head_dim] each). A window of part of a tile (a row of a 2-D array:
+    MoE routing's token rows) is gathered by vector loads, not a DMA a row, and is left out."""
+    computations = {m.group(1): m.group(0) for m in _COMPUTATION_RE.finditer(hlo)}
+    entry = re.search(r"^ENTRY .*?^\}", hlo, re.M | re.S)
+    text = entry.group(0) if entry else ""
+    out = {}
+    for m in _INSTRUCTION_RE.finditer(text):
+        head = m.group(2).split(", metadata=")[0]
+        called = re.search(r"calls=%([\w.\-]+)", m.group(2))
+        if " gather(" in " " + head:
+            scope, lines = None, [m.group(0)]
+        elif called and " gather(" in computations.get(called.group(1), ""):
+            scope = computations[called.group(1)]
+            lines = [line for line in scope.splitlines() if " gather(" in line]
+        else:
+            continue
+        rows = nbytes = 0
+        for line in lines:
+            found = _GATHER_RE.search(line)
+            gathered = found and _type_bytes(found.group(1), found.group(2))
+            if not gathered:
+                continue
+            source = re.search(rf"%{re.escape(found.group(3))} = (\w+)\[([\d,]*)\]", scope or text)
+            dims = [int(d) for d in source.group(2).split(",") if d] if source else []
+            sizes = [int(d) for d in found.group(4).split(",") if d]
+            if len(dims) < 2 or sizes[-2:] != dims[-2:]:
+                continue  # part of a tile a window: vector loads
+            elements = math.prod(int(d) for d in found.group(2).split(",") if d)
+            window = math.prod(sizes)
+            if window and gathered // elements * window >= SCATTER_ROW_MIN_BYTES:
+                rows += elements // window
+                nbytes += gathered
+        if rows:
+            out[m.group(1)] = (rows, nbytes)
+    return out
+
+
 def _type_bytes(dtype: str, dims: str) -> int | None:
     bits = re.fullmatch(r"(?:bf|f|s|u|c)(\d+)(?:e\d+m\d+\w*)?|(pred)", dtype)
     if bits is None:
@@ -1275,11 +1318,14 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
     estimated = xla_op_estimates(hlo)
     scattered = scatter_rows(hlo)
     matmuls = matmul_ops(hlo)
+    gathered = gather_rows(hlo)
+    results = {m.group(1): (_OP_RE.match(m.group(2)) or None) for m in _INSTRUCTION_RE.finditer(hlo)}
     # A copy XLA gives no estimate (e.g. an output written from VMEM to HBM twice) is still a copy: counted by bytes;
     # a scatter with none (the program's root), by its rows.
     seen = {n for n, _ in estimated}
     estimated += [(n, 0) for n in copies if n not in seen]
     estimated += [(n, 0) for n in scattered if n not in seen and n not in copies]  # a scatter with no estimate
+    estimated += [(n, 0) for n in gathered if n not in seen and n not in copies and n not in scattered]
     for n, c in estimated:
         if n in mosaic_names:
             continue
@@ -1323,6 +1369,19 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
                 else "matmul_schedule"
             )
             xla_ops.append(XlaOpModel(label, n, c, modeled_s, basis, reads + writes))
+            continue
+        if n in gathered and (c == 0 or c >= _NO_ESTIMATE_CYCLES):
+            # A gather of whole-tile rows XLA gives no estimate (the paged XLA path's gathers of a cache's pages,
+            # which counted 0) moves them as XLA's scatter does, a DMA a row, or their bytes where those take longer:
+            # read from the operand, written to the result where that lies in HBM (gather_rows leaves out rows of
+            # part of a tile: MoE routing's token rows, charged a DMA a row, put our experts_forward's prefill
+            # programs at 1.4-1.8x the chip).
+            rows, nbytes = gathered[n]
+            result = results.get(n)
+            written = nbytes if result is not None and _hbm_bytes(result.group(1)) else 0
+            row_s, stream_s = rows * chip.xla_scatter_row_s, float(chip.stream_s(nbytes, written))
+            basis = "gather_rows" if row_s >= stream_s else "bytes_moved"
+            xla_ops.append(XlaOpModel(label, n, c, max(row_s, stream_s), basis, nbytes + written))
             continue
         if n in scattered:
             # A row a DMA, one after the other: far above XLA's estimate of a few cycles (chips.Calibration).
