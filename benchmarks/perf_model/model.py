@@ -501,22 +501,26 @@ _SCATTER_RE = re.compile(r"=\s*\S+\s+scatter\(%[\w.\-]+,\s*%([\w.\-]+),\s*%([\w.
 SCATTER_ROW_MIN_BYTES = 512
 
 
-def scatter_rows(hlo: str) -> dict[str, int]:
-    """{top-level op: rows it scatters} for each scatter of the program, fused or not, whose update windows (one per
-    index: the indices' elements over the index vector's) are rows of `SCATTER_ROW_MIN_BYTES` or more."""
+def _top_level_ops_holding(hlo: str, op: str):
+    """(name, scope, lines) of each top-level instruction that is an `op` (scope: the entry computation; lines: its
+    own) or a fusion whose computation holds some (scope: that computation; lines: those instructions)."""
     computations = {m.group(1): m.group(0) for m in _COMPUTATION_RE.finditer(hlo)}
     entry = re.search(r"^ENTRY .*?^\}", hlo, re.M | re.S)
     entry_text = entry.group(0) if entry else ""
-    out = {}
     for m in _INSTRUCTION_RE.finditer(entry_text):
         called = re.search(r"calls=%([\w.\-]+)", m.group(2))
-        if " scatter(" in " " + m.group(2):
-            scope, lines = entry_text, [m.group(0)]
-        elif called and " scatter(" in computations.get(called.group(1), ""):
+        if f" {op}(" in " " + m.group(2).split(", metadata=")[0]:
+            yield m.group(1), entry_text, [m.group(0)]
+        elif called and f" {op}(" in computations.get(called.group(1), ""):
             scope = computations[called.group(1)]
-            lines = [line for line in scope.splitlines() if " scatter(" in line]
-        else:
-            continue
+            yield m.group(1), scope, [line for line in scope.splitlines() if f" {op}(" in line]
+
+
+def scatter_rows(hlo: str) -> dict[str, int]:
+    """{top-level op: rows it scatters} for each scatter of the program, fused or not, whose update windows (one per
+    index: the indices' elements over the index vector's) are rows of `SCATTER_ROW_MIN_BYTES` or more."""
+    out = {}
+    for name, scope, lines in _top_level_ops_holding(hlo, "scatter"):
         rows = 0
         for line in lines:
             found = _SCATTER_RE.search(line)
@@ -530,7 +534,7 @@ def scatter_rows(hlo: str) -> dict[str, int]:
             if count and updates // count >= SCATTER_ROW_MIN_BYTES:
                 rows += count
         if rows:
-            out[m.group(1)] = rows
+            out[name] = rows
     return out
 
 
@@ -542,27 +546,15 @@ def gather_rows(hlo: str) -> dict[str, tuple[int, int]]:
     per index) are rows of `SCATTER_ROW_MIN_BYTES` or more made of whole tiles: the operand's two minor dimensions
     entire (a paged cache's pages, [page, heads, head_dim] each). A window of part of a tile (a row of a 2-D array:
     MoE routing's token rows) is gathered by vector loads, not a DMA a row, and is left out."""
-    computations = {m.group(1): m.group(0) for m in _COMPUTATION_RE.finditer(hlo)}
-    entry = re.search(r"^ENTRY .*?^\}", hlo, re.M | re.S)
-    text = entry.group(0) if entry else ""
     out = {}
-    for m in _INSTRUCTION_RE.finditer(text):
-        head = m.group(2).split(", metadata=")[0]
-        called = re.search(r"calls=%([\w.\-]+)", m.group(2))
-        if " gather(" in " " + head:
-            scope, lines = None, [m.group(0)]
-        elif called and " gather(" in computations.get(called.group(1), ""):
-            scope = computations[called.group(1)]
-            lines = [line for line in scope.splitlines() if " gather(" in line]
-        else:
-            continue
+    for name, scope, lines in _top_level_ops_holding(hlo, "gather"):
         rows = nbytes = 0
         for line in lines:
             found = _GATHER_RE.search(line)
             gathered = found and _type_bytes(found.group(1), found.group(2))
             if not gathered:
                 continue
-            source = re.search(rf"%{re.escape(found.group(3))} = (\w+)\[([\d,]*)\]", scope or text)
+            source = re.search(rf"%{re.escape(found.group(3))} = (\w+)\[([\d,]*)\]", scope)
             dims = [int(d) for d in source.group(2).split(",") if d] if source else []
             sizes = [int(d) for d in found.group(4).split(",") if d]
             if len(dims) < 2 or sizes[-2:] != dims[-2:]:
@@ -573,7 +565,7 @@ def gather_rows(hlo: str) -> dict[str, tuple[int, int]]:
                 rows += elements // window
                 nbytes += gathered
         if rows:
-            out[m.group(1)] = (rows, nbytes)
+            out[name] = (rows, nbytes)
     return out
 
 
