@@ -123,10 +123,10 @@ def main(argv=None) -> int:
         if not _is_measured(result):
             continue
         for later_dir in args.rows_from:
-            later = later_dir / f.name
-            if later.exists() and _is_measured(json.loads(later.read_text())):
+            later = json.loads((later_dir / f.name).read_text()) if (later_dir / f.name).exists() else {}
+            if _is_measured(later):
                 try:
-                    result = merge(result, json.loads(later.read_text()))
+                    result = merge(result, later)
                 except ValueError as e:
                     p.error(str(e))
         doc = args.docs / f"{result['kernel']}.md"

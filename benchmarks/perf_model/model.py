@@ -407,6 +407,15 @@ def _hbm_bytes(types: str) -> int:
     return sum(_type_bytes(t, d) or 0 for t, d, layout in _TYPED_RE.findall(types) if "S(" not in layout)
 
 
+def _entry_result_types(text: str) -> dict[str, str]:
+    """{instruction: its result type(s)} of the entry computation's text."""
+    types = {}
+    for m in _INSTRUCTION_RE.finditer(text):
+        op = _OP_RE.match(m.group(2))
+        types[m.group(1)] = op.group(1) if op else ""
+    return types
+
+
 def matmul_ops(hlo: str) -> dict[str, tuple[int, int]]:
     """{top-level op: (HBM bytes it reads, HBM bytes it writes)} for each op that carries a cycle estimate and is a
     matmul (a dot or convolution, fused with elementwise work or not; nothing else `_NOT_STREAMING_RE` names): its
@@ -414,10 +423,7 @@ def matmul_ops(hlo: str) -> dict[str, tuple[int, int]]:
     computations = {m.group(1): m.group(0) for m in _COMPUTATION_RE.finditer(hlo)}
     entry = re.search(r"^ENTRY .*?^\}", hlo, re.M | re.S)
     text = entry.group(0) if entry else ""
-    types = {}
-    for m in _INSTRUCTION_RE.finditer(text):
-        op = _OP_RE.match(m.group(2))
-        types[m.group(1)] = op.group(1) if op else ""
+    types = _entry_result_types(text)
     out = {}
     for m in _INSTRUCTION_RE.finditer(text):
         name, rest = m.group(1), m.group(2)
@@ -541,12 +547,14 @@ def scatter_rows(hlo: str) -> dict[str, int]:
 _GATHER_RE = re.compile(r"=\s*(\w+)\[([\d,]*)\]\{[^}]*\}\s+gather\(%([\w.\-]+),.*?slice_sizes=\{([\d,]*)\}")
 
 
-def gather_rows(hlo: str) -> dict[str, tuple[int, int]]:
-    """{top-level op: (rows it gathers, their bytes)} for each gather of the program, fused or not, whose windows (one
-    per index) are rows of `SCATTER_ROW_MIN_BYTES` or more made of whole tiles: the operand's two minor dimensions
-    entire (a paged cache's pages, [page, heads, head_dim] each). A window of part of a tile (a row of a 2-D array:
-    MoE routing's token rows) is gathered by vector loads, not a DMA a row, and is left out."""
+def gather_rows(hlo: str) -> dict[str, tuple[int, int, int]]:
+    """{top-level op: (rows it gathers, their bytes, the bytes it writes to HBM)} for each gather of the program,
+    fused or not, whose windows (one per index) are rows of `SCATTER_ROW_MIN_BYTES` or more made of whole tiles: the
+    operand's two minor dimensions entire (a paged cache's pages, [page, heads, head_dim] each). A window of part of a
+    tile (a row of a 2-D array: MoE routing's token rows) is gathered by vector loads, not a DMA a row, and is left
+    out. The rows are written once, where the op's result lies in HBM."""
     out = {}
+    types = None
     for name, scope, lines in _top_level_ops_holding(hlo, "gather"):
         rows = nbytes = 0
         for line in lines:
@@ -565,7 +573,10 @@ def gather_rows(hlo: str) -> dict[str, tuple[int, int]]:
                 rows += elements // window
                 nbytes += gathered
         if rows:
-            out[name] = (rows, nbytes)
+            if types is None:
+                entry = re.search(r"^ENTRY .*?^\}", hlo, re.M | re.S)
+                types = _entry_result_types(entry.group(0) if entry else "")
+            out[name] = (rows, nbytes, nbytes if _hbm_bytes(types.get(name, "")) else 0)
     return out
 
 
@@ -1311,7 +1322,6 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
     scattered = scatter_rows(hlo)
     matmuls = matmul_ops(hlo)
     gathered = gather_rows(hlo)
-    results = {m.group(1): (_OP_RE.match(m.group(2)) or None) for m in _INSTRUCTION_RE.finditer(hlo)}
     # A copy XLA gives no estimate (e.g. an output written from VMEM to HBM twice) is still a copy: counted by bytes;
     # a scatter with none (the program's root), by its rows.
     seen = {n for n, _ in estimated}
@@ -1342,16 +1352,16 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
             # kernels' read and write efficiencies, each operand and the result moved once.
             reads, writes = matmuls[n]
             stream_s = float(chip.stream_s(reads, writes))
+            estimate_s = math.inf if c >= _NO_ESTIMATE_CYCLES else c / chip.clock_hz
             if f"{n}/pre_delay" in files:
                 k = _model_kernel(chip.xla_pipeline(), n, files, None, label, xla_op=True)
                 warnings += [f"{n}: {w}" for w in k.warnings]
                 compute_s = k.modeled_s
             else:
-                compute_s = 0.0 if c >= _NO_ESTIMATE_CYCLES else c / chip.clock_hz
+                compute_s = 0.0 if math.isinf(estimate_s) else estimate_s
             # Never above XLA's estimate: every matmul measured on the chip took at most that (the estimate 1.00-1.07x
             # the chip's time compute-bound, 1.3-1.5x streaming); a schedule read past it is not examined (v6e's
             # 8192^3 dot: 2,537 us from its schedule, 1,697 estimated, 1,195 at the MXU peak; no v6e measurement).
-            estimate_s = math.inf if c >= _NO_ESTIMATE_CYCLES else c / chip.clock_hz
             modeled_s = min(estimate_s, max(compute_s, stream_s))
             basis = (
                 "estimated_cycles"
@@ -1368,9 +1378,7 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
             # read from the operand, written to the result where that lies in HBM (gather_rows leaves out rows of
             # part of a tile: MoE routing's token rows, charged a DMA a row, put our experts_forward's prefill
             # programs at 1.4-1.8x the chip).
-            rows, nbytes = gathered[n]
-            result = results.get(n)
-            written = nbytes if result is not None and _hbm_bytes(result.group(1)) else 0
+            rows, nbytes, written = gathered[n]
             row_s, stream_s = rows * chip.xla_scatter_row_s, float(chip.stream_s(nbytes, written))
             basis = "gather_rows" if row_s >= stream_s else "bytes_moved"
             xla_ops.append(XlaOpModel(label, n, c, max(row_s, stream_s), basis, nbytes + written))
