@@ -102,6 +102,21 @@ def parse_args(argv=None):
         p.error(f"--budget-s: expected seconds >= 0 (0: no budget), got {args.budget_s}")
     if args.calls is not None and args.calls < 1:
         p.error(f"--calls: expected a positive number of calls, got {args.calls}")
+    if args.shape:
+        # the filters combine (a shape must hold every one); a kernel without such a shape would take the chip for
+        # an empty table: one named with --kernel is an error, one of all the kernels is left out
+        matching = [k for k in args.kernel or suite.available() if _shapes_matching(suite.get(k), args)]
+        for kernel in args.kernel or ():
+            if kernel not in matching:
+                of = suite.get(kernel)
+                p.error(
+                    f"--shape: no {'' if args.full else 'quick '}shape of {kernel} holds every one of "
+                    f"{', '.join(map(repr, args.shape))} (repeated filters must all match; run one filter a command "
+                    f"to take several); its shapes are like {_shape_pool(of, args)[0].id!r}"
+                )
+        if not matching:
+            p.error(f"--shape: no kernel has a shape holding every one of {', '.join(map(repr, args.shape))}")
+        args.kernel = matching
     args.gen = args.gens[0]
     return args
 
@@ -161,6 +176,17 @@ def budget_line(budget_s: float, expected_s: float) -> str:
         f"(the v5e host's seconds a case, HOST_S_PER_CASE): about {budget_s / expected_s:.0%} of them will be timed, "
         f"the rest say so in their tables (--budget-s 0: no budget)"
     )
+
+
+def _shape_pool(of, args):
+    """The shapes a run picks from: the quick subset, or with --full every shape."""
+    return of.shapes if args.full or of.quick_shapes is None else of.quick_shapes
+
+
+def _shapes_matching(of, args):
+    from benchmarks import suite
+
+    return suite.select_shapes(_shape_pool(of, args), args.shape)
 
 
 def case_count(kernel: str, full: bool, filters=()) -> int:

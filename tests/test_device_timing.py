@@ -623,6 +623,26 @@ def test_shape_filters_pick_the_shapes_whose_id_holds_each(fake_chip, monkeypatc
     assert [r["batch"] for r in result["rows"]] == [128]
 
 
+def test_shape_filters_that_match_nothing_are_refused_before_anything_runs(capsys):
+    """Repeated --shape filters must all hold: a named kernel with no such shape is an error naming the filters (an
+    empty run would take the chip for an empty table), and of all the kernels only those with a match run."""
+    from benchmarks import __main__ as cli
+
+    argv = ["--kernel", "flash_attention", "--shape", "model=gemma4", "--shape", "model=gpt-oss-sliding"]
+    with pytest.raises(SystemExit):
+        cli.parse_args(argv)
+    err = capsys.readouterr().err
+    assert "--shape: no quick shape of flash_attention" in err and "'model=gpt-oss-sliding'" in err
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--shape", "no-such-shape"])
+    assert "no kernel has a shape holding every one of 'no-such-shape'" in capsys.readouterr().err
+    picked = cli.parse_args(["--shape", "head_dim=512"]).kernel
+    assert picked and set(picked) < set(suite.available())
+    for kernel in picked:
+        assert suite.select_shapes(suite.get(kernel).quick_shapes or suite.get(kernel).shapes, ("head_dim=512",))
+    assert cli.parse_args(["--kernel", "flash_attention", "--shape", "model=gemma4"]).kernel == ["flash_attention"]
+
+
 def test_inputs_that_fail_to_build_fail_every_implementation(fake_chip):
     def no_inputs(case):
         raise MemoryError("RESOURCE_EXHAUSTED: 20 GiB")
