@@ -1563,8 +1563,8 @@ def test_compiles_long_sequence_backward_at_benchmark_blocks(model, generation, 
     table's forward is test_compiles_at_benchmark_shapes'; at its blocks it was ~45 % of this compile's time), every
     backward field as the default call resolves it."""
     dims = FLASH_ATTENTION_MODELS[model]
-    q = ((8, 4096, dims["q_heads"], dims["head_dim"]), jnp.bfloat16)
-    k = ((8, 4096, dims["kv_heads"], dims["head_dim"]), jnp.bfloat16)
+    q = ((1, 4096, dims["q_heads"], dims["head_dim"]), jnp.bfloat16)
+    k = ((1, 4096, dims["kv_heads"], dims["head_dim"]), jnp.bfloat16)
     table = tuning.LONG_BACKWARD_TABLE if fused else tuning.UNFUSED_BACKWARD_TABLE
     pair = table[generation][dims["head_dim"]]
     blocks = tk.FlashAttentionBlocks(fused_backward=fused, backward_block_q=pair[0], backward_block_kv=pair[1])
@@ -1625,7 +1625,7 @@ def _benchmark_cases():
 @pytest.mark.parametrize("case", _benchmark_cases(), ids=lambda c: f"{c[1]}-{c[0].id}")
 def test_compiles_at_benchmark_shapes(case):
     shape, generation = case
-    batch = max(1, 32768 // shape.batch)
+    batch = 1  # the batch only sizes the grid: one sequence compiles the same kernel bodies as the benchmark's eight
     q = ((batch, shape.batch, shape["q_heads"], shape["head_dim"]), jnp.bfloat16)
     k = ((batch, shape.batch, shape["kv_heads"], shape["head_dim"]), jnp.bfloat16)
     window = shape["window"]
