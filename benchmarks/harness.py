@@ -18,15 +18,17 @@ from . import suite as _suite
 
 NOTES = (
     "modeled = static performance model (benchmarks/perf_model): the compiled kernel's bundle schedule and its HBM "
-    "traffic, never a run on a TPU, calibrated against measured v5e timings (docs/perf_model.md): DMAs at 0.80 of "
-    "the table HBM bandwidth, 0.14 us per pipeline step, an assumed 1 us launch per kernel; v6e and v7x use the same "
-    "constants. It ignores DMA contention, DMA shape effects, clock throttling and data-dependent stalls.",
+    "traffic, never a run on a TPU, calibrated against measured v5e timings (docs/perf_model.md): reads at 0.92 and "
+    "writes at 0.708 of the table HBM bandwidth, 0.14 us per pipeline step, an assumed 1 us launch per kernel; v6e "
+    "and v7x use the same constants. It ignores DMA contention, DMA shape effects, clock throttling and "
+    "data-dependent stalls.",
     "roofline = max(minimum HBM bytes / HBM bandwidth, matmul flops / bf16 peak) for the generation's chip.",
     "efficiency = roofline / modeled kernel time; speedup = modeled default time / modeled kernel time.",
     "default = the plain JAX path of the same operation (the kernel's reference), compiled by XLA.",
     "A default/baseline holding a kernel whose run time and HBM traffic the model can only bound from below (a grid "
-    "sized at run time inside XLA: XLA's own ragged dot kernels; see the model notes) is floored at the roofline "
-    "where its modeled time is below it (marked * in the table): a lower bound that favours the baseline.",
+    "sized at run time inside XLA with nothing in the program to size it: XLA's own ragged dot kernel where the group "
+    "sizes are not known; see the model notes) is floored at the roofline where its modeled time is below it (marked "
+    "* in the table): a lower bound that favours the baseline.",
 )
 
 

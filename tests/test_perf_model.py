@@ -172,6 +172,7 @@ def _programs_by_generation():
             for page in (16, 64)
         ],
         (xla_dot, (a8192, a8192)),
+        (xla_ragged_dot, (_sds((256, 512), bf16), _sds((8, 512, 512), bf16), _sds((8,), i32))),
     ]
     v7x = [(pallas_copy, (_sds((65536, 1024), f32),)), (pallas_copy_edge, (_sds((4096, 1024), f32),))]
     return {"v6e": v6e, "v5e": v5e, "v7x": v7x}
@@ -636,16 +637,59 @@ def xla_ragged_dot(lhs, rhs, group_sizes):
 
 def test_xla_ragged_dot_kernels_are_explained_not_warned_about(compiled_once):
     """lax.ragged_dot on TPU compiles to Mosaic kernels XLA emits itself (a metadata kernel and a grouped matmul with a
-    grid sized at run time): no pallas_call to match. Their bytes come from their schedules' DMAs: the metadata
-    kernel's exactly, the matmul's as a lower bound (one grid step), and the output says why in notes."""
-    group_sizes = jnp.array([64, 0, 128, 64, 0, 0, 0, 0], jnp.int32)
-    args = (_sds((256, 512), jnp.bfloat16), _sds((8, 512, 512), jnp.bfloat16), group_sizes)
+    grid sized at run time): no pallas_call to match. With the group sizes unknown the matmul counts one grid step (its
+    bytes a lower bound) and the notes say why; the metadata kernel's bytes are exact."""
+    args = (_sds((256, 512), jnp.bfloat16), _sds((8, 512, 512), jnp.bfloat16), _sds((8,), jnp.int32))
     m = perf_model.model_function(xla_ragged_dot, args, gen="v6e")
     assert not m.warnings, m.warnings
     assert len(m.kernels) == 2 and all(k.hbm_bytes > 0 for k in m.kernels), [k.hbm_bytes for k in m.kernels]
     bounds = sorted(k.hbm_bytes_bound for k in m.kernels)
     assert bounds[0] in ("approximate", "lower") and bounds[1] == "exact", bounds
     assert any("grid sized at run time" in n for n in m.notes), m.notes
+
+
+def test_xla_ragged_dot_grid_follows_the_group_sizes(compiled_once):
+    """With concrete group sizes the grouped matmul's grid and block traffic follow from them (xla_ragged_dot.py):
+    each touched group's weights are read once per n tile and an empty group's not at all, so eight groups of 32 rows
+    read about eight times the weights one group of 256 rows does, at the same flops."""
+    from benchmarks.perf_model import xla_ragged_dot as xrd
+
+    def modeled(sizes):
+        args = (_sds((256, 512), jnp.bfloat16), _sds((8, 512, 512), jnp.bfloat16), jnp.array(sizes, jnp.int32))
+        m = perf_model.model_function(xla_ragged_dot, args, gen="v5e")
+        (k,) = [k for k in m.kernels if "metadata" not in k.hlo_name]
+        assert any("grid steps from the program's group sizes" in n for n in k.notes), k.notes
+        return k
+
+    one, eight = modeled([256, 0, 0, 0, 0, 0, 0, 0]), modeled([32] * 8)
+    weights = 512 * 512 * 2
+    # lhs and out move once each (256 x 512 bf16); the weights once per touched group
+    assert one.hbm_bytes == pytest.approx(weights + 2 * 256 * 512 * 2, rel=0.01), one.hbm_bytes
+    assert eight.hbm_bytes == pytest.approx(8 * weights + 2 * 256 * 512 * 2, rel=0.01), eight.hbm_bytes
+    assert eight.steps > one.steps >= 1 and eight.modeled_s > 2 * one.modeled_s
+    # the schedule: a tile straddling a group boundary is visited for each of its groups, consecutively
+    groups, tiles = xrd.schedule([3, 0, 5, 8], tm=4)
+    assert groups.tolist() == [0, 2, 2, 3, 3] and tiles.tolist() == [0, 0, 1, 2, 3]
+
+
+def test_xla_ragged_dot_blocks_move_when_their_index_changes():
+    """Per step (n tiles outermost): lhs [tm, tk] fetched when its m tile changes, the group's rhs [tk, tn] when the
+    group changes, an out block written when the next step leaves it; edge blocks move only what lies inside."""
+    from benchmarks.perf_model import xla_ragged_dot as xrd
+
+    kernel = xrd.RaggedDotKernel(
+        tm=4, tk=8, tn=16, n_tiles=2, k_tiles=1, groups=4, max_tiles=7, lhs_itemsize=2, rhs_itemsize=2, out_itemsize=4
+    )
+    in_b, out_b, in_d, out_d = xrd.step_traffic(kernel, [3, 0, 5, 8], rows=16, k=8, n=24)
+    lhs, out = 4 * 8 * 2, lambda cols: 4 * cols * 4
+    rhs = lambda cols: 8 * cols * 2  # noqa: E731
+    # schedule (group, tile): (0, 0) (2, 0) (2, 1) (3, 2) (3, 3), once for n tile 0 (16 columns), once for 1 (8)
+    assert in_b.tolist() == [
+        lhs + rhs(16), rhs(16), lhs, lhs + rhs(16), lhs,
+        lhs + rhs(8), rhs(8), lhs, lhs + rhs(8), lhs,
+    ]  # fmt: skip
+    assert out_b.tolist() == [0, out(16), out(16), out(16), out(16), 0, out(8), out(8), out(8), out(8)]
+    assert in_d.tolist() == [2, 1, 1, 2, 1] * 2 and out_d.sum() == 8
 
 
 def _nested_when_kernel(flags_ref, x_ref, o_ref):

@@ -28,6 +28,7 @@ from ..deviceless import subprocess_env
 from . import bundles as B
 from . import chips as C
 from . import traffic as T
+from . import xla_ragged_dot
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 
@@ -902,9 +903,12 @@ def _model_kernel(
     body: str = "",
     *,
     xla_op: bool = False,
+    runtime_traffic: tuple | None = None,
 ) -> KernelModel:
     """A Mosaic kernel's time from its schedule and DMAs; with `xla_op`, an XLA op's (its own LLO schedule: no
-    pallas_call, no Mosaic body, no kernel launch)."""
+    pallas_call, no Mosaic body, no kernel launch). runtime_traffic: for a kernel XLA emits itself whose grid is sized
+    at run time, its per-step (input bytes, output bytes, input DMAs, output DMAs) where the program's inputs decide
+    them (xla_ragged_dot.step_traffic)."""
     warnings: list[str] = []
     notes: list[str] = []
     pre = files.get(f"{hlo_name}/pre_delay")
@@ -940,7 +944,7 @@ def _model_kernel(
 
     trip = sched.trip_count
     runtime_grid = grid_of_body is not None and any(d is None for d in grid_of_body)
-    grid_known = info is not None or not (sched.has_loop and not sched.trip_count_static)
+    grid_known = info is not None or runtime_traffic is not None or not (sched.has_loop and not sched.trip_count_static)
     if not grid_known:
         if runtime_grid:
             notes.append(
@@ -1029,6 +1033,26 @@ def _model_kernel(
         elif any(b.memory_space == "any" for b in info.blocks):
             warnings.append("kernel control flow not evaluated: its manual DMAs are not counted")
             manual_bound = "lower"
+    elif runtime_traffic is not None:
+        # XLA's own kernel with its grid from the group sizes: the steps and their blocks' DMAs as a pallas_call's
+        in_b, out_b, in_d, out_d = (np.asarray(a, np.float64) for a in runtime_traffic)
+        steps = len(in_b)
+        if sched.has_loop and not sched.trip_count_static:
+            trip = steps + 2
+        in_r, out_r = in_d.copy(), out_d.copy()
+        skip = np.zeros((steps, len(sched.conds)), bool)
+        dot_flops, grid, blocks = (
+            0.0,
+            (grid_of_body[0], steps // max(1, grid_of_body[0] * grid_of_body[2]), grid_of_body[2]),
+            [],
+        )
+        jaxpr_bound = "exact"
+        notes.append(
+            f"XLA's ragged dot kernel: {steps} grid steps from the program's group sizes, its blocks fetched as a "
+            "pallas_call's (xla_ragged_dot.py)"
+        )
+        # its pipeline's DMAs are in the schedule too, issued every step: the blocks above count them
+        select = lambda d: "smem" in (d.source, d.dest)  # noqa: E731
     else:
         steps = max(1, trip - 2) if sched.has_loop and sched.trip_count_static else 1
         in_b = np.zeros(steps)
@@ -1202,10 +1226,10 @@ def model_function(fn, args, gen: str = "v6e", *, keep_dumps: str | None = None)
     gen = C.canonical_gen(gen)
     chip = C.get_chip(gen)
     args = tuple(args)
-    infos, warnings = _prepare(fn, args, chip)
+    infos, warnings, ragged_dots = _prepare(fn, args, chip)
     # Always dump: XLA emits Mosaic kernels of its own for some ops (lax.ragged_dot), which are modeled from bundles.
     compiled = compile_deviceless(fn, args, gen, dump=True, keep_dumps=keep_dumps)
-    return _assemble(chip, infos, warnings, compiled)
+    return _assemble(chip, infos, warnings, compiled, ragged_dots)
 
 
 def model_functions(items, gen: str = "v6e") -> list:
@@ -1230,7 +1254,8 @@ def model_functions(items, gen: str = "v6e") -> list:
                 results[i] = c
                 continue
             try:
-                results[i] = _assemble(chip, *prepared[i], c)
+                infos, warnings, ragged_dots = prepared[i]
+                results[i] = _assemble(chip, infos, warnings, c, ragged_dots)
             except Exception as e:  # noqa: BLE001
                 results[i] = e
     return results
@@ -1277,7 +1302,22 @@ def _share_dumps_of_identical_kernels(calls, files: dict, hlo: str) -> tuple[dic
     return shared, warnings
 
 
-def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
+def _xla_ragged_dot_traffic(body: str, ragged_dots: list) -> tuple | None:
+    """The per-step traffic of XLA's ragged-dot kernel (`body`) from the first of the program's ragged dots whose shapes
+    it takes and whose group sizes are known (taken off `ragged_dots`); None when none is."""
+    kernel = xla_ragged_dot.parse(body)
+    if kernel is None:
+        return None
+    for i, rd in enumerate(ragged_dots):
+        (m, k), (groups, _, n) = rd.lhs_shape, rd.rhs_shape
+        fits = groups == kernel.groups and kernel.n_tiles == -(-n // kernel.tn) and kernel.k_tiles == -(-k // kernel.tk)
+        if fits and kernel.max_tiles == -(-m // kernel.tm) + groups - 1:
+            del ragged_dots[i]
+            return None if rd.group_sizes is None else xla_ragged_dot.step_traffic(kernel, rd.group_sizes, m, k, n)
+    return None
+
+
+def _assemble(chip, infos, warnings, compiled, ragged_dots=()) -> ProgramModel:
     gen = chip.gen
     label = f"modeled {gen}"
     warnings = list(warnings)
@@ -1296,9 +1336,14 @@ def _assemble(chip, infos, warnings, compiled) -> ProgramModel:
     kernels = []
     files, shared_warnings = _share_dumps_of_identical_kernels(calls, files, hlo)
     warnings += shared_warnings
+    ragged_dots = list(ragged_dots)
     for hlo_name, body in calls:
         match = None
         base = re.sub(r"\.\d+$", "", hlo_name)
+        traffic = _xla_ragged_dot_traffic(body, ragged_dots)
+        if traffic is not None:  # XLA's own kernel: no pallas_call of the program's is its
+            kernels.append(_model_kernel(chip, hlo_name, files, None, label, body=body, runtime_traffic=traffic))
+            continue
         for j in remaining:
             if infos[j].name and infos[j].name == base:
                 match = j

@@ -35,9 +35,15 @@ _is_literal = KE.is_literal
 _sub_closed_jaxprs = KE.sub_jaxprs
 
 
+# Recorded beside the pallas_calls: XLA's ragged dot, which XLA lowers to a Mosaic kernel of its own whose grid
+# follows from the group sizes (xla_ragged_dot.py).
+_RECORDED = ("pallas_call", "ragged_dot_general")
+
+
 def _contains_pallas(jaxpr) -> bool:
+    """Whether `jaxpr` (or one nested in it) holds a pallas_call or an XLA ragged dot: the walk goes into it."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
+        if eqn.primitive.name in _RECORDED:
             return True
         for sub, _ in _sub_closed_jaxprs(eqn):
             if _contains_pallas(sub):
@@ -102,6 +108,10 @@ def _walk(jaxpr, consts, args, records, warnings):
         if name == "pallas_call":
             records.append((eqn, invals))
             outs = _interpret_small_call(eqn, invals)
+        elif name == "ragged_dot_general":
+            records.append((eqn, invals))
+            if all(x is not None for x in invals):
+                outs = _bind_on_cpu(eqn, invals)
         else:
             subs = _sub_closed_jaxprs(eqn)
             if subs and _contains_pallas(subs[0][0]):
@@ -132,6 +142,42 @@ class BlockTraffic:
     memory_space: str = "vmem"  # "vmem": pipelined by BlockSpecs (counted here); "smem", "any" (manual DMAs),
     # "semaphore": not pipelined, so 0 here; the model counts what the schedule's DMAs move for them
     runs_per_transfer: int = 1  # contiguous runs in HBM of one block DMA (dma_shape.hbm_runs)
+
+
+@dataclasses.dataclass
+class RaggedDotInfo:
+    """An XLA ragged dot in the program (rows of lhs [m, k] in groups, rhs [groups, k, n]): its group sizes where the
+    program's concrete inputs decide them, else None."""
+
+    lhs_shape: tuple
+    rhs_shape: tuple
+    group_sizes: np.ndarray | None
+
+
+def _ragged_dot_info(eqn, invals) -> RaggedDotInfo | None:
+    """The forward form only (lhs [m, k] rows ragged, rhs grouped on its first axis, contracting lhs 1 with rhs 1 or,
+    rhs stored [groups, n, k], with rhs 2): the one whose kernel xla_ragged_dot.py reads (XLA relays a [groups, n, k]
+    rhs out to [groups, k, n] first, a copy of its own). rhs_shape is given as [groups, k, n]."""
+    numbers = eqn.params.get("ragged_dot_dimension_numbers")
+    try:
+        contracting = tuple(map(tuple, numbers.dot_dimension_numbers[0]))
+        forward = (
+            tuple(numbers.lhs_ragged_dimensions) == (0,)
+            and tuple(numbers.rhs_group_dimensions) == (0,)
+            and contracting in (((1,), (1,)), ((1,), (2,)))
+            and not any(numbers.dot_dimension_numbers[1])
+        )
+    except (AttributeError, TypeError, IndexError):
+        return None
+    if not forward or eqn.params.get("group_offset") is not None:
+        return None
+    lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars[:2])
+    if len(lhs) != 2 or len(rhs) != 3:
+        return None
+    if contracting[1] == (2,):
+        rhs = (rhs[0], rhs[2], rhs[1])
+    sizes = invals[2]
+    return RaggedDotInfo(lhs, rhs, None if sizes is None else np.asarray(sizes))
 
 
 @dataclasses.dataclass
@@ -246,8 +292,9 @@ def _eval_index_map(bm, pids, scalars, steps):
     return np.stack([np.asarray(o).reshape(steps) for o in outs], axis=1) if outs else np.zeros((steps, 0), np.int32)
 
 
-def analyze_pallas_calls(fn, args, trace_device=None) -> tuple[list[PallasCallInfo], list[str]]:
-    """Find and analyse every pallas_call in fn(*args). Returns (calls, warnings).
+def analyze_pallas_calls(fn, args, trace_device=None) -> tuple[list[PallasCallInfo], list[str], list[RaggedDotInfo]]:
+    """Find and analyse every pallas_call in fn(*args). Returns (calls, warnings, the program's XLA ragged dots in
+    program order).
 
     trace_device: default device while tracing fn (the target generation's topology device), so that
     kernels choosing block sizes from the chip they are traced for trace the program that is compiled.
@@ -266,10 +313,13 @@ def analyze_pallas_calls(fn, args, trace_device=None) -> tuple[list[PallasCallIn
     flat = [np.asarray(x) if is_concrete(x) else None for x in leaves]
     records: list = []
     _walk(closed.jaxpr, list(closed.consts), flat, records, warnings)
-    infos = []
+    infos, ragged_dots = [], []
     for eqn, invals in records:
-        infos.append(_analyze_one(eqn, invals, warnings))
-    return infos, warnings
+        if eqn.primitive.name == "pallas_call":
+            infos.append(_analyze_one(eqn, invals, warnings))
+        elif (info := _ragged_dot_info(eqn, invals)) is not None:
+            ragged_dots.append(info)
+    return infos, warnings, ragged_dots
 
 
 def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
