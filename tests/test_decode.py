@@ -204,6 +204,11 @@ def test_chip_step_fits_layers_to_the_budget():
     cache = 2 * 64 * (4096 + 256) * 4 * 128 * 2
     used = chip_step._embedding_bytes(models.QWEN3) + layers * (per_layer + cache)
     assert used <= chip_step.HBM_BUDGET_BYTES < used + per_layer + cache
+    # context 32768: four layers at batch 1, one at 64; at 128 not one layer's caches fit, said before compiling
+    assert chip_step.fitting_layers(models.QWEN3, 1, 32768, 34) == 4
+    assert chip_step.fitting_layers(models.QWEN3, 64, 32768, 34) == 1
+    with pytest.raises(ValueError, match=r"does not fit: .* batch 128, context 32768 take [\d.]+ GB"):
+        chip_step.fitting_layers(models.QWEN3, 128, 32768, 34)
 
 
 def test_chip_step_ceiling_and_targets(tmp_path):

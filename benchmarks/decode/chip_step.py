@@ -123,7 +123,9 @@ def fitting_layers(model: Model, batch: int, context: int, steps: int, budget: i
     """The most layers (at least 1, at most the model's) whose weights, the largest implementation's caches and the XLA
     path's copy of each layer's expert weights fit `budget` beside the embeddings: XLA's experts relay the weights
     out on every call, and in a whole step those copies depend on the weights alone, so the compiler may hold every
-    layer's at once (Gemma 4's six layers at batch 64 needed 16.4 GB of temporaries, compiled for the v5e)."""
+    layer's at once (Gemma 4's six layers at batch 64 needed 16.4 GB of temporaries, compiled for the v5e). Raises
+    ValueError, with the bytes, where not even one layer fits (long contexts at large batches): such a step is not
+    compiled."""
     used, layers = _embedding_bytes(model), 0
     for kind in layer_kinds(model, model.layers):
         head_dim = max(cache_head_dim(kind, impl) for impl in IMPLS)  # all ours pads a short head dim
@@ -132,9 +134,15 @@ def fitting_layers(model: Model, batch: int, context: int, steps: int, budget: i
         if is_gpt_oss(model):  # its MXFP4 experts beside the bf16 ones XLA's path multiplies
             used += model.experts * stored_expert_bytes(model)
         if used > budget:
+            if not layers:
+                raise ValueError(
+                    f"does not fit: one layer's weights, the XLA path's copy of its experts and its caches at batch "
+                    f"{batch}, context {context} take {used / 1e9:.1f} GB with the embeddings, over the "
+                    f"{budget / 1e9:.1f} GB this step may use of the chip's HBM"
+                )
             break
         layers += 1
-    return max(layers, 1)
+    return layers
 
 
 def expected_touched(model: Model, batch: int) -> float:
@@ -629,7 +637,7 @@ def measure(
 # most of a 10-minute device command.
 BATCHES = (1, 64)
 CONTEXTS = (4096,)
-FULL_BATCHES, FULL_CONTEXTS = (1, 8, 32, 64, 128, 256), (1024, 4096)
+FULL_BATCHES, FULL_CONTEXTS = (1, 8, 32, 64, 128, 256), (1024, 4096, 32768)  # 32768 where a layer fits
 NAMES = {"default": "XLA (transformers' default)", "ours": "all ours", "experts": "our experts_forward only"}
 
 
