@@ -231,12 +231,17 @@ def _paged_sweep(batches, contexts, pages, dtypes, mixed_dtypes):
     return tuple(out)
 
 
-PAGED_ATTENTION = _paged_sweep(
-    PAGED_ATTENTION_BATCHES,
-    PAGED_ATTENTION_CONTEXTS,
-    PAGED_ATTENTION_PAGES,
-    PAGED_ATTENTION_DTYPES,
-    PAGED_ATTENTION_DTYPES,
+# `--full`: every batch at every page size at context 4096 in bf16, at pages of 16, 64 and 256 in fp8; every context at
+# pages of 64; the mixed batch at pages of 16, 64 and 256 (fp8 at 64). 192 cases, not the 630 of the whole product: at
+# the chip's 5.5 s of host time a paged attention case (benchmarks/__main__.py HOST_S_PER_CASE) they take ~18 minutes,
+# which with the other kernels' full suites keeps `--full` within its 40 (the product would need ~58 alone).
+PAGED_ATTENTION_PAGES_FP8 = (16, 64, 256)
+PAGED_ATTENTION = (
+    _paged_sweep(PAGED_ATTENTION_BATCHES, (4096,), PAGED_ATTENTION_PAGES, ("bfloat16",), ())
+    + _paged_sweep(PAGED_ATTENTION_BATCHES, (4096,), PAGED_ATTENTION_PAGES_FP8, ("float8_e4m3fn",), ())
+    + _paged_sweep(PAGED_ATTENTION_BATCHES, (1024, 32768), (64,), ("bfloat16",), ())
+    + _paged_sweep((), (4096,), PAGED_ATTENTION_PAGES_FP8, (), ("bfloat16",))
+    + _paged_sweep((), (4096,), (64,), (), ("float8_e4m3fn",))
 )
 PAGED_ATTENTION_QUICK = _paged_sweep(
     PAGED_ATTENTION_QUICK_BATCHES, (4096,), (64,), PAGED_ATTENTION_DTYPES, ("bfloat16",)

@@ -326,7 +326,10 @@ def test_paged_attention_shapes():
     assert {s["context"] for s in full} == {1024, 4096, 32768} and {s["page"] for s in full} == {16, 32, 64, 128, 256}
     assert {s.dtype for s in full} == {"bfloat16", "float8_e4m3fn"}
     assert {s["model"] for s in full} == {"qwen3-30b-a3b", "gemma4-sliding", "gemma4-full"}
-    assert len(full) == 3 * 2 * 3 * 5 * (6 + 1) and set(quick) < set(full)
+    # every page size at context 4096 (fp8 at 16, 64, 256), every context at pages of 64
+    assert {s["page"] for s in decode if s["context"] == 4096 and s.dtype == "bfloat16"} == {16, 32, 64, 128, 256}
+    assert {(s["context"], s["page"]) for s in decode if s["context"] != 4096} == {(1024, 64), (32768, 64)}
+    assert len(full) == 3 * (6 * 5 + 6 * 3 + 6 * 2 + 3 + 1) == len(set(full)) and set(quick) < set(full)
     mixed = [s for s in full if s["phase"] == "mixed"]
     assert all(s.batch_name == "tokens" and s.batch == 60 + 4 * 512 for s in mixed)
     assert {s.batch for s in shapes.KV_CACHE} == {1, 8, 64, 256, 2048} and set(shapes.KV_CACHE_QUICK) < set(

@@ -421,6 +421,17 @@ def test_the_measuring_budget_is_shared_out_by_expected_cost_cheapest_first(monk
     assert starts[2] - starts[0] >= 0.4
 
 
+def test_each_suite_is_expected_within_its_budget():
+    """By the chip's measured host seconds a case (HOST_S_PER_CASE), the quick suites of all kernels fit the quick
+    budget and the full ones the full budget (--full: within 40 minutes)."""
+    from benchmarks import __main__ as cli
+
+    kernels = cli.measuring_order(suite.available())
+    for full, budget in ((False, cli.BUDGET_S["quick"]), (True, cli.BUDGET_S["full"])):
+        expected = sum(cli.expected_costs_s(kernels, [cli.case_count(k, full) for k in kernels]))
+        assert 0 < expected <= budget, (full, expected, budget)
+
+
 def test_budget_shares():
     from benchmarks import __main__ as cli
 
