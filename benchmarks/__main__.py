@@ -112,7 +112,7 @@ def parse_args(argv=None):
                 p.error(
                     f"--shape: no {'' if args.full else 'quick '}shape of {kernel} holds every one of "
                     f"{', '.join(map(repr, args.shape))} (repeated filters must all match; run one filter a command "
-                    f"to take several); its shapes are like {_shape_pool(of, args)[0].id!r}"
+                    f"to take several); its shapes are like {shape_pool(of, args.full)[0].id!r}"
                 )
         if not matching:
             p.error(f"--shape: no kernel has a shape holding every one of {', '.join(map(repr, args.shape))}")
@@ -178,15 +178,15 @@ def budget_line(budget_s: float, expected_s: float) -> str:
     )
 
 
-def _shape_pool(of, args):
-    """The shapes a run picks from: the quick subset, or with --full every shape."""
-    return of.shapes if args.full or of.quick_shapes is None else of.quick_shapes
+def shape_pool(of, full: bool):
+    """The shapes a run of suite `of` picks from: its quick subset, or with --full every shape."""
+    return of.shapes if full or of.quick_shapes is None else of.quick_shapes
 
 
 def _shapes_matching(of, args):
     from benchmarks import suite
 
-    return suite.select_shapes(_shape_pool(of, args), args.shape)
+    return suite.select_shapes(shape_pool(of, args.full), args.shape)
 
 
 def case_count(kernel: str, full: bool, filters=()) -> int:
@@ -194,7 +194,7 @@ def case_count(kernel: str, full: bool, filters=()) -> int:
     from benchmarks import suite
 
     of = suite.get(kernel)
-    shapes = of.shapes if full or of.quick_shapes is None else of.quick_shapes
+    shapes = shape_pool(of, full)
     if filters:
         shapes = suite.select_shapes(shapes, filters)
     return len(of.cases(tuple(shapes)))
@@ -216,7 +216,7 @@ def sweep(args) -> int:
             shapes = _sweep.sweep_shapes(suite.get(kernel), args.full)
             if args.shape:
                 of = suite.get(kernel)  # a filter picks among the quick shapes (--full: all), as the benchmarks do
-                shapes = suite.select_shapes(of.shapes if args.full else (of.quick_shapes or of.shapes), args.shape)
+                shapes = suite.select_shapes(shape_pool(of, args.full), args.shape)
             if on_chip:
                 left = budget - (time.monotonic() - start)
                 deadline = time.monotonic() + share_s(left, costs[index:]) if budget else None

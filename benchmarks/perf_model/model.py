@@ -1041,11 +1041,8 @@ def _model_kernel(
             trip = steps + 2
         in_r, out_r = in_d.copy(), out_d.copy()
         skip = np.zeros((steps, len(sched.conds)), bool)
-        dot_flops, grid, blocks = (
-            0.0,
-            (grid_of_body[0], steps // max(1, grid_of_body[0] * grid_of_body[2]), grid_of_body[2]),
-            [],
-        )
+        n_tiles, k_tiles = grid_of_body[0], grid_of_body[2]
+        dot_flops, grid, blocks = 0.0, (n_tiles, steps // (n_tiles * k_tiles), k_tiles), []
         jaxpr_bound = "exact"
         notes.append(
             f"XLA's ragged dot kernel: {steps} grid steps from the program's group sizes, its blocks fetched as a "

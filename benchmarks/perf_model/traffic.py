@@ -40,17 +40,17 @@ _sub_closed_jaxprs = KE.sub_jaxprs
 _RECORDED = ("pallas_call", "ragged_dot_general")
 
 
-def _contains_pallas(jaxpr) -> bool:
+def _holds_recorded(jaxpr) -> bool:
     """Whether `jaxpr` (or one nested in it) holds a pallas_call or an XLA ragged dot: the walk goes into it."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _RECORDED:
             return True
         for sub, _ in _sub_closed_jaxprs(eqn):
-            if _contains_pallas(sub):
+            if _holds_recorded(sub):
                 return True
         for k in ("branches",):
             for br in eqn.params.get(k, ()) or ():
-                if _contains_pallas(br.jaxpr):
+                if _holds_recorded(br.jaxpr):
                     return True
     return False
 
@@ -114,11 +114,11 @@ def _walk(jaxpr, consts, args, records, warnings):
                 outs = _bind_on_cpu(eqn, invals)
         else:
             subs = _sub_closed_jaxprs(eqn)
-            if subs and _contains_pallas(subs[0][0]):
+            if subs and _holds_recorded(subs[0][0]):
                 sub, sub_consts = subs[0]
                 outs = _walk(sub, sub_consts, invals, records, warnings)
-            elif any(_contains_pallas(br.jaxpr) for br in eqn.params.get("branches", ()) or ()):
-                warnings.append(f"pallas_call inside `{name}`: not analysed")
+            elif any(_holds_recorded(br.jaxpr) for br in eqn.params.get("branches", ()) or ()):
+                warnings.append(f"pallas_call or ragged dot inside `{name}`: not analysed")
             elif all(x is not None for x in invals):
                 outs = _bind_on_cpu(eqn, invals)
         if outs is None:
@@ -292,6 +292,29 @@ def _eval_index_map(bm, pids, scalars, steps):
     return np.stack([np.asarray(o).reshape(steps) for o in outs], axis=1) if outs else np.zeros((steps, 0), np.int32)
 
 
+def block_bytes(starts, block_shape, array_shape, itemsize) -> np.ndarray:
+    """Per grid step, the bytes of a block whose first element along each dimension is `starts` [steps, dims]: a block
+    at the array's edge holds only its part inside."""
+    nbytes = np.full(len(starts), itemsize, np.int64 if float(itemsize).is_integer() else np.float64)
+    for d, (size, dim) in enumerate(zip(block_shape, array_shape)):
+        nbytes = nbytes * np.clip(dim - starts[:, d], 0, size)
+    return nbytes
+
+
+def block_moves(idx, kind: str) -> np.ndarray:
+    """Per grid step, whether a BlockSpec-pipelined block moves (its block index idx [steps, dims]): an input block is
+    fetched when its index differs from the previous step's, an output block written back when the next step's
+    differs (or at the last step)."""
+    changed = np.ones(len(idx), bool)
+    if len(idx) > 1:
+        differs = np.any(idx[1:] != idx[:-1], axis=1)
+        if kind == "input":
+            changed[1:] = differs
+        else:
+            changed[:-1] = differs
+    return changed
+
+
 def analyze_pallas_calls(fn, args, trace_device=None) -> tuple[list[PallasCallInfo], list[str], list[RaggedDotInfo]]:
     """Find and analyse every pallas_call in fn(*args). Returns (calls, warnings, the program's XLA ragged dots in
     program order).
@@ -378,23 +401,12 @@ def _analyze_one(eqn, invals, global_warnings) -> PallasCallInfo:
         else:
             sc = [np.asarray(s) for s in scalars] if nidx else []
             idx = _eval_index_map(bm, pids, sc, steps)
-            # bytes of the (clipped) block at each step
-            nb = np.full(steps, itemsize, np.int64)
-            for d, ((k, bs), dim) in enumerate(zip(sizes, arr)):
-                start = idx[:, d].astype(np.int64) * (bs if k == "blocked" else 1)
-                nb *= np.clip(dim - start, 0, bs)
-            per_step = nb
+            starts = idx.astype(np.int64) * np.array([bs if k == "blocked" else 1 for k, bs in sizes], np.int64)
+            per_step = block_bytes(starts, [bs for _, bs in sizes], arr, itemsize)
             operand = invals[n_dyn + nidx + i] if kind == "input" else None
             if operand is not None:
                 known[nidx + i] = KE.KnownRef(operand, idx, sizes)
-            if kind == "input":
-                changed = np.ones(steps, bool)
-                if steps > 1:
-                    changed[1:] = np.any(idx[1:] != idx[:-1], axis=1)
-            else:
-                changed = np.ones(steps, bool)
-                if steps > 1:
-                    changed[:-1] = np.any(idx[1:] != idx[:-1], axis=1)
+            changed = block_moves(idx, kind)
         moved = per_step * changed
         if kind == "input":
             in_bytes += moved

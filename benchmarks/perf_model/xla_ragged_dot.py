@@ -23,6 +23,8 @@ import re
 
 import numpy as np
 
+from .traffic import block_bytes, block_moves
+
 _SIGNATURE_RE = re.compile(r"func\.func @main\(([^)]*)\)")
 _MEMREF_RE = re.compile(r"memref<([\dx]+)x(\w+), #tpu\.memory_space<(\w+)>>")
 _BOUNDS_RE = re.compile(r"iteration_bounds = array<i64: ([-\d, ]+)>")
@@ -105,19 +107,14 @@ def step_traffic(kernel: RaggedDotKernel, group_sizes, rows: int, k: int, n: int
         np.arange(kernel.n_tiles), np.arange(len(group_ids)), np.arange(kernel.k_tiles), indexing="ij"
     )
     nn, jj, kk = nn.ravel(), jj.ravel(), kk.ravel()
-    m_of, g_of = m_tiles[jj], group_ids[jj]
-    m_rows = np.clip(rows - m_of * tm, 0, tm)
-    k_cols = np.clip(k - kk * tk, 0, tk)
-    n_cols = np.clip(n - nn * tn, 0, tn)
-    lhs_bytes = m_rows * k_cols * kernel.lhs_itemsize
-    rhs_bytes = k_cols * n_cols * kernel.rhs_itemsize
-    out_bytes = m_rows * n_cols * kernel.out_itemsize
-    lhs_idx = np.stack([m_of, kk], 1)
-    rhs_idx = np.stack([g_of, kk, nn], 1)
-    out_idx = np.stack([m_of, nn], 1)
-    lhs_new = np.r_[True, (lhs_idx[1:] != lhs_idx[:-1]).any(1)]
-    rhs_new = np.r_[True, (rhs_idx[1:] != rhs_idx[:-1]).any(1)]
-    out_last = np.r_[(out_idx[1:] != out_idx[:-1]).any(1), True]
+    lhs_idx = np.stack([m_tiles[jj], kk], 1)
+    rhs_idx = np.stack([group_ids[jj], kk, nn], 1)
+    out_idx = np.stack([m_tiles[jj], nn], 1)
+    lhs_new, rhs_new = block_moves(lhs_idx, "input"), block_moves(rhs_idx, "input")
+    out_last = block_moves(out_idx, "output")
+    lhs_bytes = block_bytes(lhs_idx * (tm, tk), (tm, tk), (rows, k), kernel.lhs_itemsize)
+    rhs_bytes = block_bytes(rhs_idx[:, 1:] * (tk, tn), (tk, tn), (k, n), kernel.rhs_itemsize)
+    out_bytes = block_bytes(out_idx * (tm, tn), (tm, tn), (rows, n), kernel.out_itemsize)
     in_b = lhs_new * lhs_bytes + rhs_new * rhs_bytes
     in_d = lhs_new.astype(np.float64) + rhs_new
     out_b = out_last * out_bytes
