@@ -149,7 +149,7 @@ def test_chip_step_keeps_going_past_a_step_that_fails(monkeypatch, tmp_path):
 
     from benchmarks.decode import chip_step
 
-    def measure(model, *, batch, context, steps, layers):
+    def measure(model, *, batch, context, steps, layers, kind):
         if batch == 8:
             raise MemoryError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
         seen.append(json.loads((tmp_path / "decode_chip.json").read_text()))  # what a run stopped here leaves
@@ -209,6 +209,70 @@ def test_chip_step_fits_layers_to_the_budget():
     assert chip_step.fitting_layers(models.QWEN3, 64, 32768, 34) == 1
     with pytest.raises(ValueError, match=r"does not fit: .* batch 128, context 32768 take [\d.]+ GB"):
         chip_step.fitting_layers(models.QWEN3, 128, 32768, 34)
+
+
+def test_chip_step_measures_every_layer_kind_of_a_cell():
+    """A model of several layer kinds is measured as whole periods of its pattern where one fits (gpt-oss's sliding +
+    full pair at batch 64, context 4096), else each kind alone (Gemma 4's five sliding layers and a full one: at most
+    three layers fit): a few sliding layers scaled to the model would leave out its full layers' cache reads. The
+    cell's whole step is the head plus each kind's per-layer time times its count, against the whole model's
+    ceiling; a kind not measured leaves no whole-model figure."""
+    from benchmarks.decode import chip_step
+
+    g, o = models.GEMMA4, chip_step.GPT_OSS
+    assert chip_step.cell_kinds(models.QWEN3, 64, 4096, 34) == [None]
+    assert chip_step.cell_kinds(o, 64, 4096, 34) == [None]
+    assert chip_step.cell_kinds(o, 128, 4096, 34) == ["gpt-oss-sliding", "gpt-oss-full"]
+    assert chip_step.cell_kinds(g, 64, 4096, 34) == ["gemma4-sliding", "gemma4-full"]
+    assert chip_step.represents_model(o, chip_step.layer_kinds(o, 2))
+    assert not chip_step.represents_model(g, chip_step.layer_kinds(g, 3))
+    with pytest.raises(ValueError, match="fewer than one period of its pattern"):  # before any weight is made
+        chip_step.measure(g, batch=64, context=4096)
+    with pytest.raises(ValueError, match=r"kind: expected one of \['gemma4-sliding', 'gemma4-full'\]"):
+        chip_step.kind_view(g, "full")
+    assert chip_step.fitting_layers(chip_step.kind_view(g, "gemma4-full"), 1, 4096, 34) == 3
+
+    rng = np.random.default_rng()
+    per_layer = {k.name: {i: rng.uniform(500, 3000) for i in chip_step.IMPLS} for k in g.kinds}
+    head = {i: rng.uniform(1000, 2000) for i in chip_step.IMPLS}
+    check = {"tokens": 34, "equal": 33, "swapped": 1, "widest_swapped_gap": 0.01, "top_logit_drift_max": 0.02}
+    check |= {"worst_sequence_equal": 33, "steps": 34, "ok": True}
+
+    def kind_result(kind, layers):
+        impls = {}
+        for i in chip_step.IMPLS:
+            step = head[i] + layers * per_layer[kind][i]
+            impls[i] = {"step_us": step, "head_us": head[i], "per_layer_us": per_layer[kind][i]}
+        tokens = {i: dict(check) for i in ("ours", "experts")}
+        return {
+            "model": g.name,
+            "batch": 64,
+            "context": 4096,
+            "kind": kind,
+            "layers": layers,
+            "impls": impls,
+            "tokens": tokens,
+            "device": "TPU v5 lite",
+            "timing": "device time (profiler), median step",
+        }
+
+    sliding, full = kind_result("gemma4-sliding", 2), kind_result("gemma4-full", 1)
+    (row,) = chip_step.compose_cells([sliding, full])
+    ceiling = chip_step.ceiling_bytes(g, chip_step.layer_kinds(g, 30), 64, 4096) / chip_step.HBM_BANDWIDTH * 1e6
+    for i in chip_step.IMPLS:
+        whole = head[i] + 25 * per_layer["gemma4-sliding"][i] + 5 * per_layer["gemma4-full"][i]
+        assert row["impls"][i]["model_step_us_scaled"] == pytest.approx(whole)
+        assert row["impls"][i]["ceiling_fraction"] == pytest.approx(ceiling / whole)
+    assert row["tokens"]["ours"]["tokens"] == 68 and row["tokens"]["ours"]["equal"] == 66
+    table = "\n".join(chip_step.markdown([row]))
+    assert "| gemma4-26b-a4b | 64 | 4096 | 2 gemma4-sliding / 1 gemma4-full of 30 |" in table
+    assert f"{sliding['impls']['ours']['step_us']:,.1f} / {full['impls']['ours']['step_us']:,.1f}" in table
+    assert len(chip_step.target_lines([row])) == 3 + 2  # the three targets, two token checks
+
+    (partial,) = chip_step.compose_cells([sliding])
+    assert "(no gemma4-full measured)" in partial["layers_label"]
+    assert all("model_step_us_scaled" not in m for m in partial["impls"].values())
+    assert chip_step.target_lines([partial])[0].startswith("tokens, ")  # no target judged without a whole figure
 
 
 def test_chip_step_ceiling_and_targets(tmp_path):
@@ -430,7 +494,7 @@ def test_measured_decode_points_carry_their_provenance():
     for p in points:
         assert p["device_kind"] == "TPU v5 lite" and p["jax"] and p["libtpu"] and p["date"], p
         assert p["step_us"] > 0 and p["layers"] >= 1 and p["steps"] >= 32, p
-        groups.setdefault((p["model"], p["batch"], p["context"], p["layers"]), set()).add(p["impl"])
+        groups.setdefault((p["model"], p["batch"], p["context"], p["layers"], p.get("kind")), set()).add(p["impl"])
     assert all(impls == {"default", "ours", "experts"} for impls in groups.values()), groups
     assert {m for m, *_ in groups} == {"qwen3-30b-a3b", "gemma4-26b-a4b", "gpt-oss-20b"}
 

@@ -5,10 +5,10 @@
 The v6e-8 table (compose.py) adds the performance model's figures for the programs of one step: per layer the glue,
 the KV write, the attention at the context and the experts, then the head. This module composes the same programs the
 same way for the step measured on the v5e test chip (chip_step.py; the points in benchmarks/calibration/
-decode_v5e.json): the layers measured there (their kinds in the model's order), every expert on the one chip (the
-seeded random routing over all of them, as the v6e-8 table routes over a chip's share), the context measured. Each
-implementation's measured / modeled ratio is then how far the composition and the model are off for that
-implementation, on the same generation's measurement: what to read the v6e-8 figures with. Qwen3-30B-A3B and
+decode_v5e.json): the layers measured there (their kinds in the model's order, or one kind's alone), every expert on
+the one chip (the seeded random routing over all of them, as the v6e-8 table routes over a chip's share), the context
+measured. Each implementation's measured / modeled ratio is then how far the composition and the model are off for
+that implementation, on the same generation's measurement: what to read the v6e-8 figures with. Qwen3-30B-A3B and
 Gemma 4 26B-A4B only (the v6e-8 table's models; gpt-oss's step has programs of its own).
 """
 
@@ -21,7 +21,7 @@ import statistics
 import sys
 
 from . import compose, programs
-from .chip_step import layer_kinds
+from .chip_step import kind_view, layer_kinds
 from .models import MODELS, Model
 
 GEN = "v5e"
@@ -30,28 +30,36 @@ IMPLS = ("default", "experts", "ours")  # chip_step's, named as the v6e-8 table 
 CACHE_FILE = "decode-chip-model-cache.json"
 
 
-def items_for(model: Model, layers: int, batch: int, context: int) -> dict:
+def measured_kinds(model: Model, layers: int, kind: str | None = None) -> list:
+    """The layer kinds a point measured: the model's pattern cut to `layers`, or `layers` of one kind alone."""
+    return layer_kinds(model if kind is None else kind_view(model, kind), layers)
+
+
+def items_for(model: Model, layers: int, batch: int, context: int, kind: str | None = None) -> dict:
     """{(part, model, kind or "", batch, context or 0, variant): (fn, args)}: the programs of one measured point."""
     out = {}
+    kinds = set(measured_kinds(model, layers, kind))
     for variant in programs.IMPLS:
         out[("experts1", model.name, "", batch, 0, variant)] = programs.experts_item(
             model, batch, variant, one_chip=True
         )
         out[("head", model.name, "", batch, 0, variant)] = programs.head_item(model, batch, variant)
-        for kind in set(layer_kinds(model, layers)):
+        for kind in kinds:
             out[("glue", model.name, kind.name, batch, 0, variant)] = programs.glue_item(model, kind, batch, variant)
             out[("attention", model.name, kind.name, batch, context, variant)] = programs.attention_item(
                 kind, batch, context, variant
             )
-    for kind in set(layer_kinds(model, layers)):
+    for kind in kinds:
         out[("kv_write", model.name, kind.name, batch, 0, "default")] = programs.kv_write_item(kind, batch)
     return out
 
 
-def modeled_step_s(model: Model, layers: int, batch: int, context: int, impl: str, figures: dict) -> dict:
-    """The step of `layers` layers and the head as the v6e-8 table adds it (compose.step_parts_s; no all-reduce: one
-    chip, every expert on it): seconds by part."""
-    kinds = layer_kinds(model, layers)
+def modeled_step_s(
+    model: Model, layers: int, batch: int, context: int, impl: str, figures: dict, kind: str | None = None
+) -> dict:
+    """The step of `layers` layers (of `kind` alone if given) and the head as the v6e-8 table adds it
+    (compose.step_parts_s; no all-reduce: one chip, every expert on it): seconds by part."""
+    kinds = measured_kinds(model, layers, kind)
     counts = {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}
     return compose.step_parts_s(model, counts, batch, context, impl, figures, experts="experts1")
 
@@ -64,8 +72,9 @@ def side_by_side(points: list[dict], figures: dict) -> list[dict]:
             continue
         model = MODELS[p["model"]]
         row = {k: p[k] for k in ("model", "batch", "context", "layers", "impl")} | {"measured_us": p["step_us"]}
+        row["kind"] = p.get("kind")
         try:
-            parts = modeled_step_s(model, p["layers"], p["batch"], p["context"], p["impl"], figures)
+            parts = modeled_step_s(model, p["layers"], p["batch"], p["context"], p["impl"], figures, p.get("kind"))
         except RuntimeError as e:
             row["error"] = str(e)
         else:
@@ -100,8 +109,9 @@ def markdown(rows: list[dict]) -> list[str]:
     for r in sorted(rows, key=lambda r: (r["model"], r["context"], r["batch"], IMPLS.index(r["impl"]))):
         modeled = f"{r['modeled_us']:,.1f}" if "modeled_us" in r else r.get("error", "—")
         ratio = f"{r['measured_over_modeled']:.2f}" if "measured_over_modeled" in r else "—"
+        kind = f" {r['kind']}" if r.get("kind") else ""
         lines.append(
-            f"| {r['model']} | {r['batch']} | {r['context']} | {r['layers']} | {NAMES[r['impl']]} | "
+            f"| {r['model']} | {r['batch']} | {r['context']} | {r['layers']}{kind} | {NAMES[r['impl']]} | "
             f"{r['measured_us']:,.1f} | "
             f"{modeled} | {ratio} |"
         )
@@ -118,7 +128,7 @@ def main(argv=None) -> int:
     items = {}
     for p in points:
         if p["model"] in MODELS:
-            items |= items_for(MODELS[p["model"]], p["layers"], p["batch"], p["context"])
+            items |= items_for(MODELS[p["model"]], p["layers"], p["batch"], p["context"], p.get("kind"))
     args.out.mkdir(parents=True, exist_ok=True)
     figures = compose.model_items(items, args.out / CACHE_FILE, workers=args.workers, gen=GEN)
     rows = side_by_side(points, figures)

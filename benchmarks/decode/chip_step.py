@@ -6,7 +6,10 @@ q/k RMSNorm + RoPE, the new K/V written into the layer's cache, attention over i
 add + RMSNorm, the router and the experts (programs.py's glue, at the model's real dimensions), then the final norm,
 lm_head and the greedy next tokens. The weights are random (nothing can be downloaded on a test chip), and the chip
 holds as many layers as fit beside their caches (`fitting_layers`): a whole model's step is then the measured
-per-layer time times its layer count, labeled so.
+per-layer time times its layer count, labeled so. A model with layers of several kinds (Gemma 4's five sliding layers
+to a full one, gpt-oss's alternating ones) is measured as whole periods of its pattern where one fits; where none
+does, each kind's layers are measured alone and the whole step composed from them (`cell_kinds`, `compose_cells`):
+scaling a few sliding layers to the model would leave out its full layers, whose cache reads grow with the context.
 
 Three implementations of the same function, on the same weights:
 
@@ -66,6 +69,7 @@ TARGET_CEILING = 0.70  # all ours: the least fraction of the step's HBM ceiling 
 # XLA's top two swapped). A wrong kernel gives unrelated tokens, in every sequence or in the ones it gets wrong.
 LEAST_EQUAL_TOKENS = 0.9
 LEAST_EQUAL_PER_SEQUENCE = 0.75
+WARMUP = 2  # steps decoded before the timed ones (compiled, caches and profiler warm)
 HBM_BUDGET_BYTES = 11 << 30  # of the v5e's 15.7 GiB: the rest for XLA's temporaries (the default experts path
 # relays out a layer's expert weights on every call) and the runtime
 
@@ -87,11 +91,42 @@ def glue_impl(impl: str) -> str:
     return "ours" if impl == "ours" else "default"
 
 
-def layer_kinds(model: Model, layers: int) -> list[LayerKind]:
-    """The model's interleaving of its layer kinds (Gemma 4: five sliding layers, then a full one), cut to `layers`."""
+def layer_pattern(model: Model) -> list[LayerKind]:
+    """One period of the model's interleaving of its layer kinds (Gemma 4: five sliding layers, then a full one)."""
     unit = math.gcd(*(k.count for k in model.kinds))
-    pattern = [k for k in model.kinds for _ in range(k.count // unit)]
+    return [k for k in model.kinds for _ in range(k.count // unit)]
+
+
+def layer_kinds(model: Model, layers: int) -> list[LayerKind]:
+    """The model's interleaving of its layer kinds, cut to `layers`."""
+    pattern = layer_pattern(model)
     return [pattern[i % len(pattern)] for i in range(layers)]
+
+
+def kind_view(model: Model, kind: str) -> Model:
+    """The model with its layers of one kind only: what a program of those layers alone is fitted and laid out as."""
+    chosen = [k for k in model.kinds if k.name == kind]
+    if not chosen:
+        raise ValueError(f"kind: expected one of {[k.name for k in model.kinds]} ({model.name}'s), got {kind!r}")
+    return dataclasses.replace(model, kinds=tuple(chosen))
+
+
+def represents_model(model: Model, kinds) -> bool:
+    """Whether `kinds` hold the model's layer kinds in its proportions, so that their per-layer time scales to it."""
+    kinds = list(kinds)
+    return bool(kinds) and all(kinds.count(k) * model.layers == k.count * len(kinds) for k in model.kinds)
+
+
+def cell_kinds(model: Model, batch: int, context: int, steps: int) -> list[str | None]:
+    """What one (batch, context) cell measures: [None], one program of whole periods of the layer pattern, where one
+    period fits; else every kind's name, each kind's layers measured alone (compose_cells adds them up)."""
+    if len(model.kinds) == 1:
+        return [None]
+    try:
+        fits = fitting_layers(model, batch, context, steps)
+    except ValueError:
+        fits = 0
+    return [None] if fits >= len(layer_pattern(model)) else [k.name for k in model.kinds]
 
 
 def cache_head_dim(kind: LayerKind, impl: str) -> int:
@@ -573,17 +608,31 @@ def measure(
     batch: int,
     context: int,
     steps: int = 32,
-    warmup: int = 2,
+    warmup: int = WARMUP,
     layers: int | None = None,
     impls=IMPLS,
     seed: int = 0,
+    kind: str | None = None,
 ) -> dict:
     """Each implementation's decode step at (batch, context) on the default device, `layers` layers (default: as
-    many as fit): median device time of `steps` steps after `warmup`, tokens/s, the whole model's step scaled by
-    its layer count, and the greedy tokens compared."""
+    many whole periods of the layer pattern as fit; with `kind`, as many of that kind's layers alone): median device
+    time of `steps` steps after `warmup`, tokens/s, the time a layer ("per_layer_us": the step less the head, over
+    the layers), the whole model's step scaled by its layer count where the layers measured hold its kinds in its
+    proportions (else compose_cells adds the kinds' measurements up), and the greedy tokens compared."""
     start = time.perf_counter()
-    layers = layers or fitting_layers(model, batch, context, warmup + steps)
-    kinds = tuple(layer_kinds(model, layers))
+    view = model if kind is None else kind_view(model, kind)
+    if not layers:
+        layers = fitting_layers(view, batch, context, warmup + steps)
+        if kind is None and len(model.kinds) > 1:
+            period = len(layer_pattern(model))
+            if layers < period:
+                raise ValueError(
+                    f"does not fit: {layers} of {model.name}'s layers fit at batch {batch}, context {context}, "
+                    f"fewer than one period of its pattern ({period}): measure each kind alone (kind=...)"
+                )
+            layers -= layers % period
+    kinds = tuple(layer_kinds(view, layers))
+    scales = represents_model(model, kinds)
     params = init_params(model, list(kinds), seed)
     first = inputs.integers(seed + 7, (batch,), 0, model.vocab)
     timed = jax.devices()[0].platform == "tpu"
@@ -602,14 +651,16 @@ def measure(
         if r["step_s"]:
             median = statistics.median(r["step_s"])
             head = statistics.median(r.pop("head_s"))
-            whole = head + (median - head) / layers * model.layers  # the layers scaled, the head once
+            per_layer = (median - head) / layers
             r |= {
                 "step_us": median * 1e6,
                 "head_us": head * 1e6,
+                "per_layer_us": per_layer * 1e6,
                 "tokens_per_s": batch / median,
-                "model_step_us_scaled": whole * 1e6,
-                "model_tokens_per_s_scaled": batch / whole,
             }
+            if scales:
+                whole = head + per_layer * model.layers  # the layers scaled, the head once
+                r |= {"model_step_us_scaled": whole * 1e6, "model_tokens_per_s_scaled": batch / whole}
         results[impl] = r
     ceiling_s = ceiling_bytes(model, kinds, batch, context) / HBM_BANDWIDTH
     for r in results.values():
@@ -620,6 +671,7 @@ def measure(
         "batch": batch,
         "context": context,
         "ceiling_us": ceiling_s * 1e6,
+        "kind": kind,
         "layers": layers,
         "model_layers": model.layers,
         "steps": steps,
@@ -629,6 +681,84 @@ def measure(
         "tokens": compare_tokens(picks, logits) if "default" in picks else {},
         "host_s": {"weights and inputs": init_s, "total": time.perf_counter() - start},
     }
+
+
+def merge_checks(checks: list[dict]) -> dict:
+    """compare_tokens' check of one implementation over several programs of a cell (its kinds' measurements)."""
+    swaps = sum(c["swapped"] for c in checks)
+    gaps = [c["widest_swapped_gap"] for c in checks if c["widest_swapped_gap"] is not None]
+    drifts = [c["top_logit_drift_max"] for c in checks if c["top_logit_drift_max"] is not None]
+    return {
+        "tokens": sum(c["tokens"] for c in checks),
+        "equal": sum(c["equal"] for c in checks),
+        "swapped": swaps,
+        "widest_swapped_gap": max(gaps) if gaps else None,
+        "top_logit_drift_max": max(drifts) if drifts else None,
+        "worst_sequence_equal": min(c["worst_sequence_equal"] for c in checks),
+        "steps": min(c["steps"] for c in checks),
+        "ok": all(c["ok"] for c in checks),
+    }
+
+
+def compose_cells(results: list[dict]) -> list[dict]:
+    """One row per (model, batch, context), in the order first measured. A measurement of whole periods of the layer
+    pattern is its own row. A cell's measurements of single kinds are composed: each implementation's whole-model
+    step is the head (the median of its measurements') plus every kind's per-layer time times the kind's layer count,
+    and its share of the whole model's HBM ceiling; with a kind unmeasured (it did not fit, or failed) the row keeps
+    the measured programs and gives no whole-model figure. The row's "layers" says what was measured."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in results:
+        cells.setdefault((r["model"], r["batch"], r["context"]), []).append(r)
+    rows = []
+    for (name, batch, context), measured in cells.items():
+        whole = [r for r in measured if r.get("kind") is None]
+        if whole:
+            r = whole[-1]
+            rows.append(r | {"layers_label": f"{r['layers']} of {r['model_layers']}"})
+            continue
+        model = CHIP_MODELS[name]
+        by_kind = {r["kind"]: r for r in measured}
+        present = [k for k in model.kinds if k.name in by_kind]
+        complete = len(present) == len(model.kinds)
+        ceiling_us = ceiling_bytes(model, layer_kinds(model, model.layers), batch, context) / HBM_BANDWIDTH * 1e6
+        impls = {}
+        for impl in IMPLS:
+            parts = [by_kind[k.name]["impls"].get(impl, {}) for k in present]
+            m = {"step_label": " / ".join(f"{p['step_us']:,.1f}" for p in parts if "step_us" in p) or None}
+            if complete and all("per_layer_us" in p for p in parts):
+                head = statistics.median(p["head_us"] for p in parts)
+                step = head + sum(k.count * p["per_layer_us"] for k, p in zip(present, parts))
+                m |= {
+                    "model_step_us_scaled": step,
+                    "model_tokens_per_s_scaled": batch / step * 1e6,
+                    "ceiling_fraction": ceiling_us / step,
+                }
+            impls[impl] = m
+        checks = {}
+        for impl in IMPLS:
+            own = [by_kind[k.name]["tokens"][impl] for k in present if impl in by_kind[k.name].get("tokens", {})]
+            if own:
+                checks[impl] = merge_checks(own)
+        label = " / ".join(f"{by_kind[k.name]['layers']} {k.name}" for k in present)
+        missing = [k.name for k in model.kinds if k.name not in by_kind]
+        label += f" of {model.layers}" + (f" (no {', '.join(missing)} measured)" if missing else "")
+        first = by_kind[present[0].name]
+        rows.append(
+            {
+                "model": name,
+                "batch": batch,
+                "context": context,
+                "kind": "composed",
+                "layers_label": label,
+                "model_layers": model.layers,
+                "ceiling_us": ceiling_us,
+                "device": first["device"],
+                "timing": first["timing"],
+                "impls": impls,
+                "tokens": checks,
+            }
+        )
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------- cli
@@ -641,23 +771,24 @@ FULL_BATCHES, FULL_CONTEXTS = (1, 8, 32, 64, 128, 256), (1024, 4096, 32768)  # 3
 NAMES = {"default": "XLA (transformers' default)", "ours": "all ours", "experts": "our experts_forward only"}
 
 
-def markdown(results: list[dict]) -> list[str]:
-    """One table row per (model, batch, context): each implementation's measured step and tokens/s, the whole
-    model's step scaled from the measured layers, our speedups, and whether the greedy tokens agreed."""
+def markdown(rows: list[dict]) -> list[str]:
+    """One table row per compose_cells row: each implementation's measured step(s) and whole-model tokens/s (scaled
+    from the measured layers), our speedups, the share of the HBM ceiling and whether the greedy tokens agreed. A
+    composed row gives its kinds' steps in the order of "layers measured" and the whole model's ceiling."""
     head = ["model", "batch", "context", "layers measured"]
     for impl in IMPLS:
         head += [f"{NAMES[impl]} µs/step", f"{NAMES[impl]} tokens/s (whole model, scaled)"]
     head += ["all ours vs XLA", "experts only vs XLA", "all ours % of HBM ceiling", "greedy tokens vs XLA's, forced"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in results:
-        cells = [r["model"], str(r["batch"]), str(r["context"]), f"{r['layers']} of {r['model_layers']}"]
+    for r in rows:
+        label = r.get("layers_label") or f"{r['layers']} of {r['model_layers']}"
+        cells = [r["model"], str(r["batch"]), str(r["context"]), label]
         impls = r["impls"]
         for impl in IMPLS:
             m = impls.get(impl, {})
-            cells += [
-                f"{m['step_us']:,.1f}" if "step_us" in m else "—",
-                f"{m['model_tokens_per_s_scaled']:,.0f}" if "step_us" in m else "—",
-            ]
+            step = m.get("step_label") or (f"{m['step_us']:,.1f}" if "step_us" in m else None)
+            scaled = m.get("model_tokens_per_s_scaled")
+            cells += [step or "—", "—" if scaled is None else f"{scaled:,.0f}"]
         for impl in ("ours", "experts"):
             a, b = impls.get("default", {}), impls.get(impl, {})
             ok = "model_step_us_scaled" in a and "model_step_us_scaled" in b
@@ -688,7 +819,7 @@ def chart(results: list[dict], path) -> bool:
             points = [
                 (r["batch"], r["impls"][impl]["model_tokens_per_s_scaled"])
                 for r in rows
-                if "step_us" in r["impls"][impl]
+                if "model_tokens_per_s_scaled" in r["impls"].get(impl, {})
             ]
             if points:
                 ax.plot(*zip(*points), marker="o", label=NAMES[impl])
@@ -705,8 +836,8 @@ def target_lines(results: list[dict]) -> list[str]:
     """The targets at batch TARGET_BATCH, context TARGET_CONTEXT, per model: met, or the measured gap."""
     lines = []
     for r in results:
-        if (r["batch"], r["context"]) != (TARGET_BATCH, TARGET_CONTEXT) or "step_us" not in r["impls"].get(
-            "default", {}
+        if (r["batch"], r["context"]) != (TARGET_BATCH, TARGET_CONTEXT) or any(
+            "model_step_us_scaled" not in r["impls"].get(impl, {}) for impl in IMPLS
         ):
             continue
         xla = r["impls"]["default"]["model_step_us_scaled"]
@@ -753,6 +884,7 @@ def main(argv=None) -> int:
     p.add_argument("--full", action="store_true", help="every batch and context of the full table")
     p.add_argument("--steps", type=int, default=32, help="timed steps (the median is reported)")
     p.add_argument("--layers", type=int, default=None, help="layers on the chip (default: as many as fit)")
+    p.add_argument("--kind", default=None, help="measure only this layer kind's layers (default: cell_kinds' plan)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
     args = p.parse_args(argv)
     results, failures = [], []
@@ -760,34 +892,48 @@ def main(argv=None) -> int:
     for name in args.model or sorted(CHIP_MODELS):
         for context in args.context or (FULL_CONTEXTS if args.full else CONTEXTS):
             for batch in args.batch or (FULL_BATCHES if args.full else BATCHES):
-                try:
-                    r = measure(CHIP_MODELS[name], batch=batch, context=context, steps=args.steps, layers=args.layers)
-                except Exception as e:  # noqa: BLE001 - one step that does not fit or compile must not lose the rest
-                    failures.append(
-                        {"model": name, "batch": batch, "context": context, "error": reason(e), "detail": detail(e)}
+                model = CHIP_MODELS[name]
+                kinds = [args.kind] if args.kind else cell_kinds(model, batch, context, WARMUP + args.steps)
+                for kind in kinds:
+                    where = f"{name} batch {batch} context {context}" + (f" ({kind} layers)" if kind else "")
+                    try:
+                        r = measure(
+                            model, batch=batch, context=context, steps=args.steps, layers=args.layers, kind=kind
+                        )
+                    except Exception as e:  # noqa: BLE001 - one step that does not fit or compile must not lose the rest
+                        failures.append(
+                            {"model": name, "batch": batch, "context": context, "kind": kind}
+                            | {"error": reason(e), "detail": detail(e)}
+                        )
+                        print(f"{where}: {failures[-1]['detail']}", flush=True)
+                    else:
+                        results.append(r)
+                        print(where, "\n".join(markdown([r])[2:]), f"(host {r['host_s']['total']:.0f} s)", flush=True)
+                    # written after every step measured: a run stopped midway keeps what it measured
+                    (args.out / "decode_chip.json").write_text(
+                        json.dumps({"steps": results, "failed": failures}, indent=1, default=str)
                     )
-                    print(f"{name} batch {batch} context {context}: {failures[-1]['detail']}", flush=True)
-                else:
-                    results.append(r)
-                    print("\n".join(markdown([r])[2:]), f"(host {r['host_s']['total']:.0f} s)", flush=True)
-                # written after every step measured: a run stopped midway keeps what it measured
-                (args.out / "decode_chip.json").write_text(
-                    json.dumps({"steps": results, "failed": failures}, indent=1, default=str)
-                )
+    rows = compose_cells(results)
     timing = results[0]["timing"] if results else ""
     label = f"measured {results[0]['device']}, {timing}" if results else ""
     text = [f"Decode step on one chip ({label}); whole-model figures scale the measured layers, the head once", ""]
-    text += markdown(results)
-    text += [f"failed: {f['model']} at batch {f['batch']}, context {f['context']}: {f['error']}" for f in failures]
-    text += ["", *target_lines(results)]
+    text += markdown(rows)
+    text += [
+        f"failed: {f['model']} at batch {f['batch']}, context {f['context']}"
+        + (f" ({f['kind']} layers)" if f.get("kind") else "")
+        + f": {f['error']}"
+        for f in failures
+    ]
+    text += ["", *target_lines(rows)]
     text += [
         "",
         f"HBM ceiling: the measured layers' weights, the experts a batch touches (expected under uniform routing), the "
-        f"keys and values read, and lm_head, at {HBM_BANDWIDTH / 1e9:.0f} GB/s (the v5e's).",
+        f"keys and values read, and lm_head, at {HBM_BANDWIDTH / 1e9:.0f} GB/s (the v5e's); of the whole model where "
+        f"the row composes its kinds' measurements (their steps given in the order of its layers).",
     ]
     (args.out / "decode_chip.md").write_text("\n".join(text) + "\n")
-    if results and results[0]["impls"]["default"].get("step_us") is not None:
-        chart(results, args.out / "decode_chip.png")
+    if any("model_tokens_per_s_scaled" in m for r in rows for m in r["impls"].values()):
+        chart(rows, args.out / "decode_chip.png")
     print("\n".join(text))
     return 0
 
