@@ -269,6 +269,19 @@ def test_chip_step_measures_every_layer_kind_of_a_cell():
     assert f"{sliding['impls']['ours']['step_us']:,.1f} / {full['impls']['ours']['step_us']:,.1f}" in table
     assert len(chip_step.target_lines([row])) == 3 + 2  # the three targets, two token checks
 
+    # the same cell from recorded points (decode_v5e.json's form), one head not timed apart: taken from the same
+    # model, batch and implementation at another context
+    points = []
+    for r in (sliding, full, dict(sliding, context=1024)):
+        for i, m in r["impls"].items():
+            point = {k: r[k] for k in ("model", "batch", "context", "kind", "layers")} | {"impl": i}
+            points.append(point | {"step_us": m["step_us"], "head_us": m["head_us"], "device_kind": "TPU v5 lite"})
+    points[0]["head_us"] = None  # the sliding layers' XLA path at 4096
+    rows = chip_step.compose_cells(chip_step.results_from_points(points))
+    (again,) = [r for r in rows if r["context"] == 4096]
+    for i in chip_step.IMPLS:
+        assert again["impls"][i]["model_step_us_scaled"] == pytest.approx(row["impls"][i]["model_step_us_scaled"])
+
     (partial,) = chip_step.compose_cells([sliding])
     assert "(no gemma4-full measured)" in partial["layers_label"]
     assert all("model_step_us_scaled" not in m for m in partial["impls"].values())

@@ -700,6 +700,51 @@ def merge_checks(checks: list[dict]) -> dict:
     }
 
 
+def results_from_points(points: list[dict]) -> list[dict]:
+    """Recorded points (benchmarks/calibration/decode_v5e.json: one per implementation of a measurement) as measure's
+    results, for compose_cells and markdown: their token checks are not recorded. A point whose head was not timed
+    apart takes the head of the same model, batch and implementation at another context (the head does not see the
+    context); with none, its step counts no head."""
+    heads = {}
+    for p in points:
+        if p.get("head_us") is not None:
+            heads.setdefault((p["model"], p["batch"], p["impl"]), p["head_us"])
+    results: dict[tuple, dict] = {}
+    for p in points:
+        model = CHIP_MODELS[p["model"]]
+        key = (p["model"], p["batch"], p["context"], p.get("kind"), p["layers"])
+        r = results.setdefault(
+            key,
+            {
+                "model": p["model"],
+                "batch": p["batch"],
+                "context": p["context"],
+                "kind": p.get("kind"),
+                "layers": p["layers"],
+                "model_layers": model.layers,
+                "device": p["device_kind"],
+                "timing": "device time (profiler), median step",
+                "impls": {},
+                "tokens": {},
+            },
+        )
+        head = p.get("head_us")
+        head = heads.get((p["model"], p["batch"], p["impl"]), 0.0) if head is None else head
+        per_layer = (p["step_us"] - head) / p["layers"]
+        m = {"step_us": p["step_us"], "head_us": head, "per_layer_us": per_layer}
+        kinds = layer_kinds(model if p.get("kind") is None else kind_view(model, p["kind"]), p["layers"])
+        if represents_model(model, kinds):
+            whole = head + per_layer * model.layers
+            ceiling_s = ceiling_bytes(model, kinds, p["batch"], p["context"]) / HBM_BANDWIDTH
+            m |= {
+                "model_step_us_scaled": whole,
+                "model_tokens_per_s_scaled": p["batch"] / whole * 1e6,
+                "ceiling_fraction": ceiling_s / (p["step_us"] * 1e-6),
+            }
+        r["impls"][p["impl"]] = m
+    return list(results.values())
+
+
 def compose_cells(results: list[dict]) -> list[dict]:
     """One row per (model, batch, context), in the order first measured. A measurement of whole periods of the layer
     pattern is its own row. A cell's measurements of single kinds are composed: each implementation's whole-model
@@ -886,7 +931,13 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="layers on the chip (default: as many as fit)")
     p.add_argument("--kind", default=None, help="measure only this layer kind's layers (default: cell_kinds' plan)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
+    p.add_argument("--table-from", type=pathlib.Path, default=None, help="the table of recorded points (no measuring)")
     args = p.parse_args(argv)
+    if args.table_from:
+        rows = compose_cells(results_from_points(json.loads(args.table_from.read_text())["points"]))
+        rows.sort(key=lambda r: (r["model"], r["context"], r["batch"]))
+        print("\n".join([*markdown(rows), "", *target_lines(rows)]))
+        return 0
     results, failures = [], []
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.model or sorted(CHIP_MODELS):
