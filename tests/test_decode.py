@@ -269,8 +269,9 @@ def test_chip_step_measures_every_layer_kind_of_a_cell():
     assert f"{sliding['impls']['ours']['step_us']:,.1f} / {full['impls']['ours']['step_us']:,.1f}" in table
     assert len(chip_step.target_lines([row])) == 3 + 2  # the three targets, two token checks
 
-    # the same cell from recorded points (decode_v5e.json's form), one head not timed apart: taken from the same
-    # model, batch and implementation at another context
+    # the same cell from recorded points (decode_v5e.json's form), the sliding layers' XLA path at 4096 without its
+    # head: not composable, so the sliding layers at context 1024 stand in (their caches hold the window: the same
+    # program), and the row says so
     points = []
     for r in (sliding, full, dict(sliding, context=1024)):
         for i, m in r["impls"].items():
@@ -281,6 +282,10 @@ def test_chip_step_measures_every_layer_kind_of_a_cell():
     (again,) = [r for r in rows if r["context"] == 4096]
     for i in chip_step.IMPLS:
         assert again["impls"][i]["model_step_us_scaled"] == pytest.approx(row["impls"][i]["model_step_us_scaled"])
+    assert again["layers_label"] == "2 gemma4-sliding (at context 1024) / 1 gemma4-full of 30"
+    rows = chip_step.compose_cells(chip_step.results_from_points(points[:6]))  # no stand-in: no whole figure
+    assert rows[0]["layers_label"].endswith("(a head not timed apart)")
+    assert "model_step_us_scaled" not in rows[0]["impls"]["ours"]
 
     (partial,) = chip_step.compose_cells([sliding])
     assert "(no gemma4-full measured)" in partial["layers_label"]

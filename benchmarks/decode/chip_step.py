@@ -702,9 +702,10 @@ def merge_checks(checks: list[dict]) -> dict:
 
 def results_from_points(points: list[dict]) -> list[dict]:
     """Recorded points (benchmarks/calibration/decode_v5e.json: one per implementation of a measurement) as measure's
-    results, for compose_cells and markdown: their token checks are not recorded. A point whose head was not timed
-    apart takes the head of the same model, batch and implementation at another context (the head does not see the
-    context); with none, its step counts no head."""
+    results, for compose_cells and markdown: their token checks are not recorded. A point of whole periods whose head
+    was not timed apart takes the head of the same model, batch and implementation at another context (the head does
+    not see the context; with none, its step counts no head); a single kind's such point gives no per-layer time (the
+    oldest points' head took one argmax, not two: a later head would misstate their layers)."""
     heads = {}
     for p in points:
         if p.get("head_us") is not None:
@@ -728,12 +729,15 @@ def results_from_points(points: list[dict]) -> list[dict]:
                 "tokens": {},
             },
         )
+        m = {"step_us": p["step_us"]}
         head = p.get("head_us")
-        head = heads.get((p["model"], p["batch"], p["impl"]), 0.0) if head is None else head
-        per_layer = (p["step_us"] - head) / p["layers"]
-        m = {"step_us": p["step_us"], "head_us": head, "per_layer_us": per_layer}
+        if head is None and p.get("kind") is None:
+            head = heads.get((p["model"], p["batch"], p["impl"]), 0.0)
         kinds = layer_kinds(model if p.get("kind") is None else kind_view(model, p["kind"]), p["layers"])
-        if represents_model(model, kinds):
+        if head is not None:
+            m |= {"head_us": head, "per_layer_us": (p["step_us"] - head) / p["layers"]}
+        if head is not None and represents_model(model, kinds):
+            per_layer = m["per_layer_us"]
             whole = head + per_layer * model.layers
             ceiling_s = ceiling_bytes(model, kinds, p["batch"], p["context"]) / HBM_BANDWIDTH
             m |= {
@@ -745,15 +749,38 @@ def results_from_points(points: list[dict]) -> list[dict]:
     return list(results.values())
 
 
+def _composable(result: dict) -> bool:
+    """Whether every implementation of a measurement has its per-layer time (its head timed apart)."""
+    return all("per_layer_us" in result["impls"].get(impl, {}) for impl in IMPLS)
+
+
 def compose_cells(results: list[dict]) -> list[dict]:
     """One row per (model, batch, context), in the order first measured. A measurement of whole periods of the layer
     pattern is its own row. A cell's measurements of single kinds are composed: each implementation's whole-model
     step is the head (the median of its measurements') plus every kind's per-layer time times the kind's layer count,
-    and its share of the whole model's HBM ceiling; with a kind unmeasured (it did not fit, or failed) the row keeps
-    the measured programs and gives no whole-model figure. The row's "layers" says what was measured."""
+    and its share of the whole model's HBM ceiling. A sliding kind may stand in from another context that also covers
+    its window (its caches hold the window whatever the context: the same program), said in the row; with a kind
+    unmeasured (it did not fit, or failed) the row keeps the measured programs and gives no whole-model figure. The
+    row's "layers" says what was measured."""
     cells: dict[tuple, list[dict]] = {}
+    by_kind_anywhere: dict[tuple, list[dict]] = {}
     for r in results:
         cells.setdefault((r["model"], r["batch"], r["context"]), []).append(r)
+        if r.get("kind") is not None and _composable(r):
+            by_kind_anywhere.setdefault((r["model"], r["batch"], r["kind"]), []).append(r)
+
+    def kind_result(model: Model, kind: LayerKind, batch: int, context: int, measured: list[dict]):
+        usable = by_kind_anywhere.get((model.name, batch, kind.name), [])
+        own = [r for r in usable if r["context"] == context]
+        if own:
+            return own[-1]
+        if 0 < kind.window <= context:
+            covering = [r for r in usable if r["context"] >= kind.window]
+            if covering:
+                return min(covering, key=lambda r: abs(r["context"] - context))
+        mine = [r for r in measured if r.get("kind") == kind.name]
+        return mine[-1] if mine else None  # shown, not composable
+
     rows = []
     for (name, batch, context), measured in cells.items():
         whole = [r for r in measured if r.get("kind") is None]
@@ -762,15 +789,15 @@ def compose_cells(results: list[dict]) -> list[dict]:
             rows.append(r | {"layers_label": f"{r['layers']} of {r['model_layers']}"})
             continue
         model = CHIP_MODELS[name]
-        by_kind = {r["kind"]: r for r in measured}
-        present = [k for k in model.kinds if k.name in by_kind]
-        complete = len(present) == len(model.kinds)
+        by_kind = {k.name: kind_result(model, k, batch, context, measured) for k in model.kinds}
+        present = [k for k in model.kinds if by_kind[k.name] is not None]
+        complete = len(present) == len(model.kinds) and all(_composable(by_kind[k.name]) for k in present)
         ceiling_us = ceiling_bytes(model, layer_kinds(model, model.layers), batch, context) / HBM_BANDWIDTH * 1e6
         impls = {}
         for impl in IMPLS:
             parts = [by_kind[k.name]["impls"].get(impl, {}) for k in present]
             m = {"step_label": " / ".join(f"{p['step_us']:,.1f}" for p in parts if "step_us" in p) or None}
-            if complete and all("per_layer_us" in p for p in parts):
+            if complete:
                 head = statistics.median(p["head_us"] for p in parts)
                 step = head + sum(k.count * p["per_layer_us"] for k, p in zip(present, parts))
                 m |= {
@@ -784,9 +811,18 @@ def compose_cells(results: list[dict]) -> list[dict]:
             own = [by_kind[k.name]["tokens"][impl] for k in present if impl in by_kind[k.name].get("tokens", {})]
             if own:
                 checks[impl] = merge_checks(own)
-        label = " / ".join(f"{by_kind[k.name]['layers']} {k.name}" for k in present)
-        missing = [k.name for k in model.kinds if k.name not in by_kind]
-        label += f" of {model.layers}" + (f" (no {', '.join(missing)} measured)" if missing else "")
+        labels = []
+        for k in present:
+            r = by_kind[k.name]
+            labels.append(
+                f"{r['layers']} {k.name}" + (f" (at context {r['context']})" if r["context"] != context else "")
+            )
+        label = " / ".join(labels) + f" of {model.layers}"
+        missing = [k.name for k in model.kinds if by_kind[k.name] is None]
+        if missing:
+            label += f" (no {', '.join(missing)} measured)"
+        elif not complete:
+            label += " (a head not timed apart)"
         first = by_kind[present[0].name]
         rows.append(
             {
