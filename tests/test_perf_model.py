@@ -273,6 +273,42 @@ def test_identical_kernels_compiled_once_are_each_modeled(compiled_once):
     assert first.loop_body_bundles == second.loop_body_bundles == third.loop_body_bundles != last.loop_body_bundles
 
 
+def two_dequantizations(k, v):
+    """Two identical elementwise fusions (an fp8 cache's K and V pages widened and scaled, as XLA's paged path does)."""
+    return tuple((x.astype(jnp.float32) * 0.5).astype(jnp.bfloat16) for x in (k, v))
+
+
+def test_identical_xla_ops_compiled_once_are_each_timed_from_the_schedule(compiled_once):
+    """libtpu dumps one schedule for identical XLA ops: each is timed from it, not one from it and the others from
+    XLA's estimate (2.4x the schedule's time for an fp8 cache's dequantization on the v5e)."""
+    x = _sds((2048, 64, 8, 256), jnp.float8_e4m3fn)
+    m = perf_model.model_function(two_dequantizations, (x, x), gen="v5e")
+    ops = [op for op in m.xla_ops if op.bytes_moved and op.bytes_moved > 2048 * 64 * 8 * 256]
+    assert len(ops) == 2, m.xla_ops
+    assert {op.basis for op in ops} == {"schedule"}, ops
+    assert ops[0].modeled_s == ops[1].modeled_s < ops[0].estimated_cycles / perf_model.get_chip("v5e").clock_hz
+
+
+def test_async_slices_into_vmem_are_charged_as_prefetches():
+    """XLA prefetches a small paged cache into VMEM in asynchronous slices (slice-start / slice-done) beside its
+    copy-start prefetches: each is HBM traffic the model charges (the bytes of the slice), as a copy's; a slice
+    within one memory space and a cross-program prefetch (behind the run before) are not."""
+    from benchmarks.perf_model import model
+
+    hbm, vmem, sem = "{3,2,1,0:T(4,128)(2,1)}", "{3,2,1,0:T(4,128)(2,1)S(1)}", "{:S(2)}"
+    cache, part = "bf16[512,64,4,128]", "bf16[128,64,4,128]"
+    hlo = f"""ENTRY %main (p: {cache}) -> bf16[8] {{
+  %p = {cache}{hbm} parameter(0)
+  %slice-start = (({cache}{hbm}), {part}{vmem}, s32[]{sem}) slice-start(%p), slice={{[0:128]}}
+  %slice-start.1 = (({cache}{vmem}), {part}{vmem}, s32[]{sem}) slice-start(%p), slice={{}}
+  %copy-start = ({cache}{vmem}, {cache}{hbm}, u32[]{sem}) copy-start(%p), x={{}}
+  %copy-start.1 = ({cache}{vmem}, {cache}{hbm}, u32[]{sem}) copy-start(%p), cross_program_prefetch_index=0
+  %slice-done = {part}{vmem} slice-done(%slice-start)
+}}
+"""
+    assert model.async_copies(hlo) == {"slice-start": 128 * 64 * 4 * 128 * 2, "copy-start": 512 * 64 * 4 * 128 * 2}
+
+
 def _poly_kernel(x_ref, o_ref):
     y = x_ref[...]
     for _ in range(8):  # VPU work proportional to the block size

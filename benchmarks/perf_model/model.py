@@ -448,12 +448,25 @@ _ASYNC_COPY_RE = re.compile(
 )
 
 
+# An asynchronous slice: ((its operand), the slice, a semaphore) = slice-start(operand): XLA prefetches a part of an
+# operand into VMEM so (a paged cache small enough to sit in VMEM, in four slices).
+_ASYNC_SLICE_RE = re.compile(
+    r"^\s*%(\S+)\s*=\s*\(\(\w+\[[\d,]*\]\{([^}]*)\}\),\s*(\w+)\[([\d,]*)\]\{([^}]*)\}.*?\)\s+slice-start\(", re.M
+)
+
+
 def async_copies(hlo: str) -> dict[str, int]:
-    """{copy-start: bytes} for each top-level asynchronous copy between HBM and VMEM: XLA's prefetch of an operand
-    into VMEM (or its eviction). Not an op with an estimate, but the bytes cross HBM beside the ops it overlaps."""
+    """{copy-start or slice-start: bytes} for each top-level asynchronous copy between HBM and VMEM: XLA's prefetch
+    of an operand, or of a slice of one, into VMEM (or its eviction). Not an op with an estimate, but the bytes cross
+    HBM beside the ops it overlaps."""
     out = {}
     entry = re.search(r"^ENTRY .*?^\}", hlo, re.M | re.S)
     text = entry.group(0) if entry else ""
+    for m in _ASYNC_SLICE_RE.finditer(text):
+        if ("S(1)" in m.group(2)) != ("S(1)" in m.group(5)):
+            nbytes = _type_bytes(m.group(3), m.group(4))
+            if nbytes:
+                out[m.group(1)] = nbytes
     for m in _ASYNC_COPY_RE.finditer(text):
         if ("S(1)" in m.group(4)) == ("S(1)" in m.group(5)):  # HBM to HBM, or VMEM to VMEM: not a prefetch
             continue
@@ -478,7 +491,7 @@ def _async_copy_models(chip, label: str, hlo: str, kernels: list, xla_ops: list)
     entry = re.search(r"^ENTRY .*?^\}", hlo, re.M | re.S)
     order = {m.group(1): i for i, m in enumerate(_INSTRUCTION_RE.finditer(entry.group(0) if entry else ""))}
     done = {}  # copy-start -> position of its copy-done
-    for m in re.finditer(r"^\s*(?:ROOT\s+)?%(\S+)\s*=.*?\scopy-done\(%([\w.\-]+)\)", entry.group(0), re.M):
+    for m in re.finditer(r"^\s*(?:ROOT\s+)?%(\S+)\s*=.*?\s(?:copy|slice)-done\(%([\w.\-]+)\)", entry.group(0), re.M):
         if m.group(2) in copies:
             done[m.group(2)] = order.get(m.group(1))
     ops = [(order[k.hlo_name], k.modeled_s, k.hbm_bytes) for k in kernels if k.hlo_name in order]
@@ -1299,6 +1312,40 @@ def _share_dumps_of_identical_kernels(calls, files: dict, hlo: str) -> tuple[dic
     return shared, warnings
 
 
+_NAME_RE = re.compile(r"%[\w.\-]+|\bparam_\d+(?:\.\d+)?")
+_METADATA_RE = re.compile(r", metadata=\{[^}]*\}")
+
+
+def _xla_op_signature(instruction: str, computations: dict[str, str]) -> str:
+    """An XLA op as libtpu compiles it, names and metadata aside: its result type, operands' placement, backend
+    config and the body of the computation it calls (whose header carries the operands' types)."""
+    called = re.search(r"calls=%([\w.\-]+)", instruction)
+    body = computations.get(called.group(1), "") if called else ""
+    return _NAME_RE.sub("%", _METADATA_RE.sub("", instruction + "\n" + body))
+
+
+def _share_dumps_of_identical_xla_ops(hlo: str, files: dict) -> dict:
+    """libtpu compiles identical XLA ops once and dumps the schedule under one of their names: an fp8 cache's four
+    dequantizing fusions (K and V of two layers' pages) left one schedule and three ops costed by XLA's estimate, 2.4x
+    the schedule's time. An op the model times from its schedule without a dump of its own takes its twin's."""
+    wanted = [n for n in dict.fromkeys([*scheduled_xla_ops(hlo), *matmul_ops(hlo)]) if f"{n}/pre_delay" not in files]
+    if not wanted:
+        return files
+    computations = {m.group(1): m.group(0) for m in _COMPUTATION_RE.finditer(hlo)}
+    entry = re.search(r"^ENTRY .*?^\}", hlo, re.M | re.S)
+    instructions = {m.group(1): m.group(2) for m in _INSTRUCTION_RE.finditer(entry.group(0) if entry else "")}
+    dumped: dict[str, str] = {}
+    for name, rest in instructions.items():
+        if f"{name}/pre_delay" in files:
+            dumped.setdefault(_xla_op_signature(rest, computations), name)
+    shared = dict(files)
+    for name in wanted:
+        twin = dumped.get(_xla_op_signature(instructions.get(name, ""), computations)) if name in instructions else None
+        if twin is not None:
+            shared[f"{name}/pre_delay"] = files[f"{twin}/pre_delay"]
+    return shared
+
+
 def _xla_ragged_dot_traffic(body: str, ragged_dots: list) -> tuple | None:
     """The per-step traffic of XLA's ragged-dot kernel (`body`) from the first of the program's ragged dots whose shapes
     it takes and whose group sizes are known (taken off `ragged_dots`); None when none is."""
@@ -1357,6 +1404,7 @@ def _assemble(chip, infos, warnings, compiled, ragged_dots=()) -> ProgramModel:
             _model_kernel(chip, hlo_name, files, infos[match] if match is not None else None, label, body=body)
         )
     mosaic_names = {n for n, _ in calls}
+    files = _share_dumps_of_identical_xla_ops(hlo, files)
     copies = layout_copies(hlo)
     scheduled = set(scheduled_xla_ops(hlo))
     xla_ops = []
