@@ -632,7 +632,6 @@ def measure(
                 )
             layers -= layers % period
     kinds = tuple(layer_kinds(view, layers))
-    scales = represents_model(model, kinds)
     params = init_params(model, list(kinds), seed)
     first = inputs.integers(seed + 7, (batch,), 0, model.vocab)
     timed = jax.devices()[0].platform == "tpu"
@@ -649,28 +648,14 @@ def measure(
         r = run_impl(setup, params, first, steps=steps, warmup=warmup, timed=timed, name=name, head=head, forced=forced)
         picks[impl], logits[impl] = r.pop("picks"), r.pop("logits")
         if r["step_s"]:
-            median = statistics.median(r["step_s"])
-            head = statistics.median(r.pop("head_s"))
-            per_layer = (median - head) / layers
-            r |= {
-                "step_us": median * 1e6,
-                "head_us": head * 1e6,
-                "per_layer_us": per_layer * 1e6,
-                "tokens_per_s": batch / median,
-            }
-            if scales:
-                whole = head + per_layer * model.layers  # the layers scaled, the head once
-                r |= {"model_step_us_scaled": whole * 1e6, "model_tokens_per_s_scaled": batch / whole}
+            step_us = statistics.median(r["step_s"]) * 1e6
+            r |= step_figures(model, kinds, batch, context, step_us, statistics.median(r.pop("head_s")) * 1e6)
         results[impl] = r
-    ceiling_s = ceiling_bytes(model, kinds, batch, context) / HBM_BANDWIDTH
-    for r in results.values():
-        if "step_us" in r:
-            r["ceiling_fraction"] = ceiling_s / (r["step_us"] * 1e-6)
     return {
         "model": model.name,
         "batch": batch,
         "context": context,
-        "ceiling_us": ceiling_s * 1e6,
+        "ceiling_us": ceiling_bytes(model, kinds, batch, context) / HBM_BANDWIDTH * 1e6,
         "kind": kind,
         "layers": layers,
         "model_layers": model.layers,
@@ -681,6 +666,22 @@ def measure(
         "tokens": compare_tokens(picks, logits) if "default" in picks else {},
         "host_s": {"weights and inputs": init_s, "total": time.perf_counter() - start},
     }
+
+
+def step_figures(model: Model, kinds, batch: int, context: int, step_us: float, head_us: float | None) -> dict:
+    """What a measured step of `kinds`' layers and the head gives: tokens/s, its share of those layers' HBM ceiling,
+    and with the head's time (timed apart) the time a layer (the step less the head, over the layers) and, where the
+    layers hold the model's kinds in its proportions, the whole model's step (the layers scaled, the head once)."""
+    ceiling_us = ceiling_bytes(model, kinds, batch, context) / HBM_BANDWIDTH * 1e6
+    out = {"step_us": step_us, "tokens_per_s": batch / step_us * 1e6, "ceiling_fraction": ceiling_us / step_us}
+    if head_us is None:
+        return out
+    per_layer = (step_us - head_us) / len(kinds)
+    out |= {"head_us": head_us, "per_layer_us": per_layer}
+    if represents_model(model, kinds):
+        whole = head_us + per_layer * model.layers
+        out |= {"model_step_us_scaled": whole, "model_tokens_per_s_scaled": batch / whole * 1e6}
+    return out
 
 
 def merge_checks(checks: list[dict]) -> dict:
@@ -729,23 +730,11 @@ def results_from_points(points: list[dict]) -> list[dict]:
                 "tokens": {},
             },
         )
-        m = {"step_us": p["step_us"]}
         head = p.get("head_us")
         if head is None and p.get("kind") is None:
             head = heads.get((p["model"], p["batch"], p["impl"]), 0.0)
         kinds = layer_kinds(model if p.get("kind") is None else kind_view(model, p["kind"]), p["layers"])
-        if head is not None:
-            m |= {"head_us": head, "per_layer_us": (p["step_us"] - head) / p["layers"]}
-        if head is not None and represents_model(model, kinds):
-            per_layer = m["per_layer_us"]
-            whole = head + per_layer * model.layers
-            ceiling_s = ceiling_bytes(model, kinds, p["batch"], p["context"]) / HBM_BANDWIDTH
-            m |= {
-                "model_step_us_scaled": whole,
-                "model_tokens_per_s_scaled": p["batch"] / whole * 1e6,
-                "ceiling_fraction": ceiling_s / (p["step_us"] * 1e-6),
-            }
-        r["impls"][p["impl"]] = m
+        r["impls"][p["impl"]] = step_figures(model, kinds, p["batch"], p["context"], p["step_us"], head)
     return list(results.values())
 
 

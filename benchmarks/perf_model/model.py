@@ -1324,11 +1324,12 @@ def _xla_op_signature(instruction: str, computations: dict[str, str]) -> str:
     return _NAME_RE.sub("%", _METADATA_RE.sub("", instruction + "\n" + body))
 
 
-def _share_dumps_of_identical_xla_ops(hlo: str, files: dict) -> dict:
+def _share_dumps_of_identical_xla_ops(hlo: str, files: dict, timed: list[str]) -> dict:
     """libtpu compiles identical XLA ops once and dumps the schedule under one of their names: an fp8 cache's four
     dequantizing fusions (K and V of two layers' pages) left one schedule and three ops costed by XLA's estimate, 2.4x
-    the schedule's time. An op the model times from its schedule without a dump of its own takes its twin's."""
-    wanted = [n for n in dict.fromkeys([*scheduled_xla_ops(hlo), *matmul_ops(hlo)]) if f"{n}/pre_delay" not in files]
+    the schedule's time. An op of `timed` (those the model times from their schedule) without a dump of its own takes
+    its twin's."""
+    wanted = [n for n in timed if f"{n}/pre_delay" not in files]
     if not wanted:
         return files
     computations = {m.group(1): m.group(0) for m in _COMPUTATION_RE.finditer(hlo)}
@@ -1340,7 +1341,7 @@ def _share_dumps_of_identical_xla_ops(hlo: str, files: dict) -> dict:
             dumped.setdefault(_xla_op_signature(rest, computations), name)
     shared = dict(files)
     for name in wanted:
-        twin = dumped.get(_xla_op_signature(instructions.get(name, ""), computations)) if name in instructions else None
+        twin = dumped.get(_xla_op_signature(instructions[name], computations)) if name in instructions else None
         if twin is not None:
             shared[f"{name}/pre_delay"] = files[f"{twin}/pre_delay"]
     return shared
@@ -1404,13 +1405,14 @@ def _assemble(chip, infos, warnings, compiled, ragged_dots=()) -> ProgramModel:
             _model_kernel(chip, hlo_name, files, infos[match] if match is not None else None, label, body=body)
         )
     mosaic_names = {n for n, _ in calls}
-    files = _share_dumps_of_identical_xla_ops(hlo, files)
     copies = layout_copies(hlo)
-    scheduled = set(scheduled_xla_ops(hlo))
+    scheduled = scheduled_xla_ops(hlo)
+    matmuls = matmul_ops(hlo)
+    files = _share_dumps_of_identical_xla_ops(hlo, files, [*scheduled, *matmuls])
+    scheduled = set(scheduled)
     xla_ops = []
     estimated = xla_op_estimates(hlo)
     scattered = scatter_rows(hlo)
-    matmuls = matmul_ops(hlo)
     gathered = gather_rows(hlo)
     # A copy XLA gives no estimate (e.g. an output written from VMEM to HBM twice) is still a copy: counted by bytes;
     # a scatter with none (the program's root), by its rows.
