@@ -289,6 +289,9 @@ def test_chip_step_measures_every_layer_kind_of_a_cell():
 
     (partial,) = chip_step.compose_cells([sliding])
     assert "(no gemma4-full measured)" in partial["layers_label"]
+    # at 32768 tokens of context and batch 64 not one full layer fits the chip (its caches alone 8.6 GB): said so
+    (unfit,) = chip_step.compose_cells([dict(sliding, context=32768)])
+    assert unfit["layers_label"] == "2 gemma4-sliding of 30 (gemma4-full: one layer does not fit the chip)"
     assert all("model_step_us_scaled" not in m for m in partial["impls"].values())
     assert chip_step.target_lines([partial])[0].startswith("tokens, ")  # no target judged without a whole figure
 

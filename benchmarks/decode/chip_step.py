@@ -69,6 +69,7 @@ TARGET_CEILING = 0.70  # all ours: the least fraction of the step's HBM ceiling 
 # XLA's top two swapped). A wrong kernel gives unrelated tokens, in every sequence or in the ones it gets wrong.
 LEAST_EQUAL_TOKENS = 0.9
 LEAST_EQUAL_PER_SEQUENCE = 0.75
+DEFAULT_STEPS = 32  # timed steps of a cell, after the warm-up
 WARMUP = 2  # steps decoded before the timed ones (compiled, caches and profiler warm)
 HBM_BUDGET_BYTES = 11 << 30  # of the v5e's 15.7 GiB: the rest for XLA's temporaries (the default experts path
 # relays out a layer's expert weights on every call) and the runtime
@@ -743,6 +744,14 @@ def _composable(result: dict) -> bool:
     return all("per_layer_us" in result["impls"].get(impl, {}) for impl in IMPLS)
 
 
+def _one_layer_fits(model: Model, kind: LayerKind, batch: int, context: int, steps: int) -> bool:
+    try:
+        fitting_layers(kind_view(model, kind.name), batch, context, steps)
+    except ValueError:
+        return False
+    return True
+
+
 def compose_cells(results: list[dict]) -> list[dict]:
     """One row per (model, batch, context), in the order first measured. A measurement of whole periods of the layer
     pattern is its own row. A cell's measurements of single kinds are composed: each implementation's whole-model
@@ -807,10 +816,15 @@ def compose_cells(results: list[dict]) -> list[dict]:
                 f"{r['layers']} {k.name}" + (f" (at context {r['context']})" if r["context"] != context else "")
             )
         label = " / ".join(labels) + f" of {model.layers}"
-        missing = [k.name for k in model.kinds if by_kind[k.name] is None]
-        if missing:
-            label += f" (no {', '.join(missing)} measured)"
-        elif not complete:
+        missing = [k for k in model.kinds if by_kind[k.name] is None]
+        steps = WARMUP + by_kind[present[0].name].get("steps", DEFAULT_STEPS)
+        unfit = [k.name for k in missing if not _one_layer_fits(model, k, batch, context, steps)]
+        unmeasured = [k.name for k in missing if k.name not in unfit]
+        if unfit:
+            label += f" ({', '.join(unfit)}: one layer does not fit the chip)"
+        if unmeasured:
+            label += f" (no {', '.join(unmeasured)} measured)"
+        if not missing and not complete:
             label += " (a head not timed apart)"
         first = by_kind[present[0].name]
         rows.append(
@@ -952,7 +966,7 @@ def main(argv=None) -> int:
         "--context", action="append", type=int, help=f"repeatable (default: {CONTEXTS}; --full {FULL_CONTEXTS})"
     )
     p.add_argument("--full", action="store_true", help="every batch and context of the full table")
-    p.add_argument("--steps", type=int, default=32, help="timed steps (the median is reported)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="timed steps (the median is reported)")
     p.add_argument("--layers", type=int, default=None, help="layers on the chip (default: as many as fit)")
     p.add_argument("--kind", default=None, help="measure only this layer kind's layers (default: cell_kinds' plan)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
