@@ -55,7 +55,7 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert result["versions"]["transformers"] and result["versions"]["kernels"]
 
 
-def _chip_smoke(base, kinds, *, context, steps, warmup, **dims):
+def _chip_smoke(base, kinds, *, context, steps, warmup, reference=False, **dims):
     """chip_step.measure on a tiny version of `base` (hidden 256, vocab 512, 8 experts, `dims` on top), batch 2,
     every layer of `kinds` once, its kernels in interpret mode."""
     from benchmarks.decode import chip_step
@@ -63,14 +63,16 @@ def _chip_smoke(base, kinds, *, context, steps, warmup, **dims):
 
     tiny = dataclasses.replace(base, hidden=256, vocab=512, experts=8, kinds=kinds, **dims)
     with interpret_on_cpu():
-        return chip_step.measure(tiny, batch=2, context=context, steps=steps, warmup=warmup, layers=len(kinds))
+        return chip_step.measure(
+            tiny, batch=2, context=context, steps=steps, warmup=warmup, layers=len(kinds), reference=reference
+        )
 
 
 def test_chip_step_smoke_gives_every_implementation_the_same_tokens(tmp_path):
     """The one-chip JAX decode step (benchmarks/decode/chip_step.py) at tiny dimensions of Gemma 4's layout (a sliding
     layer whose window the cache wraps around, a full layer with K = V, the dense MLP beside the experts), the kernels
-    in interpret mode: the three implementations decode the same greedy tokens, and the table says so. No TPU here:
-    nothing is timed."""
+    in interpret mode: the three implementations decode the same greedy tokens, and the table says so; the f32
+    referee (XLA's path in f32) decodes them too. No TPU here: nothing is timed."""
     from benchmarks.decode import chip_step
 
     kinds = [k.name for k in chip_step.layer_kinds(models.GEMMA4, 7)]
@@ -80,12 +82,14 @@ def test_chip_step_smoke_gives_every_implementation_the_same_tokens(tmp_path):
         models.LayerKind("gemma4-full", 1, 4, 1, 128, -1, True),
     )
     dims = dict(expert_intermediate=128, dense_intermediate=128)
-    result = _chip_smoke(models.GEMMA4, kinds, context=300, steps=1, warmup=1, **dims)
+    result = _chip_smoke(models.GEMMA4, kinds, context=300, steps=1, warmup=1, reference=True, **dims)
     assert result["timing"].startswith("not timed") and result["layers"] == 2
+    assert set(result["impls"]) == set(chip_step.IMPLS) and "f32 referee" in result["host_s"]
     for impl in ("ours", "experts"):  # 300 + 2 positions: the sliding layer's 256-slot cache has wrapped
         check = result["tokens"][impl]
         assert (check["tokens"], check["equal"], check["swapped"], check["ok"]) == (4, 4, 0, True), check
         assert 0 <= check["top_logit_drift_max"] < 0.05, check
+        assert check["equal_to_f32"] == check["xla_equal_to_f32"] == 4, check
     table = "\n".join(chip_step.markdown([result]))
     assert "all ours: 4/4 equal" in table and "| gemma4-26b-a4b | 2 | 300 | 2 of 2 |" in table
 
@@ -141,6 +145,19 @@ def test_chip_step_token_check_tells_rounding_from_a_wrong_kernel():
     unrelated[..., 0] = rng.integers(1000, 2000, (steps, batch))
     assert check(unrelated)["ours"]["ok"] is False
 
+    # with the f32 referee: where XLA's path itself misses the exact token (its rounding, a sequence's near ties), a
+    # path that disagrees with XLA's there but is at least as near the referee passes; a wrong kernel still fails
+    exact = ref.copy()
+    exact[:, 4, 0] = 1000 + np.arange(steps)  # sequence 4's exact tokens: XLA's path got none of them
+    refereed = {"default": ref_logits, "ours": ours_logits, chip_step.REFERENCE: ref_logits}
+    near_exact = chip_step.compare_tokens({"default": ref, "ours": one_sequence, chip_step.REFERENCE: exact}, refereed)
+    assert near_exact["ours"] | {"ok": None} == wrong | {"ok": None, "equal_to_f32": 64, "xla_equal_to_f32": 56}
+    assert near_exact["ours"]["ok"] and "f32 referee's: 64 equal (XLA's path 56)" in chip_step.token_summary(
+        near_exact["ours"]
+    )
+    away = chip_step.compare_tokens({"default": ref, "ours": unrelated, chip_step.REFERENCE: exact}, refereed)
+    assert away["ours"]["ok"] is False and away["ours"]["equal_to_f32"] < away["ours"]["xla_equal_to_f32"]
+
 
 def test_chip_step_keeps_going_past_a_step_that_fails(monkeypatch, tmp_path):
     """A step that does not fit or compile is reported with its reason and the others still run; the JSON is
@@ -149,7 +166,7 @@ def test_chip_step_keeps_going_past_a_step_that_fails(monkeypatch, tmp_path):
 
     from benchmarks.decode import chip_step
 
-    def measure(model, *, batch, context, steps, layers, kind):
+    def measure(model, *, batch, context, steps, layers, kind, reference):
         if batch == 8:
             raise MemoryError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
         seen.append(json.loads((tmp_path / "decode_chip.json").read_text()))  # what a run stopped here leaves

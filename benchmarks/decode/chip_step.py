@@ -58,6 +58,9 @@ from .models import GPT_OSS, MODELS, PAGE, LayerKind, Model
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 IMPLS = ("default", "ours", "experts")
+# The token check's referee, on request: XLA's path with its weights, caches and activations in f32 (the same
+# values: bf16 upcast), teacher-forced like the others; not timed into the table
+REFERENCE = "f32"
 ROPE_THETA = 1e6
 HBM_BANDWIDTH = 819e9  # the v5e's, bytes/s: the step's HBM ceiling
 TARGET_BATCH, TARGET_CONTEXT = 64, 4096
@@ -90,6 +93,11 @@ def softmax_scale(model: Model, kind: LayerKind) -> float:
 
 def glue_impl(impl: str) -> str:
     return "ours" if impl == "ours" else "default"
+
+
+def _upcast(tree):
+    """Every floating array of `tree` in f32 (the f32 referee's weights: the bf16 values, exactly)."""
+    return jax.tree.map(lambda a: a.astype(F32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
 def layer_pattern(model: Model) -> list[LayerKind]:
@@ -155,18 +163,23 @@ def _embedding_bytes(model: Model) -> int:
     return model.vocab * model.hidden * 2 * (1 if model.tied_embeddings else 2)
 
 
-def fitting_layers(model: Model, batch: int, context: int, steps: int, budget: int = HBM_BUDGET_BYTES) -> int:
+def fitting_layers(
+    model: Model, batch: int, context: int, steps: int, budget: int = HBM_BUDGET_BYTES, *, reference: bool = False
+) -> int:
     """The most layers (at least 1, at most the model's) whose weights, the largest implementation's caches and the XLA
     path's copy of each layer's expert weights fit `budget` beside the embeddings: XLA's experts relay the weights
     out on every call, and in a whole step those copies depend on the weights alone, so the compiler may hold every
     layer's at once (Gemma 4's six layers at batch 64 needed 16.4 GB of temporaries, compiled for the v5e). Raises
     ValueError, with the bytes, where not even one layer fits (long contexts at large batches): such a step is not
-    compiled."""
-    used, layers = _embedding_bytes(model), 0
+    compiled. With the f32 `reference`, its copies of the weights (twice their bytes, beside the bf16 ones), of the
+    experts' relayout and of the caches are counted too."""
+    f32 = 2 if reference else 1  # an f32 copy's bytes over the bf16 array's
+    weights = 1 + f32 if reference else 1
+    used, layers = weights * _embedding_bytes(model), 0
     for kind in layer_kinds(model, model.layers):
         head_dim = max(cache_head_dim(kind, impl) for impl in IMPLS)  # all ours pads a short head dim
         cache = 2 * batch * cache_keys(kind, context, steps) * kind.kv_heads * head_dim * 2
-        used += _layer_weight_bytes(model, kind) + model.experts * model.expert_bytes() + cache
+        used += weights * _layer_weight_bytes(model, kind) + f32 * (model.experts * model.expert_bytes() + cache)
         if is_gpt_oss(model):  # its MXFP4 experts beside the bf16 ones XLA's path multiplies
             used += model.experts * stored_expert_bytes(model)
         if used > budget:
@@ -318,8 +331,8 @@ def _static_attention_with_sinks(q, k_cache, v_cache, seen, scale: float, sinks)
     scores = jnp.where(keep[:, None, None], scores, -jnp.inf)
     sink = jnp.broadcast_to(sinks.reshape(1, hkv, hq // hkv, 1), (b, hkv, hq // hkv, 1))
     probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :slots]
-    out = jnp.einsum("bhgs,bhsd->bhgd", probs.astype(BF16), v_cache, preferred_element_type=F32)
-    return out.reshape(b, hq * d).astype(BF16)
+    out = jnp.einsum("bhgs,bhsd->bhgd", probs.astype(v_cache.dtype), v_cache, preferred_element_type=F32)
+    return out.reshape(b, hq * d).astype(q.dtype)
 
 
 # ------------------------------------------------------------------------------------------------------- caches
@@ -345,6 +358,8 @@ def init_caches(setup: Setup, seed: int = 1) -> list:
         slots = cache_keys(kind, setup.context, setup.steps)
         b, h, d = setup.batch, kind.kv_heads, kind.head_dim
         static = tuple(inputs.normal(next(keys), (b, h, slots, d), BF16) for _ in range(2))
+        if setup.impl == REFERENCE:
+            static = _upcast(static)
         if setup.impl == "ours":
             pad = cache_head_dim(kind, setup.impl) - d
             static = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad))) for x in static)
@@ -365,13 +380,13 @@ def _paged(static, pages: int):
 
 
 # --------------------------------------------------------------------------------------------------------- step
-def _rope_tables(position, batch: int, head_dim: int):
+def _rope_tables(position, batch: int, head_dim: int, dtype=BF16):
     """cos, sin [B, 1, D] at `position` (rotate-half layout, theta ROPE_THETA)."""
     inv = ROPE_THETA ** (-jnp.arange(0, head_dim, 2, dtype=F32) / head_dim)
     angles = position.astype(F32) * inv
     angles = jnp.concatenate([angles, angles])
     table = jnp.broadcast_to(angles, (batch, 1, head_dim))
-    return jnp.cos(table).astype(BF16), jnp.sin(table).astype(BF16)
+    return jnp.cos(table).astype(dtype), jnp.sin(table).astype(dtype)
 
 
 def _attention(setup: Setup, kind: LayerKind, q, k, v, cache, position, sinks=None):
@@ -431,17 +446,19 @@ def step(params, caches, embed_rows, position, *, setup: Setup):
     model, impl = setup.model, setup.impl
     glue = glue_impl(impl)
     x = embed_rows
+    if impl == REFERENCE:
+        params, x = _upcast(params), _upcast(x)
     new_caches = []
     gpt_oss = is_gpt_oss(model)
     attention_in = _gpt_oss_attention_in if gpt_oss else programs.attention_in
     attention_out = _gpt_oss_attention_out if gpt_oss else programs.attention_out
     for w, kind, cache in zip(params["layers"], setup.kinds, caches):
-        cos, sin = _rope_tables(position, setup.batch, kind.head_dim)
+        cos, sin = _rope_tables(position, setup.batch, kind.head_dim, x.dtype)
         q, k, v = attention_in(x, w, cos, sin, kind=kind, impl=glue)
         attn, cache = _attention(setup, kind, q, k, v, cache, position, w.get("sinks"))
         new_caches.append(cache)
         moe_in, out, top_i, top_w = attention_out(x, attn, w, model=model, impl=glue)
-        if impl == "default":
+        if impl in ("default", REFERENCE):
             layout = "interleaved" if gpt_oss else "concatenated"
             y = moe_ops.xla_experts(
                 moe_in, top_i, top_w, w["gate_up"], w["down"], activation=model.activation, gate_layout=layout
@@ -460,11 +477,11 @@ def step(params, caches, embed_rows, position, *, setup: Setup):
             )
         else:
             y = moe_ops.kernel_experts(moe_in, top_i, top_w, w["gate_up"], w["down"], activation=model.activation)
-        x = out + y.astype(BF16)
+        x = out + y.astype(x.dtype)
     picks, logits, rows = greedy_head(
         x, params["final_norm"], params["lm_head"], params["embed"], model=model, impl=glue
     )
-    return (picks, logits), rows, new_caches
+    return (picks, logits), rows.astype(embed_rows.dtype), new_caches
 
 
 def compiled_step(setup: Setup, name: str):
@@ -565,11 +582,14 @@ def compare_tokens(picks: dict[str, np.ndarray], logits: dict[str, np.ndarray]) 
     how many are equal; of the others, how many are the default's top two swapped (each the other's runner-up) and
     the widest such gap between the default's top two logits, as a share of its top logit; on the equal tokens, the
     largest relative difference of the top logit (what rounding moved); the fewest equal of one sequence. "ok": at
-    least LEAST_EQUAL_TOKENS of them equal, and LEAST_EQUAL_PER_SEQUENCE of every sequence's."""
+    least LEAST_EQUAL_TOKENS of them equal, and LEAST_EQUAL_PER_SEQUENCE of every sequence's. Where the f32 referee
+    decoded (REFERENCE), how many of each path's tokens and of XLA's equal its; a path at least as near the referee
+    as XLA's own is ok whatever it shares with XLA's: their disagreements are rounding's, not a fault of one path."""
     ref, ref_logits = picks["default"], logits["default"]
+    exact = picks.get(REFERENCE)
     out = {}
     for impl, p in picks.items():
-        if impl == "default":
+        if impl in ("default", REFERENCE):
             continue
         equal = p[..., 0] == ref[..., 0]
         swapped = ~equal & (p[..., 0] == ref[..., 1]) & (p[..., 1] == ref[..., 0])
@@ -588,6 +608,9 @@ def compare_tokens(picks: dict[str, np.ndarray], logits: dict[str, np.ndarray]) 
             "steps": int(equal.shape[0]),
             "ok": bool(same >= LEAST_EQUAL_TOKENS * total and worst >= LEAST_EQUAL_PER_SEQUENCE * equal.shape[0]),
         }
+        if exact is not None:
+            mine, xla = (int((q[..., 0] == exact[..., 0]).sum()) for q in (p, ref))
+            out[impl] |= {"equal_to_f32": mine, "xla_equal_to_f32": xla, "ok": out[impl]["ok"] or mine >= xla}
     return out
 
 
@@ -600,6 +623,8 @@ def token_summary(check: dict) -> str:
     other = check["tokens"] - check["equal"] - check["swapped"]
     if other:
         text += f", {other} other"
+    if "equal_to_f32" in check:
+        text += f"; f32 referee's: {check['equal_to_f32']:,} equal (XLA's path {check['xla_equal_to_f32']:,})"
     return text + ("" if check["ok"] else " (FAILS)")
 
 
@@ -614,16 +639,18 @@ def measure(
     impls=IMPLS,
     seed: int = 0,
     kind: str | None = None,
+    reference: bool = False,
 ) -> dict:
     """Each implementation's decode step at (batch, context) on the default device, `layers` layers (default: as
     many whole periods of the layer pattern as fit; with `kind`, as many of that kind's layers alone): median device
     time of `steps` steps after `warmup`, tokens/s, the time a layer ("per_layer_us": the step less the head, over
     the layers), the whole model's step scaled by its layer count where the layers measured hold its kinds in its
-    proportions (else compose_cells adds the kinds' measurements up), and the greedy tokens compared."""
+    proportions (else compose_cells adds the kinds' measurements up), and the greedy tokens compared. `reference`:
+    the f32 referee decodes too (untimed), and each check says how many tokens each path shares with it."""
     start = time.perf_counter()
     view = model if kind is None else kind_view(model, kind)
     if not layers:
-        layers = fitting_layers(view, batch, context, warmup + steps)
+        layers = fitting_layers(view, batch, context, warmup + steps, reference=reference)
         if kind is None and len(model.kinds) > 1:
             period = len(layer_pattern(model))
             if layers < period:
@@ -638,16 +665,22 @@ def measure(
     timed = jax.devices()[0].platform == "tpu"
     results, picks, logits = {}, {}, {}
     init_s = time.perf_counter() - start
-    for index, impl in enumerate(impls):
+    for index, impl in enumerate((*impls, REFERENCE) if reference else impls):
         setup = Setup(model, kinds, batch, context, warmup + steps, impl)
+        timing = timed and impl != REFERENCE
         # the head in the step's own profiler trace: one trace per implementation (each took seconds on the v5e host)
         head = None
-        if timed:
+        if timing:
             head = head_program(model, impl, params, batch, calls=steps, name=profiler.program_name(len(impls) + index))
         name = profiler.program_name(index)
         forced = picks["default"][:-1, :, 0] if "default" in picks else None  # XLA's tokens, teacher forcing
-        r = run_impl(setup, params, first, steps=steps, warmup=warmup, timed=timed, name=name, head=head, forced=forced)
+        r = run_impl(
+            setup, params, first, steps=steps, warmup=warmup, timed=timing, name=name, head=head, forced=forced
+        )
         picks[impl], logits[impl] = r.pop("picks"), r.pop("logits")
+        if impl == REFERENCE:
+            referee_s = r["host_s"]
+            continue
         if r["step_s"]:
             step_us = statistics.median(r["step_s"]) * 1e6
             r |= step_figures(model, kinds, batch, context, step_us, statistics.median(r.pop("head_s")) * 1e6)
@@ -665,7 +698,9 @@ def measure(
         "timing": "device time (profiler), median step" if timed else "not timed (no TPU): tokens only",
         "impls": results,
         "tokens": compare_tokens(picks, logits) if "default" in picks else {},
-        "host_s": {"weights and inputs": init_s, "total": time.perf_counter() - start},
+        "host_s": {"weights and inputs": init_s}
+        | ({"f32 referee": referee_s} if reference else {})
+        | {"total": time.perf_counter() - start},
     }
 
 
@@ -690,7 +725,7 @@ def merge_checks(checks: list[dict]) -> dict:
     swaps = sum(c["swapped"] for c in checks)
     gaps = [c["widest_swapped_gap"] for c in checks if c["widest_swapped_gap"] is not None]
     drifts = [c["top_logit_drift_max"] for c in checks if c["top_logit_drift_max"] is not None]
-    return {
+    merged = {
         "tokens": sum(c["tokens"] for c in checks),
         "equal": sum(c["equal"] for c in checks),
         "swapped": swaps,
@@ -700,6 +735,9 @@ def merge_checks(checks: list[dict]) -> dict:
         "steps": min(c["steps"] for c in checks),
         "ok": all(c["ok"] for c in checks),
     }
+    if all("equal_to_f32" in c for c in checks):
+        merged |= {k: sum(c[k] for c in checks) for k in ("equal_to_f32", "xla_equal_to_f32")}
+    return merged
 
 
 def results_from_points(points: list[dict]) -> list[dict]:
@@ -968,6 +1006,11 @@ def main(argv=None) -> int:
     p.add_argument("--full", action="store_true", help="every batch and context of the full table")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="timed steps (the median is reported)")
     p.add_argument("--layers", type=int, default=None, help="layers on the chip (default: as many as fit)")
+    p.add_argument(
+        "--f32-reference",
+        action="store_true",
+        help="also decode XLA's path in f32 (untimed; fewer layers fit) and check every path's tokens against it",
+    )
     p.add_argument("--kind", default=None, help="measure only this layer kind's layers (default: cell_kinds' plan)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
     p.add_argument("--table-from", type=pathlib.Path, default=None, help="the table of recorded points (no measuring)")
@@ -988,7 +1031,13 @@ def main(argv=None) -> int:
                     where = f"{name} batch {batch} context {context}" + (f" ({kind} layers)" if kind else "")
                     try:
                         r = measure(
-                            model, batch=batch, context=context, steps=args.steps, layers=args.layers, kind=kind
+                            model,
+                            batch=batch,
+                            context=context,
+                            steps=args.steps,
+                            layers=args.layers,
+                            kind=kind,
+                            reference=args.f32_reference,
                         )
                     except Exception as e:  # noqa: BLE001 - one step that does not fit or compile must not lose the rest
                         failures.append(

@@ -93,7 +93,7 @@ def attention_out(x, attn_out, w, *, model: Model, impl: str):
     if model.dense_intermediate:
         d = norm(impl, residual, w["dense_norm"])
         gate, up = jnp.split(d @ w["dense_gate_up"], 2, axis=-1)
-        dense = (_act(gate.astype(F32), model.activation) * up).astype(BF16) @ w["dense_down"]
+        dense = (_act(gate.astype(F32), model.activation) * up).astype(d.dtype) @ w["dense_down"]
         out = out + norm(impl, dense, w["dense_post_norm"])
     for i in range(_extra_norms(model)):
         out = norm(impl, out, w[f"norm{i}"])  # the model's further hidden-size norms (Gemma 4's MoE in/out norms)
@@ -190,8 +190,8 @@ def static_cache_attention(q, k_cache, v_cache, lengths, *, kind: LayerKind):
     scores = jnp.einsum("bhgd,bhsd->bhgs", qg, k_cache, preferred_element_type=F32) * scale
     keep = jnp.arange(slots, dtype=jnp.int32)[None, :] < jnp.minimum(lengths, slots)[:, None]
     probs = jax.nn.softmax(jnp.where(keep[:, None, None], scores, -jnp.inf), axis=-1)
-    out = jnp.einsum("bhgs,bhsd->bhgd", probs.astype(BF16), v_cache, preferred_element_type=F32)
-    return out.reshape(b, hq * d).astype(BF16)
+    out = jnp.einsum("bhgs,bhsd->bhgd", probs.astype(v_cache.dtype), v_cache, preferred_element_type=F32)
+    return out.reshape(b, hq * d).astype(q.dtype)
 
 
 def attention_item(kind: LayerKind, batch: int, context: int, impl: str):
