@@ -94,10 +94,6 @@ OUT_OF_FIT = {
         "modeled/measured 1.05-1.51 (median 1.19): splash attention (MQA per kv head) at its own blocks, modeled about "
         "a fifth slow, 1.44-1.51 at Qwen3 causal and gpt-oss full: not examined"
     ),
-    "chip_jax_flash_attention": (
-        "modeled/measured 0.975-1.091 (median 1.016) since identical XLA ops share their schedule, within the "
-        "fit's bounds: to enter it at the next whole calibration run (its forward was 1.19-1.22)"
-    ),
     "chip_tokamax_attention": "modeled/measured 1.05-1.92 (median 1.38, 3 points): tokamax's attention: not examined",
     "chip_vllm_rpa": (
         "modeled/measured 0.47-1.39 (median 0.73): bf16 0.47-0.76 (the model sees vLLM's RPA v3 at about twice its "
