@@ -163,23 +163,18 @@ def _embedding_bytes(model: Model) -> int:
     return model.vocab * model.hidden * 2 * (1 if model.tied_embeddings else 2)
 
 
-def fitting_layers(
-    model: Model, batch: int, context: int, steps: int, budget: int = HBM_BUDGET_BYTES, *, reference: bool = False
-) -> int:
+def fitting_layers(model: Model, batch: int, context: int, steps: int, budget: int = HBM_BUDGET_BYTES) -> int:
     """The most layers (at least 1, at most the model's) whose weights, the largest implementation's caches and the XLA
     path's copy of each layer's expert weights fit `budget` beside the embeddings: XLA's experts relay the weights
     out on every call, and in a whole step those copies depend on the weights alone, so the compiler may hold every
     layer's at once (Gemma 4's six layers at batch 64 needed 16.4 GB of temporaries, compiled for the v5e). Raises
     ValueError, with the bytes, where not even one layer fits (long contexts at large batches): such a step is not
-    compiled. With the f32 `reference`, its copies of the weights (twice their bytes, beside the bf16 ones), of the
-    experts' relayout and of the caches are counted too."""
-    f32 = 2 if reference else 1  # an f32 copy's bytes over the bf16 array's
-    weights = 1 + f32 if reference else 1
-    used, layers = weights * _embedding_bytes(model), 0
+    compiled."""
+    used, layers = _embedding_bytes(model), 0
     for kind in layer_kinds(model, model.layers):
         head_dim = max(cache_head_dim(kind, impl) for impl in IMPLS)  # all ours pads a short head dim
         cache = 2 * batch * cache_keys(kind, context, steps) * kind.kv_heads * head_dim * 2
-        used += weights * _layer_weight_bytes(model, kind) + f32 * (model.experts * model.expert_bytes() + cache)
+        used += _layer_weight_bytes(model, kind) + model.experts * model.expert_bytes() + cache
         if is_gpt_oss(model):  # its MXFP4 experts beside the bf16 ones XLA's path multiplies
             used += model.experts * stored_expert_bytes(model)
         if used > budget:
@@ -646,11 +641,13 @@ def measure(
     time of `steps` steps after `warmup`, tokens/s, the time a layer ("per_layer_us": the step less the head, over
     the layers), the whole model's step scaled by its layer count where the layers measured hold its kinds in its
     proportions (else compose_cells adds the kinds' measurements up), and the greedy tokens compared. `reference`:
-    the f32 referee decodes too (untimed), and each check says how many tokens each path shares with it."""
+    the f32 referee decodes the same layers too (untimed), and each check says how many tokens each path shares with
+    it, so that the check judges the very program measured (at Qwen3's batch 1, context 32768 the cell's 4 layers fit
+    beside it on the v5e, measured); where its f32 caches and temporaries do not fit, `layers` takes fewer."""
     start = time.perf_counter()
     view = model if kind is None else kind_view(model, kind)
     if not layers:
-        layers = fitting_layers(view, batch, context, warmup + steps, reference=reference)
+        layers = fitting_layers(view, batch, context, warmup + steps)
         if kind is None and len(model.kinds) > 1:
             period = len(layer_pattern(model))
             if layers < period:
@@ -1009,7 +1006,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--f32-reference",
         action="store_true",
-        help="also decode XLA's path in f32 (untimed; fewer layers fit) and check every path's tokens against it",
+        help="also decode XLA's path in f32 (untimed, the same layers) and check every path's tokens against it",
     )
     p.add_argument("--kind", default=None, help="measure only this layer kind's layers (default: cell_kinds' plan)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
