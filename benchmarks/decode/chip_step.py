@@ -131,11 +131,19 @@ def cell_kinds(model: Model, batch: int, context: int, steps: int) -> list[str |
     period fits; else every kind's name, each kind's layers measured alone (compose_cells adds them up)."""
     if len(model.kinds) == 1:
         return [None]
+    return (
+        [None]
+        if _layers_that_fit(model, batch, context, steps) >= len(layer_pattern(model))
+        else [k.name for k in model.kinds]
+    )
+
+
+def _layers_that_fit(model: Model, batch: int, context: int, steps: int) -> int:
+    """fitting_layers, or 0 where not one layer fits."""
     try:
-        fits = fitting_layers(model, batch, context, steps)
+        return fitting_layers(model, batch, context, steps)
     except ValueError:
-        fits = 0
-    return [None] if fits >= len(layer_pattern(model)) else [k.name for k in model.kinds]
+        return 0
 
 
 def cache_head_dim(kind: LayerKind, impl: str) -> int:
@@ -760,6 +768,7 @@ def results_from_points(points: list[dict]) -> list[dict]:
                 "kind": p.get("kind"),
                 "layers": p["layers"],
                 "model_layers": model.layers,
+                "steps": p.get("steps", DEFAULT_STEPS),
                 "device": p["device_kind"],
                 "timing": "device time (profiler), median step",
                 "impls": {},
@@ -777,14 +786,6 @@ def results_from_points(points: list[dict]) -> list[dict]:
 def _composable(result: dict) -> bool:
     """Whether every implementation of a measurement has its per-layer time (its head timed apart)."""
     return all("per_layer_us" in result["impls"].get(impl, {}) for impl in IMPLS)
-
-
-def _one_layer_fits(model: Model, kind: LayerKind, batch: int, context: int, steps: int) -> bool:
-    try:
-        fitting_layers(kind_view(model, kind.name), batch, context, steps)
-    except ValueError:
-        return False
-    return True
 
 
 def compose_cells(results: list[dict]) -> list[dict]:
@@ -853,7 +854,7 @@ def compose_cells(results: list[dict]) -> list[dict]:
         label = " / ".join(labels) + f" of {model.layers}"
         missing = [k for k in model.kinds if by_kind[k.name] is None]
         steps = WARMUP + by_kind[present[0].name].get("steps", DEFAULT_STEPS)
-        unfit = [k.name for k in missing if not _one_layer_fits(model, k, batch, context, steps)]
+        unfit = [k.name for k in missing if not _layers_that_fit(kind_view(model, k.name), batch, context, steps)]
         unmeasured = [k.name for k in missing if k.name not in unfit]
         if unfit:
             label += f" ({', '.join(unfit)}: one layer does not fit the chip)"
