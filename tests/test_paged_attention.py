@@ -173,26 +173,63 @@ def test_every_head_at_once(rand, feature, hkv, d, queries, per_step):
 
 @pytest.mark.parametrize(
     "hkv,d,queries,feature,per_step",
-    [(4, 128, 40, "everything", 2), (8, 128, 16, "window_both_sides_not_causal", 1), (8, 256, 16, "everything", 1)],
+    [
+        (4, 128, 40, "everything", 2),
+        (8, 128, 16, "window_both_sides_not_causal", 1),
+        (8, 256, 16, "everything", 1),
+        (2, 128, 40, "everything", 2),
+        (2, 256, 40, "window_both_sides_not_causal", 1),
+    ],
 )
 def test_prefill_blocks_read_each_head_by_strided_loads(rand, hkv, d, queries, feature, per_step):
-    """bf16 caches of 4 or 8 kv heads of 128 (passed as rows): blocks with more query rows than a merged visit takes
-    read one kv head at a time, its rows by strided loads from either page buffer slot (kernel.strided_head_rows; a
-    load of the next head's rows fails this), a head dim of 256 from each lane tile's own page buffer (Gemma 4
-    sliding's 8 x 256). Masked and unmasked visits, a query block shared by several sequences, padding rows, two
-    visits a step in the first."""
+    """bf16 caches: blocks with more query rows than a merged visit takes read one kv head at a time out of 32-bit
+    words holding a token's pair of heads (kernel.strided_head_rows; the other half of a word fails this). 4 or 8 kv
+    heads of 128 passed as rows: a head's rows by strided loads from either page buffer slot, a head dim of 256 from
+    each lane tile's own page buffer (Gemma 4 sliding's 8 x 256). 2 kv heads: the whole buffer's rows as words, passed
+    as rows at head dim 128, as the cache lies at 256 (Gemma 4 full's 2 x 512). Masked and unmasked visits, a query
+    block shared by several sequences, padding rows, two visits a step in some."""
     options = dict(FEATURES[feature])
     hq = 2 * hkv
     heads = kernel.visit_heads(
         hkv=hkv, head_dim=d, v_head_dim=d, block_rows=queries * 2, page_size=16, cache_dtype=jnp.bfloat16
     )
-    assert heads == (0, True, True), heads
+    assert heads == (0, hkv > 2 or d == 128, True), heads
     batch = Batch(rand, Q_LENS, KV_LENS, hq=hq, hkv=hkv, d=d, dtype=jnp.bfloat16)
     if options.pop("sinks", False):
         options["sinks"] = rand.normal((hq,), scale=2.0)
     blocks = tk.PagedAttentionBlocks(queries_per_block=queries, pages_per_block=2, visits_per_step=per_step)
     tol = BF16_FEATURES_TOL if feature == "everything" else None
     _check(rand, batch, dtype=jnp.bfloat16, blocks=blocks, tol=tol, **options)
+
+
+@pytest.mark.parametrize("hkv,hq,queries", [(2, 12, 16), (4, 32, 8)], ids=["pair_words_group6", "strided_group8"])
+def test_narrow_visits_compute_only_their_rows_window(rand, hkv, hq, queries):
+    """Prefill-sized query blocks of a mixed batch: a visit whose sequence's rows lie in one aligned window of
+    kernel.NARROW_ROWS rows computes that window only (rows of other sequences in it keep their statistics), else the
+    whole block. Group 6: token 2's rows 12-17 cross a window's edge (the whole block), tokens 0, 1, 3 and 4 do not
+    (narrow); group 8: every decode token narrow, beside a prefill chunk's whole-block visits. Masked and unmasked
+    visits (contexts of several key blocks), two decodes in one window, the block's last window."""
+    q_lens = [1, 1, 1, 1, 1, 19, 1, 0, 1]
+    kv_lens = [40, 33, 70, 5, 64, 60, 50, 9, 37]
+    layout = kernel.Layout(
+        tokens=32,
+        q_heads=hq,
+        kv_heads=hkv,
+        head_dim=128,
+        v_head_dim=128,
+        page_size=16,
+        pages_per_seq=5,
+        pages_per_block=2,
+        block_q=queries,
+        softmax_scale=1.0,
+        softcap=0.0,
+        window_size=(-1, 0),
+        strided_heads=True,
+    )
+    assert kernel.narrow_visits(layout)
+    batch = Batch(rand, q_lens, kv_lens, hq=hq, hkv=hkv, d=128, dtype=jnp.bfloat16, padding=32 - sum(q_lens))
+    blocks = tk.PagedAttentionBlocks(queries_per_block=queries, pages_per_block=2)
+    _check(rand, batch, dtype=jnp.bfloat16, blocks=blocks)
 
 
 # (D, Dv, Hq, Hkv): head dims 64 to 512, GQA 1, 2 and 8 (MQA), a V head dim other than Q/K's (head dim 128: the
@@ -726,13 +763,13 @@ def _attention(q, k, v, kv_lens, pages, cu, num_seqs, sinks=None, k_scale=None, 
 
 
 @pytest.mark.cpu_only
-@pytest.mark.parametrize("hkv", [2, 4], ids=["merged", "strided"])
+@pytest.mark.parametrize("hkv", [2, 4], ids=["pair_words", "strided"])
 def test_exports_for_tpu(hkv):
-    """A mixed batch of bf16 caches: with 2 kv heads its visits merge them; with 4 they read each head by strided
-    loads (kernel.strided_head_rows)."""
+    """A mixed batch of bf16 caches: its prefill visits read each kv head out of words holding a pair of heads, with 2
+    kv heads the buffer's whole rows, with 4 by strided loads (kernel.strided_head_rows)."""
     assert kernel.visit_heads(
         hkv=hkv, head_dim=128, v_head_dim=128, block_rows=128, page_size=16, cache_dtype=jnp.bfloat16
-    )[2] == (hkv == 4)
+    )[2]
     specs = [jax.ShapeDtypeStruct(*sd) for sd in _specs(40, 8, 16, hkv, 128, 16, 8, jnp.bfloat16)]
     ladder.export_for_tpu(_attention, *specs, window_size=(63, 0), softcap=10.0)
 

@@ -9,9 +9,9 @@ next visit's pages arrive while this one computes. A grid step takes `parts` vis
 own pages_per_block page slots of the buffer (at decode both sequences of a block of 2 tokens: half the grid steps,
 each a fixed cost). Decode-like blocks (few query rows) read the whole buffer as rows, token-major with the kv heads
 minor, and take every head in one matmul (merges_heads), except a float8 buffer of 4 kv heads as rows, whose heads are
-split from its 32-bit words (splits_words); prefill blocks take pairs of heads so, except bf16 buffers of 4 or 8 kv
-heads as rows, which read one head at a time by strided loads (strided_head_rows); head dims that are not whole lane
-tiles read one kv head as a sublane-strided load of the buffer.
+split from its 32-bit words (splits_words); prefill blocks take pairs of heads so, except bf16 buffers of 2 kv heads
+or of 4 or 8 as rows, which read one head at a time out of 32-bit words holding a pair of heads (strided_head_rows);
+head dims that are not whole lane tiles read one kv head as a sublane-strided load of the buffer.
 
 Queries come as they are, [tokens, q_heads, head_dim], a block of tokens with every head, and the output leaves so
 (no transposes in XLA around the kernel); a query block's first visit lays each kv head's rows out in VMEM as
@@ -84,10 +84,16 @@ class Layout:
         return self.page_size * self.pages_per_block
 
     @property
+    def strided_loads(self) -> bool:
+        """Whether a visit reads a head's pair words by strided loads (strided_head_rows with 4 or 8 kv heads; with 2,
+        every word row is the pair's)."""
+        return self.strided_heads and self.kv_heads > 2
+
+    @property
     def lane_chunks(self) -> int:
         """Lane tiles of the head dim a strided visit's page buffer holds apart ([pages, chunks, rows, 128]: a strided
         load needs rows of one lane tile); 0 for the other buffers ([pages, ...] as the cache is passed)."""
-        return self.head_dim // LANES if self.strided_heads else 0
+        return self.head_dim // LANES if self.strided_loads else 0
 
     @property
     def blocks_per_seq(self) -> int:
@@ -103,6 +109,11 @@ MERGED_ROWS = 128  # score rows (kv heads x query rows per head) up to which a v
 # with 2 kv heads, up to a prefill block's 128 query rows a head: the cross-head waste is only 2x (Gemma 4 full's mixed
 # batch, modeled v6e: 19504.8 -> 4646.5 us)
 MERGED_PAIR_ROWS = 256
+# A visit whose sequence's rows in its query block lie within one aligned window of NARROW_ROWS rows (a decode token's
+# group of rows in a mixed batch's prefill-sized block) computes those rows only: the block's other rows would be
+# computed and discarded (modeled v5e, Gemma 4 full's mixed batch, 4 prefill chunks of 512 + 60 decodes in blocks of
+# 256 rows: every visit ~12,200 cycles, the decodes' 240 of them included). A whole bf16 sublane tile, a power of two.
+NARROW_ROWS = 16
 
 
 def merged_cache_view(*, hkv: int, head_dim: int, v_head_dim: int, cache_itemsize: int) -> bool:
@@ -145,23 +156,23 @@ def merges_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int, c
 
 
 def strided_head_rows(*, hkv: int, head_dim: int, v_head_dim: int, cache_dtype) -> bool:
-    """Whether visits that take one kv head at a time read its keys and values by sublane-strided loads: in a bf16
-    cache of 4 or 8 kv heads passed as rows (merged_cache_view: token-major, the kv heads minor) head h's rows are
-    every kv_heads-th row, which the load unit reads with a stride. Mosaic strided-loads 32-bit rows of one lane tile
-    only: the buffer is read as 32-bit words, each a token's pair of heads, and the pair's halves split in registers
-    (head_pair_words); a wider head dim's page buffer holds each lane tile apart (one DMA a page and lane tile), and
-    the strided loads take the page buffer's slot as a static index (such visits are compiled once per slot).
+    """Whether visits that take one kv head at a time read its keys and values out of 32-bit words that each hold a
+    token's pair of heads (bf16 caches, head dims whole lane tiles). In a cache of 4 or 8 kv heads passed as rows
+    (merged_cache_view: token-major, the kv heads minor) head h's rows are every kv_heads-th row, which the load unit
+    reads with a stride. Mosaic strided-loads 32-bit rows of one lane tile only: the buffer is read as 32-bit words,
+    each a token's pair of heads, and the pair's halves split in registers (head_pair_words); a wider head dim's page
+    buffer holds each lane tile apart (one DMA a page and lane tile), and the strided loads take the page buffer's slot
+    as a static index (such visits are compiled once per slot). With 2 kv heads every word row is the pair: the
+    buffer is loaded whole as rows (as a merged visit loads it) and bitcast to words in registers, no stride.
     Otherwise a head's rows are a sublane gather, which the merged visits avoid by computing every head's (or each
     pair's) scores against all of its heads' keys, the cross-head part wasted. Measured v5e, the mixed batch (4
     prefill chunks of 512 + 60 decodes, context 4096, page 64): Qwen3 10,146 us in pairs, 2,571 us by strided loads;
     Gemma 4 sliding 5,185 -> 1,360 us."""
-    return (
-        jnp.dtype(cache_dtype) == jnp.bfloat16
-        and hkv in (4, 8)
-        and head_dim == v_head_dim
-        and head_dim % LANES == 0
-        and merged_cache_view(hkv=hkv, head_dim=head_dim, v_head_dim=v_head_dim, cache_itemsize=2)
-    )
+    if jnp.dtype(cache_dtype) != jnp.bfloat16 or head_dim != v_head_dim or head_dim % LANES:
+        return False
+    if hkv == 2:
+        return True
+    return hkv in (4, 8) and merged_cache_view(hkv=hkv, head_dim=head_dim, v_head_dim=v_head_dim, cache_itemsize=2)
 
 
 def visit_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int, page_size: int, cache_dtype):
@@ -171,14 +182,14 @@ def visit_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int, pa
     itemsize = jnp.dtype(cache_dtype).itemsize
     if head_major_cache(hkv=hkv, page_size=page_size, cache_itemsize=itemsize):
         return 0, False, False
-    merged = merges_heads(
-        hkv=hkv, head_dim=head_dim, v_head_dim=v_head_dim, block_rows=block_rows, cache_itemsize=itemsize
-    )
-    strided = merged < hkv and strided_head_rows(
+    strided = hkv * block_rows > MERGED_ROWS and strided_head_rows(
         hkv=hkv, head_dim=head_dim, v_head_dim=v_head_dim, cache_dtype=cache_dtype
     )
-    if strided:
-        merged = 0
+    merged = 0
+    if not strided:
+        merged = merges_heads(
+            hkv=hkv, head_dim=head_dim, v_head_dim=v_head_dim, block_rows=block_rows, cache_itemsize=itemsize
+        )
     view = (merged == hkv or strided) and merged_cache_view(
         hkv=hkv, head_dim=head_dim, v_head_dim=v_head_dim, cache_itemsize=itemsize
     )
@@ -354,6 +365,23 @@ def _rows_of_sequence(word, block, cu_ref, lay: Layout, row):
     return (row >= lay.group * (cu_ref[seq] - first_token)) & (row < lay.group * (cu_ref[seq + 1] - first_token))
 
 
+def narrow_visits(lay: Layout) -> bool:
+    """Whether the visits that take one kv head at a time are also compiled for a narrow window of rows (NARROW_ROWS):
+    prefill-sized query blocks, in which a decode token's rows are a few of many."""
+    return lay.merged == 0 and lay.block_rows >= 4 * NARROW_ROWS and lay.block_rows % NARROW_ROWS == 0
+
+
+def _narrow_window(word, block, cu_ref, lay: Layout):
+    """(fits, first row): whether the visit's sequence's rows in its query block lie within the aligned window of
+    NARROW_ROWS rows that starts at `first row`."""
+    seq, _ = _split_block(block, lay)
+    first_token = (word & schedule.QUERY_BLOCK_MASK) * lay.block_q
+    start = lay.group * jnp.maximum(cu_ref[seq] - first_token, 0)
+    end = lay.group * jnp.minimum(cu_ref[seq + 1] - first_token, lay.block_q)
+    first_row = jnp.minimum(start & -NARROW_ROWS, lay.block_rows - NARROW_ROWS)  # aligned down (a power of two)
+    return end <= first_row + NARROW_ROWS, first_row
+
+
 def _keep(word, block, kv_lens_ref, cu_ref, lay: Layout, row, key):
     """The kept scores of a masked visit, [block rows, block keys]: rows of the visit's sequence, keys within the row's
     causal / window range and the context. Row r is token first_token + r // group at context position token +
@@ -449,8 +477,11 @@ def _kernel(
         read through a uint32 view (a word holds rows 2i and 2i + 1, the even row in its low half): every
         (kv_heads / 2)-th word row is one token's pair, a sublane-strided load (from a static page buffer slot, as
         Mosaic lowers them). TPU interpret mode cannot read through a ref bitcast: there the same words are packed from
-        the two heads' bf16 rows, each read with a stride."""
+        the two heads' bf16 rows, each read with a stride. With 2 kv heads the words are the whole buffer's rows
+        (merged view, or as it lies reshaped to rows in registers, as a merged visit reads it) bitcast in registers."""
         pages = pl.ds(part * lay.pages_per_block, lay.pages_per_block)
+        if lay.kv_heads == 2:  # every row pair is the token's two heads: the buffer loaded whole, bitcast to words
+            return pltpu.bitcast(buf[slot, pages].reshape(2 * bk, buf.shape[-1]), jnp.uint32)
 
         def tile(c):
             if interpret_mode_forced():
@@ -483,8 +514,15 @@ def _kernel(
     # a decode-like block's few rows a head: every head's scores live at once is the merged visit's score rows at most
     scores_first = split or lay.head_major and lay.kv_heads * lay.block_rows <= MERGED_ROWS
 
-    def accumulate(masked: bool, visit, word, part: int, buffer_slot: int | None = None):
-        row = jax.lax.broadcasted_iota(jnp.int32, (lay.block_rows, 1), 0)
+    def accumulate(masked: bool, visit, word, part: int, buffer_slot: int | None = None, narrow: bool = False):
+        """One visit, one kv head at a time: every row of the query block, or (narrow) the NARROW_ROWS rows of the
+        aligned window that holds the visit's sequence's rows."""
+        n_rows, first_row = lay.block_rows, 0
+        if narrow:
+            n_rows = NARROW_ROWS
+            first_row = pl.multiple_of(_narrow_window(word, kv_blocks_ref[visit], cu_ref, lay)[1], NARROW_ROWS)
+        at = pl.ds(first_row, n_rows)
+        row = first_row + jax.lax.broadcasted_iota(jnp.int32, (n_rows, 1), 0)
         pages = pl.ds(part * lay.pages_per_block, lay.pages_per_block)
         if split:  # every head's rows at once, split per head from their words (their keys in _split_order)
             v_rows = v_buf[slot, pages].reshape(bk * lay.kv_heads, dv)
@@ -521,7 +559,7 @@ def _kernel(
                 v = block_of(v_buf, pages, j, dv)  # widened: its unfetched rows are zeroed by rows
                 if masked:
                     v = jnp.where(fetched, v, jnp.zeros_like(v))
-            s = dot_nt(q_scaled_ref[j], k)
+            s = dot_nt(q_scaled_ref[j, at], k)
             if lay.softcap > 0:
                 s = jnp.tanh(s) * (lay.softcap * LOG2_E)
             if masked:
@@ -529,17 +567,17 @@ def _kernel(
             return s, v
 
         def update(j, s, v):
-            m_prev = m_ref[j]
+            m_prev, l_prev, acc_prev = m_ref[j, at], l_ref[j, at], acc_ref[j, at]
             m_new = jnp.maximum(m_prev, row_stat(jnp.max(s, axis=1, keepdims=True)))
             p = jnp.exp2(s - lanes(m_new, bk))
             alpha = jnp.exp2(m_prev - m_new)
-            l_new = alpha * l_ref[j] + row_stat(jnp.sum(p, axis=1, keepdims=True))
-            acc_new = acc_ref[j] * lanes(alpha, dv) + dot_nn(p.astype(compute_dtype), v)
+            l_new = alpha * l_prev + row_stat(jnp.sum(p, axis=1, keepdims=True))
+            acc_new = acc_prev * lanes(alpha, dv) + dot_nn(p.astype(compute_dtype), v)
             if not masked:
                 m_new = jnp.where(ours, m_new, m_prev)
-                l_new = jnp.where(ours, l_new, l_ref[j])
-                acc_new = jnp.where(ours, acc_new, acc_ref[j])
-            m_ref[j], l_ref[j], acc_ref[j] = m_new, l_new, acc_new
+                l_new = jnp.where(ours, l_new, l_prev)
+                acc_new = jnp.where(ours, acc_new, acc_prev)
+            m_ref[j, at], l_ref[j, at], acc_ref[j, at] = m_new, l_new, acc_new
 
         if scores_first:  # every head's scores, then every head's softmax and P V: the MXU takes the next head's
             # keys while the vector units reduce this head's scores (head by head, each head's chain waits on the last)
@@ -624,13 +662,16 @@ def _kernel(
         visit = step * lay.parts + part
         word = words_ref[visit]
         compute, masked = (word & schedule.COMPUTE) != 0, (word & schedule.MASKED) != 0
-        if lay.strided_heads:  # each head's strided load from a static page buffer slot: the visit compiled per slot
-            for s in (0, 1):
-                pl.when(compute & masked & (slot == s))(functools.partial(accumulate, True, visit, word, part, s))
-                pl.when(compute & ~masked & (slot == s))(functools.partial(accumulate, False, visit, word, part, s))
-        else:
-            pl.when(compute & masked)(functools.partial(accumulate_visit, True, visit, word, part))
-            pl.when(compute & ~masked)(functools.partial(accumulate_visit, False, visit, word, part))
+        narrow_too = narrow_visits(lay)  # then each visit runs narrow where its rows fit the window, else whole
+        fits = _narrow_window(word, kv_blocks_ref[visit], cu_ref, lay)[0] if narrow_too else None
+        # each head's strided load from a static page buffer slot: the visit compiled per slot
+        for buffer_slot in (0, 1) if lay.strided_loads else (None,):
+            on_slot = compute if buffer_slot is None else compute & (slot == buffer_slot)
+            for narrow in (False, True) if narrow_too else (False,):
+                runs = on_slot & (fits if narrow else ~fits) if narrow_too else on_slot
+                options = {} if accumulate_visit is accumulate_merged else dict(buffer_slot=buffer_slot, narrow=narrow)
+                pl.when(runs & masked)(functools.partial(accumulate_visit, True, visit, word, part, **options))
+                pl.when(runs & ~masked)(functools.partial(accumulate_visit, False, visit, word, part, **options))
 
     @pl.when((words_ref[step * lay.parts + lay.parts - 1] & schedule.LAST) != 0)
     def _finalize():

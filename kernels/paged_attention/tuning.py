@@ -153,7 +153,7 @@ def working_set(
     # V of both visit branches (masked, unmasked) in its internal scratch: counted for every head unless the caches are
     # passed as rows (an upper bound with more heads: Mosaic reuses some of the room). Every head at once multiplies the
     # score temporaries by kv_heads squared (every head's rows against every head's keys).
-    merged, view, _ = visit_heads(
+    merged, view, strided = visit_heads(
         hkv=kv_heads,
         head_dim=head_dim,
         v_head_dim=v_head_dim,
@@ -164,6 +164,8 @@ def working_set(
     widened = 0
     if cache_itemsize == 1:
         widened = keys * (head_dim + v_head_dim) * (4 + q_itemsize) * (1 if view else 2 * kv_heads)
+    if strided and kv_heads == 2:  # the whole buffer's K and V loaded as rows and as words (head_pair_words)
+        widened = keys * (head_dim + v_head_dim) * (2 * cache_itemsize + 4)
     q = kv_heads * rows * head_dim * q_itemsize
     out = kv_heads * rows * v_head_dim * q_itemsize
     stats = 2 * kv_heads * rows * 128 * 4
