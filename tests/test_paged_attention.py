@@ -559,20 +559,22 @@ def test_decode_blocks_span_the_window(window, pages):
 
 @pytest.mark.cpu_only
 @pytest.mark.parametrize(
-    "page,window,dtype,blocks",
+    "page,window,dtype,hkv,blocks",
     [
-        (64, (-1, 0), jnp.bfloat16, (32, 16)),  # strided visits, no window: 256 rows x 1024 keys
-        (16, (-1, 0), jnp.bfloat16, (32, 48)),  # ... in at most 48 pages (two copies each, one visit a step)
-        (64, (1023, 0), jnp.bfloat16, (16, 8)),  # a window: the table's 128 rows x 512 keys
-        (64, (-1, 0), FP8, (16, 8)),  # float8: no strided visits
+        (64, (-1, 0), jnp.bfloat16, 4, (32, 16)),  # strided visits, no window: 256 rows x 1024 keys
+        (16, (-1, 0), jnp.bfloat16, 4, (32, 48)),  # ... in at most 48 pages (two copies each, one visit a step)
+        (64, (1023, 0), jnp.bfloat16, 4, (32, 8)),  # a window: 256 rows x the table's 512 keys
+        (64, (-1, 0), jnp.bfloat16, 2, (64, 16)),  # 2 kv heads, the whole buffer split to pair words: 512 rows
+        (64, (-1, 0), FP8, 4, (16, 8)),  # float8: no strided visits, the table's 128 rows x 512 keys
     ],
 )
-def test_prefill_blocks_by_how_visits_read_heads(page, window, dtype, blocks):
-    """Qwen3's mixed batch (4 prefill chunks of 512 + 60 decodes; 4 kv heads of 128, 8 query heads each): prefill
-    visits that read each head by strided loads take twice the rows and keys where no window bounds them."""
+def test_prefill_blocks_by_how_visits_read_heads(page, window, dtype, hkv, blocks):
+    """A mixed batch (4 prefill chunks of 512 + 60 decodes; kv heads of 128, 8 query heads each): prefill visits that
+    read each head out of pair words take more rows, and more keys where no window bounds them."""
     resolved = tuning.resolve_blocks(
-        None, tokens=2108, num_seqs=64, group=8, page_size=page, pages_per_seq=4096 // page, kv_heads=4, head_dim=128,
-        v_head_dim=128, q_dtype=jnp.bfloat16, cache_dtype=dtype, window_size=window, info=chip.tpu_info_for("v5e"),
+        None, tokens=2108, num_seqs=64, group=8, page_size=page, pages_per_seq=4096 // page, kv_heads=hkv,
+        head_dim=128, v_head_dim=128, q_dtype=jnp.bfloat16, cache_dtype=dtype, window_size=window,
+        info=chip.tpu_info_for("v5e"),
     )  # fmt: skip
     assert (resolved.queries_per_block, resolved.pages_per_block, resolved.visits_per_step) == (*blocks, 1), resolved
 

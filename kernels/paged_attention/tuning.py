@@ -37,15 +37,18 @@ DECODE_KEYS_PER_BLOCK = {"v5e": 1024, "v6e": 1024, "v7x": 1024}
 # (1.6 % at 64 pages of 16: 945.4 -> 929.9 us).
 PAGE_COPIES_PER_STEP = 96
 PREFILL_ROWS = {"v5e": 128, "v6e": 128, "v7x": 128}
-# Prefill visits that read each kv head by strided loads (kernel.strided_head_rows) with no window take twice the rows
-# and keys: each query block reads its sequence's context again, and a strided visit's cost is its pages' DMA and the
-# split of each pair of heads' words, both per key, so more rows a block read the context fewer times. Measured on the
-# v5e (device time), Qwen3's mixed batch (4 prefill chunks of 512 + 60 decodes, context 4096, page 64), query tokens x
-# pages a block: 16 x 8 (128 rows x 512 keys) 2,576 us, 32 x 8 1,985, 32 x 16 1,876, 32 x 32 1,836, 24 x 16 1,857,
-# 48 x 16 2,187, 64 x 8 2,780. Under a window the block spans it: Gemma 4 sliding (window 1024, 2 query heads a kv
-# head) 64 tokens x 8 pages 1,361 us, 32 x 8 1,711 (modeled v5e 128 x 8 1,349, 128 x 16 1,483; not changed).
+# Prefill visits that read each kv head out of pair words (kernel.strided_head_rows) take more rows: each query block
+# reads its sequence's context again, and such a visit's cost beyond its matmuls is per key (its pages' DMA and the
+# split of each pair of heads' words), so more rows a block read the context fewer times; with no window also more
+# keys. Measured on the v5e (device time), mixed batches of 4 prefill chunks of 512 + 60 decodes at context 4096, pages
+# of 64, query tokens x pages a block (`python -m benchmarks --sweep`, visits narrowed to a decode token's rows):
+# Qwen3 (4 kv heads, 8 query heads each) 32 x 16 1,740 us, 64 x 16 1,730, 32 x 32 1,739, 32 x 8 1,833, 16 x 16 2,198;
+# Gemma 4 full (2 kv heads: the whole buffer split, 8 query heads each) 32 x 16 3,895, 64 x 16 3,533, 64 x 8 3,638,
+# 16 x 16 4,975; under a window, Gemma 4 sliding (window 1024, 2 query heads a kv head) 64 x 8 1,351, 128 x 8 1,251,
+# 128 x 4 1,220 (one shape: the table keeps the default keys).
 STRIDED_PREFILL_ROWS = {"v5e": 256, "v6e": 256, "v7x": 256}
-STRIDED_PREFILL_KEYS = {"v5e": 1024, "v6e": 1024, "v7x": 1024}
+PAIR_WORDS_PREFILL_ROWS = {"v5e": 512, "v6e": 512, "v7x": 512}  # 2 kv heads
+STRIDED_PREFILL_KEYS = {"v5e": 1024, "v6e": 1024, "v7x": 1024}  # with no window
 # Decode steps take 2 visits (a block of 2 tokens: both sequences' pages) where the grid steps that saves pay for the
 # last step's one more visit computed unhidden: half the sequences x the key blocks a sequence visits, each step's cost
 # (0.14 us in the model, about 160 KiB of page DMA at its rate), against half a visit's pages' DMA (a decode visit's
@@ -202,13 +205,14 @@ def resolve_blocks(
     min_q = min_queries_per_block(group, q_dtype)
     decode = tokens <= 2 * num_seqs
     left, right = window_size
-    strided_prefill = (
-        not decode
-        and left < 0
-        and strided_head_rows(hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, cache_dtype=cache_dtype)
+    strided_prefill = not decode and strided_head_rows(
+        hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, cache_dtype=cache_dtype
     )
     if blocks.queries_per_block is None:
-        rows = (STRIDED_PREFILL_ROWS if strided_prefill else PREFILL_ROWS).get(generation, 128)
+        table = PREFILL_ROWS
+        if strided_prefill:
+            table = PAIR_WORDS_PREFILL_ROWS if kv_heads == 2 else STRIDED_PREFILL_ROWS
+        rows = table.get(generation, 128)
         target = min_q if decode else max(min_q, rows // group)
         queries = -(-target // min_q) * min_q
     else:
@@ -221,7 +225,9 @@ def resolve_blocks(
             )
     queries = min(queries, -(-tokens // min_q) * min_q)
     if blocks.pages_per_block is None:
-        table = DECODE_KEYS_PER_BLOCK if decode else STRIDED_PREFILL_KEYS if strided_prefill else KEYS_PER_BLOCK
+        table = KEYS_PER_BLOCK
+        if decode or strided_prefill and left < 0:
+            table = DECODE_KEYS_PER_BLOCK if decode else STRIDED_PREFILL_KEYS
         keys = table.get(generation, 512)
         if decode and left >= 0 and right >= 0:  # a decode token sees its window's keys: no larger blocks
             keys = min(keys, 1 << (left + right).bit_length())  # the power of two >= left + right + 1
