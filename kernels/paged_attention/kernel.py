@@ -90,10 +90,23 @@ class Layout:
         return self.strided_heads and self.kv_heads > 2
 
     @property
+    def pair_word_pages(self) -> bool:
+        """Whether the page buffers hold the caches' 32-bit pair words, [pages, D / 128, page_size, 128] uint32, each
+        lane tile of a page apart: 2 bf16 kv heads not passed as rows (a head dim of several lane tiles, Gemma 4
+        full's 2 x 512). XLA tiles such a cache's [page_size, 2, D] page (2, 128): a token's lane tile is one 32-bit
+        row, both heads' values in each word. So each lane tile of a page is one DMA from a uint32 view of the cache
+        (the same bytes, no copy), and a head's block is its halves of plain rows of words (loaded whole, the buffer
+        as it lies would need a relayout into rows in registers first). TPU interpret mode cannot bitcast a ref:
+        there the buffer holds the lane tiles in bf16, [pages, D / 128, page_size, 2, 128], and the words are packed
+        from the two heads' rows."""
+        return self.strided_heads and self.kv_heads == 2 and not self.merged_view
+
+    @property
     def lane_chunks(self) -> int:
-        """Lane tiles of the head dim a strided visit's page buffer holds apart ([pages, chunks, rows, 128]: a strided
-        load needs rows of one lane tile); 0 for the other buffers ([pages, ...] as the cache is passed)."""
-        return self.head_dim // LANES if self.strided_loads else 0
+        """Lane tiles of the head dim a page buffer holds apart ([pages, chunks, rows, 128]: a strided load needs rows
+        of one lane tile; pair words are loaded whole only so); 0 for the other buffers ([pages, ...] as the cache is
+        passed)."""
+        return self.head_dim // LANES if self.strided_loads or self.pair_word_pages else 0
 
     @property
     def blocks_per_seq(self) -> int:
@@ -312,6 +325,7 @@ def _start(step, slot, refs, layout: Layout):
     p * pages_per_block on. A visit's fetched rows end at its sequence's (clamped) context, so a fetched page lies
     within the sequence's page table: an entry is read only for a page that is fetched."""
     kv_blocks_ref, rows_ref, pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems = refs
+    k_hbm, v_hbm = _cache_view(k_hbm, layout), _cache_view(v_hbm, layout)
     last_page = k_hbm.shape[0] - 1
     for part in range(layout.parts):
         visit = step * layout.parts + part
@@ -336,6 +350,7 @@ def _wait(step, slot, refs, layout: Layout):
     whose regions the compiler predicates (a `pl.when(compute)` around them kept a branch region of the kernel's that
     the schedule did not have, and the performance model then counted both visit branches at every step)."""
     _, rows_ref, _, k_hbm, v_hbm, k_buf, v_buf, sems = refs
+    k_hbm, v_hbm = _cache_view(k_hbm, layout), _cache_view(v_hbm, layout)
     for part in range(layout.parts):
         rows = rows_ref[step * layout.parts + part]
         for i in range(layout.pages_per_block):
@@ -349,12 +364,41 @@ def _wait(step, slot, refs, layout: Layout):
                     pltpu.make_async_copy(src, dst, sems.at[slot, 1]).wait()
 
 
+def _pair_words_in_place(layout: Layout) -> bool:
+    """Whether the caches are read through a uint32 view of their HBM refs (Layout.pair_word_pages, on the chip)."""
+    return layout.pair_word_pages and not interpret_mode_forced()
+
+
+def _cache_view(hbm, layout: Layout):
+    """A cache's HBM ref as its pages are copied: [pages, page_size, 1, D] uint32 pair words where
+    _pair_words_in_place (a token's two bf16 heads one 32-bit word a lane: the same bytes), else as passed."""
+    return hbm.bitcast(jnp.uint32) if _pair_words_in_place(layout) else hbm
+
+
+def _page_dtype(cache_dtype, layout: Layout):
+    return jnp.dtype(jnp.uint32) if _pair_words_in_place(layout) else jnp.dtype(cache_dtype)
+
+
 def _page_copies(page, slot, layout: Layout):
-    """(source, destination) of the DMAs of one page into its page slot: the page whole, or each lane tile of the
-    head dim apart where the buffer holds them apart (Layout.lane_chunks)."""
+    """(source, destination) of the DMAs of one page (of _cache_view) into its page slot: the page whole, or each lane
+    tile of the head dim apart where the buffer holds them apart (Layout.lane_chunks)."""
     if not layout.lane_chunks:
         return [(page, slot)]
-    return [(page.at[:, pl.ds(c * LANES, LANES)], slot.at[c]) for c in range(layout.lane_chunks)]
+    lanes = [pl.ds(c * LANES, LANES) for c in range(layout.lane_chunks)]
+    if _pair_words_in_place(layout):  # [page_size, 1, D] words
+        return [(page.at[:, 0, at], slot.at[c]) for c, at in enumerate(lanes)]
+    if layout.pair_word_pages:  # interpret mode: [page_size, 2, D] bf16
+        return [(page.at[:, :, at], slot.at[c]) for c, at in enumerate(lanes)]
+    return [(page.at[:, at], slot.at[c]) for c, at in enumerate(lanes)]
+
+
+def _packed(x, axis: int):
+    """bf16 x's two rows along `axis` (of size 2) as 32-bit words, the first in the low halves."""
+    low, high = (
+        jax.lax.bitcast_convert_type(jax.lax.index_in_dim(x, h, axis, keepdims=False), jnp.uint16).astype(jnp.uint32)
+        for h in (0, 1)
+    )
+    return low | (high << 16)
 
 
 def _rows_of_sequence(word, block, cu_ref, lay: Layout, row):
@@ -477,20 +521,21 @@ def _kernel(
         read through a uint32 view (a word holds rows 2i and 2i + 1, the even row in its low half): every
         (kv_heads / 2)-th word row is one token's pair, a sublane-strided load (from a static page buffer slot, as
         Mosaic lowers them). TPU interpret mode cannot read through a ref bitcast: there the same words are packed from
-        the two heads' bf16 rows, each read with a stride. With 2 kv heads the words are the whole buffer's rows
-        (merged view, or as it lies reshaped to rows in registers, as a merged visit reads it) bitcast in registers."""
+        the two heads' bf16 rows, each read with a stride. With 2 kv heads every word is a token's pair: the buffer's
+        rows bitcast whole in registers (passed as rows), or its words loaded as they lie (Layout.pair_word_pages)."""
         pages = pl.ds(part * lay.pages_per_block, lay.pages_per_block)
-        if lay.kv_heads == 2:  # every row pair is the token's two heads: the buffer loaded whole, bitcast to words
+        if lay.kv_heads == 2 and not lay.pair_word_pages:  # rows passed as rows: the buffer bitcast whole to words
             return pltpu.bitcast(buf[slot, pages].reshape(2 * bk, buf.shape[-1]), jnp.uint32)
 
         def tile(c):
-            if interpret_mode_forced():
+            if lay.pair_word_pages:  # plain rows of words, one a token (interpret mode: packed from both heads)
+                words = buf[slot, pages, c] if _pair_words_in_place(lay) else _packed(buf[slot, pages, c], axis=2)
+            elif interpret_mode_forced():
                 halves = [
                     buf[buffer_slot, pages, c, pl.ds(2 * pair + h, lay.page_size, stride=lay.kv_heads), :]
                     for h in (0, 1)
                 ]
-                low, high = (jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) for x in halves)
-                words = low | (high << 16)
+                words = _packed(jnp.stack(halves, axis=2), axis=2)
             else:
                 rows = pl.ds(pair, lay.page_size, stride=lay.kv_heads // 2)
                 words = buf.bitcast(jnp.uint32)[buffer_slot, pages, c, rows, :]
@@ -549,7 +594,9 @@ def _kernel(
                 if not lay.float8_operands:
                     k, v = to_compute(k), to_compute(v)
             elif lay.strided_heads:
-                if j % 2 == 0:  # a pair's words serve both of its heads
+                # a pair's words serve both of its heads; pair words loaded as they lie are loaded again for the
+                # second (plain loads: cheaper than keeping the visit's words in VMEM for it)
+                if j % 2 == 0 or lay.pair_word_pages:
                     pair_words[:] = [head_pair_words(buf, buffer_slot, part, j // 2) for buf in (k_buf, v_buf)]
                 k, v = (word_half(words, j) for words in pair_words)
                 if masked:
@@ -693,9 +740,13 @@ def _kernel(
 
 
 def _page_slot(page_shape, layout: Layout) -> tuple:
-    """The shape of one page slot of a page buffer: the page's, or [lane tiles, rows, 128] (Layout.lane_chunks)."""
+    """The shape of one page slot of a page buffer: the page's, or [lane tiles, rows, 128] (Layout.lane_chunks;
+    pair words: [lane tiles, page_size, 128] words, in interpret mode [lane tiles, page_size, 2, 128] bf16)."""
     if not layout.lane_chunks:
         return tuple(page_shape)
+    if layout.pair_word_pages:
+        rows, heads, width = page_shape
+        return (width // LANES, rows, LANES) if _pair_words_in_place(layout) else (width // LANES, rows, heads, LANES)
     rows, width = page_shape
     return (width // LANES, rows, LANES)
 
@@ -758,8 +809,14 @@ def paged_attention(
             in_specs=in_specs,
             out_specs=pl.BlockSpec((lay.block_q, lay.q_heads, lay.v_head_dim), q_map),
             scratch_shapes=[
-                pltpu.VMEM((2, lay.parts * lay.pages_per_block, *_page_slot(k_pages.shape[1:], lay)), k_pages.dtype),
-                pltpu.VMEM((2, lay.parts * lay.pages_per_block, *_page_slot(v_pages.shape[1:], lay)), v_pages.dtype),
+                pltpu.VMEM(
+                    (2, lay.parts * lay.pages_per_block, *_page_slot(k_pages.shape[1:], lay)),
+                    _page_dtype(k_pages.dtype, lay),
+                ),
+                pltpu.VMEM(
+                    (2, lay.parts * lay.pages_per_block, *_page_slot(v_pages.shape[1:], lay)),
+                    _page_dtype(v_pages.dtype, lay),
+                ),
                 pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.VMEM((hkv, rows_per_block, lay.head_dim), compute_dtype),
                 pltpu.VMEM((hkv, rows_per_block, LANES), jnp.float32),
