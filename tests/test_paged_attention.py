@@ -279,6 +279,22 @@ def test_float8_cache_with_scales(rand, page, hkv):
     ladder.assert_close(out, expected, dtype=jnp.bfloat16, what="out", context=repr(rand))
 
 
+def test_float8_prefill_blocks_split_rows_per_head(rand):
+    """A float8 cache of 4 kv heads as rows at pages of whole 32-token chunks: prefill-sized query blocks (64 rows a
+    head) split each head from the buffer's words too (kernel.splits_rows_at_any_block), one head's scores at a time,
+    their decode tokens' visits narrowed to their rows' window; masked and unmasked visits, a query block shared by
+    several sequences, poisoned rows past each context."""
+    heads = kernel.visit_heads(hkv=4, head_dim=128, v_head_dim=128, block_rows=64, page_size=32, cache_dtype=FP8)
+    assert heads == (4, True, False), heads
+    q_lens, kv_lens = [1, 1, 19, 1, 0, 6, 1], [40, 70, 60, 33, 9, 64, 90]
+    batch = Batch(rand, q_lens, kv_lens, hq=32, hkv=4, d=128, page=32, dtype=jnp.bfloat16, cache_dtype=FP8)
+    blocks = tk.PagedAttentionBlocks(queries_per_block=8, pages_per_block=2)
+    attention = functools.partial(tk.ragged_paged_attention, blocks=blocks, k_scale=0.5, v_scale=0.25)
+    out = ladder.run_kernel(_jit(attention), *batch.args)
+    expected = ragged_paged_attention_reference(*batch.args, k_scale=0.5, v_scale=0.25)
+    ladder.assert_close(out, expected, dtype=jnp.bfloat16, what="out", context=repr(rand))
+
+
 @pytest.mark.parametrize(
     "page,hkv", [(16, 2), (32, 2), (16, 4), (16, 8)], ids=["p16_rows", "p32_head_major", "p16_split", "p16_eight_heads"]
 )
@@ -565,7 +581,8 @@ def test_decode_blocks_span_the_window(window, pages):
         (16, (-1, 0), jnp.bfloat16, 4, (32, 48)),  # ... in at most 48 pages (two copies each, one visit a step)
         (64, (1023, 0), jnp.bfloat16, 4, (32, 8)),  # a window: 256 rows x the table's 512 keys
         (64, (-1, 0), jnp.bfloat16, 2, (64, 16)),  # 2 kv heads, the whole buffer split to pair words: 512 rows
-        (64, (-1, 0), FP8, 4, (16, 8)),  # float8: no strided visits, the table's 128 rows x 512 keys
+        (64, (-1, 0), FP8, 4, (32, 16)),  # float8 rows split per head from their words: as the strided visits
+        (16, (-1, 0), FP8, 4, (16, 32)),  # ... at pages of whole 32-token chunks only: else the table's 128 rows
     ],
 )
 def test_prefill_blocks_by_how_visits_read_heads(page, window, dtype, hkv, blocks):

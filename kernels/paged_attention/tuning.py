@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from ..common import chip
 from ..common.blocks import check_tile, check_vmem_fit, sublane_multiple
-from .kernel import head_major_cache, strided_head_rows, visit_heads
+from .kernel import head_major_cache, splits_rows_at_any_block, splits_words, strided_head_rows, visit_heads
 
 KEYS_PER_BLOCK = {"v5e": 512, "v6e": 512, "v7x": 512}
 # Decode-like batches: a visit's fixed cost (the online-softmax chain, the grid step) is a large part of a block of few
@@ -37,15 +37,16 @@ DECODE_KEYS_PER_BLOCK = {"v5e": 1024, "v6e": 1024, "v7x": 1024}
 # (1.6 % at 64 pages of 16: 945.4 -> 929.9 us).
 PAGE_COPIES_PER_STEP = 96
 PREFILL_ROWS = {"v5e": 128, "v6e": 128, "v7x": 128}
-# Prefill visits that read each kv head out of pair words (kernel.strided_head_rows) take more rows: each query block
-# reads its sequence's context again, and such a visit's cost beyond its matmuls is per key (its pages' DMA and the
-# split of each pair of heads' words), so more rows a block read the context fewer times; with no window also more
-# keys. Measured on the v5e (device time), mixed batches of 4 prefill chunks of 512 + 60 decodes at context 4096, pages
-# of 64, query tokens x pages a block (`python -m benchmarks --sweep`, visits narrowed to a decode token's rows):
-# Qwen3 (4 kv heads, 8 query heads each) 32 x 16 1,740 us, 64 x 16 1,730, 32 x 32 1,739, 32 x 8 1,833, 16 x 16 2,198;
-# Gemma 4 full (2 kv heads: the whole buffer split, 8 query heads each) 32 x 16 3,895, 64 x 16 3,533, 64 x 8 3,638,
-# 16 x 16 4,975; under a window, Gemma 4 sliding (window 1024, 2 query heads a kv head) 64 x 8 1,351, 128 x 8 1,251,
-# 128 x 4 1,220 (one shape: the table keeps the default keys).
+# Prefill visits that read each kv head out of words (pairs of bf16 heads, kernel.strided_head_rows; float8 rows split
+# per head, kernel.splits_rows_at_any_block) take more rows: each query block reads its sequence's context again, and
+# such a visit's cost beyond its matmuls is per key (its pages' DMA and the split of the words), so more rows a block
+# read the context fewer times; with no window also more keys. Measured on the v5e (device time), mixed batches of 4
+# prefill chunks of 512 + 60 decodes at context 4096, pages of 64, query tokens x pages a block (`python -m benchmarks
+# --sweep`, visits narrowed to a decode token's rows): Qwen3 (4 kv heads, 8 query heads each) 32 x 16 1,740 us,
+# 64 x 16 1,730, 32 x 32 1,739, 32 x 8 1,833, 16 x 16 2,198; Gemma 4 full (2 kv heads: the whole buffer split, 8 query
+# heads each) 32 x 16 3,895, 64 x 16 3,533, 64 x 8 3,638, 16 x 16 4,975; under a window, Gemma 4 sliding (window 1024,
+# 2 query heads a kv head) 64 x 8 1,351, 128 x 8 1,251, 128 x 4 1,220 (one shape: the table keeps the default keys).
+# Qwen3's float8 mixed batch, modeled v5e: 16 x 8 2,447 us, 32 x 16 1,553.
 STRIDED_PREFILL_ROWS = {"v5e": 256, "v6e": 256, "v7x": 256}
 PAIR_WORDS_PREFILL_ROWS = {"v5e": 512, "v6e": 512, "v7x": 512}  # 2 kv heads
 STRIDED_PREFILL_KEYS = {"v5e": 1024, "v6e": 1024, "v7x": 1024}  # with no window
@@ -175,7 +176,7 @@ def working_set(
     acc = kv_heads * rows * v_head_dim * 4
     rinfo = 2 * rows * 128 * 4
     temporaries = 6 * rows * keys * 4
-    if merged:
+    if merged and not splits_words(merged=merged, merged_view=view, cache_itemsize=cache_itemsize, block_kv=keys):
         temporaries *= merged * merged  # every head's rows (of a pair, or all) against every head's keys
     return buffers + widened + 3 * q + 2 * out + stats + acc + rinfo + temporaries
 
@@ -205,8 +206,10 @@ def resolve_blocks(
     min_q = min_queries_per_block(group, q_dtype)
     decode = tokens <= 2 * num_seqs
     left, right = window_size
-    strided_prefill = not decode and strided_head_rows(
-        hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, cache_dtype=cache_dtype
+    heads = dict(hkv=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, cache_dtype=cache_dtype)
+    # prefill visits that read one head at a time out of words (pairs of bf16 heads, or float8 rows split per head)
+    strided_prefill = not decode and (
+        strided_head_rows(**heads) or splits_rows_at_any_block(**heads, page_size=page_size)
     )
     if blocks.queries_per_block is None:
         table = PREFILL_ROWS
