@@ -119,8 +119,9 @@ class Layout:
 
 MERGED_TOKENS = 1024  # tokens of a key block per chunk of a visit that takes every head at once
 MERGED_ROWS = 128  # score rows (kv heads x query rows per head) up to which a visit takes every head at once
-# with 2 kv heads, up to a prefill block's 128 query rows a head: the cross-head waste is only 2x (Gemma 4 full's mixed
-# batch, modeled v6e: 19504.8 -> 4646.5 us)
+# with 2 kv heads of a cache that is not bf16 (bf16 reads them out of pair words: strided_head_rows), up to a prefill
+# block's 128 query rows a head: the cross-head waste is only 2x (Gemma 4 full's mixed batch in bf16 before pair words,
+# modeled v6e: 19504.8 -> 4646.5 us against one head at a time by a gather)
 MERGED_PAIR_ROWS = 256
 # A visit whose sequence's rows in its query block lie within one aligned window of NARROW_ROWS rows (a decode token's
 # group of rows in a mixed batch's prefill-sized block) computes those rows only: the block's other rows would be
@@ -154,11 +155,12 @@ def merges_heads(*, hkv: int, head_dim: int, v_head_dim: int, block_rows: int, c
     minor) against those heads' query rows, the cross-head scores masked. Needs 2, 4 or 8 kv heads and few score rows
     (the cross-head scores are wasted vector work, kv_heads times the useful, which pays where reading one head's rows
     out of the buffer dominates: a head is every kv_heads-th row, a sublane-strided gather, while the whole buffer loads
-    plainly): decode blocks, and with 2 kv heads prefill blocks too. The buffer is either already rows
-    (merged_cache_view) or loaded as it lies, [pages, page_size, kv_heads, D], and reshaped to rows in registers,
-    which Mosaic does with sublane-shuffled loads for head dims that are whole lane tiles (Gemma 4 full's 2 x 512,
-    float8 too). Blocks with more rows (prefill) and 4 or 8 kv heads take them in pairs: each pair's rows reshaped
-    from the buffer as it lies, the cross-head waste 2x."""
+    plainly): decode blocks, and with 2 kv heads prefill blocks too (visit_heads sends bf16 prefill blocks to pair
+    words instead: strided_head_rows). The buffer is either already rows (merged_cache_view) or loaded as it lies,
+    [pages, page_size, kv_heads, D], and reshaped to rows in registers, which Mosaic does with sublane-shuffled loads
+    for head dims that are whole lane tiles (Gemma 4 full's 2 x 512, float8 too). Blocks with more rows (prefill) and
+    4 or 8 kv heads take them in pairs: each pair's rows reshaped from the buffer as it lies, the cross-head waste
+    2x."""
     if hkv not in (2, 4, 8):
         return 0
     lanes_whole = head_dim % LANES == 0 and v_head_dim % LANES == 0
@@ -175,12 +177,13 @@ def strided_head_rows(*, hkv: int, head_dim: int, v_head_dim: int, cache_dtype) 
     reads with a stride. Mosaic strided-loads 32-bit rows of one lane tile only: the buffer is read as 32-bit words,
     each a token's pair of heads, and the pair's halves split in registers (head_pair_words); a wider head dim's page
     buffer holds each lane tile apart (one DMA a page and lane tile), and the strided loads take the page buffer's slot
-    as a static index (such visits are compiled once per slot). With 2 kv heads every word row is the pair: the
-    buffer is loaded whole as rows (as a merged visit loads it) and bitcast to words in registers, no stride.
+    as a static index (such visits are compiled once per slot). With 2 kv heads every word is a token's pair, no
+    stride: a buffer of rows (merged_cache_view) is bitcast whole to words in registers, and others hold the pages'
+    words as copied (Layout.pair_word_pages).
     Otherwise a head's rows are a sublane gather, which the merged visits avoid by computing every head's (or each
     pair's) scores against all of its heads' keys, the cross-head part wasted. Measured v5e, the mixed batch (4
     prefill chunks of 512 + 60 decodes, context 4096, page 64): Qwen3 10,146 us in pairs, 2,571 us by strided loads;
-    Gemma 4 sliding 5,185 -> 1,360 us."""
+    Gemma 4 sliding 5,185 -> 1,360 us; Gemma 4 full (2 kv heads) 6,595 us merged, 3,492 out of pair words."""
     if jnp.dtype(cache_dtype) != jnp.bfloat16 or head_dim != v_head_dim or head_dim % LANES:
         return False
     if hkv == 2:
