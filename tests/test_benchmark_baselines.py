@@ -60,6 +60,15 @@ SMALL = {
         "bfloat16",
     ),
 }
+# Baselines that apply to another phase than their suite's small shape: (kernel, baseline) -> its shape there.
+SMALL_FOR = {
+    ("paged_attention", "parts"): shapes.Shape(
+        "tokens",
+        shapes.PAGED_ATTENTION_MIXED_TOKENS,
+        (*((k, v) for k, v in SMALL["paged_attention"].params if k != "phase"), ("phase", "mixed")),
+        "bfloat16",
+    ),
+}
 BASELINES = [
     (kernel, op.name, b.name)
     for kernel in sorted(SMALL)
@@ -83,7 +92,7 @@ def test_every_baseline_traces_where_it_applies(kernel, op_name, baseline):
     """Each baseline applies at its suite's small shape (or reports a missing package) and traces there, for a v5e,
     to an output of the shapes the kernel's has."""
     op = next(op for op in suite.get(kernel).ops if op.name == op_name)
-    s = SMALL[kernel]
+    s = SMALL_FOR.get((kernel, baseline), SMALL[kernel])
     why_not = op.impls(s)[suite.BASELINE_PREFIX + baseline]
     assert why_not is None, f"{baseline} does not apply at its small shape: {why_not}"
     args = op.model_args(s) if op.model_args else op.specs(s)
@@ -308,6 +317,36 @@ def test_vllm_rpa_wrapper_reads_our_cache_in_its_layout(rand, monkeypatch, optio
     # bits), ours keeps them in f32: ~0.007 apart on average with an fp8 cache (outputs ~0.3); K and V swapped, 0.46
     error = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
     assert error.max() < 0.25 and error.mean() < 0.03, (error.max(), error.mean())
+
+
+@pytest.mark.parametrize("options", [{}, {"window": 24, "cache_dtype": "float8_e4m3fn"}], ids=["causal", "window_fp8"])
+def test_parts_baseline_is_the_mixed_step_in_two_calls(rand, options):
+    """The paged attention suite's parts baseline (the decodes through ragged_paged_attention, the prefill chunks
+    through flash_attention_varlen over their contexts laid out contiguously) computes the mixed step's reference, on
+    shuffled pages; a decode batch has no prefill part."""
+    from benchmarks.ops import paged_attention
+
+    base = dict(q_lens=(1, 1, 7, 16), contexts=(40, 17, 64, 30), page_size=16, pages_per_seq=4, num_pages=20)
+    cfg = paged_attention.Config(
+        **base, q_heads=4, kv_heads=2, head_dim=128, scale=None, window=-1, cache_dtype="bfloat16"
+    )
+    cfg = paged_attention.Config(**dict(cfg.__dict__, **options))
+    n = len(cfg.q_lens)
+    dtype = jnp.dtype(cfg.cache_dtype)
+    k, v = (rand.normal((cfg.num_pages, cfg.page_size, cfg.kv_heads, cfg.head_dim)).astype(dtype) for _ in range(2))
+    q = rand.normal((cfg.tokens, cfg.q_heads, cfg.head_dim), jnp.bfloat16)
+    pages = jnp.asarray(rand.rng.permutation(cfg.num_pages)[: n * cfg.pages_per_seq].reshape(n, -1), jnp.int32)
+    kv_lens = jnp.asarray(cfg.contexts, jnp.int32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(cfg.q_lens)]), jnp.int32)
+    contiguous = tuple(paged_attention._contiguous(x, pages, cfg) for x in (k, v))
+    assert contiguous[0].shape == (64 + 30, 2, 128)
+    caches = {"flash": (k, v), "contiguous": contiguous}
+    parts = jax.jit(functools.partial(paged_attention.parts_attention, cfg=cfg))
+    got = ladder.run_kernel(parts, q, caches, kv_lens, pages, cu, jnp.asarray([n], jnp.int32))
+    want = paged_attention.reference_attention(q, k, v, kv_lens, pages, cu, cfg=cfg)
+    ladder.assert_close(got, want, dtype=jnp.bfloat16, what="parts", context=repr(rand))
+    decode = paged_attention.Config(**dict(cfg.__dict__, q_lens=(1,) * n))
+    assert paged_attention._parts_problem(decode) == "a decode batch has no prefill part"
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,10 @@ Implementations (compiled in the same run, modeled on one TensorCore):
   against the reference). It reads every key from the cache (`update_kv_cache=False`: the case's cache already holds
   the new tokens, as for the other columns); the step's new K/V it takes as arguments are unused stand-ins.
   `distribution` marks the leading one-token sequences as decodes (vLLM's order: decodes first).
+- parts (mixed batches): the same step as two calls of ours, what a mixed call is held to: the decodes alone through
+  ragged_paged_attention, and the prefill chunks through flash_attention_varlen over each chunk's context laid out
+  contiguously in bf16 (K and V gathered from the cache, float8 widened with its scale, outside the timed call), as a
+  prefill with no paged cache reads it; one program, the two calls in turn. Goal: the mixed call within 1.1x of it.
 
 Inputs are made on the device (benchmarks/inputs.py); page tables and lengths are drawn on the host (numpy), as
 the performance model needs them concrete.
@@ -62,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpu_kernels_jax.common import chip
+from tpu_kernels_jax.flash_attention import api as flash_api
 from tpu_kernels_jax.paged_attention import api, tuning
 
 from .. import inputs, shapes
@@ -85,6 +90,7 @@ VLLM_RPA = "kernels.ragged_paged_attention.v3.kernel"  # tpu-inference's module 
 
 MIN_EFFICIENCY, TARGET_FROM_CONTEXT, TARGET_FROM_BATCH = 0.85, 4096, 8
 MIN_RPA_SPEEDUP = 1.2
+MAX_OVER_PARTS = 1.1  # a mixed call against its decode and prefill parts run apart (the parts baseline)
 GOAL = (
     f"decode >= {MIN_EFFICIENCY:.0%} of the HBM roofline at context >= {TARGET_FROM_CONTEXT} and B >= "
     f"{TARGET_FROM_BATCH}; >= {MIN_RPA_SPEEDUP}x JAX's ragged_paged_attention at every shape it supports"
@@ -200,7 +206,34 @@ def _cache_specs(cfg: Config) -> dict:
     if _paged_problem(cfg) is None:
         heads_major = jax.ShapeDtypeStruct((h, p, page, d), dt)
         out["heads_major"] = (heads_major, heads_major)
+    if _parts_problem(cfg) is None:
+        contiguous = jax.ShapeDtypeStruct((sum(cfg.contexts[_decodes(cfg) :]), h, d), BF16)
+        out["contiguous"] = (contiguous, contiguous)
     return out
+
+
+def _decodes(cfg: Config) -> int:
+    """The leading one-token sequences (vLLM's order: decodes first)."""
+    n = 0
+    while n < len(cfg.q_lens) and cfg.q_lens[n] == 1:
+        n += 1
+    return n
+
+
+def _parts_problem(cfg: Config) -> str | None:
+    if _decodes(cfg) == len(cfg.q_lens):
+        return "a decode batch has no prefill part"
+    return None
+
+
+def _contiguous(cache, page_indices, cfg: Config):
+    """The prefill chunks' contexts of one cache, token after token, in bf16 ([sum of their contexts, Hkv, D])."""
+    rows = []
+    for seq in range(_decodes(cfg), len(cfg.q_lens)):
+        pages = page_indices[seq, : -(-cfg.contexts[seq] // cfg.page_size)]
+        rows.append(cache[pages].reshape(-1, cfg.kv_heads, cfg.head_dim)[: cfg.contexts[seq]])
+    out = jnp.concatenate(rows).astype(BF16)
+    return out * jnp.asarray(cfg.kv_scale, BF16) if cfg.fp8 else out
 
 
 def _metadata(cfg: Config, seed: int = 0):
@@ -257,7 +290,10 @@ def arrays(s, seed):
     caches = {"flash": (k, v), "interleaved": _interleave(k, v)}
     if "heads_major" in specs:
         caches["heads_major"] = _heads_major(k), _heads_major(v)
-    return (q, caches, *_metadata(cfg, seed))
+    metadata = _metadata(cfg, seed)
+    if "contiguous" in specs:
+        caches["contiguous"] = tuple(_contiguous(x, metadata[1], cfg) for x in (k, v))
+    return (q, caches, *metadata)
 
 
 def to_interleaved(k, v):
@@ -296,6 +332,47 @@ def kernel_attention(q, caches, kv_lens, page_indices, cu_q_lens, num_seqs, *, c
         v_scale=cfg.kv_scale,
         blocks=blocks,
     )
+
+
+def parts_attention(q, caches, kv_lens, page_indices, cu_q_lens, num_seqs, *, cfg: Config):
+    """The mixed step as its parts: the decodes through ragged_paged_attention alone, the prefill chunks through
+    flash_attention_varlen over their contexts laid out contiguously (caches["contiguous"]); outputs in token order."""
+    n = _decodes(cfg)
+    k_cache, v_cache = caches["flash"]
+    decodes = api.ragged_paged_attention(
+        q[:n],
+        k_cache,
+        v_cache,
+        kv_lens[:n],
+        page_indices[:n],
+        cu_q_lens[: n + 1],
+        jnp.asarray([n], jnp.int32),
+        softmax_scale=cfg.softmax_scale,
+        causal=True,
+        window_size=cfg.window_size,
+        k_scale=cfg.kv_scale,
+        v_scale=cfg.kv_scale,
+    )
+    lens_q, lens_k = cfg.q_lens[n:], cfg.contexts[n:]
+    cu_q, cu_k = (jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32) for lens in (lens_q, lens_k))
+    k, v = caches["contiguous"]
+    prefill = flash_api.flash_attention_varlen(
+        q[n:],
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max(lens_q),
+        max(lens_k),
+        softmax_scale=cfg.softmax_scale,
+        causal=True,
+        window_size=cfg.window_size,
+    )
+    return jnp.concatenate([decodes, prefill])
+
+
+def _parts_unsupported(s) -> str | None:
+    return _parts_problem(config(s))
 
 
 def _xla_pages(cfg: Config, q_len: int) -> int:
@@ -618,6 +695,19 @@ def custom_targets(rows: list[dict]) -> list[dict]:
             _kernel_bound,
         )
     )
+    sel = [r for r in rows if "error" not in r["modeled_baselines"].get("parts", {"error": ""})]
+    sel = [r for r in sel if "na" not in r["modeled_baselines"]["parts"]]
+    name = f"mixed: at most {MAX_OVER_PARTS}x its decode and prefill parts run apart (the parts column)"
+    out.append(
+        _target(
+            name,
+            sel,
+            lambda r: r["speedups"].get("parts"),
+            1 / MAX_OVER_PARTS,
+            lambda v: f"{1 / v:.2f}x the parts" if v else "not compared",
+            _kernel_bound,
+        )
+    )
     return [t for t in out if t is not None]
 
 
@@ -660,6 +750,7 @@ SUITE = Suite(
                 Baseline("jax_rpa", jax_rpa_attention, _rpa_unsupported),
                 Baseline("jax_paged", jax_paged_attention, _paged_unsupported),
                 Baseline("vllm_rpa", vllm_rpa_attention, _vllm_unsupported),
+                Baseline("parts", parts_attention, _parts_unsupported),
             ),
             static=lambda s: {"cfg": config(s)},
             candidates=_candidates,
