@@ -258,6 +258,23 @@ def test_vllm_cache_is_the_interleaved_bytes():
         assert bool((cache.reshape(3, 16, 8, 128)[:, :, 3] == v[:, :, 1]).all())  # ... then its V
 
 
+def _ragged_step(rand, fields):
+    """A paged attention suite Config (4 / 2 heads x 128, pages of 16, 4 a sequence; `fields` over it) and a step over
+    it: q, random flash-layout caches, shuffled page tables, kv_lens, cu_q_lens."""
+    from benchmarks.ops import paged_attention
+
+    base = dict(page_size=16, pages_per_seq=4, q_heads=4, kv_heads=2, head_dim=128, scale=None, window=-1)
+    cfg = paged_attention.Config(**{**base, "cache_dtype": "bfloat16", **fields})
+    n = len(cfg.q_lens)
+    dtype = jnp.dtype(cfg.cache_dtype)
+    k, v = (rand.normal((cfg.num_pages, cfg.page_size, cfg.kv_heads, cfg.head_dim)).astype(dtype) for _ in range(2))
+    q = rand.normal((cfg.tokens, cfg.q_heads, cfg.head_dim), jnp.bfloat16)
+    pages = jnp.asarray(rand.rng.permutation(cfg.num_pages)[: n * cfg.pages_per_seq].reshape(n, -1), jnp.int32)
+    kv_lens = jnp.asarray(cfg.contexts, jnp.int32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(cfg.q_lens)]), jnp.int32)
+    return cfg, q, k, v, pages, kv_lens, cu
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"window": 20, "cache_dtype": "float8_e4m3fn", "scale": 1.0}],
@@ -272,24 +289,9 @@ def test_vllm_rpa_wrapper_reads_our_cache_in_its_layout(rand, monkeypatch, optio
     from benchmarks.ops import paged_attention
 
     rpa = _vllm.kernel_module(paged_attention.VLLM_RPA)
-    base = dict(q_lens=(1, 1, 1, 7, 16), contexts=(40, 17, 33, 64, 30), page_size=16, pages_per_seq=4, num_pages=24)
-    cfg = paged_attention.Config(
-        **base,
-        q_heads=4,
-        kv_heads=2,
-        head_dim=128,
-        scale=None,
-        window=-1,
-        cache_dtype="bfloat16",
+    cfg, q, k, v, pages, kv_lens, cu = _ragged_step(
+        rand, dict(q_lens=(1, 1, 1, 7, 16), contexts=(40, 17, 33, 64, 30), num_pages=24, **options)
     )
-    cfg = paged_attention.Config(**dict(cfg.__dict__, **options))
-    n = len(cfg.q_lens)
-    dtype = jnp.dtype(cfg.cache_dtype)
-    k, v = (rand.normal((cfg.num_pages, cfg.page_size, cfg.kv_heads, cfg.head_dim)).astype(dtype) for _ in range(2))
-    q = rand.normal((cfg.tokens, cfg.q_heads, cfg.head_dim), jnp.bfloat16)
-    pages = jnp.asarray(rand.rng.permutation(cfg.num_pages)[: n * cfg.pages_per_seq].reshape(n, -1), jnp.int32)
-    kv_lens = jnp.asarray(cfg.contexts, jnp.int32)
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(cfg.q_lens)]), jnp.int32)
     # the step's new K/V rows as they lie in our caches: token t of sequence i at position kv_len - q_len + t
     slots = [
         int(pages[i, p // cfg.page_size]) * cfg.page_size + p % cfg.page_size
@@ -326,18 +328,10 @@ def test_parts_baseline_is_the_mixed_step_in_two_calls(rand, options):
     shuffled pages; a decode batch has no prefill part."""
     from benchmarks.ops import paged_attention
 
-    base = dict(q_lens=(1, 1, 7, 16), contexts=(40, 17, 64, 30), page_size=16, pages_per_seq=4, num_pages=20)
-    cfg = paged_attention.Config(
-        **base, q_heads=4, kv_heads=2, head_dim=128, scale=None, window=-1, cache_dtype="bfloat16"
+    cfg, q, k, v, pages, kv_lens, cu = _ragged_step(
+        rand, dict(q_lens=(1, 1, 7, 16), contexts=(40, 17, 64, 30), num_pages=20, **options)
     )
-    cfg = paged_attention.Config(**dict(cfg.__dict__, **options))
     n = len(cfg.q_lens)
-    dtype = jnp.dtype(cfg.cache_dtype)
-    k, v = (rand.normal((cfg.num_pages, cfg.page_size, cfg.kv_heads, cfg.head_dim)).astype(dtype) for _ in range(2))
-    q = rand.normal((cfg.tokens, cfg.q_heads, cfg.head_dim), jnp.bfloat16)
-    pages = jnp.asarray(rand.rng.permutation(cfg.num_pages)[: n * cfg.pages_per_seq].reshape(n, -1), jnp.int32)
-    kv_lens = jnp.asarray(cfg.contexts, jnp.int32)
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(cfg.q_lens)]), jnp.int32)
     contiguous = tuple(paged_attention._contiguous(x, pages, cfg) for x in (k, v))
     assert contiguous[0].shape == (64 + 30, 2, 128)
     caches = {"flash": (k, v), "contiguous": contiguous}

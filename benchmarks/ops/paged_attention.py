@@ -668,6 +668,12 @@ def _target(name, rows, key, threshold, describe, explain=lambda r: ""):
     return {"target": name, "met": short == 0, "worst": {"case": worst["case"]}, "detail": detail}
 
 
+def _over_baseline(rows, baseline: str, name: str, threshold: float, describe):
+    """The target of our speedup over `baseline` at every shape where it ran."""
+    sel = [r for r in rows if not {"na", "error"} & set(r["modeled_baselines"].get(baseline, {"na": ""}))]
+    return _target(name, sel, lambda r: r["speedups"].get(baseline), threshold, describe, _kernel_bound)
+
+
 def custom_targets(rows: list[dict]) -> list[dict]:
     out = []
     sel = [
@@ -684,32 +690,10 @@ def custom_targets(rows: list[dict]) -> list[dict]:
     out.append(
         _target(name, sel, lambda r: r["efficiency"], MIN_EFFICIENCY, lambda v: f"efficiency {v:.1%}", _kernel_bound)
     )
-    sel = [r for r in rows if "jax_rpa" in r["modeled_baselines"] and "na" not in r["modeled_baselines"]["jax_rpa"]]
-    sel = [r for r in sel if "error" not in r["modeled_baselines"]["jax_rpa"]]
     name = f">= {MIN_RPA_SPEEDUP}x JAX's ragged_paged_attention at every shape it supports"
-    out.append(
-        _target(
-            name,
-            sel,
-            lambda r: r["speedups"].get("jax_rpa"),
-            MIN_RPA_SPEEDUP,
-            lambda v: f"{v:.2f}x",
-            _kernel_bound,
-        )
-    )
-    sel = [r for r in rows if "error" not in r["modeled_baselines"].get("parts", {"error": ""})]
-    sel = [r for r in sel if "na" not in r["modeled_baselines"]["parts"]]
+    out.append(_over_baseline(rows, "jax_rpa", name, MIN_RPA_SPEEDUP, lambda v: f"{v:.2f}x"))
     name = f"mixed: at most {MAX_OVER_PARTS}x its decode and prefill parts run apart (the parts column)"
-    out.append(
-        _target(
-            name,
-            sel,
-            lambda r: r["speedups"].get("parts"),
-            1 / MAX_OVER_PARTS,
-            lambda v: f"{1 / v:.2f}x the parts" if v else "not compared",
-            _kernel_bound,
-        )
-    )
+    out.append(_over_baseline(rows, "parts", name, 1 / MAX_OVER_PARTS, lambda v: f"{1 / v:.2f}x the parts"))
     return [t for t in out if t is not None]
 
 

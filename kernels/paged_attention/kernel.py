@@ -723,12 +723,12 @@ def _kernel(
         acc_ref[heads] = acc.reshape(hkv, rows_per_head, dv)
 
     accumulate_visit = accumulate_merged if lay.merged and not split else accumulate
+    # then each visit runs narrow where its rows fit the window, else whole
+    narrow_too = narrow_visits(lay) and accumulate_visit is accumulate
     for part in range(lay.parts):  # the step's visits in order (one query block's; a visit updates its rows)
         visit = step * lay.parts + part
         word = words_ref[visit]
         compute, masked = (word & schedule.COMPUTE) != 0, (word & schedule.MASKED) != 0
-        # then each visit runs narrow where its rows fit the window, else whole
-        narrow_too = narrow_visits(lay) and accumulate_visit is accumulate
         fits = _narrow_window(word, kv_blocks_ref[visit], cu_ref, lay)[0] if narrow_too else None
         # each head's strided load from a static page buffer slot: the visit compiled per slot
         for buffer_slot in (0, 1) if lay.strided_loads else (None,):

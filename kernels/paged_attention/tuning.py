@@ -7,8 +7,8 @@ A visit multiplies one query block (queries_per_block tokens x the group's query
 than a decode token's window spans (gpt-oss's 128: blocks of 128 keys, not 1024 of which the window keeps 128), and in
 few enough pages that a step issues at most about 96 page copies. The query block sets the vector work per visit:
 decode batches (about one token per sequence) take the fewest tokens whose rows fill a sublane tile, so that a visit's
-scores stay a few vregs; prefill-heavy batches take blocks of about 128 rows, 256 rows x 1024 keys where their visits
-read each kv head by strided loads with no window (each query block reads the context again).
+scores stay a few vregs; prefill-heavy batches take blocks of about 128 rows, more where their visits read each kv head
+out of words (256 rows, 512 with 2 kv heads; 1024 keys with no window: each query block reads the context again).
 Every entry is proven by the deviceless compile test on v5e, v6e and v7x.
 """
 
